@@ -1,0 +1,168 @@
+"""`h3d`: one-off generation and model conversion (the daemon's `serve` comes with its own issue).
+
+    h3d generate --model DIR (--prompt TEXT | --prompt-file PATH) [--max-tokens N] [--temperature T]
+                 [--top-p P] [--top-k K] [--seed S] [--chat] [--device cpu|cuda] [--dtype fp32|bf16|fp16]
+                 [--json] [engine flags: --block-size, --prefill-chunk-tokens, --hbm-mb, ...]
+    h3d convert-gguf (FILE | --embedded) OUTDIR
+
+Every engine configuration key is a flag of the same name in kebab case; the defaults are
+`h3d.config`'s. Errors print one line to stderr and exit 1; usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+from h3d.config import DEVICES, DTYPES, EngineConfig, SamplingDefaults
+from h3d.errors import H3Error
+
+_ENGINE_FLAGS_SKIP = {"model", "device", "dtype", "sampling", "check_invariants"}
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face model folder")
+    p.add_argument("--device", choices=DEVICES, default=None, help="default: cpu")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: fp32 on cpu, bf16 on cuda")
+    for f in fields(EngineConfig):
+        if f.name in _ENGINE_FLAGS_SKIP:
+            continue
+        default = f.default if f.default is not MISSING else None
+        kind = float if isinstance(default, float) else int
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None, help=f"default: {default}")
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    keys = {f.name for f in fields(EngineConfig)} - {"sampling"}
+    return EngineConfig.build(**{k: getattr(args, k) for k in keys if hasattr(args, k)})
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt_file is not None:
+        try:
+            return Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise H3Error(f"cannot read prompt file {args.prompt_file}: {exc}") from exc
+    return str(args.prompt)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from h3d.engine.engine import Engine
+    from h3d.engine.session import GenerationDone, TokenDelta
+
+    config = _engine_config(args)
+    engine = Engine(config)
+    prompt = _read_prompt(args)
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    if not engine.tokenizer.encode(prompt):
+        raise H3Error("the prompt tokenizes to nothing: an empty context cannot be continued")
+    d = SamplingDefaults()
+    params = engine.with_sampling(
+        max_tokens=args.max_tokens if args.max_tokens is not None else d.max_tokens,
+        temperature=args.temperature if args.temperature is not None else d.temperature,
+        top_p=args.top_p if args.top_p is not None else d.top_p,
+        top_k=args.top_k if args.top_k is not None else d.top_k,
+        seed=args.seed,
+    )
+    session = engine.create_session()
+    started = time.perf_counter()
+    done: GenerationDone | None = None
+    for event in engine.generate(session, prompt, params):
+        if isinstance(event, TokenDelta) and not args.json and event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, GenerationDone):
+            done = event
+    assert done is not None
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": done.text,
+                    "token_ids": list(done.token_ids),
+                    "finish_reason": done.finish_reason.value,
+                    "prompt_tokens": done.prompt_tokens,
+                    "completion_tokens": len(done.token_ids),
+                    "ttft_s": round(done.ttft_s, 6),
+                    "decode_tokens_per_s": round(done.decode_tokens_per_s, 3),
+                    "total_s": round(time.perf_counter() - started, 6),
+                },
+                ensure_ascii=False,
+            )
+        )
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def cmd_convert_gguf(args: argparse.Namespace) -> int:
+    from h3d.convert.embedded import embedded_gguf
+    from h3d.convert.gguf import convert_gguf
+
+    if args.embedded == (args.file is not None):
+        raise H3Error("give either a GGUF FILE or --embedded")
+    src = embedded_gguf() if args.embedded else Path(args.file)
+    if args.if_missing and (Path(args.outdir) / "config.json").is_file():
+        print(f"{args.outdir} already holds a converted model", file=sys.stderr)
+        return 0
+    print(f"converting {src} -> {args.outdir}", file=sys.stderr)
+    out = convert_gguf(src, args.outdir)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="h3d", description="h3d: long-context LLM inference over tiered KV")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this file (UTF-8)")
+    gen.add_argument("--max-tokens", type=int, default=None, help=f"default: {SamplingDefaults().max_tokens}")
+    gen.add_argument("--temperature", type=float, default=None, help="0 is greedy (the default)")
+    gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, (0, 1]")
+    gen.add_argument("--top-k", type=int, default=None, help="keep the k best tokens (0: all)")
+    gen.add_argument("--seed", type=int, default=None, help="seed of this request's sampler")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    _add_engine_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    conv = sub.add_parser("convert-gguf", help="convert a llama/qwen2 GGUF file into an HF folder")
+    conv.add_argument("file", nargs="?", help="the .gguf file")
+    conv.add_argument("outdir", help="output folder")
+    conv.add_argument("--embedded", action="store_true", help="convert the embedded SmolLM2 model")
+    conv.add_argument("--if-missing", action="store_true", help="do nothing if OUTDIR already holds a model")
+    conv.set_defaults(func=cmd_convert_gguf)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `convert-gguf --embedded OUTDIR`: the lone positional is the output folder.
+    if argv[:1] == ["convert-gguf"] and "--embedded" in argv:
+        positional = [a for a in argv[1:] if not a.startswith("--")]
+        if len(positional) == 1:
+            argv = ["convert-gguf", *[a for a in argv[1:] if a.startswith("--")], "--", "", positional[0]]
+    args: Any = parser.parse_args(argv)
+    if getattr(args, "file", None) == "":
+        args.file = None
+    try:
+        return int(args.func(args))
+    except H3Error as exc:
+        print(f"h3d: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

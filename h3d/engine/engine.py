@@ -1,0 +1,349 @@
+"""The engine: sessions, requests and the step loop over one model.
+
+`Engine` owns every session and request; it is single-threaded (the daemon gives it a thread of
+its own and serializes calls). Each `step()` reads as three verbs: `_schedule` picks the chunks of
+this step (every decoding request's next token, then prefill chunks within
+`prefill_chunk_tokens`), `runner.execute` runs them in one forward, `_commit` samples and emits
+events. Requests join and leave between steps (continuous batching).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+
+import torch
+
+from h3d.config import EngineConfig
+from h3d.engine.detok import IncrementalDetokenizer
+from h3d.engine.runner import Chunk, ModelRunner
+from h3d.engine.sampling import SamplingParams, make_generator, sample_batch
+from h3d.engine.session import (
+    AppendDone,
+    Event,
+    FinishReason,
+    GenerationDone,
+    PrefillProgress,
+    Request,
+    RequestId,
+    Session,
+    SessionId,
+    TokenDelta,
+)
+from h3d.errors import ContextTooLong, InvalidRequest, OutOfBlocks, SessionNotFound
+from h3d.kv.blocks import SeqId
+from h3d.kv.pool import KVPool
+from h3d.model.loader import load_model
+from h3d.model.tokenizer import Tokenizer
+
+POLICIES = ("exact",)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config.validate()
+        self.model = load_model(config.model, config.resolved_dtype, config.device)
+        self.tokenizer = Tokenizer(config.model)
+        mc = self.model.config
+        num_slots = KVPool.slots_for_budget(
+            config.hbm_mb, config.block_size, mc.num_kv_heads, mc.head_dim, self.model.lm_head.weight_t.dtype
+        )
+        self.runner = ModelRunner(self.model, num_slots // mc.num_layers, config.block_size, config.check_invariants)
+        self.max_context = config.max_context_tokens or mc.max_position_embeddings
+        self.eos_ids = frozenset(mc.eos_token_ids)
+        self.sessions: dict[SessionId, Session] = {}
+        self._requests: dict[RequestId, Request] = {}
+        self._seq_ids = itertools.count(1)
+        self._request_ids = itertools.count(1)
+
+    # ---- sessions -------------------------------------------------------------------------
+
+    def create_session(
+        self, system_prompt: str | None = None, sampling: SamplingParams | None = None, policy: str | None = None
+    ) -> SessionId:
+        policy = policy or POLICIES[0]
+        if policy not in POLICIES:
+            raise InvalidRequest(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+        defaults = self.config.sampling
+        params = sampling or SamplingParams(
+            max_tokens=defaults.max_tokens, temperature=defaults.temperature, top_p=defaults.top_p, top_k=defaults.top_k
+        )
+        session = Session(
+            id=SessionId(uuid.uuid4().hex), seq=SeqId(next(self._seq_ids)), sampling=params.validate(), policy=policy
+        )
+        if system_prompt:
+            self._extend(session, self._tokenize(session, system_prompt))
+        self.runner.open(session.seq)
+        self.sessions[session.id] = session
+        return session.id
+
+    def session(self, session_id: SessionId) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"no session {session_id!r}")
+        return session
+
+    def close_session(self, session_id: SessionId) -> None:
+        session = self.session(session_id)
+        for req in [r for r in self._requests.values() if r.session is session]:
+            self._finish(req, FinishReason.CANCELLED)
+        self.runner.release(session.seq)
+        del self.sessions[session_id]
+
+    def cached_tokens(self, session_id: SessionId) -> int:
+        return self.runner.cached_tokens(self.session(session_id).seq)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def _tokenize(self, session: Session, text: str) -> list[int]:
+        # Special tokens only where the tokenizer adds them to a session's first piece.
+        return self.tokenizer.encode(text, add_special_tokens=session.pieces == 0)
+
+    def _extend(self, session: Session, ids: list[int]) -> None:
+        if len(session.tokens) + len(ids) > self.max_context:
+            raise ContextTooLong(
+                f"context would be {len(session.tokens) + len(ids)} tokens, max_context_tokens is {self.max_context}"
+            )
+        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (size {self.model.config.vocab_size})")
+        session.tokens.extend(ids)
+        session.pieces += 1
+        session.last_used_at = time.time()
+
+    def submit(
+        self,
+        session_id: SessionId,
+        text: str | None = None,
+        token_ids: list[int] | None = None,
+        generate: bool = True,
+        params: SamplingParams | None = None,
+    ) -> RequestId:
+        """Queue an append (generate=False) or a generation continuing the session's context."""
+        session = self.session(session_id)
+        if session.busy:
+            raise InvalidRequest(f"session {session_id} already has a request in flight")
+        params = (params or session.sampling).validate()
+        ids = list(token_ids or [])
+        if text:
+            ids += self._tokenize(session, text)
+        if not generate and not ids:
+            raise InvalidRequest("append needs text or token ids")
+        if generate and len(session.tokens) + len(ids) >= self.max_context:
+            raise ContextTooLong(
+                f"the context already holds {len(session.tokens) + len(ids)} tokens: "
+                f"no room to generate within max_context_tokens={self.max_context}"
+            )
+        if ids:
+            self._extend(session, ids)
+        if generate and not session.tokens:
+            raise InvalidRequest("cannot generate from an empty context")
+        cached = self.runner.cached_tokens(session.seq)
+        target = len(session.tokens) if generate else len(session.tokens) - 1
+        req = Request(
+            id=RequestId(next(self._request_ids)),
+            session=session,
+            generate=generate,
+            params=params,
+            generator=make_generator(params, self.runner.device) if generate else None,
+            detok=IncrementalDetokenizer(self.tokenizer) if generate else None,
+            tokens_added=len(ids),
+            prefill_total=max(target - cached, 0),
+        )
+        session.busy = True
+        self._requests[req.id] = req
+        return req.id
+
+    def cancel(self, request_id: RequestId) -> None:
+        req = self._requests.get(request_id)
+        if req is not None:
+            req.cancelled = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the step loop --------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """Advance every request by one forward pass; return the events it produced."""
+        events: list[Event] = []
+        for req in list(self._requests.values()):
+            if req.cancelled:
+                events.append(self._finish(req, FinishReason.CANCELLED))
+            elif not req.generate and self._pending(req) <= 0:
+                events.append(self._finish_append(req))
+        chunks, reqs = self._schedule()
+        if chunks:
+            logits = self.runner.execute(chunks)
+            events += self._commit(chunks, reqs, logits)
+        return events
+
+    def _pending(self, req: Request) -> int:
+        """Tokens of the session still to feed before this request can sample (or is done)."""
+        target = len(req.session.tokens) - (0 if req.generate else 1)
+        return target - self.runner.cached_tokens(req.session.seq)
+
+    def _schedule(self) -> tuple[list[Chunk], list[Request]]:
+        budget = self.config.prefill_chunk_tokens
+        chunks: list[Chunk] = []
+        reqs: list[Request] = []
+        # Decoding requests first (one token each), then prefill chunks within the budget.
+        ordered = sorted(self._requests.values(), key=lambda r: (self._pending(r) > 1, r.id))
+        for req in ordered[: self.config.max_batch_size]:
+            pending = self._pending(req)
+            take = 1 if pending == 1 else min(pending, budget)
+            if take <= 0 or (pending > 1 and budget <= 0):
+                continue
+            cached = self.runner.cached_tokens(req.session.seq)
+            chunk = Chunk(
+                seq=req.session.seq,
+                token_ids=tuple(req.session.tokens[cached : cached + take]),
+                start=cached,
+                want_logits=req.generate and take == pending,
+            )
+            if not self.runner.can_fit([*chunks, chunk]):
+                if not chunks:
+                    # Nothing else runs and this cannot fit: fail the request, keep the session.
+                    req.session.busy = False
+                    del self._requests[req.id]
+                    raise OutOfBlocks(
+                        f"KV pool full: session {req.session.id} needs more than hbm_mb={self.config.hbm_mb}"
+                    )
+                continue
+            chunks.append(chunk)
+            reqs.append(req)
+            budget -= take
+        return chunks, reqs
+
+    def _commit(self, chunks: list[Chunk], reqs: list[Request], logits: torch.Tensor) -> list[Event]:
+        events: list[Event] = []
+        sampling = [r for r, c in zip(reqs, chunks, strict=True) if c.want_logits]
+        tokens = sample_batch(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        for req, chunk in zip(reqs, chunks, strict=True):
+            if not req.generate:
+                done = req.prefill_total - self._pending(req)
+                events.append(PrefillProgress(req.id, req.session.id, done, req.prefill_total))
+                if self._pending(req) <= 0:
+                    events.append(self._finish_append(req))
+            elif not chunk.want_logits:
+                done = req.prefill_total - self._pending(req)
+                events.append(PrefillProgress(req.id, req.session.id, done, req.prefill_total))
+        for req, token in zip(sampling, tokens, strict=True):
+            events += self._accept(req, token)
+        return events
+
+    def _accept(self, req: Request, token: int) -> list[Event]:
+        assert req.detok is not None
+        now = time.perf_counter()
+        if req.first_token_at is None:
+            req.first_token_at = now
+        req.output_ids.append(token)
+        req.session.tokens.append(token)
+        req.detok.push(token)
+        reason = self._stop_reason(req, token)
+        text = req.detok.text
+        if reason is None:
+            # Hold back what could be the start of a stop string.
+            hold = max((len(s) - 1 for s in req.params.stop), default=0)
+            visible = text[: max(len(text) - hold, req.emitted_chars)]
+        else:
+            visible = self._final_text(req)
+        delta = visible[req.emitted_chars :]
+        req.emitted_chars = len(visible)
+        events: list[Event] = [TokenDelta(req.id, req.session.id, token, delta)]
+        if reason is not None:
+            events.append(self._finish(req, reason))
+        return events
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        p = req.params
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if p.stop and any(s in req.detok.text for s in p.stop if req.detok is not None):
+            return FinishReason.STOP
+        if len(req.output_ids) >= p.max_tokens or len(req.session.tokens) >= self.max_context:
+            return FinishReason.LENGTH
+        return None
+
+    def _final_text(self, req: Request) -> str:
+        assert req.detok is not None
+        req.detok.flush()
+        text = req.detok.text
+        cuts = [text.find(s) for s in req.params.stop if s in text]
+        return text[: min(cuts)] if cuts else text
+
+    def _finish(self, req: Request, reason: FinishReason) -> GenerationDone:
+        req.finish_reason = reason
+        req.session.busy = False
+        self._requests.pop(req.id, None)
+        start = req.first_token_at or time.perf_counter()
+        decode_s = time.perf_counter() - start
+        n = len(req.output_ids)
+        return GenerationDone(
+            request_id=req.id,
+            session_id=req.session.id,
+            text=self._final_text(req) if req.detok is not None else "",
+            token_ids=tuple(req.output_ids),
+            finish_reason=reason,
+            prompt_tokens=len(req.session.tokens) - n,
+            ttft_s=start - req.submitted_at,
+            decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+        )
+
+    def _finish_append(self, req: Request) -> AppendDone:
+        req.session.busy = False
+        self._requests.pop(req.id, None)
+        return AppendDone(req.id, req.session.id, req.tokens_added, time.perf_counter() - req.submitted_at)
+
+    # ---- synchronous helpers (CLI, tests, benchmarks) ---------------------------------------
+
+    def run(self, request_id: RequestId) -> Iterator[Event]:
+        """Step until `request_id` ends, yielding its events (other requests advance too)."""
+        while request_id in self._requests:
+            for event in self.step():
+                if event.request_id == request_id:
+                    yield event
+
+    def append(self, session_id: SessionId, text: str | None = None, token_ids: list[int] | None = None) -> AppendDone:
+        rid = self.submit(session_id, text=text, token_ids=token_ids, generate=False)
+        for event in self.run(rid):
+            if isinstance(event, AppendDone):
+                return event
+        raise RuntimeError("append ended without a result")  # pragma: no cover
+
+    def generate(
+        self,
+        session_id: SessionId,
+        prompt: str = "",
+        params: SamplingParams | None = None,
+        token_ids: list[int] | None = None,
+    ) -> Iterator[TokenDelta | GenerationDone]:
+        """Generate continuing the session's context; yields deltas, then one GenerationDone.
+
+        A prompt is appended first (tokenized on its own), so `generate(s, T)` and
+        `append(s, T); generate(s)` feed the same tokens in the same chunks.
+        """
+        params = (params or self.session(session_id).sampling).validate()
+        if prompt or token_ids:
+            self.append(session_id, text=prompt or None, token_ids=token_ids)
+        rid = self.submit(session_id, generate=True, params=params)
+        for event in self.run(rid):
+            if isinstance(event, TokenDelta | GenerationDone):
+                yield event
+
+    def complete(self, session_id: SessionId, prompt: str = "", params: SamplingParams | None = None) -> GenerationDone:
+        done = None
+        for event in self.generate(session_id, prompt, params):
+            if isinstance(event, GenerationDone):
+                done = event
+        assert done is not None
+        return done
+
+    def with_sampling(self, **overrides: object) -> SamplingParams:
+        d = self.config.sampling
+        base = SamplingParams(max_tokens=d.max_tokens, temperature=d.temperature, top_p=d.top_p, top_k=d.top_k)
+        return replace(base, **overrides).validate()  # type: ignore[arg-type]

@@ -1,0 +1,104 @@
+"""Sessions and the requests that run on them (engine-internal state, owned by `Engine`).
+
+A session's context is the concatenation of the token lists of what it was given, each piece
+tokenized on its own; the token list is the truth and the KV cache a rebuildable copy of its
+first `cached` tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import NewType
+
+import torch
+
+from h3d.engine.detok import IncrementalDetokenizer
+from h3d.engine.sampling import SamplingParams
+from h3d.kv.blocks import SeqId
+
+SessionId = NewType("SessionId", str)
+RequestId = NewType("RequestId", int)
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an EOS id, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_context_tokens
+    CANCELLED = "cancelled"
+
+
+@dataclass(slots=True)
+class Session:
+    id: SessionId
+    seq: SeqId
+    sampling: SamplingParams
+    policy: str
+    tokens: list[int] = field(default_factory=list)
+    pieces: int = 0
+    created_at: float = field(default_factory=time.time)
+    last_used_at: float = field(default_factory=time.time)
+    busy: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """One generated token and the text it completed (may be empty: held back or partial)."""
+
+    request_id: RequestId
+    session_id: SessionId
+    token_id: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationDone:
+    """The end of a generation: what was produced, why it stopped, and its timings."""
+
+    request_id: RequestId
+    session_id: SessionId
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    ttft_s: float
+    decode_tokens_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillProgress:
+    request_id: RequestId
+    session_id: SessionId
+    done: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class AppendDone:
+    request_id: RequestId
+    session_id: SessionId
+    tokens_added: int
+    prefill_s: float
+
+
+Event = TokenDelta | GenerationDone | PrefillProgress | AppendDone
+
+
+@dataclass(slots=True)
+class Request:
+    """An append (prefill only) or a generation in flight on one session."""
+
+    id: RequestId
+    session: Session
+    generate: bool
+    params: SamplingParams
+    generator: torch.Generator | None
+    detok: IncrementalDetokenizer | None
+    tokens_added: int
+    prefill_total: int
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    output_ids: list[int] = field(default_factory=list)
+    emitted_chars: int = 0
+    finish_reason: FinishReason | None = None
+    cancelled: bool = False

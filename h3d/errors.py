@@ -1,0 +1,33 @@
+"""The errors h3d raises on purpose. Each says what went wrong in words a user can act on.
+
+The daemon maps these classes to gRPC status codes in one place; the CLI prints their message and
+exits non-zero. Anything else that escapes is a bug.
+"""
+
+
+class H3Error(Exception):
+    """Base class: an expected failure with a message meant for the user."""
+
+
+class ConfigError(H3Error):
+    """A configuration key has a bad value; the message names the key and the reason."""
+
+
+class ModelLoadError(H3Error):
+    """A model folder is missing files, or holds an architecture h3d does not support."""
+
+
+class InvalidRequest(H3Error):
+    """A request's arguments are out of range or inconsistent (maps to INVALID_ARGUMENT)."""
+
+
+class SessionNotFound(H3Error):
+    """No session has that id (maps to NOT_FOUND)."""
+
+
+class ContextTooLong(InvalidRequest):
+    """The session's context would pass `max_context_tokens`."""
+
+
+class OutOfBlocks(H3Error):
+    """The KV pool has no free slot left for the request (maps to RESOURCE_EXHAUSTED)."""

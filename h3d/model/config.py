@@ -1,0 +1,148 @@
+"""The model's shape, read from a Hugging Face `config.json`.
+
+Only what the decoder needs is kept, typed and validated; anything h3d cannot run exactly (another
+architecture, sliding-window attention, an unknown RoPE type) is refused here with a clear error
+rather than computed wrongly later.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from h3d.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """RoPE frequencies: `theta` and an optional HF scaling type with its parameters."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder. `qkv_bias` is True for Qwen2."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token over all layers, per byte of element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope(raw: dict[str, Any], max_pos: int) -> RopeConfig:
+    # transformers 4.x writes `rope_theta` + `rope_scaling`; 5.x writes `rope_parameters`.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = str(merged.get("rope_type", merged.get("type", "default")))
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(f"unsupported rope type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+    original = merged.get("original_max_position_embeddings")
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(original) if original is not None else None,
+    )
+
+
+def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    """Build a ModelConfig from config.json's dict (and generation_config.json's, if any)."""
+    archs = raw.get("architectures") or []
+    arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        model_type = raw.get("model_type")
+        if model_type in SUPPORTED_ARCHITECTURES.values() and not archs:
+            arch = str(model_type)
+        else:
+            supported = ", ".join(SUPPORTED_ARCHITECTURES)
+            raise ModelLoadError(f"unsupported architecture {archs or model_type!r} (supported: {supported})")
+    if raw.get("use_sliding_window") or (arch == "mistral" and raw.get("sliding_window")):
+        raise ModelLoadError("sliding-window attention is not supported")
+    if raw.get("mlp_bias"):
+        raise ModelLoadError("mlp_bias = true is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"unsupported activation {raw.get('hidden_act')!r} (supported: silu)")
+    try:
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        max_pos = int(raw.get("max_position_embeddings", 2048))
+        head_dim = raw.get("head_dim") or hidden // heads
+        # generation_config.json's EOS ids win over config.json's, as in transformers.
+        eos = _ids((generation or {}).get("eos_token_id")) or _ids(raw.get("eos_token_id"))
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=max_pos,
+            rope=_rope(raw, max_pos),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            o_bias=arch != "qwen2" and bool(raw.get("attention_bias", False)),
+            eos_token_ids=eos,
+            bos_token_id=raw.get("bos_token_id"),
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"config.json lacks required key {exc.args[0]!r}") from exc
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir} has no config.json (is it a Hugging Face model folder?)")
+    try:
+        raw = json.loads(path.read_text())
+        gen_path = model_dir / "generation_config.json"
+        generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"cannot parse {path.name}: {exc}") from exc
+    return parse_model_config(raw, generation)

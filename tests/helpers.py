@@ -1,0 +1,220 @@
+"""Helpers shared by the test modules (plain functions; the fixtures live in conftest.py).
+
+The tiny checkpoints are built by conftest.py; this module knows their names and shapes and holds
+the comparisons the tests share: teacher-forced logits through the runner, transformers'
+reference logits (whole prompt or chunk by chunk through its own KV cache) and the top-2 margins
+that tell where a greedy comparison between two implementations stops being meaningful.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from h3d.config import EngineConfig
+from h3d.engine.engine import Engine
+from h3d.engine.runner import Chunk
+from h3d.kv.blocks import SeqId
+
+# Special tokens of the test tokenizer (trained in conftest.py); their ids are fixed by the order
+# they are given to the trainer.
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
+NUM_SPECIAL = 3
+VOCAB_SIZE = 512  # the test tokenizer's vocabulary, and every test model's
+
+# Greedy comparisons between two implementations stop where the reference's best two logits are
+# closer than this: below it, fp32 rounding differences (~1e-5) could legitimately flip argmax.
+MARGIN = 1e-3
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One tiny checkpoint: architecture, attention shape, embeddings, RoPE scaling."""
+
+    arch: str  # "llama" | "qwen2" | "mistral"
+    heads: int
+    kv_heads: int
+    layers: int
+    tied: bool
+    rope: dict[str, Any] = field(default_factory=dict)
+    max_pos: int = 1024
+    # "v5": transformers 5's `rope_parameters`; "v4": legacy `rope_theta` + `rope_scaling`.
+    rope_format: str = "v5"
+    seed: int = 0
+
+
+SPECS: dict[str, Spec] = {
+    # GQA ratio 1 (MHA), separate LM head.
+    "llama_mha_untied": Spec("llama", heads=4, kv_heads=4, layers=2, tied=False, seed=1),
+    # GQA ratio 4 with 8 heads of 16 (q size 128 != hidden 64: explicit head_dim), tied head.
+    "llama_gqa4_tied": Spec("llama", heads=8, kv_heads=2, layers=3, tied=True, seed=2),
+    # Llama 3 scaling with a short original context, so low and medium frequencies are rescaled.
+    "llama3_rope": Spec(
+        "llama",
+        heads=4,
+        kv_heads=1,
+        layers=2,
+        tied=False,
+        rope={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        seed=3,
+    ),
+    # Linear scaling written the transformers-4 way (rope_theta + rope_scaling {"type": ...}).
+    "linear_rope": Spec(
+        "llama",
+        heads=4,
+        kv_heads=2,
+        layers=2,
+        tied=True,
+        rope={"rope_type": "linear", "factor": 4.0},
+        rope_format="v4",
+        seed=4,
+    ),
+    # Dynamic NTK: max_position_embeddings is small so a 300-token prompt goes past it.
+    "dynamic_rope": Spec(
+        "llama",
+        heads=4,
+        kv_heads=1,
+        layers=2,
+        tied=False,
+        rope={"rope_type": "dynamic", "factor": 2.0},
+        max_pos=128,
+        rope_format="v4",
+        seed=5,
+    ),
+    "qwen2_gqa4_untied": Spec("qwen2", heads=4, kv_heads=1, layers=2, tied=False, seed=6),
+    "qwen2_mha_tied": Spec("qwen2", heads=4, kv_heads=4, layers=3, tied=True, seed=7),
+    "mistral_gqa2": Spec("mistral", heads=4, kv_heads=2, layers=2, tied=False, seed=8),
+}
+
+# The configs whose logits are position-independent in the sense that feeding the prompt in chunks
+# must give the same logits as one forward (everything but dynamic NTK).
+STATIC_ROPE = [name for name, spec in SPECS.items() if spec.rope.get("rope_type") != "dynamic"]
+
+
+def make_engine(model_dir: Path | str, **overrides: Any) -> Engine:
+    kw: dict[str, Any] = {"block_size": 16, "prefill_chunk_tokens": 512, "hbm_mb": 8.0, "check_invariants": True}
+    kw.update(overrides)
+    return Engine(EngineConfig.build(model=str(model_dir), **kw))
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    """n random non-special token ids."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(NUM_SPECIAL, vocab, (n,), generator=g).tolist()
+
+
+def split_sizes(total: int, sizes: Sequence[int]) -> list[int]:
+    """`sizes` cut or extended so that they sum to `total` (the last one takes the rest)."""
+    out: list[int] = []
+    left = total
+    for s in sizes:
+        if left <= 0:
+            break
+        out.append(min(s, left))
+        left -= out[-1]
+    if left > 0:
+        out.append(left)
+    return out
+
+
+def runner_logits(
+    engine: Engine, seq: int, ids: Sequence[int], chunk_sizes: Sequence[int], start: int = 0
+) -> torch.Tensor:
+    """Feed `ids` to sequence `seq` (opened if new) chunk by chunk; logits of every fed token [N, V]."""
+    runner = engine.runner
+    if not runner.blocks.has(SeqId(seq)):
+        runner.open(SeqId(seq))
+    outs = []
+    pos = start
+    for n in split_sizes(len(ids), chunk_sizes):
+        part = tuple(ids[pos - start : pos - start + n])
+        outs.append(runner.execute([Chunk(SeqId(seq), part, pos, True)], all_logits=True))
+        pos += n
+    return torch.cat(outs)
+
+
+@torch.inference_mode()
+def hf_logits(model: torch.nn.Module, ids: Sequence[int], chunk_sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """transformers' logits for every token of `ids` [N, V]: one forward, or chunk by chunk through its cache."""
+    x = torch.tensor([list(ids)])
+    # Dynamic NTK RoPE in transformers is stateful: its frequencies are recomputed only when a
+    # forward grows past the longest length seen so far, or reset by a forward shorter than
+    # max_position_embeddings. A one-token forward resets them, so every reference starts fresh.
+    model(input_ids=x[:, :1])
+    if chunk_sizes is None:
+        return model(input_ids=x).logits[0].float()
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    outs = []
+    pos = 0
+    for n in split_sizes(len(ids), chunk_sizes):
+        out = model(
+            input_ids=x[:, pos : pos + n],
+            cache=cache,
+            use_cache=True,
+            position_ids=torch.arange(pos, pos + n)[None],
+        )
+        outs.append(out.logits[0].float())
+        pos += n
+    return torch.cat(outs)
+
+
+def top2_margins(logits: torch.Tensor) -> list[float]:
+    """logits [N, V] -> best minus second-best logit of each row."""
+    top = torch.topk(logits.float(), 2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
+def clear_prefix(margins: Sequence[float], threshold: float = MARGIN) -> int:
+    """Number of leading steps whose argmax is decided by more than `threshold`."""
+    for i, m in enumerate(margins):
+        if m < threshold:
+            return i
+    return len(margins)
+
+
+def assert_greedy_match(
+    got: Sequence[int], want: Sequence[int], margins: Sequence[float], min_compared: int = 16
+) -> int:
+    """`got` equals `want` token for token up to the first step where `want`'s choice was close.
+
+    `margins[i]` is the reference's top-2 margin at the step that chose `want[i]`. Returns the
+    number of tokens compared; fails if that is under `min_compared` (the test then proves little).
+    """
+    n = min(clear_prefix(margins), len(want))
+    assert n >= min_compared, f"only {n} greedy steps had a clear argmax; make the test model's logits less flat"
+    assert len(got) >= n, f"got {len(got)} tokens, expected at least {n}"
+    for i in range(n):
+        assert got[i] == want[i], f"greedy token {i} differs: got {got[i]}, want {want[i]} (margin {margins[i]:.3g})"
+    return n
+
+
+def write_generation_config(model_dir: Path, **values: Any) -> None:
+    """Write `generation_config.json` into `model_dir` (e.g. eos_token_id=[...])."""
+    (model_dir / "generation_config.json").write_text(json.dumps(values, indent=2))
+
+
+_scratch_seq = iter(range(1_000_000, 2_000_000))
+
+
+def teacher_margins(engine: Engine, context: Sequence[int], generated: Sequence[int]) -> list[float]:
+    """Top-2 margins of the steps that chose `generated` after `context`, teacher-forced in one chunk
+    on a scratch sequence of `engine`'s runner (released afterwards)."""
+    seq = next(_scratch_seq)
+    ids = list(context) + list(generated)[:-1]
+    logits = runner_logits(engine, seq, ids, [len(ids)])
+    engine.runner.release(SeqId(seq))
+    return top2_margins(logits[len(context) - 1 :])

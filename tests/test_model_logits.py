@@ -1,0 +1,165 @@
+"""Teacher-forced logits of h3d equal transformers' on the same checkpoint (fp32, max |Δ| <= 1e-4).
+
+Every tiny checkpoint (MHA and GQA, tied and untied heads, Llama / Qwen2 / Mistral, default,
+llama3, linear and dynamic RoPE) is fed a 300-token prompt in one chunk, in seven chunks of uneven
+sizes, and as a prefill followed by 50 one-token decode steps, with blocks of 16 and 32 tokens; the
+logits of every fed token are compared with `model(input_ids).logits`.
+
+Dynamic NTK RoPE depends on the sequence length at the time a token is fed, so its chunked
+reference is transformers run chunk by chunk through its own cache (which is what its `generate`
+does); a check below makes sure that this reference really differs from the one-forward one, so the
+dynamic case cannot pass by accident.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import SPECS, hf_logits, make_engine, random_prompt, runner_logits, top2_margins
+
+from h3d.kv.attention import reference_attention
+from h3d.model.config import load_model_config, parse_model_config
+from h3d.model.rope import RotaryEmbedding
+
+TOL = 1e-4
+PROMPT_LEN = 300
+CHUNKINGS: dict[str, list[int]] = {
+    "one_chunk": [PROMPT_LEN],
+    "seven_chunks": [1, 45, 7, 100, 1, 96, 50],
+    "decode_tail": [250] + [1] * 50,
+}
+assert all(sum(c) == PROMPT_LEN for c in CHUNKINGS.values())
+
+
+@pytest.fixture(scope="session")
+def reference(hf_model: Callable[[str], Any]) -> Callable[[str, str], torch.Tensor]:
+    """reference(name, chunking) -> transformers' logits [300, V] for the test prompt, cached."""
+    cache: dict[tuple[str, str], torch.Tensor] = {}
+
+    def get(name: str, chunking: str) -> torch.Tensor:
+        dynamic = SPECS[name].rope.get("rope_type") == "dynamic"
+        key = (name, chunking if dynamic else "one_chunk")
+        if key not in cache:
+            ids = random_prompt(PROMPT_LEN, hf_model(name).config.vocab_size, seed=123)
+            sizes = CHUNKINGS[key[1]] if dynamic and key[1] != "one_chunk" else None
+            cache[key] = hf_logits(hf_model(name), ids, sizes)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("chunking", list(CHUNKINGS))
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_teacher_forced_logits_match_transformers(
+    name: str, block_size: int, chunking: str, checkpoint: Callable[[str], Path], reference: Callable[..., torch.Tensor]
+) -> None:
+    engine = make_engine(checkpoint(name), block_size=block_size, max_context_tokens=1024)
+    ids = random_prompt(PROMPT_LEN, engine.model.config.vocab_size, seed=123)
+    got = runner_logits(engine, 1, ids, CHUNKINGS[chunking])
+    want = reference(name, chunking)
+    assert got.shape == want.shape == (PROMPT_LEN, engine.model.config.vocab_size)
+    assert torch.isfinite(got).all()
+    delta = (got - want).abs().max().item()
+    assert delta <= TOL, f"{name}: max |Δ logits| = {delta:.3g} > {TOL}"
+    # The comparison means something only if the logits are not flat.
+    assert want.std().item() > 0.5
+    assert engine.runner.cached_tokens(1) == PROMPT_LEN
+
+
+def test_dynamic_rope_reference_depends_on_chunking(reference: Callable[..., torch.Tensor]) -> None:
+    """Past max_position_embeddings, dynamic NTK makes chunked and one-forward logits differ."""
+    one = reference("dynamic_rope", "one_chunk")
+    chunked = reference("dynamic_rope", "seven_chunks")
+    assert SPECS["dynamic_rope"].max_pos < PROMPT_LEN
+    # One forward rotates every token with the base for 300 tokens; chunk by chunk, early tokens
+    # were rotated with the bases of shorter lengths (unscaled below 128).
+    assert (one - chunked).abs().max().item() > 100 * TOL
+
+
+def test_rope_scaling_configs_are_parsed_and_matter(checkpoint: Callable[[str], Path]) -> None:
+    """Both config formats (transformers 5 rope_parameters, 4.x rope_scaling) reach the rotary tables."""
+    base = RotaryEmbedding(load_model_config(checkpoint("llama_mha_untied")).rope, 16, 1024, torch.device("cpu"))
+    llama3_cfg = load_model_config(checkpoint("llama3_rope"))
+    assert llama3_cfg.rope.rope_type == "llama3"
+    assert llama3_cfg.rope.original_max_position_embeddings == 64
+    assert (llama3_cfg.rope.factor, llama3_cfg.rope.low_freq_factor, llama3_cfg.rope.high_freq_factor) == (8, 1, 4)
+    llama3 = RotaryEmbedding(llama3_cfg.rope, 16, 1024, torch.device("cpu"))
+    # head_dim 16, theta 1e4: wavelengths 2π·10^(i/2); original context 64 -> high band < 16, low band > 64.
+    wavelen = 2 * math.pi / base.inv_freq
+    high = wavelen < 16
+    low = wavelen > 64
+    medium = ~high & ~low
+    assert high.any() and low.any() and medium.any()
+    torch.testing.assert_close(llama3.inv_freq[high], base.inv_freq[high])
+    torch.testing.assert_close(llama3.inv_freq[low], base.inv_freq[low] / 8)
+    assert (
+        (llama3.inv_freq[medium] < base.inv_freq[medium]) & (llama3.inv_freq[medium] > base.inv_freq[medium] / 8)
+    ).all()
+
+    linear_cfg = load_model_config(checkpoint("linear_rope"))
+    assert (linear_cfg.rope.rope_type, linear_cfg.rope.factor) == ("linear", 4.0)
+    linear = RotaryEmbedding(linear_cfg.rope, 16, 1024, torch.device("cpu"))
+    torch.testing.assert_close(linear.inv_freq, base.inv_freq / 4)
+    dynamic_cfg = load_model_config(checkpoint("dynamic_rope"))
+    assert (dynamic_cfg.rope.rope_type, dynamic_cfg.rope.factor) == ("dynamic", 2.0)
+
+
+def test_legacy_and_current_rope_formats_parse_the_same() -> None:
+    common = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 1024,
+    }
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    v4 = parse_model_config({**common, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **llama3}})
+    v4_type = parse_model_config({**common, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **llama3}})
+    v5 = parse_model_config({**common, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **llama3}})
+    assert v4.rope == v4_type.rope == v5.rope
+    assert v5.rope.theta == 5e5 and v5.rope.rope_type == "llama3"
+    plain = parse_model_config(common)
+    assert plain.rope.rope_type == "default" and plain.rope.theta == 10000.0
+    assert plain.num_kv_heads == 4 and plain.head_dim == 16
+
+
+@pytest.mark.parametrize("name", ["llama_gqa4_tied", "qwen2_mha_tied", "dynamic_rope"])
+def test_fast_attention_equals_reference_attention_in_the_model(name: str, checkpoint: Callable[[str], Path]) -> None:
+    """The whole model with `reference_attention` (gather) and with the default fast path agree."""
+    ids = random_prompt(PROMPT_LEN, 512, seed=5)
+    fast = make_engine(checkpoint(name), max_context_tokens=1024)
+    slow = make_engine(checkpoint(name), max_context_tokens=1024)
+    slow.model.use_attention(reference_attention)
+    for chunking in CHUNKINGS.values():
+        seq = len(chunking)
+        delta = (runner_logits(fast, seq, ids, chunking) - runner_logits(slow, seq, ids, chunking)).abs().max()
+        assert delta.item() <= 5e-5  # fp32 rounding only (summation order differs)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa4_tied", "qwen2_gqa4_untied"])
+def test_bf16_smoke(name: str, checkpoint: Callable[[str], Path], reference: Callable[..., torch.Tensor]) -> None:
+    """bf16 weights and KV cache: close to the fp32 reference, same argmax where it is clear.
+
+    The bounds are empirical (bf16 keeps 8 significant bits and these weights are large): the mean
+    |Δ| measures ~0.04 against logits of std ~1.6; 0.1 leaves room without hiding a real bug, which
+    shifts logits by O(1).
+    """
+    engine = make_engine(checkpoint(name), dtype="bf16")
+    assert engine.model.lm_head.weight_t.dtype == torch.bfloat16
+    ids = random_prompt(PROMPT_LEN, engine.model.config.vocab_size, seed=123)
+    want = reference(name, "one_chunk")
+    for seq, chunking in enumerate(CHUNKINGS.values(), start=1):
+        got = runner_logits(engine, seq, ids, chunking)
+        assert got.dtype == torch.float32 and torch.isfinite(got).all()
+        assert (got - want).abs().mean().item() < 0.1
+        clear = torch.tensor(top2_margins(want)) > 0.3
+        agree = (got.argmax(-1) == want.argmax(-1))[clear].float().mean().item()
+        assert agree >= 0.98
