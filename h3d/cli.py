@@ -19,7 +19,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
-from h3d.config import DEVICES, DTYPES, EngineConfig, SamplingDefaults
+from h3d.config import DEVICES, DTYPES, POLICIES, SSD_CODECS, EngineConfig, SamplingDefaults
 from h3d.errors import H3Error
 
 _ENGINE_FLAGS_SKIP = {"model", "device", "dtype", "sampling", "check_invariants"}
@@ -29,17 +29,26 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face model folder")
     p.add_argument("--device", choices=DEVICES, default=None, help="default: cpu")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: fp32 on cpu, bf16 on cuda")
+    choices = {"policy": POLICIES, "ssd_codec": SSD_CODECS}
     for f in fields(EngineConfig):
         if f.name in _ENGINE_FLAGS_SKIP:
             continue
         default = f.default if f.default is not MISSING else None
-        kind = float if isinstance(default, float) else int
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None, help=f"default: {default}")
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(default, tuple):
+            p.add_argument(flag, type=int, nargs="*", default=None, help=f"default: {list(default)}")
+        elif isinstance(default, float | int) and not isinstance(default, bool):
+            p.add_argument(flag, type=type(default), default=None, help=f"default: {default}")
+        else:
+            p.add_argument(flag, choices=choices.get(f.name), default=None, help=f"default: {default}")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     keys = {f.name for f in fields(EngineConfig)} - {"sampling"}
-    return EngineConfig.build(**{k: getattr(args, k) for k in keys if hasattr(args, k)})
+    values = {k: getattr(args, k) for k in keys if hasattr(args, k)}
+    if values.get("quantize_skip_layers") is not None:
+        values["quantize_skip_layers"] = tuple(values["quantize_skip_layers"])
+    return EngineConfig.build(**values)
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -92,12 +101,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     "ttft_s": round(done.ttft_s, 6),
                     "decode_tokens_per_s": round(done.decode_tokens_per_s, 3),
                     "total_s": round(time.perf_counter() - started, 6),
+                    "stats": {
+                        **engine.tier_stats().as_dict(),
+                        "hbf_latency_us_p50": round(engine.hbf_latency_us()[0], 1),
+                        "hbf_latency_us_p99": round(engine.hbf_latency_us()[1], 1),
+                        "window_tokens": engine.runner.selection[engine.session(session).seq].window_tokens,
+                    },
                 },
                 ensure_ascii=False,
             )
         )
     else:
         sys.stdout.write("\n")
+    engine.close()
     return 0
 
 

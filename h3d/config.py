@@ -11,9 +11,12 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from h3d.errors import ConfigError
+from h3d.hbf.policy import HbfConfig
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
+POLICIES = ("attention_entropy", "exact", "fixed", "layerwise")
+SSD_CODECS = ("raw-zstd", "int8-delta-zstd")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +39,38 @@ class EngineConfig:
     block_size: int = 32
     prefill_chunk_tokens: int = 512
     hbm_mb: float = 1024.0
+    ddr_mb: float = 4096.0
+    ssd_path: str | None = None
+    ssd_codec: str = "raw-zstd"
+    quantize_skip_layers: tuple[int, ...] = ()
+    ddr_high_watermark: float = 0.85
+    policy: str = "attention_entropy"
+    window_tokens: int = 2048
+    window_min_tokens: int = 512
+    window_max_tokens: int = 8192
+    sink_blocks: int = 1
+    recent_tokens: int = 256
+    dense_layers: int = 2
+    entropy_shrink_below: float = 0.8
+    entropy_grow_above: float = 1.5
     max_batch_size: int = 64
     max_context_tokens: int | None = None
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     check_invariants: bool = False
+
+    @property
+    def hbf(self) -> HbfConfig:
+        return HbfConfig(
+            policy=self.policy,
+            window_tokens=self.window_tokens,
+            window_min_tokens=self.window_min_tokens,
+            window_max_tokens=self.window_max_tokens,
+            sink_blocks=self.sink_blocks,
+            recent_tokens=self.recent_tokens,
+            dense_layers=self.dense_layers,
+            entropy_shrink_below=self.entropy_shrink_below,
+            entropy_grow_above=self.entropy_grow_above,
+        )
 
     @property
     def resolved_dtype(self) -> str:
@@ -54,6 +85,22 @@ class EngineConfig:
         _positive("block_size", self.block_size)
         _positive("prefill_chunk_tokens", self.prefill_chunk_tokens)
         _positive("hbm_mb", self.hbm_mb)
+        if not self.ddr_mb >= 0:
+            raise ConfigError(f"ddr_mb: must be >= 0, got {self.ddr_mb}")
+        _choice("ssd_codec", self.ssd_codec, SSD_CODECS)
+        _choice("policy", self.policy, POLICIES)
+        if not 0 < self.ddr_high_watermark <= 1:
+            raise ConfigError(f"ddr_high_watermark: must be in (0, 1], got {self.ddr_high_watermark}")
+        for key in ("window_tokens", "window_min_tokens", "window_max_tokens", "recent_tokens"):
+            _positive(key, getattr(self, key))
+        if not self.window_min_tokens <= self.window_tokens <= self.window_max_tokens:
+            raise ConfigError("window_tokens: must lie within [window_min_tokens, window_max_tokens]")
+        if self.sink_blocks < 0 or self.dense_layers < 0:
+            raise ConfigError("sink_blocks, dense_layers: must be >= 0")
+        if self.entropy_shrink_below > self.entropy_grow_above:
+            raise ConfigError("entropy_shrink_below: must be <= entropy_grow_above")
+        if any(layer < 0 for layer in self.quantize_skip_layers):
+            raise ConfigError("quantize_skip_layers: layer indices must be >= 0")
         _positive("max_batch_size", self.max_batch_size)
         if self.max_context_tokens is not None:
             _positive("max_context_tokens", self.max_context_tokens)

@@ -1,13 +1,22 @@
-"""Paged attention against a slow oracle written here.
+"""Paged attention against a slow oracle written here, over blocks spread across the HBM and DDR pools.
 
-The oracle walks each sequence's block table token by token (slot = table[t // bs], offset
-t % bs), gathers that token's key and value, and takes a causal softmax in float64, one query and
-one head at a time; query head h reads KV head h // (H / Hkv), as transformers' repeat_kv does.
+A block's *location* is its HBM slot (>= 0) or -(DDR slot + 1) (see `h3d.kv.blocks`). The oracle
+walks each sequence's location table token by token (location = table[t // bs], offset t % bs),
+gathers that token's key and value from the pool the location names, and takes a causal softmax in
+float64, one query and one head at a time; query head h reads KV head h // (H / Hkv), as
+transformers' repeat_kv does.
 
-The pools are filled everywhere with random values (large ones in the unused tail of each last
-block), so reading a wrong slot, a wrong offset or an unmasked position shows up. Tables are
-scattered (random permutations: many runs, the gather path), made of a few runs, or contiguous
-(the in-place path of `paged_attention`); lengths are odd; GQA ratios 1 and 4; blocks of 16 and 32.
+The pools start as NaN everywhere but the zeroed null slot (as `torch.empty` may leave them), and
+only the tokens of each sequence (positions < kv_len) are written, with random values, through
+`KVPool.write`: reading a wrong slot, a wrong pool, a wrong offset or any byte past kv_len (the
+unwritten tail of a last block) shows up as a NaN or a wrong value. HBM slot s and DDR slot s hold
+different values, so mistaking one pool for the other shows up too.
+
+Tables are scattered (random permutations: many runs, the gather path), made of a few runs, or
+contiguous (the in-place path of `paged_attention`); blocks live all in HBM, all in DDR, split
+(the first blocks in HBM, the rest in DDR, as the engine places a session that outgrows its HBM
+share: runs of both tiers read in place) or mixed block by block (many runs of alternating tiers).
+Lengths are odd; GQA ratios 1 and 4; blocks of 16 and 32.
 
 Tolerances: fp32 inputs give fp32 accumulations that agree with float64 to about 1e-6, checked
 at 1e-5. With bf16 inputs the oracle upcasts exactly the same bf16 values, so only two roundings
@@ -20,30 +29,22 @@ most 2^-8 p_t on each probability, i.e. 2^-8 Σ_t p_t |v_t| on the output. The b
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from h3d.kv import attention as A
-from h3d.kv.blocks import NULL_SLOT
+from h3d.kv.blocks import NULL_SLOT, Tier
 from h3d.kv.pool import KVPool
 
 HEAD_DIM = 16
-NUM_SLOTS = 97  # slot 0 is the null slot
+NUM_SLOTS = 97  # per pool; slot 0 is the null slot
+HBM, DDR = int(Tier.HBM), int(Tier.DDR)
+
+Runs = list[tuple[int, int, int]]
 
 
-def _runs(table: list[int]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s in table:
-        if out and out[-1][0] + out[-1][1] == s:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((s, 1))
-    return out
-
-
-def _tables(lengths: list[int], bs: int, layout: str, g: torch.Generator) -> list[list[int]]:
-    """Disjoint block tables for sequences of `lengths` tokens, laid out as asked."""
+def _slot_tables(lengths: list[int], bs: int, layout: str, g: torch.Generator) -> list[list[int]]:
+    """Disjoint lists of slots for sequences of `lengths` tokens, laid out as asked."""
     need = [-(-n // bs) for n in lengths]
     assert sum(need) <= NUM_SLOTS - 1
     if layout == "scattered":
@@ -73,67 +74,111 @@ def _tables(lengths: list[int], bs: int, layout: str, g: torch.Generator) -> lis
     return out
 
 
-class Pool:
-    """A KVPool filled with random K/V, plus the same values in a logical [S, bs, Hkv, D] layout.
+def _place(slots: list[int], tiers: str, g: torch.Generator) -> list[int]:
+    """A sequence's slots -> its location table, each block put in the pool `tiers` says.
 
-    Values enter the pool only through `KVPool.write` at rows slot * bs + offset, so the tests do
-    not depend on the pool's physical layout; the oracle reads the logical copy.
+    The same slot number is free in both pools (the tables are disjoint), so a block keeps its
+    slot number whichever pool it goes to.
+    """
+    nb = len(slots)
+    if tiers == "hbm":
+        in_ddr = [False] * nb
+    elif tiers == "ddr":
+        in_ddr = [True] * nb
+    elif tiers == "split":
+        in_ddr = [j >= (nb + 1) // 2 for j in range(nb)]
+    else:
+        assert tiers == "mixed"
+        in_ddr = (torch.rand(nb, generator=g) < 0.5).tolist()
+        if nb >= 2:  # both tiers present
+            in_ddr[0], in_ddr[-1] = False, True
+    return [-(s + 1) if d else s for s, d in zip(slots, in_ddr, strict=True)]
+
+
+def _runs(locs: list[int]) -> Runs:
+    """Maximal runs of consecutive slots of one pool: (tier, first slot, count)."""
+    out: Runs = []
+    for loc in locs:
+        tier, slot = (HBM, loc) if loc >= 0 else (DDR, -loc - 1)
+        if out and out[-1][0] == tier and out[-1][1] + out[-1][2] == slot:
+            out[-1] = (tier, out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((tier, slot, 1))
+    return out
+
+
+class TwoPools:
+    """An HBM and a DDR KVPool, NaN everywhere but the null slots, plus logical copies of the values
+    written, [S, bs, Hkv, D] per pool (`k[tier]`, `v[tier]`), which the oracle reads.
+
+    Values enter the pools only through `KVPool.write` at rows slot * bs + offset, so the tests do
+    not depend on the pools' physical layout.
     """
 
     def __init__(self, bs: int, hkv: int, dtype: torch.dtype, g: torch.Generator) -> None:
         self.bs = bs
-        self.pool = KVPool(NUM_SLOTS, bs, hkv, HEAD_DIM, dtype, torch.device("cpu"))
-        self.k = torch.randn(NUM_SLOTS, bs, hkv, HEAD_DIM, generator=g).to(dtype)
-        self.v = torch.randn(NUM_SLOTS, bs, hkv, HEAD_DIM, generator=g).to(dtype)
-        self.k[NULL_SLOT] = 0
-        self.v[NULL_SLOT] = 0
-        self._write(torch.arange(bs, NUM_SLOTS * bs))
+        cpu = torch.device("cpu")
+        self.pool = [KVPool(NUM_SLOTS, bs, hkv, HEAD_DIM, dtype, cpu) for _ in (HBM, DDR)]
+        for p in self.pool:
+            for t in (p.k, p.v):
+                t.fill_(float("nan"))
+                t[:, NULL_SLOT] = 0
+        self.k = [torch.randn(NUM_SLOTS, bs, hkv, HEAD_DIM, generator=g).to(dtype) for _ in (HBM, DDR)]
+        self.v = [torch.randn(NUM_SLOTS, bs, hkv, HEAD_DIM, generator=g).to(dtype) for _ in (HBM, DDR)]
+        self.pools = A.Pools(k=(self.pool[HBM].k, self.pool[DDR].k), v=(self.pool[HBM].v, self.pool[DDR].v))
 
-    def _write(self, rows: torch.Tensor) -> None:
-        flat_k = self.k.reshape(-1, *self.k.shape[2:])
-        flat_v = self.v.reshape(-1, *self.v.shape[2:])
-        self.pool.write(rows, flat_k[rows], flat_v[rows])
-
-    def poison_tails(self, tables: list[list[int]], lengths: list[int]) -> None:
-        """Large values past each sequence's last token: visible if attention reads them."""
-        bs = self.bs
+    def fill(self, tables: list[list[int]], lengths: list[int]) -> None:
+        """Write the first `length` tokens of each sequence (and nothing past them)."""
+        rows: list[list[int]] = [[], []]
         for table, n in zip(tables, lengths, strict=True):
-            if n % bs:
-                self.k[table[-1], n % bs :] = 30.0
-                self.v[table[-1], n % bs :] = -1000.0
-                self._write(torch.arange(table[-1] * bs + n % bs, (table[-1] + 1) * bs))
+            for t in range(n):
+                loc, off = table[t // self.bs], t % self.bs
+                tier, slot = (HBM, loc) if loc >= 0 else (DDR, -loc - 1)
+                rows[tier].append(slot * self.bs + off)
+        for tier in (HBM, DDR):
+            if rows[tier]:
+                r = torch.tensor(rows[tier])
+                flat_k = self.k[tier].reshape(-1, *self.k[tier].shape[2:])
+                flat_v = self.v[tier].reshape(-1, *self.v[tier].shape[2:])
+                self.pool[tier].write(r, flat_k[r], flat_v[r])
+
+    def token(self, table: list[int], t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        loc, off = table[t // self.bs], t % self.bs
+        tier, slot = (HBM, loc) if loc >= 0 else (DDR, -loc - 1)
+        return self.k[tier][slot, off], self.v[tier][slot, off]
 
 
 def oracle(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: list[int], kv_len: int, scale: float
+    q: torch.Tensor, p: TwoPools, table: list[int], kv_len: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [n, H, D]: the sequence's last n tokens -> (out, Σ_t p_t |v_t|), both [n, H, D] float64.
 
-    Keys and values are gathered token by token through the block table.
+    Keys and values are gathered token by token through the location table.
     """
     n, h, _ = q.shape
-    bs, hkv = k_pool.shape[1], k_pool.shape[2]
+    hkv = p.k[HBM].shape[2]
     group = h // hkv
-    keys = torch.stack([k_pool[table[t // bs], t % bs].double() for t in range(kv_len)])  # [T, Hkv, D]
-    vals = torch.stack([v_pool[table[t // bs], t % bs].double() for t in range(kv_len)])
+    kv = [p.token(table, t) for t in range(kv_len)]
+    keys = torch.stack([k.double() for k, _ in kv])  # [T, Hkv, D]
+    vals = torch.stack([v.double() for _, v in kv])
     out = torch.zeros(n, h, q.shape[2], dtype=torch.float64)
     mag = torch.zeros_like(out)
     for j in range(n):
         pos = kv_len - n + j  # causal: the query sees keys 0..pos
         for head in range(h):
-            kv = head // group
-            scores = (keys[: pos + 1, kv] @ q[j, head].double()) * scale  # [pos + 1]
+            g = head // group
+            scores = (keys[: pos + 1, g] @ q[j, head].double()) * scale  # [pos + 1]
             w = torch.exp(scores - scores.max())
             w /= w.sum()
-            out[j, head] = w @ vals[: pos + 1, kv]
-            mag[j, head] = w @ vals[: pos + 1, kv].abs()
+            out[j, head] = w @ vals[: pos + 1, g]
+            mag[j, head] = w @ vals[: pos + 1, g].abs()
     return out, mag
 
 
 def assert_close_to_oracle(got: torch.Tensor, want: tuple[torch.Tensor, torch.Tensor]) -> None:
     out, mag = want
     assert got.shape == out.shape
-    assert torch.isfinite(got).all()
+    assert torch.isfinite(got).all(), "attention read a byte nothing wrote (NaN)"
     if got.dtype == torch.float32:
         bound = torch.full_like(out, 1e-5)
     else:
@@ -143,122 +188,150 @@ def assert_close_to_oracle(got: torch.Tensor, want: tuple[torch.Tensor, torch.Te
     assert excess <= 0, f"max |Δ| beyond tolerance by {excess:.3g} ({got.dtype})"
 
 
-def _batch(tables: list[list[list[int]]], query_lens: list[int], kv_lens: list[int]) -> A.AttentionBatch:
-    """tables[layer][seq] -> the AttentionBatch the runner would build (write_rows unused here)."""
-    num_layers, num_seqs = len(tables), len(tables[0])
-    width = max(len(t) for layer in tables for t in layer)
-    block_tables = torch.full((num_layers, num_seqs, width), NULL_SLOT, dtype=torch.int64)
-    for layer in range(num_layers):
-        for i, t in enumerate(tables[layer]):
-            block_tables[layer, i, : len(t)] = torch.tensor(t)
-    seq_ends = np.concatenate([np.full(n, kv, dtype=np.int64) for n, kv in zip(query_lens, kv_lens, strict=True)])
-    return A.AttentionBatch(
+def _padded(tables: list[list[int]], extra: int = 0) -> torch.Tensor:
+    """[B, W] location tables padded with the null slot, as the runner builds them."""
+    width = max(len(t) for t in tables) + extra
+    out = torch.full((len(tables), width), NULL_SLOT, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = torch.tensor(t)
+    return out
+
+
+def _layer_kv(tables: list[list[int]], query_lens: list[int], kv_lens: list[int]) -> A.LayerKV:
+    padded = _padded(tables)
+    return A.LayerKV(
         query_lens=tuple(query_lens),
         kv_lens=tuple(kv_lens),
-        write_rows=torch.zeros((num_layers, sum(query_lens)), dtype=torch.int64),
-        block_tables=block_tables,
-        kv_lens_t=torch.tensor(kv_lens, dtype=torch.int64),
-        seq_ends=torch.from_numpy(seq_ends),
-        runs=tuple([_runs(tables[layer][i]) for layer in range(num_layers)] for i in range(num_seqs)),
+        runs=tuple(_runs(t) for t in tables),
+        tables=lambda: padded,
     )
 
 
 DTYPES = [torch.float32, torch.bfloat16]
 GQA = [(4, 4), (8, 2)]  # (H, Hkv): ratio 1 and 4
-LAYOUTS = ["scattered", "few_runs", "contiguous"]
+# (slot layout, tier placement): every layout, and every placement, at least once.
+PLACEMENTS = [
+    ("scattered", "hbm"),
+    ("scattered", "mixed"),
+    ("few_runs", "split"),
+    ("few_runs", "ddr"),
+    ("contiguous", "hbm"),
+    ("contiguous", "split"),
+]
 SCALE = HEAD_DIM**-0.5
 
 
 def _oracle_batch(
-    q: torch.Tensor, p: Pool, tables: list[list[int]], query_lens: list[int], kv_lens: list[int]
+    q: torch.Tensor, p: TwoPools, tables: list[list[int]], query_lens: list[int], kv_lens: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     outs, mags, start = [], [], 0
     for t, n, kv in zip(tables, query_lens, kv_lens, strict=True):
-        out, mag = oracle(q[start : start + n], p.k, p.v, t, kv, SCALE)
+        out, mag = oracle(q[start : start + n], p, t, kv, SCALE)
         outs.append(out)
         mags.append(mag)
         start += n
     return torch.cat(outs), torch.cat(mags)
 
 
+@pytest.mark.parametrize("tiers", ["hbm", "ddr", "mixed"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", GQA, ids=["gqa1", "gqa4"])
 @pytest.mark.parametrize("bs", [16, 32])
-def test_decode_attention(bs: int, heads: tuple[int, int], dtype: torch.dtype) -> None:
+def test_decode_attention(bs: int, heads: tuple[int, int], dtype: torch.dtype, tiers: str) -> None:
     h, hkv = heads
-    g = torch.Generator().manual_seed(bs * 10 + h)
+    g = torch.Generator().manual_seed(bs * 10 + h + len(tiers))
     lengths = [1, 17, 63, 95, 2 * bs + 1]
-    tables = _tables(lengths, bs, "scattered", g)
-    p = Pool(bs, hkv, dtype, g)
-    p.poison_tails(tables, lengths)
+    tables = [_place(t, tiers, g) for t in _slot_tables(lengths, bs, "scattered", g)]
+    p = TwoPools(bs, hkv, dtype, g)
+    p.fill(tables, lengths)
     q = (2.0 * torch.randn(len(lengths), h, HEAD_DIM, generator=g)).to(dtype)
-    width = max(len(t) for t in tables) + 2  # padded beyond the longest table
-    padded = torch.full((len(lengths), width), NULL_SLOT, dtype=torch.int64)
-    for i, t in enumerate(tables):
-        padded[i, : len(t)] = torch.tensor(t)
-    got = A.decode_attention(q, p.pool.k, p.pool.v, padded, torch.tensor(lengths), SCALE)
+    padded = _padded(tables, extra=2)  # padded beyond the longest table
+    got = A.decode_attention(q, p.pools, padded, torch.tensor(lengths), SCALE)
     assert got.dtype == dtype
     assert_close_to_oracle(got, _oracle_batch(q, p, tables, [1] * len(lengths), lengths))
 
 
+@pytest.mark.parametrize("tiers", ["hbm", "mixed"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", GQA, ids=["gqa1", "gqa4"])
 @pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize(("kv_len", "n"), [(77, 77), (77, 13), (33, 1), (101, 40)])
-def test_prefill_attention(kv_len: int, n: int, bs: int, heads: tuple[int, int], dtype: torch.dtype) -> None:
+def test_prefill_attention(
+    kv_len: int, n: int, bs: int, heads: tuple[int, int], dtype: torch.dtype, tiers: str
+) -> None:
     h, hkv = heads
-    g = torch.Generator().manual_seed(kv_len + n + bs)
-    (table,) = _tables([kv_len], bs, "scattered", g)
-    p = Pool(bs, hkv, dtype, g)
-    p.poison_tails([table], [kv_len])
+    g = torch.Generator().manual_seed(kv_len + n + bs + len(tiers))
+    (slots,) = _slot_tables([kv_len], bs, "scattered", g)
+    table = _place(slots, tiers, g)
+    p = TwoPools(bs, hkv, dtype, g)
+    p.fill([table], [kv_len])
     q = (2.0 * torch.randn(n, h, HEAD_DIM, generator=g)).to(dtype)
-    got = A.prefill_attention(q, p.pool.k, p.pool.v, torch.tensor(table), kv_len, SCALE)
+    got = A.prefill_attention(q, p.pools, torch.tensor(table), kv_len, SCALE)
     assert got.dtype == dtype
-    assert_close_to_oracle(got, oracle(q, p.k, p.v, table, kv_len, SCALE))
+    assert_close_to_oracle(got, oracle(q, p, table, kv_len, SCALE))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("layout", "tiers"), PLACEMENTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", GQA, ids=["gqa1", "gqa4"])
 @pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize("impl", ["paged_attention", "reference_attention"])
-def test_batched_attention(impl: str, bs: int, heads: tuple[int, int], dtype: torch.dtype, layout: str) -> None:
+def test_batched_attention(
+    impl: str, bs: int, heads: tuple[int, int], dtype: torch.dtype, layout: str, tiers: str
+) -> None:
     """A packed batch mixing decode steps and prefill chunks, at both layers of 2 (tables differ per layer)."""
     fn = getattr(A, impl)
     h, hkv = heads
-    g = torch.Generator().manual_seed(bs + h + len(layout))
+    g = torch.Generator().manual_seed(bs + h + len(layout) + 7 * len(tiers))
     kv_lens = [1, 29, 301, 45, 2 * bs]
     query_lens = [1, 29, 1, 12, 5]
-    both = _tables(kv_lens * 2, bs, layout, g)  # the two layers' blocks are disjoint, as in the pool
-    tables = [both[: len(kv_lens)], both[len(kv_lens) :]]
-    p = Pool(bs, hkv, dtype, g)
+    both = _slot_tables(kv_lens * 2, bs, layout, g)  # the two layers' blocks are disjoint, as in the pool
+    placed = [_place(t, tiers, g) for t in both]
+    tables = [placed[: len(kv_lens)], placed[len(kv_lens) :]]
+    p = TwoPools(bs, hkv, dtype, g)
     for layer_tables in tables:
-        p.poison_tails(layer_tables, kv_lens)
+        p.fill(layer_tables, kv_lens)
     q = (2.0 * torch.randn(sum(query_lens), h, HEAD_DIM, generator=g)).to(dtype)
-    batch = _batch(tables, query_lens, kv_lens)
-    assert not batch.decode_only
-    if layout == "scattered":
-        assert max(len(r) for r in batch.runs[2]) > A.MAX_RUNS  # the gather path is exercised
     for layer in (0, 1):
-        got = fn(q, p.pool.k, p.pool.v, batch, layer, SCALE)
+        layer_kv = _layer_kv(tables[layer], query_lens, kv_lens)
+        if layout == "scattered":
+            assert len(layer_kv.runs[2]) > A.MAX_RUNS  # the gather path is exercised
+        if tiers in ("split", "mixed"):
+            assert {r[0] for r in layer_kv.runs[2]} == {HBM, DDR}  # one sequence reads both pools
+        got = fn(q, p.pools, layer_kv, SCALE)
         assert got.dtype == dtype
         assert_close_to_oracle(got, _oracle_batch(q, p, tables[layer], query_lens, kv_lens))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("layout", "tiers"), PLACEMENTS)
 @pytest.mark.parametrize("heads", GQA, ids=["gqa1", "gqa4"])
 @pytest.mark.parametrize("impl", ["paged_attention", "reference_attention"])
-def test_batched_decode_only(impl: str, heads: tuple[int, int], layout: str) -> None:
+def test_batched_decode_only(impl: str, heads: tuple[int, int], layout: str, tiers: str) -> None:
     fn = getattr(A, impl)
     h, hkv = heads
     bs = 16
-    g = torch.Generator().manual_seed(h + len(layout))
+    g = torch.Generator().manual_seed(h + len(layout) + 7 * len(tiers))
     kv_lens = [3, 16, 17, 200, 81]
-    tables = _tables(kv_lens, bs, layout, g)
-    p = Pool(bs, hkv, torch.float32, g)
-    p.poison_tails(tables, kv_lens)
+    tables = [_place(t, tiers, g) for t in _slot_tables(kv_lens, bs, layout, g)]
+    p = TwoPools(bs, hkv, torch.float32, g)
+    p.fill(tables, kv_lens)
     q = 2.0 * torch.randn(len(kv_lens), h, HEAD_DIM, generator=g)
-    batch = _batch([tables], [1] * len(kv_lens), kv_lens)
-    assert batch.decode_only
-    got = fn(q, p.pool.k, p.pool.v, batch, 0, SCALE)
+    got = fn(q, p.pools, _layer_kv(tables, [1] * len(kv_lens), kv_lens), SCALE)
     assert_close_to_oracle(got, _oracle_batch(q, p, tables, [1] * len(kv_lens), kv_lens))
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_run_attention_reads_runs_across_pools(n: int) -> None:
+    """`run_attention` on a hand-built mix: an HBM run, a DDR run of consecutive slots, a lone HBM
+    block, a DDR run ending in a partial block."""
+    bs, h, hkv = 16, 8, 2
+    g = torch.Generator().manual_seed(n)
+    table = [5, 6, 7, -(10 + 1), -(11 + 1), -(12 + 1), 40, -(3 + 1), -(4 + 1)]
+    kv_len = 8 * bs + 9
+    runs = _runs(table)
+    assert runs == [(HBM, 5, 3), (DDR, 10, 3), (HBM, 40, 1), (DDR, 3, 2)]
+    p = TwoPools(bs, hkv, torch.float32, g)
+    p.fill([table], [kv_len])
+    q = 2.0 * torch.randn(n, h, HEAD_DIM, generator=g)
+    got = A.run_attention(q, p.pools, runs, kv_len, SCALE)
+    assert_close_to_oracle(got, oracle(q, p, table, kv_len, SCALE))

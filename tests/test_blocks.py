@@ -1,25 +1,34 @@
-"""BlockManager bookkeeping under random allocate / append / free sequences (hypothesis, stateful).
+"""BlockManager bookkeeping under random allocate / append / move / free sequences (hypothesis, stateful).
 
 Besides `BlockManager.check_invariants`, the state machine keeps its own model of every sequence
-(its token count and the pool rows `append` returned for each token) and checks independently:
-no slot owned twice, free + used = capacity, tables point only at slots their sequence owns (in
-the layer's own region), the rows of earlier tokens never move, no two live tokens share a pool
-row, `runs` describes the tables exactly, and a failed append (OutOfBlocks) changes nothing.
+(its token count and, per layer and block, its HBM slot, its DDR slot and whether an archive copy
+exists) and checks independently, per pool (HBM, DDR): no slot owned twice, free + used =
+capacity, tables point only at slots their sequence owns (HBM slots in the layer's own region),
+the null slot is never handed out. Per block: every block is in at least one tier (HBM, DDR, or
+the archive for a full block); the last, partial block has exactly one home, in HBM or DDR.
+`append` places new blocks in the layer's HBM region while it has room, then in DDR, and returns
+rows that follow from the table (HBM slot * bs + offset, or -(DDR slot * bs + offset) - 1);
+`locations` and `runs` describe the tables exactly; a refused call (OutOfBlocks, or dropping the
+only copy of a block) changes nothing.
+
+The moves respect the tier manager's contract: only full blocks get a second copy or an archive
+copy; the partial last block moves between HBM and DDR as a whole (copy, then drop the old home).
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from h3d.errors import OutOfBlocks
-from h3d.kv.blocks import NULL_SLOT, BlockManager, SeqId
+from h3d.kv.blocks import NONE, NULL_SLOT, BlockManager, SeqId, Tier
 from h3d.kv.pool import KVPool
 
 
@@ -29,72 +38,250 @@ def _blocks(tokens: int, bs: int) -> int:
 
 def _snapshot(bm: BlockManager) -> tuple:
     tables = {}
-    for seq in range(-1, 8):
-        if bm.has(SeqId(seq)):
-            t = bm.table(SeqId(seq))
-            tables[seq] = (t.num_tokens, t.num_blocks, t.active().copy())
-    return bm.owner.copy(), [a.num_free for a in bm.allocators], tables
+    for seq, t in bm.tables().items():
+        nb = t.num_blocks
+        tables[seq] = (t.num_tokens, nb, t.hbm[:, :nb].tobytes(), t.ddr[:, :nb].tobytes(), t.archived[:, :nb].tobytes())
+    frees = [sorted(a.free_slots()) for a in [*bm.hbm_alloc, bm.ddr_alloc]]
+    return bm.hbm_owner.tobytes(), bm.ddr_owner.tobytes(), frees, tables
 
 
-def _same(a: tuple, b: tuple) -> bool:
-    owner_a, free_a, tables_a = a
-    owner_b, free_b, tables_b = b
-    if not np.array_equal(owner_a, owner_b) or free_a != free_b or tables_a.keys() != tables_b.keys():
-        return False
-    return all(tables_a[s][:2] == tables_b[s][:2] and np.array_equal(tables_a[s][2], tables_b[s][2]) for s in tables_a)
+@dataclass
+class SeqModel:
+    tokens: int
+    hbm: np.ndarray  # [L, nb]
+    ddr: np.ndarray  # [L, nb]
+    arch: np.ndarray  # [L, nb] bool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.hbm.shape[1]
 
 
 class BlockMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.bm: BlockManager
-        self.rows: dict[int, np.ndarray] = {}  # seq -> [L, tokens] rows returned by append
+        self.model: dict[int, SeqModel] = {}
 
-    @initialize(spl=st.integers(1, 12), layers=st.integers(1, 3), bs=st.sampled_from([1, 2, 3, 4, 16]))
-    def setup(self, spl: int, layers: int, bs: int) -> None:
-        self.spl, self.layers, self.bs = spl, layers, bs
-        self.bm = BlockManager(spl, layers, bs)
+    @initialize(
+        spl=st.integers(1, 8),
+        ddr=st.integers(0, 16),
+        layers=st.integers(1, 3),
+        bs=st.sampled_from([1, 2, 3, 4, 16]),
+    )
+    def setup(self, spl: int, ddr: int, layers: int, bs: int) -> None:
+        self.spl, self.ddr_cap, self.layers, self.bs = spl, ddr, layers, bs
+        self.bm = BlockManager(spl, ddr, layers, bs)
+        for seq in (0, 1):
+            self.open(seq)
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _pick(self, data: st.DataObject) -> tuple[int, int, SeqModel] | None:
+        if not self.model:
+            return None
+        seq = data.draw(st.sampled_from(sorted(self.model)), label="seq")
+        layer = data.draw(st.integers(0, self.layers - 1), label="layer")
+        return seq, layer, self.model[seq]
+
+    def _subset(self, data: st.DataObject, candidates: np.ndarray) -> np.ndarray | None:
+        if not len(candidates):
+            return None
+        chosen = data.draw(st.lists(st.sampled_from(candidates.tolist()), min_size=1, unique=True), label="blocks")
+        return np.array(sorted(chosen), dtype=np.int64)
+
+    def _full(self, m: SeqModel) -> int:
+        return m.tokens // self.bs
+
+    def _refused(self, exc: type[Exception], call: object, *args: object) -> None:
+        before = _snapshot(self.bm)
+        with pytest.raises(exc):
+            call(*args)  # type: ignore[operator]
+        assert _snapshot(self.bm) == before, "a refused call changed the bookkeeping"
+
+    # ---- rules -------------------------------------------------------------------------------
 
     @rule(seq=st.integers(0, 5))
     def open(self, seq: int) -> None:
-        if seq in self.rows:
-            before = _snapshot(self.bm)
-            with pytest.raises(ValueError):
-                self.bm.allocate(SeqId(seq))
-            assert _same(before, _snapshot(self.bm))
-        else:
-            table = self.bm.allocate(SeqId(seq))
-            assert table.num_tokens == 0 and table.num_blocks == 0
-            self.rows[seq] = np.zeros((self.layers, 0), dtype=np.int64)
+        if seq in self.model:
+            self._refused(ValueError, self.bm.allocate, SeqId(seq))
+            return
+        table = self.bm.allocate(SeqId(seq))
+        assert table.num_tokens == 0 and table.num_blocks == 0
+        empty = np.zeros((self.layers, 0), dtype=np.int64)
+        self.model[seq] = SeqModel(0, empty, empty.copy(), np.zeros((self.layers, 0), dtype=bool))
 
-    @rule(seq=st.integers(0, 5), n=st.integers(0, 40))
-    def append(self, seq: int, n: int) -> None:
-        if seq not in self.rows:
-            return
-        tokens = self.rows[seq].shape[1]
-        need = _blocks(tokens + n, self.bs) - _blocks(tokens, self.bs)
-        free_per_layer = [a.num_free for a in self.bm.allocators]
-        assert self.bm.blocks_needed(SeqId(seq), n) == need
-        fits = need <= min(free_per_layer)
-        assert self.bm.can_append(SeqId(seq), n) == fits
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), n=st.integers(0, 40))
+    def append(self, data: st.DataObject, n: int) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.model)), label="seq")
+        m, bs, bm = self.model[seq], self.bs, self.bm
+        need = _blocks(m.tokens + n, bs) - m.num_blocks
+        free = [a.num_free for a in bm.hbm_alloc]
+        ddr_free = bm.ddr_free
+        short = [max(need - f, 0) for f in free]
+        fits = sum(short) <= ddr_free
+        assert bm.blocks_needed(SeqId(seq), n) == need
+        assert bm.can_append(SeqId(seq), n) == fits
         if not fits:
-            before = _snapshot(self.bm)
-            with pytest.raises(OutOfBlocks):
-                self.bm.append(SeqId(seq), n)
-            assert _same(before, _snapshot(self.bm)), "a failed append changed the bookkeeping"
+            self._refused(OutOfBlocks, bm.append, SeqId(seq), n)
             return
-        rows = self.bm.append(SeqId(seq), n)
-        assert rows.shape == (self.layers, n)
-        assert rows.dtype == np.int64
-        # Each layer took exactly `need` new blocks from its own free list.
-        assert [a.num_free for a in self.bm.allocators] == [f - need for f in free_per_layer]
-        self.rows[seq] = np.concatenate([self.rows[seq], rows], axis=1)
+        rows = bm.append(SeqId(seq), n)
+        assert rows.shape == (self.layers, n) and rows.dtype == np.int64
+        # Each layer filled its own HBM region first, the rest went to DDR.
+        assert [a.num_free for a in bm.hbm_alloc] == [f - min(need, f) for f in free]
+        assert bm.ddr_free == ddr_free - sum(short)
+        start = m.tokens
+        new_hbm = np.full((self.layers, need), NONE, dtype=np.int64)
+        new_ddr = np.full((self.layers, need), NONE, dtype=np.int64)
+        for layer in range(self.layers):
+            for i in range(need):
+                row = int(rows[layer, (m.num_blocks + i) * bs - start])  # the new block's first token
+                if i < min(need, free[layer]):
+                    assert row >= 0 and row % bs == 0, "a new block should have gone to HBM"
+                    new_hbm[layer, i] = row // bs
+                else:
+                    assert row < 0 and (-row - 1) % bs == 0, "a new block should have gone to DDR"
+                    new_ddr[layer, i] = (-row - 1) // bs
+        m.hbm = np.concatenate([m.hbm, new_hbm], axis=1)
+        m.ddr = np.concatenate([m.ddr, new_ddr], axis=1)
+        m.arch = np.concatenate([m.arch, np.zeros((self.layers, need), dtype=bool)], axis=1)
+        m.tokens += n
+        # Every new token's row is in its block's one home (the partial block has one).
+        pos = np.arange(start, start + n)
+        b, off = pos // bs, pos % bs
+        home = np.where(m.hbm[:, b] != NONE, m.hbm[:, b] * bs + off, -(m.ddr[:, b] * bs + off) - 1)
+        assert np.array_equal(rows, home), "append's rows do not follow from the table"
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def add_hbm(self, data: st.DataObject) -> None:
+        self._add(data, Tier.HBM)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def add_ddr(self, data: st.DataObject) -> None:
+        self._add(data, Tier.DDR)
+
+    def _add(self, data: st.DataObject, tier: Tier) -> None:
+        """A second copy of full blocks (promotion to HBM, or a DDR copy of an HBM block)."""
+        picked = self._pick(data)
+        if picked is None:
+            return
+        seq, layer, m = picked
+        mine = m.hbm if tier is Tier.HBM else m.ddr
+        full = self._full(m)
+        blocks = self._subset(data, np.flatnonzero(mine[layer, :full] == NONE))
+        if blocks is None:
+            return
+        bm = self.bm
+        alloc = bm.hbm_alloc[layer] if tier is Tier.HBM else bm.ddr_alloc
+        add = bm.add_hbm if tier is Tier.HBM else bm.add_ddr
+        if len(blocks) > alloc.num_free:
+            self._refused(OutOfBlocks, add, SeqId(seq), layer, blocks)
+            return
+        free_before = set(alloc.free_slots())
+        slots = add(SeqId(seq), layer, blocks)
+        assert len(slots) == len(blocks) and set(slots.tolist()) <= free_before, "handed out a slot that was not free"
+        mine[layer, blocks] = slots
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def drop_hbm(self, data: st.DataObject) -> None:
+        picked = self._pick(data)
+        if picked is None:
+            return
+        seq, layer, m = picked
+        blocks = self._subset(data, np.flatnonzero(m.hbm[layer] != NONE))
+        if blocks is None:
+            return
+        in_ddr = m.ddr[layer, blocks] != NONE
+        archived = m.arch[layer, blocks] & (blocks < self._full(m))
+        if not (in_ddr | archived).all():  # the only copy of some block
+            self._refused(RuntimeError, self.bm.drop_hbm, SeqId(seq), layer, blocks)
+            return
+        if not in_ddr.all():
+            # Only an archive copy would remain: the manager never does this (it demotes to DDR),
+            # and BlockManager may refuse it. Either way the bookkeeping must stay consistent.
+            before = _snapshot(self.bm)
+            try:
+                self.bm.drop_hbm(SeqId(seq), layer, blocks)
+            except RuntimeError:
+                assert _snapshot(self.bm) == before
+                return
+        else:
+            self.bm.drop_hbm(SeqId(seq), layer, blocks)
+        m.hbm[layer, blocks] = NONE
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def drop_ddr(self, data: st.DataObject) -> None:
+        picked = self._pick(data)
+        if picked is None:
+            return
+        seq, layer, m = picked
+        blocks = self._subset(data, np.flatnonzero(m.ddr[layer] != NONE))
+        if blocks is None:
+            return
+        other = (m.hbm[layer, blocks] != NONE) | (m.arch[layer, blocks] & (blocks < self._full(m)))
+        if not other.all():
+            self._refused(RuntimeError, self.bm.drop_ddr, SeqId(seq), layer, blocks)
+            return
+        self.bm.drop_ddr(SeqId(seq), layer, blocks)
+        m.ddr[layer, blocks] = NONE
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def set_archived(self, data: st.DataObject) -> None:
+        """Archive full blocks, or forget the archive copy of full blocks that have another copy."""
+        picked = self._pick(data)
+        if picked is None:
+            return
+        seq, layer, m = picked
+        full = self._full(m)
+        value = data.draw(st.booleans(), label="value")
+        if value:
+            candidates = np.arange(full)
+        else:
+            candidates = np.flatnonzero((m.hbm[layer, :full] != NONE) | (m.ddr[layer, :full] != NONE))
+        blocks = self._subset(data, candidates)
+        if blocks is None:
+            return
+        self.bm.set_archived(SeqId(seq), layer, blocks, value)
+        m.arch[layer, blocks] = value
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def move(self, data: st.DataObject) -> None:
+        """Move blocks (the partial last one included) to the other pool: copy, then drop the old home,
+        as the tier manager demotes an idle session's blocks or stages them back."""
+        picked = self._pick(data)
+        if picked is None:
+            return
+        seq, layer, m = picked
+        down = data.draw(st.booleans(), label="down")
+        src, dst = (m.hbm, m.ddr) if down else (m.ddr, m.hbm)
+        blocks = self._subset(data, np.flatnonzero(src[layer] != NONE))
+        if blocks is None:
+            return
+        bm = self.bm
+        copy = blocks[dst[layer, blocks] == NONE]
+        alloc = bm.ddr_alloc if down else bm.hbm_alloc[layer]
+        if len(copy) > alloc.num_free:
+            return
+        add, drop = (bm.add_ddr, bm.drop_hbm) if down else (bm.add_hbm, bm.drop_ddr)
+        if len(copy):
+            dst[layer, copy] = add(SeqId(seq), layer, copy)
+        drop(SeqId(seq), layer, blocks)
+        src[layer, blocks] = NONE
 
     @rule(seq=st.integers(0, 6))
     def free(self, seq: int) -> None:
         self.bm.free(SeqId(seq))  # unknown sequences: a no-op
-        self.rows.pop(seq, None)
+        self.model.pop(seq, None)
         assert not self.bm.has(SeqId(seq))
+
+    # ---- invariants --------------------------------------------------------------------------
 
     @invariant()
     def builtin_invariants(self) -> None:
@@ -102,61 +289,79 @@ class BlockMachine(RuleBasedStateMachine):
             self.bm.check_invariants()
 
     @invariant()
-    def independent_invariants(self) -> None:
+    def tables_match_the_model(self) -> None:
         if not hasattr(self, "bm"):
             return
-        bm, bs, spl = self.bm, self.bs, self.spl
-        owner = bm.owner
-        assert len(owner) == 1 + spl * self.layers == bm.num_slots
-        assert owner[NULL_SLOT] == -1, "the null slot was handed out"
-        seen: set[int] = set()
-        all_rows: list[np.ndarray] = []
-        for seq, rows in self.rows.items():
-            table = bm.table(SeqId(seq))
-            tokens = rows.shape[1]
-            assert table.num_tokens == tokens
-            assert table.num_blocks == _blocks(tokens, bs)
-            active = table.active()
-            assert active.shape == (self.layers, table.num_blocks)
-            for layer in range(self.layers):
+        bm = self.bm
+        assert sorted(int(s) for s in bm.tables()) == sorted(self.model)
+        for seq, m in self.model.items():
+            t = bm.table(SeqId(seq))
+            nb = m.num_blocks
+            assert t.num_tokens == m.tokens and t.num_blocks == nb == _blocks(m.tokens, self.bs)
+            assert np.array_equal(t.hbm[:, :nb], m.hbm), f"seq {seq}: HBM slots differ from the model"
+            assert np.array_equal(t.ddr[:, :nb], m.ddr), f"seq {seq}: DDR slots differ from the model"
+            assert np.array_equal(t.archived[:, :nb], m.arch), f"seq {seq}: archive flags differ from the model"
+            assert (t.hbm[:, nb:] == NONE).all() and (t.ddr[:, nb:] == NONE).all()
+
+    @invariant()
+    def pools_are_consistent(self) -> None:
+        if not hasattr(self, "bm"):
+            return
+        bm, spl, layers = self.bm, self.spl, self.layers
+        assert len(bm.hbm_owner) == 1 + spl * layers == bm.num_slots
+        assert len(bm.ddr_owner) == 1 + self.ddr_cap
+        for name, owner in (("HBM", bm.hbm_owner), ("DDR", bm.ddr_owner)):
+            assert owner[NULL_SLOT] == -1, f"{name}: the null slot was handed out"
+        used_hbm = [0] * layers
+        seen: dict[str, set[int]] = {"HBM": set(), "DDR": set()}
+        for seq, m in self.model.items():
+            for name, slots, owner in (("HBM", m.hbm, bm.hbm_owner), ("DDR", m.ddr, bm.ddr_owner)):
+                flat = slots[slots != NONE].tolist()
+                assert NULL_SLOT not in flat, f"{name}: a block sits in the null slot"
+                assert len(set(flat)) == len(flat) and not (seen[name] & set(flat)), f"{name}: a slot owned twice"
+                seen[name].update(flat)
+                assert (owner[flat] == seq).all(), f"{name}: a table points at a slot its sequence does not own"
+            for layer in range(layers):
+                row = m.hbm[layer][m.hbm[layer] != NONE]
                 first = 1 + layer * spl
-                assert ((active[layer] >= first) & (active[layer] < first + spl)).all(), "slot outside its layer"
-            flat = active.reshape(-1).tolist()
-            assert NULL_SLOT not in flat
-            assert len(set(flat)) == len(flat), f"seq {seq} holds a slot twice"
-            assert not (seen & set(flat)), "a slot is owned by two sequences"
-            seen.update(flat)
-            assert (owner[active] == seq).all(), "a table points at a slot its sequence does not own"
-            # The rows handed out for every token still follow from the table: slot * bs + offset.
-            pos = np.arange(tokens)
-            assert np.array_equal(rows, active[:, pos // bs] * bs + pos % bs), "a token's row moved"
-            all_rows.append(rows.reshape(-1))
-            # runs(): maximal runs of consecutive slots that expand back to the table.
-            runs = bm.runs(SeqId(seq))
-            assert len(runs) == self.layers
-            for layer, layer_runs in enumerate(runs):
-                expanded = [s + i for s, c in layer_runs for i in range(c)]
-                assert expanded == active[layer].tolist()
-                assert all(c >= 1 for _, c in layer_runs)
-                for (s0, c0), (s1, _) in itertools.pairwise(layer_runs):
-                    assert s1 != s0 + c0, "two runs should have been one"
-        used = int((owner != -1).sum())
-        assert used == len(seen), "a used slot belongs to no table"
-        free_total = sum(a.num_free for a in bm.allocators)
-        assert free_total + used == spl * self.layers, "free + used != capacity"
-        assert bm.num_free == min(a.num_free for a in bm.allocators)
-        rows = np.concatenate(all_rows) if all_rows else np.zeros(0, dtype=np.int64)
-        assert len(np.unique(rows)) == len(rows), "two live tokens share a pool row"
-        assert not (rows // bs == NULL_SLOT).any(), "a token was placed in the null slot"
-        if self.rows:
-            seqs = [SeqId(s) for s in self.rows]
-            padded = bm.padded_tables(seqs)
-            width = max(1, max(bm.table(s).num_blocks for s in seqs))
-            assert padded.shape == (self.layers, len(seqs), width)
-            for i, s in enumerate(seqs):
-                nb = bm.table(s).num_blocks
-                assert np.array_equal(padded[:, i, :nb], bm.table(s).active())
-                assert (padded[:, i, nb:] == NULL_SLOT).all()
+                assert ((row >= first) & (row < first + spl)).all(), "an HBM slot outside its layer's region"
+                used_hbm[layer] += len(row)
+        for layer, alloc in enumerate(bm.hbm_alloc):
+            assert alloc.num_free + used_hbm[layer] == spl, f"HBM layer {layer}: free + used != capacity"
+        assert int((bm.hbm_owner != -1).sum()) == len(seen["HBM"]), "HBM: a used slot belongs to no table"
+        assert int((bm.ddr_owner != -1).sum()) == len(seen["DDR"]), "DDR: a used slot belongs to no table"
+        assert bm.ddr_free + len(seen["DDR"]) == self.ddr_cap, "DDR: free + used != capacity"
+        assert bm.num_free == min(a.num_free for a in bm.hbm_alloc)
+
+    @invariant()
+    def every_block_is_somewhere(self) -> None:
+        for seq, m in self.model.items():
+            full = self._full(m)
+            in_hbm, in_ddr = m.hbm != NONE, m.ddr != NONE
+            assert (in_hbm[:, :full] | in_ddr[:, :full] | m.arch[:, :full]).all(), f"seq {seq}: a block in no tier"
+            if m.tokens % self.bs:
+                last = m.num_blocks - 1
+                assert (in_hbm[:, last] ^ in_ddr[:, last]).all(), f"seq {seq}: the partial block needs one home"
+                assert not m.arch[:, last].any()
+
+    @invariant()
+    def locations_and_runs(self) -> None:
+        for seq, m in self.model.items():
+            t = self.bm.table(SeqId(seq))
+            for layer in range(self.layers):
+                want = np.where(m.hbm[layer] != NONE, m.hbm[layer], -(m.ddr[layer] + 1))
+                readable = ((m.hbm[layer] != NONE) | (m.ddr[layer] != NONE)).all()
+                if not readable:  # some block is only in the archive: staging must come first
+                    with pytest.raises(RuntimeError):
+                        self.bm.runs(SeqId(seq), layer)
+                    continue
+                assert np.array_equal(t.locations(layer), want)
+                runs = self.bm.runs(SeqId(seq), layer)
+                expanded = [s + i if tier == Tier.HBM else -(s + i) - 1 for tier, s, c in runs for i in range(c)]
+                assert expanded == want.tolist(), "runs do not expand back to the locations"
+                assert all(c >= 1 for _, _, c in runs)
+                for (t0, s0, c0), (t1, s1, _) in itertools.pairwise(runs):
+                    assert not (t0 == t1 and s1 == s0 + c0), "two runs should have been one"
 
 
 TestBlockMachine = BlockMachine.TestCase
@@ -166,38 +371,51 @@ TestBlockMachine.settings = settings(
 
 
 def test_append_rows_are_slot_times_block_size_plus_offset() -> None:
-    bm = BlockManager(slots_per_layer=8, num_layers=2, block_size=4)
+    bm = BlockManager(hbm_slots_per_layer=8, ddr_slots=0, num_layers=2, block_size=4)
     bm.allocate(SeqId(7))
     first = bm.append(SeqId(7), 5)  # tokens 0..4: two blocks per layer
     assert first.shape == (2, 5)
     table = bm.table(SeqId(7))
     assert table.num_blocks == 2 and table.num_tokens == 5
-    for layer in range(2):
-        for j in range(5):
-            assert first[layer, j] == table.slots[layer, j // 4] * 4 + j % 4
     # A fresh pool hands each layer its lowest slots, in order: layer l's region starts at 1 + 8l.
-    assert table.active().tolist() == [[1, 2], [9, 10]]
+    assert table.hbm[:, :2].tolist() == [[1, 2], [9, 10]]
+    assert (table.ddr[:, :2] == NONE).all()
     assert first.tolist() == [[4, 5, 6, 7, 8], [36, 37, 38, 39, 40]]
     second = bm.append(SeqId(7), 6)  # tokens 5..10: fills block 1, opens block 2
-    assert second.shape == (2, 6)
     assert table.num_blocks == 3 and table.num_tokens == 11
     for layer in range(2):
         for j, p in enumerate(range(5, 11)):
-            assert second[layer, j] == table.slots[layer, p // 4] * 4 + p % 4
-    assert not set(first.reshape(-1).tolist()) & set(second.reshape(-1).tolist())
-    assert bm.runs(SeqId(7)) == [[(1, 3)], [(9, 3)]]
+            assert second[layer, j] == table.hbm[layer, p // 4] * 4 + p % 4
+    assert bm.runs(SeqId(7), 0) == [(Tier.HBM, 1, 3)] and bm.runs(SeqId(7), 1) == [(Tier.HBM, 9, 3)]
     empty = bm.append(SeqId(7), 0)
     assert empty.shape == (2, 0) and table.num_tokens == 11 and table.num_blocks == 3
     bm.check_invariants()
 
 
+def test_append_spills_to_ddr_when_the_layer_region_is_full() -> None:
+    bm = BlockManager(hbm_slots_per_layer=2, ddr_slots=6, num_layers=2, block_size=4)
+    bm.allocate(SeqId(1))
+    rows = bm.append(SeqId(1), 13)  # 4 blocks per layer: 2 in HBM, 2 in DDR
+    t = bm.table(SeqId(1))
+    assert t.hbm[:, :4].tolist() == [[1, 2, NONE, NONE], [3, 4, NONE, NONE]]
+    assert t.ddr[:, :4].tolist() == [[NONE, NONE, 1, 2], [NONE, NONE, 3, 4]]
+    assert t.locations(0).tolist() == [1, 2, -2, -3]
+    assert bm.runs(SeqId(1), 0) == [(Tier.HBM, 1, 2), (Tier.DDR, 1, 2)]
+    assert bm.runs(SeqId(1), 1) == [(Tier.HBM, 3, 2), (Tier.DDR, 3, 2)]
+    assert rows[0, :8].tolist() == list(range(4, 12))  # HBM rows
+    assert rows[0, 8:].tolist() == [-(4 * 1 + i) - 1 for i in range(4)] + [-(4 * 2) - 1]  # DDR rows
+    assert bm.num_free == 0 and bm.ddr_free == 2
+    assert bm.can_append(SeqId(1), 7) and not bm.can_append(SeqId(1), 8)  # 1 new block per layer fits, 2 do not
+    bm.check_invariants()
+
+
 def test_out_of_blocks_changes_nothing_and_free_restores_capacity() -> None:
-    bm = BlockManager(slots_per_layer=3, num_layers=2, block_size=4)
+    bm = BlockManager(hbm_slots_per_layer=3, ddr_slots=2, num_layers=2, block_size=4)
     bm.allocate(SeqId(1))
     bm.allocate(SeqId(2))
     bm.append(SeqId(1), 8)  # 2 blocks per layer
-    bm.append(SeqId(2), 4)  # 1 block per layer: the pool is full
-    assert bm.num_free == 0
+    bm.append(SeqId(2), 8)  # 2 blocks per layer: 1 in HBM, 1 in DDR, for each layer
+    assert bm.num_free == 0 and bm.ddr_free == 0
     assert not bm.can_append(SeqId(2), 1)
     assert bm.can_append(SeqId(2), 0)
     before = _snapshot(bm)
@@ -205,41 +423,100 @@ def test_out_of_blocks_changes_nothing_and_free_restores_capacity() -> None:
         bm.append(SeqId(2), 1)
     with pytest.raises(OutOfBlocks):
         bm.append(SeqId(1), 100)
-    assert _same(before, _snapshot(bm))
+    assert _snapshot(bm) == before
     bm.check_invariants()
     bm.free(SeqId(1))
     assert bm.num_free == 2
-    rows = bm.append(SeqId(2), 8)  # now fits: two more blocks per layer
-    assert rows.shape == (2, 8)
+    rows = bm.append(SeqId(2), 8)  # now fits: two more blocks per layer, in HBM
+    assert rows.shape == (2, 8) and (rows >= 0).all()
     bm.free(SeqId(2))
-    assert bm.num_free == 3 and all(a.num_free == 3 for a in bm.allocators)
-    assert (bm.owner == -1).all()
+    assert bm.num_free == 3 and all(a.num_free == 3 for a in bm.hbm_alloc) and bm.ddr_free == 2
+    assert (bm.hbm_owner == -1).all() and (bm.ddr_owner == -1).all()
+    bm.check_invariants()
+
+
+def test_dropping_the_only_copy_raises() -> None:
+    bm = BlockManager(hbm_slots_per_layer=4, ddr_slots=4, num_layers=1, block_size=4)
+    seq = SeqId(1)
+    bm.allocate(seq)
+    bm.append(seq, 6)  # block 0 full, block 1 partial; both in HBM
+    b0, b1 = np.array([0]), np.array([1])
+    with pytest.raises(RuntimeError, match="block 0"):
+        bm.drop_hbm(seq, 0, b0)
+    bm.add_ddr(seq, 0, b0)
+    bm.drop_hbm(seq, 0, b0)  # the DDR copy remains
+    with pytest.raises(RuntimeError, match="block 0"):
+        bm.drop_ddr(seq, 0, b0)
+    bm.set_archived(seq, 0, b0)
+    bm.drop_ddr(seq, 0, b0)  # a full block may live in the archive only
+    bm.check_invariants()
+    with pytest.raises(RuntimeError):
+        bm.runs(seq, 0)  # ... but it is not readable until staged back
+    bm.add_ddr(seq, 0, b0)
+    assert bm.runs(seq, 0) == [(Tier.DDR, 1, 1), (Tier.HBM, 2, 1)]
+    # The partial block: moved whole to DDR, its archive flag never counts as a copy.
+    bm.add_ddr(seq, 0, b1)
+    bm.drop_hbm(seq, 0, b1)
+    bm.set_archived(seq, 0, b1)
+    with pytest.raises(RuntimeError, match="block 1"):
+        bm.drop_ddr(seq, 0, b1)
+    bm.check_invariants()
+
+
+def test_unarchiving_the_only_copy_raises() -> None:
+    """set_archived(..., False) forgets the archive copy: like the drops, it must refuse to forget the
+    only copy of a block.
+
+    (h3d bug: BlockManager.set_archived does not check, so a block can end up in no tier and only
+    check_invariants notices, later.)
+    """
+    bm = BlockManager(hbm_slots_per_layer=4, ddr_slots=4, num_layers=1, block_size=4)
+    seq = SeqId(1)
+    bm.allocate(seq)
+    bm.append(seq, 4)
+    b0 = np.array([0])
+    bm.add_ddr(seq, 0, b0)
+    bm.drop_hbm(seq, 0, b0)
+    bm.set_archived(seq, 0, b0)
+    bm.drop_ddr(seq, 0, b0)  # archive only
+    with pytest.raises(RuntimeError, match="block 0"):
+        bm.set_archived(seq, 0, b0, False)
     bm.check_invariants()
 
 
 def test_rows_give_every_token_its_own_pool_storage() -> None:
-    """K/V written through KVPool.write at append's rows all survive: no two tokens share storage.
+    """K/V written through KVPool.write at append's rows (HBM rows >= 0, DDR rows < 0) all survive:
+    no two tokens share storage, in either pool.
 
     (Layout-agnostic: the values are compared as a multiset; attention and model tests check that
     the right values are read back at the right positions.)
     """
     bs, hkv, d = 4, 2, 3
-    bm = BlockManager(slots_per_layer=6, num_layers=2, block_size=bs)
-    pool = KVPool(bm.num_slots, bs, hkv, d, torch.float32, torch.device("cpu"))
+    bm = BlockManager(hbm_slots_per_layer=3, ddr_slots=8, num_layers=2, block_size=bs)
+    pools = [KVPool(n, bs, hkv, d, torch.float32, torch.device("cpu")) for n in (bm.num_slots, len(bm.ddr_owner))]
+    for p in pools:
+        p.k.zero_()
+        p.v.zero_()
     for seq in (1, 2):
         bm.allocate(SeqId(seq))
     written_k, written_v = [], []
     g = torch.Generator().manual_seed(0)
-    for seq, n in ((1, 3), (2, 6), (1, 5), (2, 1), (1, 4)):
+    saw_ddr = False
+    for seq, n in ((1, 3), (2, 6), (1, 5), (2, 1), (1, 4), (2, 9)):
         rows = bm.append(SeqId(seq), n)
+        saw_ddr |= bool((rows < 0).any())
         for layer in range(2):
             k = torch.rand(n, hkv, d, generator=g) + 1.0  # nonzero, distinct
             v = -k - 1.0
-            pool.write(torch.from_numpy(rows[layer]), k, v)
+            r = torch.from_numpy(rows[layer])
+            hbm = r >= 0
+            pools[0].write(r[hbm], k[hbm], v[hbm])
+            pools[1].write(-r[~hbm] - 1, k[~hbm], v[~hbm])
             written_k.append(k.reshape(-1))
             written_v.append(v.reshape(-1))
-    want_k = torch.cat(written_k).sort().values
-    want_v = torch.cat(written_v).sort().values
-    assert torch.equal(pool.k[pool.k != 0].sort().values, want_k)
-    assert torch.equal(pool.v[pool.v != 0].sort().values, want_v)
+    assert saw_ddr
+    got_k = torch.cat([p.k[p.k != 0] for p in pools]).sort().values
+    got_v = torch.cat([p.v[p.v != 0] for p in pools]).sort().values
+    assert torch.equal(got_k, torch.cat(written_k).sort().values)
+    assert torch.equal(got_v, torch.cat(written_v).sort().values)
     bm.check_invariants()

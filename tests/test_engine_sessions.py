@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
-from h3d.engine.session import AppendDone, FinishReason, GenerationDone, PrefillProgress, TokenDelta
+from h3d.engine.session import AppendDone, FinishReason, GenerationDone, PrefillProgress, SessionId, TokenDelta
 from h3d.errors import ConfigError, ContextTooLong, InvalidRequest, ModelLoadError, OutOfBlocks, SessionNotFound
 from h3d.model.loader import load_model
 from h3d.model.tokenizer import Tokenizer
@@ -249,20 +249,62 @@ def test_cancel_finishes_with_cancelled(engine: Engine) -> None:
     engine.close_session(sid)
 
 
+def _kv_of(engine: Engine, sid: SessionId) -> list[torch.Tensor]:
+    """Copies of the session's K/V bytes, block by block, wherever each block lives (HBM or DDR)."""
+    runner = engine.runner
+    t = runner.blocks.table(engine.session(sid).seq)
+    out = []
+    for layer in range(runner.blocks.num_layers):
+        for j in range(t.num_blocks):
+            pool, slot = (runner.hbm, t.hbm[layer, j]) if t.hbm[layer, j] >= 0 else (runner.ddr, t.ddr[layer, j])
+            out += [pool.k[:, int(slot)].clone(), pool.v[:, int(slot)].clone()]
+    return out
+
+
+def _refused(engine: Engine, sid: SessionId, ids: list[int]) -> None:
+    """An append the tiers cannot hold fails with OutOfBlocks, at submit (admission) or at a step."""
+    with pytest.raises(OutOfBlocks):
+        engine.submit(sid, token_ids=ids, generate=False)
+        while engine.has_work:
+            engine.step()
+    assert not engine.has_work and not engine.session(sid).busy
+
+
 def test_out_of_blocks_fails_the_request_not_the_engine(checkpoint: Callable[[str], Path]) -> None:
     # llama_gqa4_tied: a slot is 2 (K, V) x 16 tokens x 2 heads x 16 x 4 B = 4 KiB; 3 layers.
-    engine = make_engine(checkpoint(MODEL), hbm_mb=12 * 4096 / 2**20)  # 4 slots per layer: 64 tokens
-    assert capacity(engine) == 4
+    # HBM: 4 slots per layer (64 tokens); DDR: 2 slots; no ssd_path, so nothing can spill further.
+    slot_mb = 4096 / 2**20
+    engine = make_engine(checkpoint(MODEL), hbm_mb=12 * slot_mb, ddr_mb=2 * slot_mb)
+    assert capacity(engine) == 4 and engine.runner.blocks.ddr_alloc.capacity == 2
+    prompt = random_prompt(20, VOCAB_SIZE, seed=6)
+    kept = engine.create_session()
+    engine.append(kept, token_ids=prompt)  # 2 blocks per layer: 6 of the 14 blocks
+    kv_before = _kv_of(engine, kept)
     big = engine.create_session()
-    with pytest.raises(OutOfBlocks):
-        engine.append(big, token_ids=random_prompt(100, VOCAB_SIZE, seed=5))
-    assert not engine.has_work and not engine.session(big).busy
+    # 100 tokens: 7 blocks per layer, more than HBM (4 per layer) + DDR (2) can hold at once.
+    _refused(engine, big, random_prompt(100, VOCAB_SIZE, seed=5))
+    # 50 tokens: 4 blocks per layer would fit alone, not next to the stored session (6 + 12 > 14).
+    _refused(engine, big, random_prompt(50, VOCAB_SIZE, seed=7))
+    assert engine.session(big).tokens == [] and engine.cached_tokens(big) == 0
+    # Nothing stored was dropped: the first session's context and KV bytes are as they were ...
+    assert engine.session(kept).tokens == prompt and engine.cached_tokens(kept) == 19  # the last one is fed later
+    after = _kv_of(engine, kept)
+    assert len(after) == len(kv_before) and all(torch.equal(a, b) for a, b in zip(after, kv_before, strict=True))
+    engine.runner.tiers.check()
+    # ... and it continues exactly as the same prompt does on an engine with room to spare.
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    roomy = make_engine(checkpoint(MODEL))
+    ref_sid = roomy.create_session()
+    roomy.append(ref_sid, token_ids=prompt)
+    want = roomy.complete(ref_sid, "", params).token_ids
+    assert engine.complete(kept, "", params).token_ids == want
+    # The engine keeps working: a session that fits generates.
     small = engine.create_session()
     done = engine.complete(small, "Hi", SamplingParams(max_tokens=5, ignore_eos=True))
     assert len(done.token_ids) == 5
-    engine.close_session(big)
-    engine.close_session(small)
-    assert engine.runner.blocks.num_free == 4
+    for sid in (big, small, kept):
+        engine.close_session(sid)
+    assert engine.runner.blocks.num_free == 4 and engine.runner.blocks.ddr_free == 2
 
 
 def test_engine_config_errors(checkpoint: Callable[[str], Path]) -> None:
@@ -276,6 +318,12 @@ def test_engine_config_errors(checkpoint: Callable[[str], Path]) -> None:
         {"device": "tpu"},
         {"dtype": "int8"},
         {"no_such_key": 1},
+        {"ddr_mb": -1},
+        {"ssd_codec": "lz4"},
+        {"ddr_high_watermark": 0},
+        {"ddr_high_watermark": 1.5},
+        {"policy": "no-such-policy"},
+        {"quantize_skip_layers": (-1,)},
     ):
         with pytest.raises(ConfigError):
             EngineConfig.build(model=model, **bad)

@@ -24,9 +24,7 @@ import torch
 from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
 from h3d.engine.session import TokenDelta
-
-MARK_START = "<!-- bench-cpu:start -->"
-MARK_END = "<!-- bench-cpu:end -->"
+from h3d.model.llama import Linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +70,24 @@ def _hf_run(model: torch.nn.Module, ids: list[int], decode_tokens: int) -> tuple
     return len(ids) / prefill_s, statistics.median(steps) * 1000
 
 
-def run(model_dir: str, contexts: list[int], decode_tokens: int, repeats: int) -> list[Row]:
+@torch.inference_mode()
+def weight_floor_ms(engine: Engine, repeats: int = 5) -> float:
+    """One decode step's weight reads alone: every projection and the LM head applied to one row."""
+    mats = [m.weight_t for m in engine.model.modules() if isinstance(m, Linear)]
+    rows = {w.shape[0]: torch.randn(1, w.shape[0], dtype=w.dtype) for w in mats}
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for w in mats:
+            rows[w.shape[0]] @ w
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1000
+
+
+def run(model_dir: str, contexts: list[int], decode_tokens: int, repeats: int) -> tuple[list[Row], float]:
     from transformers import AutoModelForCausalLM
 
-    engine = Engine(EngineConfig.build(model=model_dir, hbm_mb=4096))
+    engine = Engine(EngineConfig.build(model=model_dir, hbm_mb=4096, policy="exact"))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -97,7 +109,7 @@ def run(model_dir: str, contexts: list[int], decode_tokens: int, repeats: int) -
             )
         )
         print(_table(rows[-1:]), flush=True)
-    return rows
+    return rows, weight_floor_ms(engine)
 
 
 def _table(rows: list[Row]) -> str:
@@ -115,12 +127,14 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _write(path: Path, section: str) -> None:
+def _write(path: Path, section: str, mark: str = "bench-cpu") -> None:
+    """Replace the text between `<!-- mark:start -->` and `<!-- mark:end -->` (or append it)."""
+    start, end = f"<!-- {mark}:start -->", f"<!-- {mark}:end -->"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{MARK_START}\n{section}\n{MARK_END}"
-    if MARK_START in text and MARK_END in text:
-        head, rest = text.split(MARK_START, 1)
-        text = head + block + rest.split(MARK_END, 1)[1]
+    block = f"{start}\n{section}\n{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
@@ -134,8 +148,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--write", type=Path, default=None, help="update this markdown file's CPU table")
     args = parser.parse_args()
-    rows = run(args.model, args.contexts, args.decode_tokens, args.repeats)
-    table = _table(rows)
+    rows, floor = run(args.model, args.contexts, args.decode_tokens, args.repeats)
+    table = _table(rows) + (
+        f"\n\nWeight-read floor of one decode step (every projection and the LM head applied to one row, "
+        f"no attention, no other op): {floor:.1f} ms."
+    )
     print(table)
     if args.write:
         import transformers

@@ -14,10 +14,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
-from h3d.config import EngineConfig
+from h3d.config import POLICIES, EngineConfig
 from h3d.engine.detok import IncrementalDetokenizer
 from h3d.engine.runner import Chunk, ModelRunner
 from h3d.engine.sampling import SamplingParams, make_generator, sample_batch
@@ -33,13 +34,15 @@ from h3d.engine.session import (
     SessionId,
     TokenDelta,
 )
-from h3d.errors import ContextTooLong, InvalidRequest, OutOfBlocks, SessionNotFound
+from h3d.errors import ConfigError, ContextTooLong, InvalidRequest, OutOfBlocks, SessionNotFound
 from h3d.kv.blocks import SeqId
 from h3d.kv.pool import KVPool
+from h3d.model.fingerprint import model_fingerprint
 from h3d.model.loader import load_model
 from h3d.model.tokenizer import Tokenizer
-
-POLICIES = ("exact",)
+from h3d.tiers.archive import Archive, CacheIdentity
+from h3d.tiers.codecs import Codec
+from h3d.tiers.stats import TierStats
 
 
 class Engine:
@@ -48,10 +51,21 @@ class Engine:
         self.model = load_model(config.model, config.resolved_dtype, config.device)
         self.tokenizer = Tokenizer(config.model)
         mc = self.model.config
-        num_slots = KVPool.slots_for_budget(
-            config.hbm_mb, config.block_size, mc.num_kv_heads, mc.head_dim, self.model.lm_head.weight_t.dtype
+        dtype = self.model.lm_head.weight_t.dtype
+        hbm_slots = KVPool.slots_for_budget(config.hbm_mb, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        ddr_slots = KVPool.slots_for_budget(config.ddr_mb, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        if hbm_slots < mc.num_layers:
+            raise ConfigError(f"hbm_mb: {config.hbm_mb} MiB holds fewer than one KV block per layer")
+        self.runner = ModelRunner(
+            self.model,
+            hbm_slots // mc.num_layers,
+            ddr_slots,
+            config.block_size,
+            archive=self._open_archive(),
+            high_watermark=config.ddr_high_watermark,
+            check_invariants=config.check_invariants,
+            hbf=config.hbf,
         )
-        self.runner = ModelRunner(self.model, num_slots // mc.num_layers, config.block_size, config.check_invariants)
         self.max_context = config.max_context_tokens or mc.max_position_embeddings
         self.eos_ids = frozenset(mc.eos_token_ids)
         self.sessions: dict[SessionId, Session] = {}
@@ -59,12 +73,36 @@ class Engine:
         self._seq_ids = itertools.count(1)
         self._request_ids = itertools.count(1)
 
+    def _open_archive(self) -> Archive | None:
+        cfg = self.config
+        if cfg.ssd_path is None:
+            return None
+        mc = self.model.config
+        identity = CacheIdentity(
+            fingerprint=model_fingerprint(cfg.model),
+            dtype=cfg.resolved_dtype,
+            block_size=cfg.block_size,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+        )
+        return Archive(Path(cfg.ssd_path), identity, Codec(cfg.ssd_codec), frozenset(cfg.quantize_skip_layers))
+
+    def tier_stats(self) -> TierStats:
+        """The tier layer's counters and occupancy (see h3d.tiers.stats)."""
+        return self.runner.tiers.stats()
+
+    def close(self) -> None:
+        """Finish archive writes in flight and release the archive (its folder stays)."""
+        self.runner.tiers.close()
+        if self.runner.tiers.archive is not None:
+            self.runner.tiers.archive.close()
+
     # ---- sessions -------------------------------------------------------------------------
 
     def create_session(
         self, system_prompt: str | None = None, sampling: SamplingParams | None = None, policy: str | None = None
     ) -> SessionId:
-        policy = policy or POLICIES[0]
+        policy = policy or self.config.policy
         if policy not in POLICIES:
             raise InvalidRequest(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
         defaults = self.config.sampling
@@ -76,7 +114,7 @@ class Engine:
         )
         if system_prompt:
             self._extend(session, self._tokenize(session, system_prompt))
-        self.runner.open(session.seq)
+        self.runner.open(session.seq, session.id, policy)
         self.sessions[session.id] = session
         return session.id
 
@@ -92,6 +130,21 @@ class Engine:
             self._finish(req, FinishReason.CANCELLED)
         self.runner.release(session.seq)
         del self.sessions[session_id]
+
+    def set_policy(self, session_id: SessionId, policy: str) -> None:
+        """Switch the HBF policy a session's decode steps use (takes effect at the next step)."""
+        if policy not in POLICIES:
+            raise InvalidRequest(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+        session = self.session(session_id)
+        session.policy = policy
+        self.runner.set_policy(session.seq, policy)
+
+    def hbf_latency_us(self) -> tuple[float, float]:
+        """p50 and p99 of the host-side HBF planning per step, over the last steps (0, 0 if none)."""
+        lat = sorted(self.runner.tiers.latencies_us)
+        if not lat:
+            return 0.0, 0.0
+        return lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
 
     def cached_tokens(self, session_id: SessionId) -> int:
         return self.runner.cached_tokens(self.session(session_id).seq)
@@ -137,6 +190,9 @@ class Engine:
                 f"the context already holds {len(session.tokens) + len(ids)} tokens: "
                 f"no room to generate within max_context_tokens={self.max_context}"
             )
+        growth = len(ids) + (params.max_tokens if generate else 0)
+        total = min(len(session.tokens) + growth, self.max_context)
+        self.runner.tiers.admit(session.seq, total - self.runner.cached_tokens(session.seq))
         if ids:
             self._extend(session, ids)
         if generate and not session.tokens:
@@ -195,7 +251,7 @@ class Engine:
         ordered = sorted(self._requests.values(), key=lambda r: (self._pending(r) > 1, r.id))
         for req in ordered[: self.config.max_batch_size]:
             pending = self._pending(req)
-            take = 1 if pending == 1 else min(pending, budget)
+            take = 1 if pending == 1 else min(pending, budget, self.runner.tiers.chunk_limit(req.session.seq))
             if take <= 0 or (pending > 1 and budget <= 0):
                 continue
             cached = self.runner.cached_tokens(req.session.seq)

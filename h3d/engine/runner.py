@@ -1,8 +1,8 @@
-"""The model runner: turns a step's chunks into one packed forward over the paged KV cache.
+"""The model runner: turns a step's chunks into one packed forward over the tiered KV cache.
 
-Owner of the KV pool tensors and (through `BlockManager`) of the block tables. A *chunk* is a run
-of a sequence's tokens whose K/V are not in the cache yet: a prefill chunk of many tokens or a
-decode step's one token; both go through the same forward.
+Owner of the KV pools (HBM and DDR), the block tables (through `BlockManager`) and the tier manager.
+A *chunk* is a run of a sequence's tokens whose K/V are not in the cache yet: a prefill chunk of
+many tokens or a decode step's one token; both go through the same forward.
 """
 
 from __future__ import annotations
@@ -12,10 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from h3d.kv.attention import AttentionBatch
-from h3d.kv.blocks import BlockManager, SeqId
+from h3d.hbf.digests import DigestStore
+from h3d.hbf.policy import HbfConfig, SelectionState, after_step, select
+from h3d.kv.attention import LayerKV, Pools
+from h3d.kv.blocks import BlockManager, SeqId, runs_of
 from h3d.kv.pool import KVPool
 from h3d.model.llama import CausalLM
+from h3d.tiers.archive import Archive
+from h3d.tiers.manager import TierManager
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,57 +32,170 @@ class Chunk:
     want_logits: bool
 
 
+class _Step:
+    """One forward's view of the KV cache (implements `h3d.kv.attention.StepKV`)."""
+
+    def __init__(self, runner: ModelRunner, chunks: list[Chunk], rows: np.ndarray, seq_ends: torch.Tensor) -> None:
+        self.runner = runner
+        self.pools = runner.pools
+        self.seq_ends = seq_ends
+        self.seqs = [c.seq for c in chunks]
+        self.starts = [c.start for c in chunks]
+        self.query_lens = tuple(len(c.token_ids) for c in chunks)
+        self.offsets = np.concatenate(([0], np.cumsum(self.query_lens)[:-1])).tolist()
+        self.kv_lens = tuple(c.start + len(c.token_ids) for c in chunks)
+        self.protect = {c.seq: c.start // runner.blocks.block_size for c in chunks}
+        self.rows = rows  # [L, N]: >= 0 HBM pool row, else -(DDR row + 1)
+        self.has_ddr_rows = bool((rows < 0).any())
+        self.selected: dict[tuple[SeqId, int], np.ndarray] = {}  # (seq, layer) -> blocks read (HBF)
+
+    def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
+        r = self.runner
+        r.tiers.stage(index, self.seqs, self.protect)
+        runs, kv_lens, locs = [], [], []
+        for i, seq in enumerate(self.seqs):
+            t = r.blocks.table(seq)
+            sel = None
+            if self.query_lens[i] == 1 and r.selection[seq].policy != "exact":
+                digests = r.digests.get(seq, index, t.num_blocks)
+                sel = select(r.selection[seq], r.hbf, index, q[self.offsets[i]], digests, t.num_blocks, t_bs(r), scale)
+            loc = t.locations(index)
+            if sel is None:
+                runs.append(r.blocks.runs(seq, index))
+                kv_lens.append(self.kv_lens[i])
+            else:
+                self.selected[(seq, index)] = sel
+                loc = loc[sel]
+                runs.append(runs_of(loc))
+                kv_lens.append(self.kv_lens[i] - (t.num_blocks - len(sel)) * t_bs(r))
+            locs.append(loc)
+            r.tiers.count_reads(loc)
+        return LayerKV(
+            query_lens=self.query_lens,
+            kv_lens=tuple(kv_lens),
+            runs=tuple(runs),
+            tables=lambda: r.padded_locations(locs),
+        )
+
+    def write(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        r = self.runner
+        rows = self.rows[index]
+        if not self.has_ddr_rows:
+            r.hbm.write(torch.from_numpy(rows).to(r.device), k, v)
+        else:
+            in_hbm = rows >= 0
+            for pool, sel, pool_rows in (
+                (r.hbm, np.flatnonzero(in_hbm), rows[in_hbm]),
+                (r.ddr, np.flatnonzero(~in_hbm), -rows[~in_hbm] - 1),
+            ):
+                if len(sel):
+                    idx = torch.from_numpy(sel).to(r.device)
+                    dev = pool.k.device
+                    pool.write(torch.from_numpy(pool_rows).to(dev), k[idx].to(dev), v[idx].to(dev))
+        for seq, start, off, n in zip(self.seqs, self.starts, self.offsets, self.query_lens, strict=True):
+            if r.selection[seq].policy != "exact":  # exact never reads digests: built on a switch
+                positions = torch.arange(start, start + n, device=r.device)
+                r.digests.update(seq, index, positions, k[off : off + n])
+
+
+def t_bs(runner: ModelRunner) -> int:
+    return runner.blocks.block_size
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, slots_per_layer: int, block_size: int, check_invariants: bool = False) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        hbm_slots_per_layer: int,
+        ddr_slots: int,
+        block_size: int,
+        archive: Archive | None = None,
+        high_watermark: float = 0.85,
+        check_invariants: bool = False,
+        hbf: HbfConfig | None = None,
+    ) -> None:
         cfg = model.config
         self.model = model
         self.device = model.lm_head.weight_t.device
-        self.blocks = BlockManager(slots_per_layer, cfg.num_layers, block_size)
+        self.blocks = BlockManager(hbm_slots_per_layer, ddr_slots, cfg.num_layers, block_size)
         dtype = model.lm_head.weight_t.dtype
-        self.pool = KVPool(self.blocks.num_slots, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
+        shape = (block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        self.hbm = KVPool(self.blocks.num_slots, *shape, self.device)
+        self.ddr = KVPool(
+            len(self.blocks.ddr_owner), *shape, torch.device("cpu"), pin_memory=self.device.type == "cuda"
+        )
+        self.pools = Pools(k=(self.hbm.k, self.ddr.k), v=(self.hbm.v, self.ddr.v))
+        self.tiers = TierManager(self.blocks, self.hbm, self.ddr, archive, high_watermark)
+        self.digests = DigestStore(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype, self.device)
+        self.hbf = hbf or HbfConfig(policy="exact")
+        self.selection: dict[SeqId, SelectionState] = {}
         self.check_invariants = check_invariants
+
+    @property
+    def pool(self) -> KVPool:
+        """The HBM pool."""
+        return self.hbm
 
     def cached_tokens(self, seq: SeqId) -> int:
         return self.blocks.table(seq).num_tokens
 
     def can_fit(self, chunks: list[Chunk]) -> bool:
+        """Whether the tiers can take the chunks' new blocks (evicting to the archive if there is one)."""
+        if self.tiers.archive is not None:
+            return True
         need = sum(self.blocks.blocks_needed(c.seq, len(c.token_ids)) for c in chunks)
-        return need <= self.blocks.num_free
+        short = sum(max(need - a.num_free, 0) for a in self.blocks.hbm_alloc)
+        return short <= self.blocks.ddr_free
 
-    def _batch(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+    def padded_locations(self, locs: list[np.ndarray]) -> torch.Tensor:
+        """Locations of the blocks each sequence reads, padded: [B, W] (0 pads: the null slot)."""
+        out = np.zeros((len(locs), max(1, max(len(x) for x in locs))), dtype=np.int64)
+        for i, x in enumerate(locs):
+            out[i, : len(x)] = x
+        return torch.from_numpy(out).to(self.device)
+
+    def _prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, _Step]:
+        seqs = [c.seq for c in chunks]
+        self.tiers.begin_step(seqs)
+        protect = {c.seq: c.start // self.blocks.block_size for c in chunks}
         rows, positions, seq_ends = [], [], []
         for c in chunks:
             if self.blocks.table(c.seq).num_tokens != c.start:
                 raise RuntimeError(
                     f"chunk for seq {c.seq} starts at {c.start}, cache holds {self.cached_tokens(c.seq)}"
                 )
+            self.tiers.prepare_append(c.seq, len(c.token_ids), seqs, protect)
             rows.append(self.blocks.append(c.seq, len(c.token_ids)))  # [L, n]
             end = c.start + len(c.token_ids)
             positions.append(np.arange(c.start, end, dtype=np.int64))
             seq_ends.append(np.full(len(c.token_ids), end, dtype=np.int64))
-        seqs = [c.seq for c in chunks]
-        kv_lens = tuple(self.blocks.table(s).num_tokens for s in seqs)
         dev = self.device
-        batch = AttentionBatch(
-            query_lens=tuple(len(c.token_ids) for c in chunks),
-            kv_lens=kv_lens,
-            write_rows=torch.from_numpy(np.concatenate(rows, axis=1)).to(dev),
-            block_tables=torch.from_numpy(self.blocks.padded_tables(seqs)).to(dev),
-            kv_lens_t=torch.tensor(kv_lens, dtype=torch.int64, device=dev),
-            seq_ends=torch.from_numpy(np.concatenate(seq_ends)).to(dev),
-            runs=tuple(self.blocks.runs(s) for s in seqs),
-        )
+        step = _Step(self, chunks, np.concatenate(rows, axis=1), torch.from_numpy(np.concatenate(seq_ends)).to(dev))
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=dev)
-        return ids, torch.from_numpy(np.concatenate(positions)).to(dev), batch
+        return ids, torch.from_numpy(np.concatenate(positions)).to(dev), step
 
     @torch.inference_mode()
     def execute(self, chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
         """Run the chunks; return fp32 logits of each chunk's last token where `want_logits`
         ([M, vocab]), or of every token when `all_logits` ([N, vocab])."""
-        ids, positions, batch = self._batch(chunks)
-        hidden = self.model(ids, positions, self.pool, batch)  # [N, hidden]
+        try:
+            ids, positions, step = self._prepare(chunks)
+            hidden = self.model(ids, positions, step)  # [N, hidden]
+        except BaseException:
+            # A step that failed midway (no room, a corrupt archive record) leaves no half-written
+            # tokens behind: the cache of each sequence ends where its chunk started.
+            for c in chunks:
+                if self.blocks.has(c.seq):
+                    self.blocks.truncate(c.seq, c.start)
+            raise
+        if step.selected:
+            self.tiers.promote(step.selected, step.protect, {s: self._keep(s) for s in step.seqs})
+        for seq, n in zip(step.seqs, step.query_lens, strict=True):
+            if n == 1:
+                after_step(self.selection[seq], self.hbf)
+        self.tiers.end_step(step.seqs)
         if self.check_invariants:
-            self.blocks.check_invariants()
+            self.tiers.check()
         if all_logits:
             return self.model.logits(hidden)
         ends = np.cumsum([len(c.token_ids) for c in chunks]) - 1
@@ -87,8 +204,37 @@ class ModelRunner:
             return hidden.new_zeros((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.model.logits(hidden[pick])
 
-    def open(self, seq: SeqId) -> None:
+    def _keep(self, seq: SeqId) -> np.ndarray:
+        """Blocks of `seq` that HBF never evicts from HBM: sinks and the recent window."""
+        from h3d.hbf.policy import _base
+
+        return _base(self.blocks.table(seq).num_blocks, self.hbf, self.blocks.block_size)
+
+    def open(self, seq: SeqId, name: str | None = None, policy: str | None = None) -> None:
+        """Open `seq`'s block table; `name` keys its blocks in the archive (the session id)."""
         self.blocks.allocate(seq)
+        self.tiers.register(seq, name or f"seq-{seq}")
+        self.selection[seq] = SelectionState(policy or self.hbf.policy, self.hbf.window_tokens)
+
+    def set_policy(self, seq: SeqId, policy: str) -> None:
+        state = self.selection[seq]
+        if state.policy == "exact" and policy != "exact":
+            self._rebuild_digests(seq)
+        state.policy = policy
+
+    def _rebuild_digests(self, seq: SeqId) -> None:
+        """Digests of every written block of `seq`, from its K wherever it is (sessions under
+        `exact` do not maintain them)."""
+        t = self.blocks.table(seq)
+        self.digests.drop(seq)
+        if t.num_tokens == 0:
+            return
+        positions = torch.arange(t.num_tokens, device=self.device)
+        for layer in range(self.blocks.num_layers):
+            k = self.tiers.read_keys(seq, layer)  # [Hkv, num_tokens, D]
+            self.digests.update(seq, layer, positions, k.transpose(0, 1).to(self.device))
 
     def release(self, seq: SeqId) -> None:
-        self.blocks.free(seq)
+        self.tiers.release(seq)
+        self.digests.drop(seq)
+        self.selection.pop(seq, None)

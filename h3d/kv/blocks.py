@@ -1,22 +1,30 @@
-"""Block bookkeeping: which pool slot holds which block of which session and layer.
+"""Block bookkeeping and residency: which tier and slot hold each block of each session and layer.
 
 Pure Python/NumPy, no torch: the tier and scheduler logic built on it is unit-testable on any host.
-A *block* is `block_size` tokens of one layer's K and V; its bytes live in a pool slot
-(`h3d.kv.pool.KVPool`). Slot `NULL_SLOT` is reserved and never handed out: it stays zero and pads
-block tables, so a padded gather reads finite zeros.
+A *block* is `block_size` tokens of one layer's K and V; its bytes live in a slot of the HBM pool,
+of the DDR pool, in the SSD archive, or in several of them (`h3d.kv.pool.KVPool` holds the bytes).
 
-Each layer has its own region of slots and its own free list: a layer's budget is fixed, and a
-session's blocks of one layer tend to sit in consecutive slots, which lets attention read long runs
-of blocks in place instead of gathering them.
+- HBM has one region of slots per layer, each with its own free list: a layer's budget is fixed and
+  a session's blocks of one layer tend to sit in consecutive slots, which attention reads in place.
+- DDR is one region shared by all layers, so that every block of one layer can be staged there at
+  once when a session's KV is larger than HBM + DDR.
+- Slot 0 of each pool (`NULL_SLOT`) is reserved and never handed out: it stays zero and pads tables.
 
-Owner: `BlockManager` is the only writer of the free lists, the slot owners and the block tables.
+A block's *location* as seen by attention is one int: its HBM slot (>= 0) when it has one, else
+`-(ddr_slot + 1)` (see `hbm_loc` / `ddr_loc`). Only full blocks may have several copies; the last,
+partially filled block of a session has exactly one home (HBM or DDR), where new tokens are written.
+
+Owner: `BlockManager` is the only writer of free lists, slot owners and residency; the tier manager
+(`h3d.tiers.manager`) decides what moves and calls it once the bytes have moved.
 What must stay true (checked by `BlockManager.check_invariants`):
-- no slot is owned twice, and free + used = capacity;
-- a table points only at slots owned by its session.
+- no slot is owned twice, and free + used = capacity, per pool;
+- a table points only at slots owned by its session, each HBM slot in its layer's region;
+- every block is in at least one tier; the last partial block is in HBM or DDR.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import NewType
 
@@ -26,71 +34,132 @@ from h3d.errors import OutOfBlocks
 
 SeqId = NewType("SeqId", int)
 NULL_SLOT = 0
+NONE = -1
 _FREE = -1
+
+
+class Tier(enum.IntEnum):
+    HBM = 0
+    DDR = 1
+    SSD = 2
+
+
+Runs = list[tuple[int, int, int]]  # (tier, first slot, number of consecutive slots)
+
+
+def hbm_loc(slot: np.ndarray) -> np.ndarray:
+    return slot
+
+
+def ddr_loc(slot: np.ndarray) -> np.ndarray:
+    return -(slot + 1)
+
+
+def runs_of(loc: np.ndarray) -> Runs:
+    """Locations ([n], see the module docstring) as maximal runs of consecutive slots of one pool."""
+    runs: Runs = []
+    if len(loc):
+        step = np.where(loc[:-1] >= 0, 1, -1)
+        breaks = (np.diff(loc) != step) | ((loc[:-1] >= 0) != (loc[1:] >= 0))
+        starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
+        ends = np.concatenate((starts[1:], [len(loc)]))
+        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+            first = int(loc[s])
+            runs.append((Tier.HBM, first, e - s) if first >= 0 else (Tier.DDR, -first - 1, e - s))
+    return runs
 
 
 class SlotAllocator:
     """Free list over the slots [first, first + capacity) of one pool. Owner: BlockManager.
 
-    `owner` is shared by every allocator of a pool (indexed by global slot id).
+    `owner` is shared by every allocator of a pool (indexed by slot id).
     """
 
     def __init__(self, first: int, capacity: int, owner: np.ndarray) -> None:
+        self.first = first
         self.capacity = capacity
-        # Lowest slots first: a lone session gets ascending, contiguous slots.
-        self._free: list[int] = list(range(first + capacity - 1, first - 1, -1))
+        # A stack of free slots, lowest on top: a lone session gets ascending, contiguous slots.
+        self._stack = np.arange(first + capacity - 1, first - 1, -1, dtype=np.int64)
+        self._top = capacity
         self.owner = owner
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
-
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return self._top
 
     def allocate(self, n: int, owner: SeqId) -> np.ndarray:
-        if n > len(self._free):
-            raise OutOfBlocks(f"KV pool exhausted: need {n} blocks, {len(self._free)} free")
-        slots = np.array([self._free.pop() for _ in range(n)], dtype=np.int64)
+        if n > self._top:
+            raise OutOfBlocks(f"KV pool exhausted: need {n} blocks, {self._top} free")
+        slots = self._stack[self._top - n : self._top][::-1].copy()
+        self._top -= n
         self.owner[slots] = owner
         return slots
 
     def release(self, slots: np.ndarray) -> None:
-        slots = slots[slots != NULL_SLOT]
+        slots = slots[slots > NULL_SLOT]
         self.owner[slots] = _FREE
-        self._free.extend(int(s) for s in slots[::-1])
+        self._stack[self._top : self._top + len(slots)] = slots[::-1]
+        self._top += len(slots)
+
+    def free_slots(self) -> np.ndarray:
+        return self._stack[: self._top]
 
 
 @dataclass(slots=True)
 class BlockTable:
-    """One session's slots, per layer: `slots[layer, j]` holds tokens [j*bs, (j+1)*bs).
+    """One session's blocks per layer: block j holds tokens [j*bs, (j+1)*bs).
 
     `num_tokens` is the number of tokens whose KV is written; the last block may be partly filled.
+    `version` changes with every residency change (it keys the runs cache).
     """
 
-    slots: np.ndarray  # [L, capacity] int64, NULL_SLOT past num_blocks
+    hbm: np.ndarray  # [L, capacity] int64 HBM slot or NONE
+    ddr: np.ndarray  # [L, capacity] int64 DDR slot or NONE
+    archived: np.ndarray  # [L, capacity] bool: a durable archive copy exists
     num_blocks: int = 0
     num_tokens: int = 0
-    runs_cache: tuple[int, list[list[tuple[int, int]]]] | None = None  # (num_blocks, runs)
+    version: int = 0
+    runs_cache: dict[int, tuple[int, Runs]] | None = None  # layer -> (version, runs)
 
-    def active(self) -> np.ndarray:
-        return self.slots[:, : self.num_blocks]  # [L, num_blocks]
+    def locations(self, layer: int) -> np.ndarray:
+        """Where attention reads each block of `layer`: [num_blocks] (see module docstring)."""
+        hbm = self.hbm[layer, : self.num_blocks]
+        return np.where(hbm >= 0, hbm, ddr_loc(self.ddr[layer, : self.num_blocks]))
 
 
 class BlockManager:
-    """Allocates blocks for sessions' tokens and maps token positions to pool rows."""
+    """Allocates blocks for sessions' tokens and records where their bytes are."""
 
-    def __init__(self, slots_per_layer: int, num_layers: int, block_size: int) -> None:
-        if slots_per_layer < 1:
-            raise ValueError("the KV pool needs at least one slot per layer")
-        self.owner = np.full(1 + slots_per_layer * num_layers, _FREE, dtype=np.int64)  # [num_slots]
-        self.allocators = [
-            SlotAllocator(1 + layer * slots_per_layer, slots_per_layer, self.owner) for layer in range(num_layers)
+    def __init__(self, hbm_slots_per_layer: int, ddr_slots: int, num_layers: int, block_size: int) -> None:
+        if hbm_slots_per_layer < 1:
+            raise ValueError("the HBM pool needs at least one slot per layer")
+        self.hbm_owner = np.full(1 + hbm_slots_per_layer * num_layers, _FREE, dtype=np.int64)
+        self.hbm_alloc = [
+            SlotAllocator(1 + layer * hbm_slots_per_layer, hbm_slots_per_layer, self.hbm_owner)
+            for layer in range(num_layers)
         ]
-        self.slots_per_layer = slots_per_layer
+        self.ddr_owner = np.full(1 + max(ddr_slots, 0), _FREE, dtype=np.int64)
+        self.ddr_alloc = SlotAllocator(1, max(ddr_slots, 0), self.ddr_owner)
+        self.slots_per_layer = hbm_slots_per_layer
         self.num_layers = num_layers
         self.block_size = block_size
         self._tables: dict[SeqId, BlockTable] = {}
+
+    # ---- queries ----------------------------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        """Slots of the HBM pool, the null slot included."""
+        return len(self.hbm_owner)
+
+    @property
+    def num_free(self) -> int:
+        """Free HBM slots per layer (the smallest over layers)."""
+        return min(a.num_free for a in self.hbm_alloc)
+
+    @property
+    def ddr_free(self) -> int:
+        return self.ddr_alloc.num_free
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -101,22 +170,8 @@ class BlockManager:
     def table(self, seq: SeqId) -> BlockTable:
         return self._tables[seq]
 
-    def allocate(self, seq: SeqId) -> BlockTable:
-        """Open an empty table for `seq`."""
-        if seq in self._tables:
-            raise ValueError(f"sequence {seq} already has a block table")
-        table = BlockTable(slots=np.full((self.num_layers, 4), NULL_SLOT, dtype=np.int64))
-        self._tables[seq] = table
-        return table
-
-    @property
-    def num_slots(self) -> int:
-        return len(self.owner)
-
-    @property
-    def num_free(self) -> int:
-        """Free slots per layer (every layer holds the same number of blocks per session)."""
-        return min(a.num_free for a in self.allocators)
+    def tables(self) -> dict[SeqId, BlockTable]:
+        return self._tables
 
     def blocks_needed(self, seq: SeqId, n_tokens: int) -> int:
         """New blocks per layer that `n_tokens` more tokens of `seq` take."""
@@ -124,91 +179,194 @@ class BlockManager:
         return self.blocks_for(table.num_tokens + n_tokens) - table.num_blocks
 
     def can_append(self, seq: SeqId, n_tokens: int) -> bool:
-        return self.blocks_needed(seq, n_tokens) <= self.num_free
+        need = self.blocks_needed(seq, n_tokens)
+        short = sum(max(need - a.num_free, 0) for a in self.hbm_alloc)
+        return short <= self.ddr_free
+
+    def runs(self, seq: SeqId, layer: int) -> Runs:
+        """The session's blocks of `layer` as maximal runs of consecutive slots of one pool."""
+        table = self._tables[seq]
+        cache = table.runs_cache if table.runs_cache is not None else {}
+        hit = cache.get(layer)
+        if hit is not None and hit[0] == table.version:
+            return hit[1]
+        nb = table.num_blocks
+        if ((table.hbm[layer, :nb] == NONE) & (table.ddr[layer, :nb] == NONE)).any():
+            raise RuntimeError(f"seq {seq} layer {layer}: a block is in neither HBM nor DDR")
+        runs = runs_of(table.locations(layer))
+        cache[layer] = (table.version, runs)
+        table.runs_cache = cache
+        return runs
+
+    # ---- allocation -------------------------------------------------------------------------
+
+    def allocate(self, seq: SeqId) -> BlockTable:
+        """Open an empty table for `seq`."""
+        if seq in self._tables:
+            raise ValueError(f"sequence {seq} already has a block table")
+        shape = (self.num_layers, 4)
+        table = BlockTable(
+            hbm=np.full(shape, NONE, dtype=np.int64),
+            ddr=np.full(shape, NONE, dtype=np.int64),
+            archived=np.zeros(shape, dtype=bool),
+        )
+        self._tables[seq] = table
+        return table
 
     def append(self, seq: SeqId, n_tokens: int) -> np.ndarray:
-        """Reserve room for `n_tokens` more tokens; returns their pool rows, [L, n_tokens].
+        """Reserve room for `n_tokens` more tokens; returns their rows, [L, n_tokens].
 
-        A row is `slot * block_size + offset`: where the token's K/V go in a pool viewed as
-        [num_slots * block_size, kv_heads, head_dim].
+        New blocks go to the layer's HBM region while it has free slots, else to DDR. A row is
+        `slot * block_size + offset` in the pool holding the block: >= 0 in HBM, else
+        `-(row + 1)` in DDR. The caller makes room first (`can_append`).
         """
         table = self._tables[seq]
         start, end = table.num_tokens, table.num_tokens + n_tokens
-        new_blocks = self.blocks_for(end) - table.num_blocks
-        if new_blocks > 0:
-            if new_blocks > self.num_free:
-                raise OutOfBlocks(f"KV pool exhausted: need {new_blocks} blocks per layer, {self.num_free} free")
-            self._grow(table, table.num_blocks + new_blocks)
-            for layer, alloc in enumerate(self.allocators):
-                table.slots[layer, table.num_blocks : table.num_blocks + new_blocks] = alloc.allocate(new_blocks, seq)
-            table.num_blocks += new_blocks
+        new = self.blocks_for(end) - table.num_blocks
+        if new > 0:
+            if not self.can_append(seq, n_tokens):
+                raise OutOfBlocks(f"KV pools exhausted: need {new} blocks per layer")
+            self._grow(table, table.num_blocks + new)
+            cols = slice(table.num_blocks, table.num_blocks + new)
+            for layer, alloc in enumerate(self.hbm_alloc):
+                in_hbm = min(new, alloc.num_free)
+                table.hbm[layer, cols][:in_hbm] = alloc.allocate(in_hbm, seq)
+                table.ddr[layer, cols][in_hbm:] = self.ddr_alloc.allocate(new - in_hbm, seq)
+            table.num_blocks += new
+            table.version += 1
         table.num_tokens = end
         positions = np.arange(start, end, dtype=np.int64)  # [n]
-        block_slots = table.slots[:, positions // self.block_size]  # [L, n]
-        return block_slots * self.block_size + positions % self.block_size
+        blocks = positions // self.block_size
+        offsets = positions % self.block_size
+        hbm = table.hbm[:, blocks]  # [L, n]
+        ddr = table.ddr[:, blocks]  # [L, n]
+        return np.where(hbm >= 0, hbm * self.block_size + offsets, -(ddr * self.block_size + offsets) - 1)
 
-    def free(self, seq: SeqId) -> None:
+    def truncate(self, seq: SeqId, num_tokens: int) -> None:
+        """Forget tokens past `num_tokens` (a step that failed midway): their blocks are released."""
+        table = self._tables[seq]
+        if num_tokens >= table.num_tokens:
+            return
+        keep = self.blocks_for(num_tokens)
+        for layer, alloc in enumerate(self.hbm_alloc):
+            alloc.release(table.hbm[layer, keep : table.num_blocks])
+            self.ddr_alloc.release(table.ddr[layer, keep : table.num_blocks])
+        table.hbm[:, keep:] = NONE
+        table.ddr[:, keep:] = NONE
+        table.archived[:, keep:] = False
+        table.num_blocks, table.num_tokens = keep, num_tokens
+        table.version += 1
+
+    def free(self, seq: SeqId) -> BlockTable | None:
         table = self._tables.pop(seq, None)
         if table is not None:
-            for layer, alloc in enumerate(self.allocators):
-                alloc.release(table.slots[layer, : table.num_blocks])
+            for layer, alloc in enumerate(self.hbm_alloc):
+                alloc.release(table.hbm[layer, : table.num_blocks])
+                self.ddr_alloc.release(table.ddr[layer, : table.num_blocks])
+        return table
 
     def _grow(self, table: BlockTable, blocks: int) -> None:
-        cap = table.slots.shape[1]
+        cap = table.hbm.shape[1]
         if blocks <= cap:
             return
-        grown = np.full((self.num_layers, max(blocks, 2 * cap)), NULL_SLOT, dtype=np.int64)
-        grown[:, :cap] = table.slots
-        table.slots = grown
+        width = max(blocks, 2 * cap)
+        for name, fill in (("hbm", NONE), ("ddr", NONE), ("archived", False)):
+            old = getattr(table, name)
+            grown = np.full((self.num_layers, width), fill, dtype=old.dtype)
+            grown[:, :cap] = old
+            setattr(table, name, grown)
 
-    def runs(self, seq: SeqId) -> list[list[tuple[int, int]]]:
-        """Per layer, the session's blocks as maximal runs of consecutive slots: (first slot, count)."""
+    # ---- residency changes (called by the tier manager once bytes have moved) ---------------
+
+    def add_hbm(self, seq: SeqId, layer: int, blocks: np.ndarray) -> np.ndarray:
+        """Give `blocks` of `layer` HBM slots (their bytes are to be copied there); returns them."""
         table = self._tables[seq]
-        if table.runs_cache is not None and table.runs_cache[0] == table.num_blocks:
-            return table.runs_cache[1]
-        active = table.active()  # [L, nb]
-        if table.num_blocks == 0:
-            return [[] for _ in range(self.num_layers)]
-        breaks = np.diff(active, axis=1) != 1  # [L, nb-1]
-        out = []
-        for layer in range(self.num_layers):
-            starts = np.concatenate(([0], np.flatnonzero(breaks[layer]) + 1))
-            ends = np.concatenate((starts[1:], [table.num_blocks]))
-            out.append(list(zip(active[layer, starts].tolist(), (ends - starts).tolist(), strict=True)))
-        table.runs_cache = (table.num_blocks, out)
-        return out
+        assert (table.hbm[layer, blocks] == NONE).all(), "block already in HBM"
+        slots = self.hbm_alloc[layer].allocate(len(blocks), seq)
+        table.hbm[layer, blocks] = slots
+        table.version += 1
+        return slots
 
-    def padded_tables(self, seqs: list[SeqId], width: int | None = None) -> np.ndarray:
-        """Block tables of `seqs` side by side, NULL_SLOT-padded: [L, B, width]."""
-        tables = [self._tables[s] for s in seqs]
-        width = width if width is not None else max((t.num_blocks for t in tables), default=0)
-        out = np.full((self.num_layers, len(seqs), max(width, 1)), NULL_SLOT, dtype=np.int64)
-        for i, t in enumerate(tables):
-            out[:, i, : t.num_blocks] = t.active()
-        return out
+    def add_ddr(self, seq: SeqId, layer: int, blocks: np.ndarray) -> np.ndarray:
+        table = self._tables[seq]
+        assert (table.ddr[layer, blocks] == NONE).all(), "block already in DDR"
+        slots = self.ddr_alloc.allocate(len(blocks), seq)
+        table.ddr[layer, blocks] = slots
+        table.version += 1
+        return slots
+
+    def drop_hbm(self, seq: SeqId, layer: int, blocks: np.ndarray) -> None:
+        table = self._tables[seq]
+        self._check_other_copy(table, layer, blocks, table.ddr[layer, blocks] != NONE, "HBM")
+        self.hbm_alloc[layer].release(table.hbm[layer, blocks])
+        table.hbm[layer, blocks] = NONE
+        table.version += 1
+
+    def drop_ddr(self, seq: SeqId, layer: int, blocks: np.ndarray) -> None:
+        table = self._tables[seq]
+        full = blocks < table.num_tokens // self.block_size
+        other = (table.hbm[layer, blocks] != NONE) | (table.archived[layer, blocks] & full)
+        self._check_other_copy(table, layer, blocks, other, "DDR")
+        self.ddr_alloc.release(table.ddr[layer, blocks])
+        table.ddr[layer, blocks] = NONE
+        table.version += 1
+
+    def set_archived(self, seq: SeqId, layer: int, blocks: np.ndarray, value: bool = True) -> None:
+        table = self._tables[seq]
+        if not value:
+            other = (table.hbm[layer, blocks] != NONE) | (table.ddr[layer, blocks] != NONE)
+            self._check_other_copy(table, layer, blocks, other, "the archive")
+        table.archived[layer, blocks] = value
+        table.version += 1
+
+    def _check_other_copy(
+        self, table: BlockTable, layer: int, blocks: np.ndarray, other: np.ndarray, tier: str
+    ) -> None:
+        if not other.all():
+            bad = int(blocks[~other][0])
+            raise RuntimeError(f"dropping the only usable copy of block {bad} of layer {layer} from {tier}")
+
+    # ---- checks -----------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests switch this on)."""
-        owner = self.owner
-        used = int((owner != _FREE).sum())
-        assert owner[NULL_SLOT] == _FREE, "the null slot was handed out"
-        free = [s for a in self.allocators for s in a._free]
-        assert used + len(free) == len(owner) - 1, "free + used != capacity"
-        assert len(set(free)) == len(free), "a slot is free twice"
-        assert not (owner[free] != _FREE).any(), "a free slot has an owner"
-        for layer, a in enumerate(self.allocators):
-            first = 1 + layer * self.slots_per_layer
-            assert all(first <= s < first + a.capacity for s in a._free), f"layer {layer}: slot outside its region"
-        seen: set[int] = set()
+        for name, owner, allocs in (
+            ("HBM", self.hbm_owner, self.hbm_alloc),
+            ("DDR", self.ddr_owner, [self.ddr_alloc]),
+        ):
+            used = int((owner != _FREE).sum())
+            free = np.concatenate([a.free_slots() for a in allocs])
+            assert owner[NULL_SLOT] == _FREE, f"{name}: the null slot was handed out"
+            assert used + len(free) == len(owner) - 1, f"{name}: free + used != capacity"
+            assert np.bincount(free, minlength=len(owner)).max(initial=0) <= 1, f"{name}: a slot is free twice"
+            assert not (owner[free] != _FREE).any(), f"{name}: a free slot has an owner"
+            for a in allocs:
+                mine = a.free_slots()
+                assert ((mine >= a.first) & (mine < a.first + a.capacity)).all(), f"{name}: slot out of region"
+        seen_hbm: set[int] = set()
+        seen_ddr: set[int] = set()
         for seq, table in self._tables.items():
-            active = table.active().reshape(-1)
-            assert table.num_blocks == self.blocks_for(table.num_tokens), f"seq {seq}: block count off"
-            assert not (set(active.tolist()) & seen), f"seq {seq}: a slot is owned twice"
-            seen.update(active.tolist())
-            assert (owner[active] == seq).all(), f"seq {seq}: table points at a slot it does not own"
-            assert (table.slots[:, table.num_blocks :] == NULL_SLOT).all(), f"seq {seq}: stale slots"
-            for layer in range(self.num_layers):
-                first = 1 + layer * self.slots_per_layer
-                row = table.slots[layer, : table.num_blocks]
-                assert ((row >= first) & (row < first + self.slots_per_layer)).all(), f"seq {seq}: layer {layer}"
-        assert len(seen) == used, "a used slot belongs to no table"
+            self._check_table(seq, table, seen_hbm, seen_ddr)
+        assert len(seen_hbm) == int((self.hbm_owner != _FREE).sum()), "a used HBM slot belongs to no table"
+        assert len(seen_ddr) == int((self.ddr_owner != _FREE).sum()), "a used DDR slot belongs to no table"
+
+    def _check_table(self, seq: SeqId, table: BlockTable, seen_hbm: set[int], seen_ddr: set[int]) -> None:
+        nb = table.num_blocks
+        assert nb == self.blocks_for(table.num_tokens), f"seq {seq}: block count off"
+        hbm, ddr, arch = table.hbm[:, :nb], table.ddr[:, :nb], table.archived[:, :nb]
+        for slots, seen, owner, name in (
+            (hbm, seen_hbm, self.hbm_owner, "HBM"),
+            (ddr, seen_ddr, self.ddr_owner, "DDR"),
+        ):
+            used = slots[slots != NONE].tolist()
+            assert len(set(used)) == len(used) and not (set(used) & seen), f"seq {seq}: {name} slot owned twice"
+            seen.update(used)
+            assert (owner[used] == seq).all(), f"seq {seq}: {name} table points at a slot it does not own"
+        for layer in range(self.num_layers):
+            first = 1 + layer * self.slots_per_layer
+            row = hbm[layer][hbm[layer] != NONE]
+            assert ((row >= first) & (row < first + self.slots_per_layer)).all(), f"seq {seq}: layer {layer} region"
+        assert ((hbm != NONE) | (ddr != NONE) | arch).all(), f"seq {seq}: a block is in no tier"
+        if table.num_tokens % self.block_size:
+            assert ((hbm[:, -1] != NONE) | (ddr[:, -1] != NONE)).all(), f"seq {seq}: partial block not in HBM/DDR"
+        assert (table.hbm[:, nb:] == NONE).all() and (table.ddr[:, nb:] == NONE).all(), f"seq {seq}: stale slots"

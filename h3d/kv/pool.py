@@ -26,11 +26,17 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        pin_memory: bool = False,
     ) -> None:
         shape = (num_kv_heads, num_slots, block_size, head_dim)
-        # zeros, not empty: padded gathers read unused rows, and 0 * NaN would poison the output.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # empty, not zeros: a multi-GiB pool would be written in full at start. Attention never
+        # uses bytes past a sequence's length (it slices them off or zeroes them), and the null
+        # slot, which pads tables, is zeroed here.
+        # pin_memory: the DDR pool of a CUDA host, which the GPU reads and copies from directly.
+        self.k = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.v = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.k[:, NULL_SLOT] = 0
+        self.v[:, NULL_SLOT] = 0
         self.num_slots = num_slots
         self.block_size = block_size
 
@@ -43,6 +49,19 @@ class KVPool:
     @property
     def slot_bytes(self) -> int:
         return 2 * self.k[:, NULL_SLOT].numel() * self.k.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the blocks in `slots` ([n]): k, v [Hkv, n, block_size, D]."""
+        return self.k[:, slots], self.v[:, slots]
+
+    def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write whole blocks: k, v [Hkv, n, block_size, D] into `slots` ([n])."""
+        self.k[:, slots] = k.to(self.k.device, self.k.dtype, non_blocking=True)
+        self.v[:, slots] = v.to(self.v.device, self.v.dtype, non_blocking=True)
 
     def write(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """rows: [n] pool rows (slot * block_size + offset); k, v: [n, kv_heads, head_dim]."""

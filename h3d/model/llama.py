@@ -1,7 +1,7 @@
 """A Llama-family decoder in plain torch: RMSNorm, RoPE, GQA, SwiGLU; Qwen2 adds q/k/v biases.
 
 Tokens of several sequences are packed along one axis ([N, hidden]); attention reads and writes the
-paged KV pool through an `AttentionBatch`, so prefill chunks and decode steps of many sessions run
+paged KV cache through a `StepKV`, so prefill chunks and decode steps of many sessions run
 in one forward. Parameter names follow Hugging Face's, except that q/k/v and gate/up are fused into
 one matrix each (one matmul instead of three or two) and projection weights are stored transposed
 (`weight_t`, see `Linear`); `h3d.model.loader` converts at load.
@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from h3d.kv.attention import AttentionBatch, AttentionFn, paged_attention
-from h3d.kv.pool import KVPool
+from h3d.kv.attention import AttentionFn, StepKV, paged_attention
 from h3d.model.config import ModelConfig
 from h3d.model.rope import RotaryEmbedding, apply_rotary
 
@@ -62,9 +61,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.attention: AttentionFn = paged_attention
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, batch: AttentionBatch
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: StepKV) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # [N, q + 2kv]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -72,8 +69,9 @@ class Attention(nn.Module):
         qk = apply_rotary(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [N, H, D], [N, Hkv, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
-        pool.write(batch.write_rows[self.layer], k, v)
-        out = self.attention(q, pool.k, pool.v, batch, self.layer, self.scale)  # [N, H, D]
+        kv.write(self.layer, k, v)
+        layer = kv.layer(self.layer, q, self.scale)  # may select blocks for q (HBF) and stage them
+        out = self.attention(q, kv.pools, layer, self.scale)  # [N, H, D]
         return self.o_proj(out.reshape(n, self.q_size))
 
 
@@ -97,10 +95,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, batch: AttentionBatch
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, batch)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: StepKV) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -123,14 +119,12 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool, batch: AttentionBatch
-    ) -> torch.Tensor:
-        """input_ids, positions: [N] -> hidden: [N, hidden] (K/V of the N tokens written to `pool`)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: StepKV) -> torch.Tensor:
+        """input_ids, positions: [N] -> hidden: [N, hidden] (K/V of the N tokens written to `kv`)."""
         x = self.model.embed_tokens(input_ids)  # [N, hidden]
-        cos, sin = self.rotary.cos_sin(positions, x.dtype, batch.seq_ends)  # [N, D]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype, kv.seq_ends)  # [N, D]
         for layer in self.model.layers:
-            x = layer(x, cos, sin, pool, batch)
+            x = layer(x, cos, sin, kv)
         return self.model.norm(x)
 
     def use_attention(self, fn: AttentionFn) -> None:

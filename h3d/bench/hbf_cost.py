@@ -1,0 +1,101 @@
+"""HBF decision cost: host-side planning per decode step, and the scoring + top-k per layer.
+
+    python -m h3d.bench.hbf_cost [--tokens 32768] [--steps 2000] [--write docs/BENCHMARKS.md]
+
+Synthetic metadata with the embedded model's shape (30 layers, 3 KV heads, head_dim 64,
+block_size 32): one session of `--tokens` tokens, an HBM budget of 1/6 of its blocks per layer,
+the rest in DDR. Each step selects, per layer, the sink, the recent window and 56 more blocks
+(a 2,048-token window) that drift slowly (90 % kept from the previous step, as real selections
+do), and runs the tier manager's promotion/eviction (`TierManager.promote`): `hbf_latency_us`
+is that planning, the copies excluded. The pools are 1 element wide: planning never touches bytes.
+Scoring (digest bound over all blocks + top-k) is timed separately on real-sized digests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from h3d.bench.cpu import _write
+from h3d.hbf.digests import block_scores
+from h3d.kv.blocks import BlockManager, SeqId
+from h3d.kv.pool import KVPool
+from h3d.tiers.manager import TierManager
+
+LAYERS, KV_HEADS, HEAD_DIM, HEADS, BS = 30, 3, 64, 9, 32
+
+
+def planning(tokens: int, steps: int, seed: int = 0) -> list[float]:
+    nb = tokens // BS
+    hbm_per_layer = nb // 6
+    blocks = BlockManager(hbm_per_layer, nb * LAYERS, LAYERS, BS)
+    hbm = KVPool(blocks.num_slots, BS, 1, 1, torch.float32, torch.device("cpu"))
+    ddr = KVPool(len(blocks.ddr_owner), BS, 1, 1, torch.float32, torch.device("cpu"))
+    tiers = TierManager(blocks, hbm, ddr, None, 0.85)
+    seq = SeqId(1)
+    blocks.allocate(seq)
+    tiers.register(seq, "bench")
+    blocks.append(seq, tokens)
+    rng = np.random.default_rng(seed)
+    base = np.union1d([0], np.arange(nb - 8, nb))
+    picks = [rng.choice(nb - 9, 56, replace=False) + 1 for _ in range(LAYERS)]
+    keep = {seq: base}
+    protect = {seq: nb - 1}
+    for _ in range(steps):
+        selected = {}
+        for layer in range(LAYERS):
+            drift = rng.random(56) < 0.1
+            picks[layer][drift] = rng.integers(1, nb - 9, int(drift.sum()))
+            selected[(seq, layer)] = np.union1d(base, picks[layer])
+        tiers.begin_step([seq])
+        tiers.promote(selected, protect, keep)
+    return tiers.latencies_us[100:]  # after warm-up (the first steps fill HBM)
+
+
+def scoring_us(tokens: int, repeats: int = 50) -> float:
+    nb = tokens // BS
+    digests = torch.randn(KV_HEADS, nb, 2, HEAD_DIM).sort(dim=2).values
+    q = torch.randn(HEADS, HEAD_DIM)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        scores = block_scores(q, digests)
+        torch.topk(scores, 56)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e6)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--write", default=None)
+    args = parser.parse_args()
+    lat = np.array(planning(args.tokens, args.steps))
+    score = scoring_us(args.tokens)
+    table = "\n".join(
+        [
+            "| figure | value |",
+            "|---|---:|",
+            f"| hbf_latency_us p50 (host planning per step, all 30 layers) | {np.percentile(lat, 50):.0f} |",
+            f"| hbf_latency_us p99 | {np.percentile(lat, 99):.0f} |",
+            f"| scoring + top-k per layer, CPU, {args.tokens // BS} blocks (µs, median) | {score:.0f} |",
+        ]
+    )
+    print(table)
+    if args.write:
+        meta = (
+            f"Measured {dt.date.today().isoformat()} on the 2-core CPU host, one session of {args.tokens} tokens, "
+            f"{args.steps} steps (the first 100 dropped). Goal: p99 <= 200 µs.\n\n"
+            f"Command: `python -m h3d.bench.hbf_cost --tokens {args.tokens} --steps {args.steps}`"
+        )
+        _write(Path(args.write), f"{meta}\n\n{table}", "hbf-cost")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""HBF block selection: which blocks of a layer a decode step's attention reads.
+
+- `exact`: every block (lossless; the oracle).
+- `fixed`: `sink_blocks` first blocks + the blocks of the last `recent_tokens` tokens
+  (StreamingLLM-like; loses whatever falls between them).
+- `layerwise`: sinks + recent + per-layer anchors found during prefill: the blocks that drew the
+  most attention mass from the last prompt chunk's queries, up to the token budget.
+- `attention_entropy` (default): sinks + recent + the top blocks by the digest bound
+  (`h3d.hbf.digests.block_scores`) up to `window_tokens`; every `resize_every` decode steps the
+  entropy (nats) of the softmax of the block scores resizes the window: below
+  `entropy_shrink_below` attention is peaked and the window shrinks, above `entropy_grow_above` it
+  is spread and the window grows, within [`window_min_tokens`, `window_max_tokens`].
+The first `dense_layers` layers always read every block, as Quest does. Prefill is always exact.
+
+Selection runs where the digests are (the compute device): scores and top-k are tensor ops, and
+only the chosen indices come back to the host to build the attention's runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from h3d.hbf.digests import block_scores
+
+
+@dataclass(frozen=True, slots=True)
+class HbfConfig:
+    policy: str = "attention_entropy"
+    window_tokens: int = 2048
+    window_min_tokens: int = 512
+    window_max_tokens: int = 8192
+    sink_blocks: int = 1
+    recent_tokens: int = 256
+    dense_layers: int = 2
+    entropy_shrink_below: float = 0.8
+    entropy_grow_above: float = 1.5
+    resize_every: int = 16
+
+
+@dataclass(slots=True)
+class SelectionState:
+    """One session's HBF state (owned by the model runner)."""
+
+    policy: str
+    window_tokens: int
+    steps: int = 0
+    anchors: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> block indices
+    entropies: list[float] = field(default_factory=list)
+
+
+def _base(num_blocks: int, cfg: HbfConfig, block_size: int) -> np.ndarray:
+    """Sinks and the recent window (which always holds the last, partial block)."""
+    recent = max(1, math.ceil(cfg.recent_tokens / block_size))
+    sinks = np.arange(min(cfg.sink_blocks, num_blocks))
+    tail = np.arange(max(num_blocks - recent, 0), num_blocks)
+    return np.union1d(sinks, tail)
+
+
+def select(
+    state: SelectionState,
+    cfg: HbfConfig,
+    layer: int,
+    q: torch.Tensor,
+    digests: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+    scale: float,
+) -> np.ndarray | None:
+    """Blocks of `layer` to read for query q ([H, D]), ascending; None means all of them."""
+    budget = max(1, state.window_tokens // block_size)
+    if state.policy == "exact" or layer < cfg.dense_layers or num_blocks <= budget:
+        return None
+    base = _base(num_blocks, cfg, block_size)
+    room = budget - len(base)
+    if state.policy == "fixed" or room <= 0:
+        return base
+    if state.policy == "layerwise":
+        extra = np.setdiff1d(state.anchors.get(layer, np.empty(0, dtype=np.int64)), base)[:room]
+        return np.union1d(base, extra)
+    scores = block_scores(q, digests)  # [nb]
+    if layer == cfg.dense_layers:
+        _track_entropy(state, scores * scale)
+    masked = scores.clone()
+    masked[torch.from_numpy(base).to(scores.device)] = float("-inf")
+    top = torch.topk(masked, min(room, num_blocks - len(base))).indices
+    return np.union1d(base, top.cpu().numpy())
+
+
+def _track_entropy(state: SelectionState, logits: torch.Tensor) -> None:
+    p = torch.softmax(logits.float(), dim=-1)
+    state.entropies.append(float(-(p * torch.log(p.clamp_min(1e-30))).sum()))
+
+
+def after_step(state: SelectionState, cfg: HbfConfig) -> None:
+    """Count a decode step; every `resize_every` steps resize the window from the mean entropy."""
+    state.steps += 1
+    if state.policy != "attention_entropy" or state.steps % cfg.resize_every or not state.entropies:
+        return
+    h = sum(state.entropies) / len(state.entropies)
+    state.entropies.clear()
+    if h < cfg.entropy_shrink_below:
+        state.window_tokens = max(cfg.window_min_tokens, state.window_tokens * 3 // 4)
+    elif h > cfg.entropy_grow_above:
+        state.window_tokens = min(cfg.window_max_tokens, state.window_tokens * 5 // 4)
+
+
+def anchors_from_probe(probs_mass: torch.Tensor, budget_blocks: int) -> np.ndarray:
+    """Layerwise anchors: the blocks with most attention mass ([nb]), ascending."""
+    k = min(budget_blocks, probs_mass.shape[0])
+    return np.sort(torch.topk(probs_mass.float(), k).indices.cpu().numpy())

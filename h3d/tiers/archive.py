@@ -1,0 +1,497 @@
+"""The SSD cold tier: a durable, checksummed, append-only archive of KV blocks.
+
+A store is one folder, owned by one process at a time (an flock on `lock`):
+- `identity.json`: the cache the blocks belong to (model fingerprint, dtype, block geometry) and the
+  format version. Opening with another identity raises ArchiveMismatch: blocks are never reused
+  across models or layouts.
+- `seg-NNNNNN.h3kv`: append-only segments of records (`h3d.tiers.codecs.pack_record`: a header
+  naming format version, codec, dtype, geometry, fingerprint, session, layer and block, a crc32
+  of header and payload, then the payload). A batch starts a new segment once the active one has
+  passed `segment_bytes`.
+- `manifest.log`: one line per change, `<crc32 hex> <json>`: `put` maps a BlockKey to its record's
+  place, `del` drops a session. Replaying it gives the live index; the last entry for a key wins.
+
+Write protocol (`put_many`): append the records, fsync the segment, then append the manifest lines
+and fsync the manifest (and the folder whenever a file is created). What must stay true:
+- a manifest entry only points at record bytes that were fsynced before the entry was written, so
+  a block is durable exactly when `put_many` returns;
+- segment bytes no entry points at (a crash between data and manifest) are ignored, and cut off at
+  the next open; a torn manifest tail (partial or bad-crc last lines) is truncated at open; a bad
+  line followed by good ones is real corruption and refuses to open (ArchiveCorrupt);
+- `get` returns a block only after its crc matches and its header matches this archive's identity
+  and the key asked for (ArchiveCorrupt / ArchiveMismatch otherwise).
+Not reclaimed (no compaction yet): superseded and deleted records stay in their segments, and the
+manifest grows by one line per block put. The live index is held in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from h3d.errors import H3Error
+from h3d.tiers.codecs import (
+    CODEC_IDS,
+    CODECS_BY_ID,
+    DTYPES,
+    FORMAT_VERSION,
+    Codec,
+    RecordHeader,
+    decode,
+    encode,
+    pack_record,
+    unpack_record,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SEGMENT_BYTES = 256 * 2**20
+
+
+class ArchiveError(H3Error):
+    """The SSD archive cannot do what was asked (in use, closed, or a write failed)."""
+
+
+class ArchiveCorrupt(ArchiveError):
+    """Stored bytes fail their checksum or are malformed; the message names the block, file and offset."""
+
+
+class ArchiveMismatch(ArchiveError):
+    """Stored data belongs to another cache (model, dtype, geometry, codec, format); names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheIdentity:
+    """What archived blocks are only valid for. `fingerprint` identifies the model weights (hex)."""
+
+    fingerprint: str
+    dtype: str  # "fp32", "bf16" or "fp16"
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"CacheIdentity.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    session: str
+    layer: int
+    index: int  # block index within the session's layer
+
+
+@dataclass(frozen=True, slots=True)
+class ArchiveStats:
+    """Counters since this Archive was opened, except `live_records` (blocks the store holds now)."""
+
+    raw_bytes: int  # uncompressed K+V bytes put
+    stored_bytes: int  # payload bytes written (after compression, headers excluded)
+    records: int  # records written
+    reads: int  # blocks returned by get
+    live_records: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Loc:
+    segment: int
+    offset: int
+    length: int
+    num_tokens: int
+    codec: Codec
+    crc: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    key: BlockKey
+    record: bytes
+    num_tokens: int
+    codec: Codec
+    crc: int
+    raw_bytes: int
+    payload_bytes: int
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    """pwrite at an explicit offset: the offsets the manifest records are the ones written."""
+    view = memoryview(data)
+    while view:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
+
+
+def _describe(key: BlockKey) -> str:
+    return f"archived block (session {key.session!r}, layer {key.layer}, block {key.index})"
+
+
+class Archive:
+    """An open store. put_many, get, contains, keys and delete_session may be called from any thread.
+
+    `codec` applies to every layer except those in `lossless_layers`, which always use RAW_ZSTD.
+    `_write_lock` serializes writers (held across their fsyncs); `_state` guards the index and
+    counters only, so readers never wait for a writer's fsync.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        identity: CacheIdentity,
+        codec: Codec = Codec.RAW_ZSTD,
+        lossless_layers: frozenset[int] = frozenset(),
+        *,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    ) -> None:
+        self.path = Path(path)
+        self.identity = identity
+        self.codec = codec
+        self.lossless_layers = frozenset(lossless_layers)
+        self._segment_bytes = segment_bytes
+        self._dtype = DTYPES[identity.dtype]
+        self._write_lock = threading.Lock()
+        self._state = threading.Lock()
+        self._index: dict[str, dict[tuple[int, int], _Loc]] = {}  # session -> (layer, index) -> place
+        self._counts = [0, 0, 0, 0]  # raw_bytes, stored_bytes, records, reads
+        self._closed = False
+        self._broken: str | None = None  # set when a write failed midway: further writes refused
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._take_lock()
+        self._seg_fd = self._man_fd = -1
+        try:
+            self._check_identity()
+            ends, self._man_size = self._replay()
+            self._seg_no, self._seg_size = self._trim_segments(ends)
+            self._man_fd = os.open(self.path / "manifest.log", os.O_WRONLY | os.O_CLOEXEC)
+            self._seg_fd = self._open_segment(self._seg_no)
+        except BaseException:
+            self._close_fds()
+            raise
+
+    def _take_lock(self) -> int:
+        fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ArchiveError(f"KV archive {self.path} is already open (another h3d process?)") from None
+        return fd
+
+    def _check_identity(self) -> None:
+        """Create identity.json, or refuse a store written for another cache."""
+        want = {"format": FORMAT_VERSION, **{f.name: getattr(self.identity, f.name) for f in fields(CacheIdentity)}}
+        file = self.path / "identity.json"
+        if not file.exists():
+            tmp = file.with_suffix(".tmp")
+            with open(tmp, "w") as f:
+                json.dump(want, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(file)
+            _fsync_dir(self.path)
+            return
+        try:
+            found = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            raise ArchiveCorrupt(f"{file} is unreadable ({e}); delete the folder to start a new archive") from e
+        for name, expected in want.items():
+            if found.get(name) != expected:
+                raise ArchiveMismatch(
+                    f"KV archive {self.path} belongs to another cache: {name} expected {expected!r}, found "
+                    f"{found.get(name)!r}; point the archive at another folder or delete this one"
+                )
+
+    def _replay(self) -> tuple[dict[int, int], int]:
+        """Rebuild the index from manifest.log, truncating a torn tail.
+
+        -> ({segment: end of its last record}, manifest length)."""
+        file = self.path / "manifest.log"
+        if not file.exists():
+            file.touch()
+            _fsync_dir(self.path)
+        ends: dict[int, int] = {}
+        good = pos = 0
+        bad_at: int | None = None
+        with open(file, "rb") as f:
+            for line in f:
+                entry = _parse_line(line)
+                if entry is None:
+                    bad_at = pos if bad_at is None else bad_at
+                elif bad_at is not None:
+                    raise ArchiveCorrupt(
+                        f"{file} is corrupt at offset {bad_at} (valid entries follow a bad one); "
+                        "delete the archive folder to start over"
+                    )
+                else:
+                    self._apply(entry, ends, file, pos)
+                    good = pos + len(line)
+                pos += len(line)
+        if bad_at is not None:
+            log.warning("KV archive %s: dropping a torn manifest tail (%d bytes at offset %d)", file, pos - good, good)
+            os.truncate(file, good)
+        return ends, good
+
+    def _apply(self, entry: dict[str, Any], ends: dict[int, int], file: Path, pos: int) -> None:
+        try:
+            if entry["op"] == "del":
+                self._index.pop(entry["s"], None)
+                return
+            loc = _Loc(entry["seg"], entry["off"], entry["len"], entry["n"], Codec(entry["c"]), entry["crc"])
+            self._index.setdefault(entry["s"], {})[(entry["l"], entry["i"])] = loc
+            ends[loc.segment] = max(ends.get(loc.segment, 0), loc.offset + loc.length)
+        except (KeyError, ValueError, TypeError) as e:
+            raise ArchiveMismatch(f"{file} offset {pos}: manifest entry of an unknown format ({e!r})") from e
+
+    def _trim_segments(self, ends: dict[int, int]) -> tuple[int, int]:
+        """Cut bytes no entry points at (left by a crash mid-put). -> (active segment, its size)."""
+        sizes = {int(p.stem[4:]): p.stat().st_size for p in self.path.glob("seg-*.h3kv") if p.stem[4:].isdigit()}
+        for n, size in sizes.items():
+            end = ends.get(n, 0)
+            if size > end:
+                log.warning(
+                    "KV archive %s: ignoring %d uncommitted bytes at offset %d", self._seg_path(n), size - end, end
+                )
+                os.truncate(self._seg_path(n), end)
+        last = max([*sizes, *ends], default=1)
+        if sizes.get(last, 0) < ends.get(last, 0):  # committed bytes went missing: never append after a hole
+            log.warning("KV archive %s: segment %d is shorter than its manifest says", self.path, last)
+            return last + 1, 0
+        return last, ends.get(last, 0)
+
+    def _seg_path(self, n: int) -> Path:
+        return self.path / f"seg-{n:06d}.h3kv"
+
+    def _open_segment(self, n: int) -> int:
+        seg = self._seg_path(n)
+        created = not seg.exists()
+        fd = os.open(seg, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if created:
+            _fsync_dir(self.path)
+        return fd
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Hold the write lock. A failure midway refuses further writes: what it left on disk is
+        unknown (after a failed fsync the kernel may have dropped the dirty pages), and the next
+        open cleans it up."""
+        with self._write_lock:
+            self._check_writable()
+            try:
+                yield
+            except BaseException as e:
+                self._broken = repr(e)
+                if isinstance(e, OSError):
+                    raise ArchiveError(f"KV archive {self.path}: write failed ({e}); reopen it to continue") from e
+                raise
+
+    def codec_for(self, layer: int) -> Codec:
+        return Codec.RAW_ZSTD if layer in self.lossless_layers else self.codec
+
+    def put_many(self, items: list[tuple[BlockKey, torch.Tensor, torch.Tensor]]) -> None:
+        """Archive blocks: each k, v [Hkv, n, D] CPU of the identity's dtype, 1 <= n <= block_size.
+
+        Durable once this returns; a key put again supersedes its older record. Encoding runs
+        outside the locks, so several threads' puts compress in parallel.
+        """
+        pending = [self._pack_record(key, k, v) for key, k, v in items]
+        if not pending:
+            return
+        with self._writing():
+            locs = self._append_records(pending)
+            self._append_manifest([_put_entry(p.key, loc) for p, loc in zip(pending, locs, strict=True)])
+            with self._state:
+                for p, loc in zip(pending, locs, strict=True):
+                    self._index.setdefault(p.key.session, {})[(p.key.layer, p.key.index)] = loc
+                    self._counts[0] += p.raw_bytes
+                    self._counts[1] += p.payload_bytes
+                self._counts[2] += len(pending)
+
+    def _header(self, key: BlockKey, num_tokens: int, codec_id: int) -> RecordHeader:
+        """The header a record of `key` must carry in this archive (the reader compares all fields)."""
+        i = self.identity
+        return RecordHeader(
+            FORMAT_VERSION, codec_id, i.dtype, i.fingerprint, i.block_size, i.num_kv_heads, i.head_dim,
+            key.session, key.layer, key.index, num_tokens,
+        )  # fmt: skip
+
+    def _pack_record(self, key: BlockKey, k: torch.Tensor, v: torch.Tensor) -> _Pending:
+        ident = self.identity
+        n = k.shape[1] if k.dim() == 3 else -1
+        shape = (ident.num_kv_heads, n, ident.head_dim)
+        if tuple(k.shape) != shape or tuple(v.shape) != shape or not 1 <= n <= ident.block_size:
+            raise ValueError(f"{_describe(key)}: k, v must be {list(shape)} with 1 <= n <= {ident.block_size}")
+        if k.dtype != self._dtype or v.dtype != self._dtype:
+            raise ValueError(f"{_describe(key)}: dtype must be {self._dtype}, got {k.dtype}, {v.dtype}")
+        codec = self.codec_for(key.layer)
+        payload = encode(codec, k, v)
+        record, crc = pack_record(self._header(key, n, CODEC_IDS[codec]), payload)
+        return _Pending(key, record, n, codec, crc, 2 * k.numel() * k.element_size(), len(payload))
+
+    def _append_records(self, pending: list[_Pending]) -> list[_Loc]:
+        """Append one batch to the active segment (never split across two) and fsync it."""
+        if self._seg_size >= self._segment_bytes:
+            os.close(self._seg_fd)
+            self._seg_no, self._seg_size = self._seg_no + 1, 0
+            self._seg_fd = self._open_segment(self._seg_no)
+        locs, offset = [], self._seg_size
+        for p in pending:
+            locs.append(_Loc(self._seg_no, offset, len(p.record), p.num_tokens, p.codec, p.crc))
+            offset += len(p.record)
+        _write_all(self._seg_fd, b"".join(p.record for p in pending), self._seg_size)
+        os.fsync(self._seg_fd)
+        self._seg_size = offset
+        return locs
+
+    def _append_manifest(self, entries: list[dict[str, Any]]) -> None:
+        lines = []
+        for entry in entries:
+            body = json.dumps(entry, separators=(",", ":")).encode()
+            lines.append(b"%08x %s\n" % (zlib.crc32(body), body))
+        _write_all(self._man_fd, b"".join(lines), self._man_size)
+        self._man_size += sum(map(len, lines))
+        os.fsync(self._man_fd)
+
+    def delete_session(self, session: str) -> int:
+        """Forget every block of `session` (one durable tombstone line). -> number of blocks removed."""
+        with self._writing():
+            with self._state:
+                n = len(self._index.get(session, {}))
+            if n == 0:
+                return 0
+            self._append_manifest([{"op": "del", "s": session}])
+            with self._state:
+                self._index.pop(session, None)
+            return n
+
+    def contains(self, key: BlockKey) -> bool:
+        with self._state:
+            return (key.layer, key.index) in self._index.get(key.session, {})
+
+    def keys(self) -> frozenset[BlockKey]:
+        with self._state:
+            return frozenset(BlockKey(s, li[0], li[1]) for s, blocks in self._index.items() for li in blocks)
+
+    def get(self, key: BlockKey) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (k, v), each [Hkv, n, D] CPU of the identity's dtype (n as put). KeyError if not archived."""
+        with self._state:
+            self._check_open()
+            loc = self._index.get(key.session, {}).get((key.layer, key.index))
+        if loc is None:
+            raise KeyError(key)
+        seg = self._seg_path(loc.segment)
+        where = f"{seg} at offset {loc.offset}"
+        try:
+            fd = os.open(seg, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = os.pread(fd, loc.length, loc.offset)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise ArchiveCorrupt(f"{_describe(key)} cannot be read from {where}: {e}") from e
+        codec, payload = self._verify(key, loc, data, where)
+        ident = self.identity
+        try:
+            k, v = decode(codec, payload, self._dtype, ident.num_kv_heads, loc.num_tokens, ident.head_dim)
+        except ValueError as e:
+            raise ArchiveCorrupt(f"{_describe(key)} in {where} does not decode: {e}") from e
+        with self._state:
+            self._counts[3] += 1
+        return k, v
+
+    def _verify(self, key: BlockKey, loc: _Loc, data: bytes, where: str) -> tuple[Codec, memoryview]:
+        """Check the record's crc, then that it is the block asked for, of this cache. -> (codec, payload)."""
+        try:
+            if len(data) != loc.length:
+                raise ValueError(f"record is truncated ({len(data)} of {loc.length} bytes)")
+            found, crc, payload = unpack_record(data)
+            if crc != loc.crc:
+                raise ValueError("checksum differs from the manifest's")
+        except ValueError as e:
+            raise ArchiveCorrupt(f"{_describe(key)} is corrupt: {e}, in {where}") from e
+        want = self._header(key, loc.num_tokens, found.codec_id)
+        for f in fields(RecordHeader):
+            expected, got = getattr(want, f.name), getattr(found, f.name)
+            if expected != got:
+                raise ArchiveMismatch(f"{_describe(key)} in {where}: {f.name} expected {expected!r}, found {got!r}")
+        codec, want_codec = CODECS_BY_ID.get(found.codec_id), self.codec_for(key.layer)
+        if codec is None or not (codec is want_codec or codec.lossless):
+            name = codec.value if codec else f"id {found.codec_id}"
+            raise ArchiveMismatch(
+                f"{_describe(key)} in {where}: codec expected {want_codec.value} (or lossless), found {name}"
+            )
+        return codec, payload
+
+    def stats(self) -> ArchiveStats:
+        with self._state:
+            live = sum(len(blocks) for blocks in self._index.values())
+            raw, stored, records, reads = self._counts
+            return ArchiveStats(raw, stored, records, reads, live)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ArchiveError(f"KV archive {self.path} is closed")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self._broken is not None:
+            raise ArchiveError(f"KV archive {self.path}: an earlier write failed ({self._broken}); reopen it")
+
+    def close(self) -> None:
+        """Release the files and the folder lock. Idempotent; waits for a put in progress."""
+        with self._write_lock, self._state:
+            if self._closed:
+                return
+            self._closed = True
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        for fd in (self._seg_fd, self._man_fd, self._lock_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def __enter__(self) -> Archive:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _put_entry(key: BlockKey, loc: _Loc) -> dict[str, Any]:
+    return {
+        "op": "put", "s": key.session, "l": key.layer, "i": key.index, "seg": loc.segment, "off": loc.offset,
+        "len": loc.length, "n": loc.num_tokens, "c": loc.codec.value, "crc": loc.crc,
+    }  # fmt: skip
+
+
+def _parse_line(line: bytes) -> dict[str, Any] | None:
+    """A manifest line -> its entry, or None if torn or garbled."""
+    if len(line) < 11 or not line.endswith(b"\n") or line[8:9] != b" ":
+        return None
+    body = line[9:-1]
+    try:
+        if int(line[:8], 16) != zlib.crc32(body):
+            return None
+        entry = json.loads(body)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) else None

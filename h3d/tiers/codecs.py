@@ -1,0 +1,205 @@
+"""How a KV block's K and V become bytes on the SSD tier, and back: codecs and the record framing.
+
+Two codecs, chosen per layer by the archive:
+- `Codec.RAW_ZSTD` (default): the tensors' exact bytes, zstd-compressed. Lossless to the bit,
+  including ±0, inf, NaN payloads and denormals.
+- `Codec.INT8_DELTA_ZSTD` (opt-in, lossy): each token row (one head's `head_dim` values of one
+  token) becomes int8 codes times one float32 scale, `scale = max|row| / 127`. Codes are then
+  delta-coded along the token axis (neighbouring tokens look alike, so the deltas compress) and
+  the scales and deltas are zstd-compressed together.
+
+Error bound of INT8_DELTA_ZSTD (what callers may rely on): for every element,
+    |x - x̂| <= max|row| * INT8_MAX_REL_ERROR   (INT8_MAX_REL_ERROR = 1/254, about 0.39%)
+up to float32 rounding (a relative 2^-22 of max|row|), plus the output dtype's own rounding when
+x̂ is cast back to bf16/fp16 (half an ulp of x̂). Rows whose max is below 127 * INT8_MIN_SCALE
+(about 1.5e-36, only reachable in fp32/bf16) use the scale INT8_MIN_SCALE instead, so their error
+is at most INT8_MIN_SCALE / 2 in absolute terms. All-zero rows decode to exact zeros. The int8
+codec refuses non-finite values (ValueError): a scale cannot describe inf or NaN, and healthy KV
+is always finite.
+
+A record (`pack_record` / `unpack_record`) frames one payload with a `RecordHeader` saying what
+the bytes are (format version, codec, dtype, geometry, model fingerprint, session, layer, block)
+and a crc32 over header and payload. Layout, little-endian: the fixed struct `_HEAD` (magic
+b"H3KV", format version, codec id, dtype id, layer, block index, tokens, block size, kv heads,
+head dim, fingerprint length, session length, payload length), the crc32, the fingerprint and
+session (utf-8), then the payload. Magic and format version stay first in every future version.
+
+Tensors are CPU, [kv_heads, tokens, head_dim], float32, bfloat16 or float16; bytes are taken in
+the host's byte order (little-endian on every platform h3d runs on). zstd contexts are not safe to
+share between threads, so each thread keeps its own.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import threading
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zstandard
+
+ZSTD_LEVEL = 3
+INT8_MAX_REL_ERROR = 1.0 / 254.0
+INT8_MIN_SCALE = 2.0**-126  # smallest normal float32: a smaller scale would lose bits to underflow
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MAGIC = b"H3KV"
+FORMAT_VERSION = 1
+_DTYPE_IDS = {"fp32": 1, "bf16": 2, "fp16": 3}
+_DTYPE_NAMES = {i: name for name, i in _DTYPE_IDS.items()}
+_HEAD = struct.Struct("<4sHBBIIIIIIHHQ")
+_CRC = struct.Struct("<I")
+
+
+class Codec(enum.Enum):
+    RAW_ZSTD = "raw-zstd"
+    INT8_DELTA_ZSTD = "int8-delta-zstd"
+
+    @property
+    def lossless(self) -> bool:
+        return self is Codec.RAW_ZSTD
+
+
+CODEC_IDS = {Codec.RAW_ZSTD: 1, Codec.INT8_DELTA_ZSTD: 2}  # on disk: never renumber
+CODECS_BY_ID = {i: c for c, i in CODEC_IDS.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    """What a record's payload is. Unknown ids read back as they are (`codec_id`) or as "id N"
+    (`dtype`), so that the reader can say which field does not match rather than fail blindly."""
+
+    format_version: int
+    codec_id: int
+    dtype: str  # "fp32", "bf16" or "fp16"
+    fingerprint: str
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    session: str
+    layer: int
+    index: int  # block index within the session's layer
+    num_tokens: int
+
+
+def pack_record(h: RecordHeader, payload: bytes) -> tuple[bytes, int]:
+    """-> (record bytes, its crc32). ValueError if a field does not fit its on-disk width."""
+    fp, session = h.fingerprint.encode(), h.session.encode()
+    try:
+        head = _HEAD.pack(
+            MAGIC, h.format_version, h.codec_id, _DTYPE_IDS[h.dtype], h.layer, h.index, h.num_tokens,
+            h.block_size, h.num_kv_heads, h.head_dim, len(fp), len(session), len(payload),
+        )  # fmt: skip
+    except struct.error as e:
+        raise ValueError(f"record header field out of range: {e}") from e
+    crc = zlib.crc32(payload, zlib.crc32(session, zlib.crc32(fp, zlib.crc32(head))))
+    return b"".join((head, _CRC.pack(crc), fp, session, payload)), crc
+
+
+def unpack_record(data: bytes) -> tuple[RecordHeader, int, memoryview]:
+    """-> (header, crc32, payload). ValueError if the crc does not match or the bytes are malformed."""
+    hs, view = _HEAD.size, memoryview(data)
+    if len(data) < hs + _CRC.size:
+        raise ValueError(f"record is truncated ({len(data)} bytes)")
+    crc = zlib.crc32(view[hs + _CRC.size :], zlib.crc32(view[:hs]))
+    if crc != _CRC.unpack_from(data, hs)[0]:
+        raise ValueError("checksum mismatch")
+    magic, version, codec_id, dtype_id, layer, index, n, bs, hkv, d, fp_len, s_len, p_len = _HEAD.unpack_from(data)
+    start = hs + _CRC.size
+    if magic != MAGIC or start + fp_len + s_len + p_len != len(data):
+        raise ValueError("malformed record (bad magic or lengths)")
+    fp = bytes(view[start : start + fp_len]).decode(errors="replace")
+    session = bytes(view[start + fp_len : start + fp_len + s_len]).decode(errors="replace")
+    dtype = _DTYPE_NAMES.get(dtype_id, f"id {dtype_id}")
+    header = RecordHeader(version, codec_id, dtype, fp, bs, hkv, d, session, layer, index, n)
+    return header, crc, view[start + fp_len + s_len :]
+
+
+_local = threading.local()
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    c = getattr(_local, "cctx", None)
+    if c is None:
+        c = _local.cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    return c
+
+
+def _decompress(payload: bytes | memoryview, expected: int) -> bytearray:
+    """Decompress into a fresh writable buffer of exactly `expected` bytes, or raise ValueError."""
+    d = getattr(_local, "dctx", None)
+    if d is None:
+        d = _local.dctx = zstandard.ZstdDecompressor()
+    try:
+        raw = d.decompress(payload, max_output_size=expected)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"zstd payload does not decompress: {e}") from e
+    if len(raw) != expected:
+        raise ValueError(f"payload decompresses to {len(raw)} bytes, expected {expected}")
+    return bytearray(raw)
+
+
+def _check(k: torch.Tensor, v: torch.Tensor) -> None:
+    if k.shape != v.shape or k.dim() != 3:
+        raise ValueError(f"k and v must both be [kv_heads, tokens, head_dim], got {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.dtype != v.dtype or k.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtypes {k.dtype}, {v.dtype}: expected float32, bfloat16 or float16")
+    if k.device.type != "cpu" or v.device.type != "cpu":
+        raise ValueError("k and v must be CPU tensors")
+
+
+def encode(codec: Codec, k: torch.Tensor, v: torch.Tensor) -> bytes:
+    """k, v: [Hkv, n, D] CPU tensors of one dtype -> a self-sized payload (shape and dtype not stored)."""
+    _check(k, v)
+    if codec is Codec.RAW_ZSTD:
+        flat = torch.cat([k.reshape(-1), v.reshape(-1)])  # [2 * Hkv * n * D]
+        return _compressor().compress(flat.view(torch.uint8).numpy().data)
+    return _encode_int8(k, v)
+
+
+def decode(
+    codec: Codec, payload: bytes | memoryview, dtype: torch.dtype, num_kv_heads: int, num_tokens: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `encode`: (k, v), each [Hkv, n, D] of `dtype`. Raises ValueError on a malformed payload.
+
+    k and v may share one storage; each is contiguous and owned by the caller.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}")
+    shape = (num_kv_heads, num_tokens, head_dim)
+    numel = num_kv_heads * num_tokens * head_dim
+    if codec is Codec.RAW_ZSTD:
+        size = torch.empty((), dtype=dtype).element_size()
+        raw = _decompress(payload, 2 * numel * size)
+        flat = torch.frombuffer(raw, dtype=dtype)  # [2 * Hkv * n * D]
+        return flat[:numel].view(shape), flat[numel:].view(shape)
+    x = _decode_int8(payload, 2 * num_kv_heads, num_tokens, head_dim).to(dtype)  # [2Hkv, n, D]
+    return x[:num_kv_heads], x[num_kv_heads:]
+
+
+def _encode_int8(k: torch.Tensor, v: torch.Tensor) -> bytes:
+    x = torch.cat([k, v]).to(torch.float64).numpy()  # [2Hkv, n, D]; float64 keeps x / scale exact enough
+    if not np.isfinite(x).all():
+        raise ValueError("int8-delta-zstd cannot encode inf or NaN; store this layer with raw-zstd")
+    amax = np.abs(x).max(axis=-1)  # [2Hkv, n]
+    scale = np.where(amax > 0, np.maximum((amax / 127).astype(np.float32), np.float32(INT8_MIN_SCALE)), 0)
+    scale = scale.astype("<f4")  # [2Hkv, n]
+    divisor = np.where(scale > 0, scale, 1).astype(np.float64)  # [2Hkv, n]
+    codes = np.clip(np.rint(x / divisor[..., None]), -127, 127).astype(np.int8)  # [2Hkv, n, D]
+    c = codes.view(np.uint8)  # [2Hkv, n, D]
+    delta = c.copy()
+    delta[:, 1:] -= c[:, :-1]  # uint8 arithmetic wraps mod 256; token 0 stays raw
+    return _compressor().compress(scale.tobytes() + delta.tobytes())
+
+
+def _decode_int8(payload: bytes | memoryview, rows: int, num_tokens: int, head_dim: int) -> torch.Tensor:
+    """-> x̂ [rows, n, D] float32 = codes * scale."""
+    scale_bytes = rows * num_tokens * 4
+    raw = _decompress(payload, scale_bytes + rows * num_tokens * head_dim)
+    scale = np.frombuffer(raw, dtype="<f4", count=rows * num_tokens).reshape(rows, num_tokens)
+    delta = np.frombuffer(raw, dtype=np.uint8, offset=scale_bytes).reshape(rows, num_tokens, head_dim)
+    codes = np.cumsum(delta, axis=1, dtype=np.uint8).view(np.int8)  # [rows, n, D]
+    return torch.from_numpy(codes).to(torch.float32) * torch.from_numpy(scale)[..., None]  # [rows, n, D]

@@ -1,0 +1,111 @@
+"""The mover: the only code that copies KV bytes between the HBM pool, the DDR pool and the archive.
+
+- HBM <-> DDR: one call moves a batch of blocks with one gather and one scatter per pool. On CUDA
+  the copy runs on a dedicated stream and the compute stream waits on it (an event), so copies
+  overlap whatever the host does next; on the CPU the same calls are plain tensor copies.
+- DDR -> SSD: `submit_write` copies the blocks' bytes out and hands them to one worker thread
+  (`put_many` appends, fsyncs, then commits the manifest). Each write in flight is a `Transfer`
+  in `in_flight`; `poll` returns the finished ones, in one place, so the caller frees DDR copies
+  only once their archive write is durable. `write_now` does the same and waits.
+- SSD -> DDR: `read` decodes and verifies records into DDR slots; the step that needs the blocks
+  waits for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from h3d.kv.pool import KVPool
+from h3d.tiers.archive import Archive, BlockKey
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """An archive write in flight: the blocks it makes durable and the future that says when."""
+
+    id: int
+    keys: tuple[BlockKey, ...]
+    future: Future[None]
+
+
+class Mover:
+    def __init__(self, hbm: KVPool, ddr: KVPool, archive: Archive | None) -> None:
+        self.hbm = hbm
+        self.ddr = ddr
+        self.archive = archive
+        self.in_flight: dict[int, Transfer] = {}
+        self._ids = itertools.count(1)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h3d-archive") if archive else None
+        cuda = hbm.k.device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=hbm.k.device) if cuda else None
+
+    def _copy(self, src: KVPool, src_slots: np.ndarray, dst: KVPool, dst_slots: np.ndarray) -> None:
+        if not len(src_slots):
+            return
+        s = torch.from_numpy(src_slots).to(src.k.device)
+        d = torch.from_numpy(dst_slots).to(dst.k.device)
+        if self._stream is None:
+            dst.store(d, *src.read(s))
+            return
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            dst.store(d, *src.read(s))
+        torch.cuda.current_stream().wait_stream(self._stream)
+
+    def hbm_to_ddr(self, hbm_slots: np.ndarray, ddr_slots: np.ndarray) -> None:
+        self._copy(self.hbm, hbm_slots, self.ddr, ddr_slots)
+
+    def ddr_to_hbm(self, ddr_slots: np.ndarray, hbm_slots: np.ndarray) -> None:
+        self._copy(self.ddr, ddr_slots, self.hbm, hbm_slots)
+
+    def _items(self, keys: list[BlockKey], pool: KVPool, slots: np.ndarray, tokens: list[int]) -> list:
+        k, v = pool.read(torch.from_numpy(slots).to(pool.k.device))  # [Hkv, n, bs, D]
+        k, v = k.cpu(), v.cpu()
+        return [(key, k[:, i, :n], v[:, i, :n]) for i, (key, n) in enumerate(zip(keys, tokens, strict=True))]
+
+    def submit_write(self, keys: list[BlockKey], pool: KVPool, slots: np.ndarray, tokens: list[int]) -> Transfer:
+        """Start archiving blocks (their first `tokens` tokens) from `pool`; the bytes are copied now."""
+        assert self.archive is not None and self._writer is not None
+        items = self._items(keys, pool, slots, tokens)
+        transfer = Transfer(next(self._ids), tuple(keys), self._writer.submit(self.archive.put_many, items))
+        self.in_flight[transfer.id] = transfer
+        return transfer
+
+    def write_now(self, keys: list[BlockKey], pool: KVPool, slots: np.ndarray, tokens: list[int]) -> None:
+        """Archive blocks and return once they are durable."""
+        transfer = self.submit_write(keys, pool, slots, tokens)
+        transfer.future.result()
+
+    def poll(self, wait: bool = False) -> list[Transfer]:
+        """Finished archive writes, removed from `in_flight` (their futures' errors re-raised by the caller)."""
+        done = [t for t in self.in_flight.values() if wait or t.future.done()]
+        for t in done:
+            if wait:
+                t.future.exception()  # waits
+            del self.in_flight[t.id]
+        return done
+
+    def read(self, keys: list[BlockKey], ddr_slots: np.ndarray) -> int:
+        """Stage archived blocks into DDR slots; returns the bytes read (decoded)."""
+        assert self.archive is not None
+        if not keys:
+            return 0
+        bs = self.ddr.block_size
+        hkv, d = self.ddr.k.shape[0], self.ddr.k.shape[-1]
+        k = torch.zeros((hkv, len(keys), bs, d), dtype=self.ddr.k.dtype)
+        v = torch.zeros_like(k)
+        for i, key in enumerate(keys):
+            kb, vb = self.archive.get(key)  # [Hkv, n, D]
+            k[:, i, : kb.shape[1]] = kb
+            v[:, i, : vb.shape[1]] = vb
+        self.ddr.store(torch.from_numpy(ddr_slots).to(self.ddr.k.device), k, v)
+        return 2 * k.numel() * k.element_size()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)

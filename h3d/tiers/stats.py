@@ -1,0 +1,56 @@
+"""Counters kept by the tier layer (one instance per engine, written by the tier manager only)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Cumulative counts since the engine started.
+
+    A *needed* block is one that a step's attention reads. `hbm_hits` were in HBM already;
+    `hbm_misses` were read from DDR (`ddr_hits`) or staged from the SSD archive first
+    (`ssd_read_count`). `fetch_bytes` counts the bytes read from below HBM (DDR reads and
+    archive reads). `hbm_evict_count` counts HBM->DDR demotions, `ddr_evict_count` blocks whose
+    DDR copy was dropped for their archive copy.
+    """
+
+    hbm_hits: int = 0
+    hbm_misses: int = 0
+    ddr_hits: int = 0
+    ssd_read_count: int = 0
+    ssd_write_count: int = 0
+    hbm_evict_count: int = 0
+    ddr_evict_count: int = 0
+    fetch_bytes: int = 0
+    peak_hbm_bytes: int = 0
+
+    @property
+    def hbm_hit_rate(self) -> float:
+        needed = self.hbm_hits + self.hbm_misses
+        return self.hbm_hits / needed if needed else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """A snapshot for the API, logs and `h3d generate --json`."""
+
+    hbm_hits: int
+    hbm_misses: int
+    hbm_hit_rate: float
+    ddr_hits: int
+    ssd_read_count: int
+    ssd_write_count: int
+    hbm_evict_count: int
+    ddr_evict_count: int
+    fetch_bytes: int
+    hbm_used_bytes: int
+    hbm_capacity_bytes: int
+    ddr_used_bytes: int
+    ddr_capacity_bytes: int
+    ssd_used_bytes: int
+    peak_hbm_bytes: int
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)

@@ -1,0 +1,402 @@
+"""The SSD cold tier: codecs round-trip (bit-exact or within the documented bound), and the archive
+survives reopen, corruption, foreign stores and a crash between the data and manifest writes."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from h3d.tiers.archive import (
+    Archive,
+    ArchiveCorrupt,
+    ArchiveError,
+    ArchiveMismatch,
+    BlockKey,
+    CacheIdentity,
+)
+from h3d.tiers.codecs import INT8_MAX_REL_ERROR, INT8_MIN_SCALE, Codec, decode, encode
+
+NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+HUGE = {torch.float32: 1e30, torch.bfloat16: 1e30, torch.float16: 6e4}
+TINY = {torch.float32: 1e-40, torch.bfloat16: 1e-40, torch.float16: 1e-7}  # denormal in each dtype
+IDENT = CacheIdentity(fingerprint="ab12", dtype="fp32", block_size=32, num_kv_heads=3, head_dim=64)
+
+
+def values(shape: tuple[int, ...], dtype: torch.dtype, kind: str, seed: int) -> torch.Tensor:
+    """Finite values of one magnitude class; rows of 'mixed' span many orders of magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    if kind == "huge":
+        x = x.clamp(-1, 1) * HUGE[dtype]
+    elif kind == "tiny":
+        x = x * TINY[dtype]
+    elif kind == "mixed":
+        x = x * 10.0 ** torch.randint(-6, 7, (*shape[:-1], 1), generator=g).to(torch.float64)
+    x = x.clamp(-HUGE[dtype], HUGE[dtype]).to(dtype)
+    x[torch.rand(shape, generator=g) < 0.1] = 0.0
+    x[torch.rand(shape, generator=g) < 0.05] = -0.0
+    return x
+
+
+def any_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Every bit pattern is fair: ±0, ±inf, NaNs with payloads, denormals."""
+    g = torch.Generator().manual_seed(seed)
+    bits = BITS[dtype]
+    info = torch.iinfo(bits)
+    x = torch.randint(info.min, info.max, shape, generator=g, dtype=torch.int64).to(bits).view(dtype)
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")], dtype=dtype)
+    x.view(-1)[: specials.numel()] = specials[: x.numel()]
+    return x
+
+
+@st.composite
+def blocks(draw: st.DrawFn, finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = draw(st.sampled_from(list(NAMES)))
+    shape = (draw(st.integers(1, 4)), draw(st.integers(1, 32)), draw(st.sampled_from([8, 16, 64])))
+    kinds = ["unit", "huge", "tiny", "mixed"] + ([] if finite else ["bits"])
+    kind, seed = draw(st.sampled_from(kinds)), draw(st.integers(0, 2**31))
+    if kind == "bits":
+        return any_bits(shape, dtype, seed), any_bits(shape, dtype, seed + 1)
+    return values(shape, dtype, kind, seed), values(shape, dtype, kind, seed + 1)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality, so that -0 != +0 and NaN == NaN (same payload)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(BITS[a.dtype]), b.view(BITS[b.dtype]))
+
+
+def identity_for(k: torch.Tensor, block_size: int = 32) -> CacheIdentity:
+    return CacheIdentity("f00d", NAMES[k.dtype], block_size, k.shape[0], k.shape[2])
+
+
+def check_int8_bound(x: torch.Tensor, y: torch.Tensor) -> None:
+    """Per element |x - x̂| <= max|row| / 254 (or INT8_MIN_SCALE / 2 for rows below ~1.5e-36), plus
+    rounding: float32 arithmetic in the codec (2^-22 of the row max) and the cast of x̂ back to the
+    output dtype (half an ulp of x̂ <= eps/2 * max|row|, or half the smallest denormal)."""
+    info = torch.finfo(x.dtype)
+    x64, y64 = x.to(torch.float64), y.to(torch.float64)  # [Hkv, n, D]
+    amax = x64.abs().amax(dim=-1, keepdim=True)  # [Hkv, n, 1]
+    bound = torch.clamp(amax * INT8_MAX_REL_ERROR, min=INT8_MIN_SCALE / 2)
+    tol = bound + amax * (info.eps + 2.0**-22) + info.smallest_normal * info.eps
+    err = (x64 - y64).abs()
+    assert bool((err <= tol).all()), f"max excess {(err - tol).max().item()}"
+    assert bool((y64[amax.expand_as(x64) == 0] == 0).all())  # zero rows decode to zeros
+
+
+@settings(max_examples=300, deadline=None)
+@given(blocks())
+def test_raw_codec_is_bit_exact(kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+    k, v = kv
+    k2, v2 = decode(Codec.RAW_ZSTD, encode(Codec.RAW_ZSTD, k, v), k.dtype, *k.shape)
+    assert same_bits(k, k2) and same_bits(v, v2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(blocks(finite=True))
+def test_int8_codec_within_bound(kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+    k, v = kv
+    k2, v2 = decode(Codec.INT8_DELTA_ZSTD, encode(Codec.INT8_DELTA_ZSTD, k, v), k.dtype, *k.shape)
+    assert k2.dtype == k.dtype and k2.shape == k.shape
+    check_int8_bound(k, k2)
+    check_int8_bound(v, v2)
+
+
+def test_int8_codec_refuses_non_finite() -> None:
+    k = torch.zeros(1, 2, 8)
+    k[0, 1, 3] = float("nan")
+    with pytest.raises(ValueError, match="raw-zstd"):
+        encode(Codec.INT8_DELTA_ZSTD, k, torch.zeros(1, 2, 8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(blocks(), st.sampled_from(list(Codec)))
+def test_archive_round_trip(kv: tuple[torch.Tensor, torch.Tensor], codec: Codec) -> None:
+    k, v = kv
+    finite = bool(torch.isfinite(k).all() and torch.isfinite(v).all())
+    with tempfile.TemporaryDirectory() as d:
+        key = BlockKey("s", 1, 2)
+        with Archive(Path(d), identity_for(k), codec) as a:
+            if codec is Codec.INT8_DELTA_ZSTD and not finite:
+                with pytest.raises(ValueError):
+                    a.put_many([(key, k, v)])
+                return
+            a.put_many([(key, k, v)])
+        with Archive(Path(d), identity_for(k), codec) as a:
+            k2, v2 = a.get(key)
+    if codec is Codec.RAW_ZSTD:
+        assert same_bits(k, k2) and same_bits(v, v2)
+    else:
+        check_int8_bound(k, k2)
+        check_int8_bound(v, v2)
+
+
+def test_lossless_layers_are_bit_exact_under_int8(tmp_path: Path) -> None:
+    k, v = any_bits((3, 32, 64), torch.float32, 1), any_bits((3, 32, 64), torch.float32, 2)
+    with Archive(tmp_path, IDENT, Codec.INT8_DELTA_ZSTD, lossless_layers=frozenset({0, 5})) as a:
+        a.put_many([(BlockKey("s", 0, 0), k, v), (BlockKey("s", 5, 0), k, v)])
+        for layer in (0, 5):
+            k2, v2 = a.get(BlockKey("s", layer, 0))
+            assert same_bits(k, k2) and same_bits(v, v2)
+        with pytest.raises(ValueError):  # layer 1 is int8, which cannot hold NaN
+            a.put_many([(BlockKey("s", 1, 0), k, v)])
+        kf = values((3, 32, 64), torch.float32, "unit", 3)
+        a.put_many([(BlockKey("s", 1, 0), kf, kf)])
+        assert not same_bits(a.get(BlockKey("s", 1, 0))[0], kf)  # lossy indeed
+        check_int8_bound(kf, a.get(BlockKey("s", 1, 0))[0])
+
+
+def block(seed: int, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    return values((3, n, 64), torch.float32, "unit", seed), values((3, n, 64), torch.float32, "unit", seed + 1)
+
+
+def put(a: Archive, key: BlockKey, seed: int, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = block(seed, n)
+    a.put_many([(key, k, v)])
+    return k, v
+
+
+def assert_holds(a: Archive, key: BlockKey, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+    k2, v2 = a.get(key)
+    assert same_bits(kv[0], k2) and same_bits(kv[1], v2)
+
+
+def manifest_entries(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line[9:]) for line in (path / "manifest.log").read_text().splitlines()]
+
+
+def test_persistence_supersede_and_delete(tmp_path: Path) -> None:
+    with Archive(tmp_path, IDENT) as a:
+        a1 = put(a, BlockKey("a", 0, 0), 1)
+        a2 = put(a, BlockKey("a", 1, 0), 2, n=5)  # partial block: 5 tokens
+        b1 = put(a, BlockKey("b", 0, 0), 3)
+        newer = put(a, BlockKey("a", 0, 0), 4)  # supersedes a1
+        assert_holds(a, BlockKey("a", 0, 0), newer)
+        assert a.stats().records == 4 and a.stats().live_records == 3
+    with Archive(tmp_path, IDENT) as a:
+        assert a.keys() == {BlockKey("a", 0, 0), BlockKey("a", 1, 0), BlockKey("b", 0, 0)}
+        assert_holds(a, BlockKey("a", 0, 0), newer)
+        assert_holds(a, BlockKey("a", 1, 0), a2)
+        assert a.get(BlockKey("a", 1, 0))[0].shape == (3, 5, 64)
+        assert a.delete_session("a") == 2 and a.delete_session("a") == 0
+        assert not a.contains(BlockKey("a", 0, 0)) and a.contains(BlockKey("b", 0, 0))
+        with pytest.raises(KeyError):
+            a.get(BlockKey("a", 0, 0))
+    with Archive(tmp_path, IDENT) as a:
+        assert a.keys() == {BlockKey("b", 0, 0)}
+        assert_holds(a, BlockKey("b", 0, 0), b1)
+        again = put(a, BlockKey("a", 0, 0), 5)  # a deleted session can come back
+    with Archive(tmp_path, IDENT) as a:
+        assert_holds(a, BlockKey("a", 0, 0), again)
+        assert a.stats().reads == 1
+    del a1
+
+
+def test_corrupt_payload_is_named(tmp_path: Path) -> None:
+    with Archive(tmp_path, IDENT) as a:
+        put(a, BlockKey("sess-x", 3, 7), 1)
+        kv = put(a, BlockKey("sess-x", 3, 8), 2)
+    entry = manifest_entries(tmp_path)[0]
+    seg = tmp_path / f"seg-{entry['seg']:06d}.h3kv"
+    data = bytearray(seg.read_bytes())
+    data[entry["off"] + entry["len"] - 10] ^= 0x40  # type: ignore[operator]
+    seg.write_bytes(bytes(data))
+    with Archive(tmp_path, IDENT) as a:
+        with pytest.raises(ArchiveCorrupt) as err:
+            a.get(BlockKey("sess-x", 3, 7))
+        msg = str(err.value)
+        assert "sess-x" in msg and "layer 3" in msg and "block 7" in msg and str(seg) in msg
+        assert_holds(a, BlockKey("sess-x", 3, 8), kv)  # its neighbour is untouched
+
+
+def test_corrupt_header_is_caught(tmp_path: Path) -> None:
+    with Archive(tmp_path, IDENT) as a:
+        put(a, BlockKey("s", 3, 7), 1)
+    seg = tmp_path / "seg-000001.h3kv"
+    data = bytearray(seg.read_bytes())
+    data[8] ^= 0x01  # the layer field
+    seg.write_bytes(bytes(data))
+    with Archive(tmp_path, IDENT) as a, pytest.raises(ArchiveCorrupt, match="checksum"):
+        a.get(BlockKey("s", 3, 7))
+
+
+def test_foreign_store_refused_at_open(tmp_path: Path) -> None:
+    with Archive(tmp_path, IDENT) as a:
+        put(a, BlockKey("s", 0, 0), 1)
+    other = CacheIdentity("beef", "fp32", 32, 3, 64)
+    with pytest.raises(ArchiveMismatch, match="fingerprint") as err:
+        Archive(tmp_path, other)
+    assert "'ab12'" in str(err.value) and "'beef'" in str(err.value)
+    with pytest.raises(ArchiveMismatch, match="dtype"):
+        Archive(tmp_path, CacheIdentity("ab12", "bf16", 32, 3, 64))
+    with pytest.raises(ArchiveMismatch, match="block_size"):
+        Archive(tmp_path, CacheIdentity("ab12", "fp32", 16, 3, 64))
+    Archive(tmp_path, IDENT).close()  # refusals left the lock free
+
+
+def test_foreign_records_refused_at_get(tmp_path: Path) -> None:
+    """identity.json rewritten (say, a store copied over another): each record still knows its cache."""
+    with Archive(tmp_path, IDENT) as a:
+        put(a, BlockKey("s", 0, 0), 1)
+    other = CacheIdentity("beef", "fp32", 32, 3, 64)
+    ident = json.loads((tmp_path / "identity.json").read_text())
+    (tmp_path / "identity.json").write_text(json.dumps(ident | {"fingerprint": "beef"}))
+    with Archive(tmp_path, other) as a, pytest.raises(ArchiveMismatch, match="fingerprint expected 'beef'"):
+        a.get(BlockKey("s", 0, 0))
+
+
+def test_lossy_record_refused_when_layer_now_lossless(tmp_path: Path) -> None:
+    with Archive(tmp_path, IDENT, Codec.INT8_DELTA_ZSTD) as a:
+        put(a, BlockKey("s", 0, 0), 1)
+        raw = put(a, BlockKey("s", 1, 0), 2)
+    with Archive(tmp_path, IDENT, Codec.INT8_DELTA_ZSTD, lossless_layers=frozenset({0})) as a:
+        with pytest.raises(ArchiveMismatch, match="codec"):
+            a.get(BlockKey("s", 0, 0))
+        a.get(BlockKey("s", 1, 0))  # still int8 for layer 1
+    with Archive(tmp_path, IDENT, Codec.INT8_DELTA_ZSTD, lossless_layers=frozenset({1})) as a:
+        a.put_many([(BlockKey("s", 1, 0), *raw)])
+    with Archive(tmp_path, IDENT, Codec.INT8_DELTA_ZSTD) as a:  # a lossless record is always acceptable
+        assert_holds(a, BlockKey("s", 1, 0), raw)
+
+
+class Crash(BaseException):
+    """Stands for the process dying: not an Exception, so nothing on the way catches it."""
+
+
+@pytest.mark.parametrize("tail", [b"", b'1234abcd {"op":"put","s":"zz",', b'deadbeef {"op":"del","s":"a"}\n'])
+def test_crash_between_data_and_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tail: bytes) -> None:
+    a = Archive(tmp_path, IDENT)
+    committed = put(a, BlockKey("a", 0, 0), 1)
+    manifest, seg = tmp_path / "manifest.log", tmp_path / "seg-000001.h3kv"
+    good_manifest, good_seg = manifest.stat().st_size, seg.stat().st_size
+
+    def crash(self: Archive, entries: list[dict[str, object]]) -> None:
+        raise Crash
+
+    monkeypatch.setattr(Archive, "_append_manifest", crash)
+    with pytest.raises(Crash):
+        put(a, BlockKey("a", 1, 0), 2)  # its record reached the segment and was fsynced, not the manifest
+    monkeypatch.undo()
+    a.close()
+    assert seg.stat().st_size > good_seg
+    with open(manifest, "ab") as f:
+        f.write(tail)
+    with open(seg, "ab") as f:
+        f.write(b"H3KV\x01\x00partial record")
+
+    with Archive(tmp_path, IDENT) as a:
+        assert a.keys() == {BlockKey("a", 0, 0)}
+        assert_holds(a, BlockKey("a", 0, 0), committed)
+        assert manifest.stat().st_size == good_manifest and seg.stat().st_size == good_seg
+        later = put(a, BlockKey("b", 0, 0), 3)
+    with Archive(tmp_path, IDENT) as a:
+        assert a.keys() == {BlockKey("a", 0, 0), BlockKey("b", 0, 0)}
+        assert_holds(a, BlockKey("a", 0, 0), committed)
+        assert_holds(a, BlockKey("b", 0, 0), later)
+
+
+def test_garbled_manifest_middle_refuses_to_open(tmp_path: Path) -> None:
+    with Archive(tmp_path, IDENT) as a:
+        for i in range(3):
+            put(a, BlockKey("a", 0, i), i)
+    manifest = tmp_path / "manifest.log"
+    lines = manifest.read_bytes().splitlines(keepends=True)
+    manifest.write_bytes(lines[0] + lines[1].replace(b'"a"', b'"b"') + lines[2])
+    with pytest.raises(ArchiveCorrupt, match=r"manifest\.log is corrupt at offset"):
+        Archive(tmp_path, IDENT)
+
+
+def test_segments_roll_and_reopen(tmp_path: Path) -> None:
+    kept = {}
+    with Archive(tmp_path, IDENT, segment_bytes=50_000) as a:
+        for i in range(6):
+            kept[i] = put(a, BlockKey("s", 0, i), i)
+    assert len(list(tmp_path.glob("seg-*.h3kv"))) >= 3
+    with Archive(tmp_path, IDENT, segment_bytes=50_000) as a:
+        kept[6] = put(a, BlockKey("s", 0, 6), 6)
+        for i, kv in kept.items():
+            assert_holds(a, BlockKey("s", 0, i), kv)
+
+
+def test_one_owner_at_a_time(tmp_path: Path) -> None:
+    a = Archive(tmp_path, IDENT)
+    with pytest.raises(ArchiveError, match="already open"):
+        Archive(tmp_path, IDENT)
+    a.close()
+    a.close()
+    with pytest.raises(ArchiveError, match="closed"):
+        a.get(BlockKey("s", 0, 0))
+    Archive(tmp_path, IDENT).close()
+
+
+def test_rejects_bad_blocks(tmp_path: Path) -> None:
+    with Archive(tmp_path, IDENT) as a:
+        k, v = block(1)
+        for bad in [(k.to(torch.float16), v.to(torch.float16)), (k[:2], v[:2]), (k[:, :0], v[:, :0])]:
+            with pytest.raises(ValueError):
+                a.put_many([(BlockKey("s", 0, 0), *bad)])
+        with pytest.raises(ValueError):
+            a.put_many([(BlockKey("s", 0, 0), torch.zeros(3, 33, 64), torch.zeros(3, 33, 64))])
+        assert a.keys() == frozenset()
+
+
+def test_threads_put_and_get(tmp_path: Path) -> None:
+    errors: list[BaseException] = []
+    with Archive(tmp_path, IDENT) as a:
+
+        def worker(t: int) -> None:
+            try:
+                for i in range(10):
+                    kv = put(a, BlockKey(f"t{t}", 0, i), 100 * t + i)
+                    assert_holds(a, BlockKey(f"t{t}", 0, i), kv)
+                    assert_holds(a, BlockKey(f"t{t}", 0, i // 2), block(100 * t + i // 2))
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors and len(a.keys()) == 40
+
+
+def test_strided_views_are_archived(tmp_path: Path) -> None:
+    """Callers slice blocks out of a pool read ([Hkv, blocks, bs, D] -> k[:, i, :n]): not contiguous."""
+    pool = torch.randn(3, 4, 32, 64, generator=torch.Generator().manual_seed(0))  # [Hkv, blocks, bs, D]
+    k, v = pool[:, 1, :20], pool[:, 2, :20]
+    assert not k.is_contiguous()
+    for codec in Codec:
+        with Archive(tmp_path / codec.value, IDENT, codec) as a:
+            a.put_many([(BlockKey("s", 0, 0), k, v)])
+            k2, v2 = a.get(BlockKey("s", 0, 0))
+        if codec is Codec.RAW_ZSTD:
+            assert same_bits(k, k2) and same_bits(v, v2)
+        else:
+            check_int8_bound(k, k2)
+
+
+def test_failed_write_refuses_more_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Archive(tmp_path, IDENT) as a:
+        kept = put(a, BlockKey("a", 0, 0), 1)
+
+        def full(self: Archive, pending: list[object]) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(Archive, "_append_records", full)
+        with pytest.raises(ArchiveError, match="No space left"):
+            put(a, BlockKey("a", 1, 0), 2)
+        monkeypatch.undo()
+        with pytest.raises(ArchiveError, match="earlier write failed"):
+            put(a, BlockKey("a", 1, 0), 2)
+        assert_holds(a, BlockKey("a", 0, 0), kept)  # reads still work
+    with Archive(tmp_path, IDENT) as a:
+        assert_holds(a, BlockKey("a", 0, 0), kept)
+        put(a, BlockKey("a", 1, 0), 2)

@@ -1,0 +1,132 @@
+"""HBF: digests, selection and hotness eviction."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from h3d.config import EngineConfig
+from h3d.engine.engine import Engine
+from h3d.engine.sampling import SamplingParams
+from h3d.hbf.digests import DigestStore, block_scores
+from h3d.hbf.policy import HbfConfig, SelectionState, select
+from h3d.kv.blocks import NONE, SeqId
+from tests.helpers import make_engine, random_prompt
+
+BS = 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    hkv=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 4]),
+    n=st.integers(1, 70),
+    seed=st.integers(0, 2**31 - 1),
+    magnitude=st.sampled_from([1e-3, 1.0, 1e3]),
+)
+def test_digest_bound_is_at_least_every_true_score(hkv: int, group: int, n: int, seed: int, magnitude: float) -> None:
+    """For every block, the Quest bound >= the best q.k of any key in it, for every query head."""
+    g = torch.Generator().manual_seed(seed)
+    d = 16
+    k = torch.randn(n, hkv, d, generator=g) * magnitude  # [n, Hkv, D]
+    q = torch.randn(hkv * group, d, generator=g)  # [H, D]
+    store = DigestStore(1, hkv, d, BS, torch.float32, torch.device("cpu"))
+    split = int(torch.randint(0, n + 1, (1,), generator=g))  # two writes: the partial block grows
+    store.update(SeqId(1), 0, torch.arange(split), k[:split]) if split else None
+    store.update(SeqId(1), 0, torch.arange(split, n), k[split:])
+    nb = -(-n // BS)
+    bound = block_scores(q, store.get(SeqId(1), 0, nb))  # [nb]
+    true = torch.einsum(
+        "hd,nhd->nh",
+        q.view(hkv, group, d).repeat_interleave(1, 0).reshape(-1, d)[: hkv * group],
+        k.repeat_interleave(group, 1),
+    )
+    best = torch.stack([true[j * BS : (j + 1) * BS].max() for j in range(nb)])
+    assert (bound >= best - 1e-4 * magnitude * d).all()
+
+
+@pytest.mark.parametrize("policy", ["fixed", "attention_entropy", "layerwise"])
+@pytest.mark.parametrize("num_blocks", [5, 40, 130])
+def test_selection_keeps_sinks_and_recent_window(policy: str, num_blocks: int) -> None:
+    cfg = HbfConfig(policy=policy, window_tokens=512, sink_blocks=2, recent_tokens=64, dense_layers=1)
+    state = SelectionState(policy, cfg.window_tokens)
+    g = torch.Generator().manual_seed(num_blocks)
+    digests = torch.randn(2, num_blocks, 2, 16, generator=g).sort(dim=2).values  # [Hkv, nb, (min, max), D]
+    sel = select(state, cfg, 3, torch.randn(4, 16, generator=g), digests, num_blocks, BS, 0.25)
+    if num_blocks * BS <= cfg.window_tokens:
+        assert sel is None  # everything fits the budget: all blocks are read
+        return
+    assert sel is not None
+    assert {0, 1} <= set(sel.tolist())
+    assert set(range(num_blocks - 64 // BS, num_blocks)) <= set(sel.tolist())
+    assert len(sel) <= cfg.window_tokens // BS and (np.diff(sel) > 0).all()
+    assert select(state, cfg, 0, torch.randn(4, 16), digests, num_blocks, BS, 0.25) is None  # a dense layer
+
+
+@pytest.mark.parametrize("policy", ["fixed", "attention_entropy", "layerwise"])
+def test_budget_at_least_the_context_gives_exact_tokens(policy: str, checkpoint: Callable[[str], Path]) -> None:
+    ckpt = checkpoint("llama_gqa4_tied")
+    prompt = random_prompt(200, 512, seed=7)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    out = {}
+    for p in ("exact", policy):
+        engine = make_engine(ckpt, policy=p, window_tokens=1024, window_max_tokens=1024)
+        s = engine.create_session()
+        engine.append(s, token_ids=prompt)
+        out[p] = engine.complete(s, "", params).token_ids
+    assert out[policy] == out["exact"]
+
+
+def test_selection_reads_a_subset_and_hotness_never_evicts_protected_blocks(checkpoint: Callable[[str], Path]) -> None:
+    ckpt = checkpoint("llama_gqa4_tied")
+    # A window of 4 blocks over a 40-block context, HBM of 6 blocks per layer: promotions must evict.
+    probe = make_engine(ckpt)
+    layers, slot_bytes = probe.model.config.num_layers, probe.runner.hbm.slot_bytes
+    cfg = EngineConfig.build(
+        model=str(ckpt), block_size=BS, policy="attention_entropy", window_tokens=64, window_min_tokens=64,
+        recent_tokens=16, sink_blocks=1, dense_layers=0, hbm_mb=6.5 * layers * slot_bytes / 2**20,
+        check_invariants=True,
+    )  # fmt: skip
+    engine = Engine(cfg)
+    runner = engine.runner
+    assert runner.blocks.slots_per_layer == 6
+    s = engine.create_session()
+    engine.append(s, token_ids=random_prompt(640, 512, seed=3))
+    evicted_protected = []
+    original = runner.tiers._evict_cold
+
+    def spy(seq_, layer, count, selected, protect, keep, heat, worth):  # type: ignore[no-untyped-def]
+        before = set(np.flatnonzero(runner.blocks.table(seq_).hbm[layer] != NONE).tolist())
+        freed = original(seq_, layer, count, selected, protect, keep, heat, worth)
+        after = set(np.flatnonzero(runner.blocks.table(seq_).hbm[layer] != NONE).tolist())
+        gone = before - after
+        evicted_protected.extend(gone & (set(selected.tolist()) | set(keep.tolist())))
+        return freed
+
+    runner.tiers._evict_cold = spy  # type: ignore[method-assign]
+    engine.complete(s, "", SamplingParams(max_tokens=20, ignore_eos=True))
+    stats = engine.tier_stats()
+    assert stats.hbm_hit_rate < 1.0 and stats.hbm_evict_count > 0
+    assert evicted_protected == []
+
+
+def test_switching_policy_rebuilds_digests_equal_to_maintained_ones(checkpoint: Callable[[str], Path]) -> None:
+    """Sessions under `exact` keep no digests; switching builds them from the KV, identically."""
+    ckpt = checkpoint("llama_gqa4_tied")
+    prompt = random_prompt(150, 512, seed=11)
+    engines = [make_engine(ckpt, policy="exact"), make_engine(ckpt, policy="attention_entropy")]
+    digests = []
+    for e in engines:
+        s = e.create_session()
+        e.append(s, token_ids=prompt)
+        e.set_policy(s, "attention_entropy")
+        seq = e.session(s).seq
+        nb = e.runner.blocks.table(seq).num_blocks
+        digests.append(torch.stack([e.runner.digests.get(seq, layer, nb) for layer in range(3)]))
+    assert torch.equal(digests[0], digests[1])
