@@ -52,30 +52,32 @@ class _Step:
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
         r = self.runner
         r.tiers.stage(index, self.seqs, self.protect)
-        runs, kv_lens, locs = [], [], []
+        runs: list = []
+        kv_lens: list[int] = []
+        locs: list[np.ndarray | None] = []
         for i, seq in enumerate(self.seqs):
             t = r.blocks.table(seq)
             sel = None
             if self.query_lens[i] == 1 and r.selection[seq].policy != "exact":
                 digests = r.digests.get(seq, index, t.num_blocks)
                 sel = select(r.selection[seq], r.hbf, index, q[self.offsets[i]], digests, t.num_blocks, t_bs(r), scale)
-            loc = t.locations(index)
             if sel is None:
-                runs.append(r.blocks.runs(seq, index))
+                seq_runs = r.blocks.runs(seq, index)
                 kv_lens.append(self.kv_lens[i])
             else:
                 self.selected[(seq, index)] = sel
-                loc = loc[sel]
-                runs.append(runs_of(loc))
+                seq_runs = runs_of(t.locations(index)[sel])
                 kv_lens.append(self.kv_lens[i] - (t.num_blocks - len(sel)) * t_bs(r))
-            locs.append(loc)
-            r.tiers.count_reads(loc)
-        return LayerKV(
-            query_lens=self.query_lens,
-            kv_lens=tuple(kv_lens),
-            runs=tuple(runs),
-            tables=lambda: r.padded_locations(locs),
-        )
+            runs.append(seq_runs)
+            locs.append(sel)
+            r.tiers.count_reads(sum(c for _, _, c in seq_runs), sum(c for tier, _, c in seq_runs if tier))
+        seqs = self.seqs
+
+        def tables() -> torch.Tensor:
+            full = [r.blocks.table(s).locations(index) for s in seqs]
+            return r.padded_locations([f if sel is None else f[sel] for f, sel in zip(full, locs, strict=True)])
+
+        return LayerKV(query_lens=self.query_lens, kv_lens=tuple(kv_lens), runs=tuple(runs), tables=tables)
 
     def write(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         r = self.runner

@@ -122,7 +122,9 @@ class TierManager:
             self._free_ddr(short, self._order(batch, None), protect)
 
     def stage(self, layer: int, batch: list[SeqId], protect: dict[SeqId, int]) -> None:
-        """Make every block of `layer` of the batch's sequences readable (HBM or DDR); count reads."""
+        """Make every block of `layer` of the batch's sequences readable (HBM or DDR)."""
+        if self.archive is None:
+            return  # without an archive every block is in HBM or DDR already
         b = self.blocks
         missing: list[tuple[SeqId, np.ndarray]] = []
         for seq in batch:
@@ -148,11 +150,10 @@ class TierManager:
             self.counters.ssd_read_count += staged
             self.counters.ddr_hits -= staged  # count_reads will find them in DDR: they came from SSD
 
-    def count_reads(self, locations: np.ndarray) -> None:
-        """Count the blocks a layer's attention reads (locations: HBM slot, else -(DDR slot + 1))."""
+    def count_reads(self, total: int, below: int) -> None:
+        """Count the blocks a layer's attention reads: `total`, of which `below` HBM (in DDR)."""
         c = self.counters
-        below = int((locations < 0).sum())
-        c.hbm_hits += len(locations) - below
+        c.hbm_hits += total - below
         c.hbm_misses += below
         c.ddr_hits += below
         c.fetch_bytes += below * self.block_bytes
