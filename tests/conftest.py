@@ -224,3 +224,20 @@ def model_copy(checkpoint: Callable[[str], Path], tmp_path: Path) -> Callable[[s
         return dst
 
     return get
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    """The embedded SmolLM2 model as an HF folder: from `make run`'s data/, else converted once into .cache/."""
+    for candidate in (ROOT / "data/models/smollm2-135m-instruct", ROOT / ".cache/models/smollm2-135m-instruct"):
+        if (candidate / "config.json").is_file():
+            return candidate
+    from h3d.convert.embedded import embedded_gguf
+    from h3d.convert.gguf import convert_gguf
+
+    out = ROOT / ".cache/models/smollm2-135m-instruct"
+    convert_gguf(embedded_gguf(), out)
+    return out

@@ -250,14 +250,23 @@ def test_cancel_finishes_with_cancelled(engine: Engine) -> None:
 
 
 def _kv_of(engine: Engine, sid: SessionId) -> list[torch.Tensor]:
-    """Copies of the session's K/V bytes, block by block, wherever each block lives (HBM or DDR)."""
+    """Copies of the session's written K/V bytes, block by block, wherever each block lives (HBM or DDR).
+
+    Only the written tokens: the rest of a partial block is uninitialized pool memory. Raw bytes,
+    so that equal NaN payloads compare equal.
+    """
     runner = engine.runner
     t = runner.blocks.table(engine.session(sid).seq)
+    bs = runner.blocks.block_size
     out = []
     for layer in range(runner.blocks.num_layers):
         for j in range(t.num_blocks):
             pool, slot = (runner.hbm, t.hbm[layer, j]) if t.hbm[layer, j] >= 0 else (runner.ddr, t.ddr[layer, j])
-            out += [pool.k[:, int(slot)].clone(), pool.v[:, int(slot)].clone()]
+            n = min(bs, t.num_tokens - j * bs)
+            out += [
+                pool.k[:, int(slot), :n].clone().view(torch.uint8),
+                pool.v[:, int(slot), :n].clone().view(torch.uint8),
+            ]
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
 from h3d.hbf.digests import DigestStore, block_scores
-from h3d.hbf.policy import HbfConfig, SelectionState, select
+from h3d.hbf.policy import SelectionState, select
 from h3d.kv.blocks import NONE, SeqId
 from tests.helpers import make_engine, random_prompt
 
@@ -54,7 +55,7 @@ def test_digest_bound_is_at_least_every_true_score(hkv: int, group: int, n: int,
 @pytest.mark.parametrize("policy", ["fixed", "attention_entropy", "layerwise"])
 @pytest.mark.parametrize("num_blocks", [5, 40, 130])
 def test_selection_keeps_sinks_and_recent_window(policy: str, num_blocks: int) -> None:
-    cfg = HbfConfig(policy=policy, window_tokens=512, sink_blocks=2, recent_tokens=64, dense_layers=1)
+    cfg = replace(EngineConfig(), policy=policy, window_tokens=512, sink_blocks=2, recent_tokens=64, dense_layers=1).hbf
     state = SelectionState(policy, cfg.window_tokens)
     g = torch.Generator().manual_seed(num_blocks)
     digests = torch.randn(2, num_blocks, 2, 16, generator=g).sort(dim=2).values  # [Hkv, nb, (min, max), D]

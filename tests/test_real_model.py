@@ -29,19 +29,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")
-def smol_dir() -> Path:
-    for candidate in (ROOT / "data/models/smollm2-135m-instruct", ROOT / ".cache/models/smollm2-135m-instruct"):
-        if (candidate / "config.json").is_file():
-            return candidate
-    from h3d.convert.embedded import embedded_gguf
-    from h3d.convert.gguf import convert_gguf
-
-    out = ROOT / ".cache/models/smollm2-135m-instruct"
-    convert_gguf(embedded_gguf(), out)
-    return out
-
-
-@pytest.fixture(scope="session")
 def engine(smol_dir: Path) -> Engine:
     return Engine(EngineConfig.build(model=str(smol_dir), hbm_mb=512, check_invariants=True))
 

@@ -601,19 +601,6 @@ def test_idle_sessions_are_demoted_and_lose_nothing(
 SMOL_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # 46080: 30 layers, 3 KV heads of 64, fp32
 
 
-@pytest.fixture(scope="module")
-def smol_dir() -> Path:
-    for candidate in (ROOT / "data/models/smollm2-135m-instruct", ROOT / ".cache/models/smollm2-135m-instruct"):
-        if (candidate / "config.json").is_file():
-            return candidate
-    from h3d.convert.embedded import embedded_gguf
-    from h3d.convert.gguf import convert_gguf
-
-    out = ROOT / ".cache/models/smollm2-135m-instruct"
-    convert_gguf(embedded_gguf(), out)
-    return out
-
-
 def _real_text() -> str:
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     return "\n\n".join(p.read_text() for p in docs if p.is_file())

@@ -7,11 +7,12 @@ many tokens or a decode step's one token; both go through the same forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from h3d.config import EngineConfig
 from h3d.hbf.digests import DigestStore
 from h3d.hbf.policy import HbfConfig, SelectionState, after_step, select
 from h3d.kv.attention import LayerKV, Pools
@@ -60,14 +61,23 @@ class _Step:
             sel = None
             if self.query_lens[i] == 1 and r.selection[seq].policy != "exact":
                 digests = r.digests.get(seq, index, t.num_blocks)
-                sel = select(r.selection[seq], r.hbf, index, q[self.offsets[i]], digests, t.num_blocks, t_bs(r), scale)
+                sel = select(
+                    r.selection[seq],
+                    r.hbf,
+                    index,
+                    q[self.offsets[i]],
+                    digests,
+                    t.num_blocks,
+                    r.blocks.block_size,
+                    scale,
+                )
             if sel is None:
                 seq_runs = r.blocks.runs(seq, index)
                 kv_lens.append(self.kv_lens[i])
             else:
                 self.selected[(seq, index)] = sel
                 seq_runs = runs_of(t.locations(index)[sel])
-                kv_lens.append(self.kv_lens[i] - (t.num_blocks - len(sel)) * t_bs(r))
+                kv_lens.append(self.kv_lens[i] - (t.num_blocks - len(sel)) * r.blocks.block_size)
             runs.append(seq_runs)
             locs.append(sel)
             r.tiers.count_reads(sum(c for _, _, c in seq_runs), sum(c for tier, _, c in seq_runs if tier))
@@ -100,10 +110,6 @@ class _Step:
                 r.digests.update(seq, index, positions, k[off : off + n])
 
 
-def t_bs(runner: ModelRunner) -> int:
-    return runner.blocks.block_size
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -129,14 +135,9 @@ class ModelRunner:
         self.pools = Pools(k=(self.hbm.k, self.ddr.k), v=(self.hbm.v, self.ddr.v))
         self.tiers = TierManager(self.blocks, self.hbm, self.ddr, archive, high_watermark)
         self.digests = DigestStore(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype, self.device)
-        self.hbf = hbf or HbfConfig(policy="exact")
+        self.hbf = hbf or replace(EngineConfig(), policy="exact").hbf
         self.selection: dict[SeqId, SelectionState] = {}
         self.check_invariants = check_invariants
-
-    @property
-    def pool(self) -> KVPool:
-        """The HBM pool."""
-        return self.hbm
 
     def cached_tokens(self, seq: SeqId) -> int:
         return self.blocks.table(seq).num_tokens

@@ -3,8 +3,9 @@
 - `exact`: every block (lossless; the oracle).
 - `fixed`: `sink_blocks` first blocks + the blocks of the last `recent_tokens` tokens
   (StreamingLLM-like; loses whatever falls between them).
-- `layerwise`: sinks + recent + per-layer anchors found during prefill: the blocks that drew the
-  most attention mass from the last prompt chunk's queries, up to the token budget.
+- `layerwise`: sinks + recent + per-layer anchors (`SelectionState.anchors`), meant to be the
+  blocks that drew the most attention mass from the last prompt chunk's queries. The prefill
+  probes that record them are not built yet: until then it reads what `fixed` reads.
 - `attention_entropy` (default): sinks + recent + the top blocks by the digest bound
   (`h3d.hbf.digests.block_scores`) up to `window_tokens`; every `resize_every` decode steps the
   entropy (nats) of the softmax of the block scores resizes the window: below
@@ -29,15 +30,17 @@ from h3d.hbf.digests import block_scores
 
 @dataclass(frozen=True, slots=True)
 class HbfConfig:
-    policy: str = "attention_entropy"
-    window_tokens: int = 2048
-    window_min_tokens: int = 512
-    window_max_tokens: int = 8192
-    sink_blocks: int = 1
-    recent_tokens: int = 256
-    dense_layers: int = 2
-    entropy_shrink_below: float = 0.8
-    entropy_grow_above: float = 1.5
+    """The HBF keys of `h3d.config.EngineConfig` (where their defaults live), as selection reads them."""
+
+    policy: str
+    window_tokens: int
+    window_min_tokens: int
+    window_max_tokens: int
+    sink_blocks: int
+    recent_tokens: int
+    dense_layers: int
+    entropy_shrink_below: float
+    entropy_grow_above: float
     resize_every: int = 16
 
 
@@ -106,9 +109,3 @@ def after_step(state: SelectionState, cfg: HbfConfig) -> None:
         state.window_tokens = max(cfg.window_min_tokens, state.window_tokens * 3 // 4)
     elif h > cfg.entropy_grow_above:
         state.window_tokens = min(cfg.window_max_tokens, state.window_tokens * 5 // 4)
-
-
-def anchors_from_probe(probs_mass: torch.Tensor, budget_blocks: int) -> np.ndarray:
-    """Layerwise anchors: the blocks with most attention mass ([nb]), ascending."""
-    k = min(budget_blocks, probs_mass.shape[0])
-    return np.sort(torch.topk(probs_mass.float(), k).indices.cpu().numpy())

@@ -50,10 +50,6 @@ class KVPool:
     def slot_bytes(self) -> int:
         return 2 * self.k[:, NULL_SLOT].numel() * self.k.element_size()
 
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the blocks in `slots` ([n]): k, v [Hkv, n, block_size, D]."""
         return self.k[:, slots], self.v[:, slots]

@@ -168,25 +168,32 @@ class TierManager:
         t0 = time.perf_counter()
         copy_s = 0.0
         b = self.blocks
+        by_seq: dict[SeqId, list[tuple[int, np.ndarray]]] = {}
         for (seq, layer), sel in selected.items():
+            by_seq.setdefault(seq, []).append((layer, sel))
+        for seq, picks in by_seq.items():
             t = b.table(seq)
             heat = self._heat(seq, t.hbm.shape[1])
-            heat[0][layer, sel] = heat[0][layer, sel] * HOT_DECAY ** (self._step - heat[1][layer, sel]) + 1.0
-            heat[1][layer, sel] = self._step
+            # All layers at once: one fancy index over (layer, block) pairs.
+            layers = np.concatenate([np.full(len(sel), layer) for layer, sel in picks])
+            blocks = np.concatenate([sel for _, sel in picks])
+            heat[0][layers, blocks] = heat[0][layers, blocks] * HOT_DECAY ** (self._step - heat[1][layers, blocks]) + 1
+            heat[1][layers, blocks] = self._step
             # Only full blocks get a second copy: the partial one keeps its single home for writes.
-            missing = sel[(t.hbm[layer, sel] == NONE) & (sel < t.num_tokens // b.block_size)]
-            if not len(missing):
-                continue
-            free = b.hbm_alloc[layer].num_free
-            if free < len(missing):
-                worth = float(heat[0][layer, missing].min())
-                free += self._evict_cold(seq, layer, len(missing) - free, sel, protect, keep[seq], heat, worth)
-            missing = missing[:free]
-            if len(missing):
-                slots = b.add_hbm(seq, layer, missing)
-                c0 = time.perf_counter()
-                self.mover.ddr_to_hbm(t.ddr[layer, missing].copy(), slots)
-                copy_s += time.perf_counter() - c0
+            want = (t.hbm[layers, blocks] == NONE) & (blocks < t.num_tokens // b.block_size)
+            for layer in np.unique(layers[want]).tolist():
+                sel = selected[(seq, layer)]
+                missing = blocks[want & (layers == layer)]
+                free = b.hbm_alloc[layer].num_free
+                if free < len(missing):
+                    worth = float(heat[0][layer, missing].min())
+                    free += self._evict_cold(seq, layer, len(missing) - free, sel, protect, keep[seq], heat, worth)
+                missing = missing[:free]
+                if len(missing):
+                    slots = b.add_hbm(seq, layer, missing)
+                    c0 = time.perf_counter()
+                    self.mover.ddr_to_hbm(t.ddr[layer, missing].copy(), slots)
+                    copy_s += time.perf_counter() - c0
         self.latencies_us.append((time.perf_counter() - t0 - copy_s) * 1e6)
         del self.latencies_us[:-LATENCY_WINDOW]
 
