@@ -131,3 +131,23 @@ def test_switching_policy_rebuilds_digests_equal_to_maintained_ones(checkpoint: 
         nb = e.runner.blocks.table(seq).num_blocks
         digests.append(torch.stack([e.runner.digests.get(seq, layer, nb) for layer in range(3)]))
     assert torch.equal(digests[0], digests[1])
+
+
+def test_layerwise_probes_set_anchors_that_selection_reads(checkpoint: Callable[[str], Path]) -> None:
+    """Prefill records per-layer anchors outside sinks and the recent window; decode reads them."""
+    ckpt = checkpoint("llama_gqa4_tied")
+    engine = make_engine(
+        ckpt, policy="layerwise", window_tokens=128, window_min_tokens=128, recent_tokens=32, dense_layers=1
+    )
+    s = engine.create_session()
+    engine.append(s, token_ids=random_prompt(600, 512, seed=5))
+    state = engine.runner.selection[engine.session(s).seq]
+    assert set(state.anchors) == {1, 2}  # the sparse layers
+    nb = engine.runner.blocks.table(engine.session(s).seq).num_blocks
+    for anchors in state.anchors.values():
+        assert 0 < len(anchors) <= 128 // BS - 3  # budget minus 1 sink and 2 recent blocks
+        assert not set(anchors.tolist()) & {0, nb - 2, nb - 1}
+    cfg = engine.runner.hbf
+    sel = select(state, cfg, 1, torch.zeros(8, 16), torch.zeros(2, nb, 2, 16), nb, BS, 0.25)
+    assert sel is not None and set(state.anchors[1].tolist()) <= set(sel.tolist())
+    assert len(engine.complete(s, "", SamplingParams(max_tokens=4, ignore_eos=True)).token_ids) == 4

@@ -14,8 +14,8 @@ import torch
 
 from h3d.config import EngineConfig
 from h3d.hbf.digests import DigestStore
-from h3d.hbf.policy import HbfConfig, SelectionState, after_step, select
-from h3d.kv.attention import LayerKV, Pools
+from h3d.hbf.policy import HbfConfig, SelectionState, after_step, probe_anchors, select
+from h3d.kv.attention import LayerKV, Pools, gather_blocks
 from h3d.kv.blocks import BlockManager, SeqId, runs_of
 from h3d.kv.pool import KVPool
 from h3d.model.llama import CausalLM
@@ -59,7 +59,13 @@ class _Step:
         for i, seq in enumerate(self.seqs):
             t = r.blocks.table(seq)
             sel = None
-            if self.query_lens[i] == 1 and r.selection[seq].policy != "exact":
+            state = r.selection[seq]
+            if self.query_lens[i] > 1 and state.policy == "layerwise":
+                loc = torch.from_numpy(t.locations(index)).to(r.device)
+                keys = gather_blocks(self.pools.k, loc)[: self.kv_lens[i]]  # [T, Hkv, D]
+                rows = slice(self.offsets[i], self.offsets[i] + self.query_lens[i])
+                probe_anchors(state, r.hbf, index, q[rows], keys, r.blocks.block_size, scale)
+            if self.query_lens[i] == 1 and state.policy != "exact":
                 digests = r.digests.get(seq, index, t.num_blocks)
                 sel = select(
                     r.selection[seq],

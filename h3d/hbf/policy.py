@@ -3,9 +3,9 @@
 - `exact`: every block (lossless; the oracle).
 - `fixed`: `sink_blocks` first blocks + the blocks of the last `recent_tokens` tokens
   (StreamingLLM-like; loses whatever falls between them).
-- `layerwise`: sinks + recent + per-layer anchors (`SelectionState.anchors`), meant to be the
-  blocks that drew the most attention mass from the last prompt chunk's queries. The prefill
-  probes that record them are not built yet: until then it reads what `fixed` reads.
+- `layerwise`: sinks + recent + per-layer anchors found during prefill: at each prefill chunk, the
+  blocks that draw the most attention mass from the chunk's last `PROBE_QUERIES` queries (the
+  last chunk of the prompt has the final word), up to the token budget.
 - `attention_entropy` (default): sinks + recent + the top blocks by the digest bound
   (`h3d.hbf.digests.block_scores`) up to `window_tokens`; every `resize_every` decode steps the
   entropy (nats) of the softmax of the block scores resizes the window: below
@@ -26,6 +26,8 @@ import numpy as np
 import torch
 
 from h3d.hbf.digests import block_scores
+
+PROBE_QUERIES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,3 +111,33 @@ def after_step(state: SelectionState, cfg: HbfConfig) -> None:
         state.window_tokens = max(cfg.window_min_tokens, state.window_tokens * 3 // 4)
     elif h > cfg.entropy_grow_above:
         state.window_tokens = min(cfg.window_max_tokens, state.window_tokens * 5 // 4)
+
+
+def probe_anchors(
+    state: SelectionState, cfg: HbfConfig, layer: int, q: torch.Tensor, k: torch.Tensor, block_size: int, scale: float
+) -> None:
+    """Layerwise: record `layer`'s anchors from a prefill chunk.
+
+    q: [n, H, D], the chunk's queries (its last tokens of the sequence); k: [T, Hkv, D], every key
+    of the layer so far (the chunk's included). The mass each block draws from the last queries,
+    summed over heads and queries, ranks the blocks; the best ones outside sinks and the recent
+    window fill the token budget.
+    """
+    if state.policy != "layerwise" or layer < cfg.dense_layers:
+        return
+    m = min(PROBE_QUERIES, q.shape[0])
+    t, hkv, d = k.shape
+    qm = q[-m:].float().view(m, hkv, -1, d)  # [m, Hkv, G, D]
+    scores = torch.einsum("mkgd,tkd->kgmt", qm, k.float()) * scale  # [Hkv, G, m, T]
+    qpos = torch.arange(t - m, t, device=q.device)
+    scores.masked_fill_(torch.arange(t, device=q.device)[None, :] > qpos[:, None], float("-inf"))
+    mass = torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))  # [T]
+    nb = -(-t // block_size)
+    per_block = torch.zeros(nb * block_size, device=q.device)
+    per_block[:t] = mass
+    per_block = per_block.view(nb, block_size).sum(-1)  # [nb]
+    base = _base(nb, cfg, block_size)
+    per_block[torch.from_numpy(base).to(per_block.device)] = float("-inf")
+    room = max(0, state.window_tokens // block_size - len(base))
+    top = torch.topk(per_block, min(room, nb - len(base))).indices
+    state.anchors[layer] = np.sort(top.cpu().numpy())

@@ -52,7 +52,7 @@ class LayerKV:
     tables: Callable[[], torch.Tensor]
 
 
-def _gather(pools: tuple[torch.Tensor, ...], loc: torch.Tensor) -> torch.Tensor:
+def gather_blocks(pools: tuple[torch.Tensor, ...], loc: torch.Tensor) -> torch.Tensor:
     """pools: (HBM, DDR) [Hkv, S, bs, D]; loc: [..., W] -> [..., W*bs, Hkv, D] (fp32)."""
     hbm, ddr = pools
     in_hbm = loc >= 0
@@ -67,8 +67,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence. q: [B, H, D]; tables: [B, W]; kv_lens: [B] -> [B, H, D]."""
     b, h, d = q.shape
-    k = _gather(pools.k, tables)  # [B, T, Hkv, D]
-    v = _gather(pools.v, tables)  # [B, T, Hkv, D]
+    k = gather_blocks(pools.k, tables)  # [B, T, Hkv, D]
+    v = gather_blocks(pools.v, tables)  # [B, T, Hkv, D]
     hkv = k.shape[2]
     qg = q.float().view(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
     t = torch.arange(k.shape[1], device=q.device)
@@ -89,8 +89,8 @@ def prefill_attention(q: torch.Tensor, pools: Pools, table: torch.Tensor, kv_len
     sees keys 0..that position.
     """
     n, h, d = q.shape
-    k = _gather(pools.k, table)[:kv_len]  # [T, Hkv, D]
-    v = _gather(pools.v, table)[:kv_len]  # [T, Hkv, D]
+    k = gather_blocks(pools.k, table)[:kv_len]  # [T, Hkv, D]
+    v = gather_blocks(pools.v, table)[:kv_len]  # [T, Hkv, D]
     hkv = k.shape[1]
     qg = q.float().view(n, hkv, h // hkv, d)  # [n, Hkv, G, D]
     scores = torch.einsum("nkgd,tkd->kgnt", qg, k) * scale  # [Hkv, G, n, T]
@@ -123,7 +123,7 @@ def _segments(pools: tuple[torch.Tensor, ...], runs: Runs) -> list[torch.Tensor]
     device = pools[0].device
     if len(runs) > MAX_RUNS:
         loc = np.concatenate([np.arange(s, s + c) if t == 0 else -np.arange(s, s + c) - 1 for t, s, c in runs])
-        g = _gather(pools, torch.from_numpy(loc).to(device))  # [T, Hkv, D] fp32
+        g = gather_blocks(pools, torch.from_numpy(loc).to(device))  # [T, Hkv, D] fp32
         return [g.transpose(0, 1)]
     return [pools[t][:, s : s + c].view(hkv, c * bs, d).to(device, non_blocking=True) for t, s, c in runs]
 
