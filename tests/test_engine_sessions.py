@@ -471,3 +471,21 @@ def test_tokenizer_and_dtype_errors(model_copy: Callable[[str], Path], checkpoin
         Tokenizer(broken)
     with pytest.raises(ModelLoadError):
         load_model(checkpoint(MODEL), "int8", "cpu")
+
+
+def test_rewind_branches_continuations_from_one_prefill(checkpoint: Callable[[str], Path]) -> None:
+    """After a rewind to the prompt, a generation is exactly the first one; blocks are freed."""
+    engine = make_engine(checkpoint(MODEL))
+    prompt = random_prompt(70, VOCAB_SIZE, seed=21)
+    sid = engine.create_session()
+    engine.append(sid, token_ids=prompt)
+    free_after_prompt = engine.runner.blocks.num_free
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    first = engine.complete(sid, "", params).token_ids
+    engine.rewind(sid, len(prompt))
+    assert engine.session(sid).tokens == prompt and engine.cached_tokens(sid) == len(prompt) - 1
+    assert engine.runner.blocks.num_free == free_after_prompt
+    engine.runner.tiers.check()
+    assert engine.complete(sid, "", params).token_ids == first
+    with pytest.raises(InvalidRequest):
+        engine.rewind(sid, 10_000)

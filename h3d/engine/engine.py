@@ -124,6 +124,20 @@ class Engine:
             raise SessionNotFound(f"no session {session_id!r}")
         return session
 
+    def rewind(self, session_id: SessionId, num_tokens: int) -> None:
+        """Cut the session's context back to its first `num_tokens` tokens (and its KV with it).
+
+        Used to branch several continuations from one prefill (benchmarks); digests keep covering
+        the cut tokens, which only loosens their bound.
+        """
+        session = self.session(session_id)
+        if session.busy:
+            raise InvalidRequest(f"session {session_id} has a request in flight")
+        if not 0 <= num_tokens <= len(session.tokens):
+            raise InvalidRequest(f"cannot rewind to {num_tokens} tokens: the context holds {len(session.tokens)}")
+        del session.tokens[num_tokens:]
+        self.runner.blocks.truncate(session.seq, max(0, min(self.cached_tokens(session_id), num_tokens - 1)))
+
     def close_session(self, session_id: SessionId) -> None:
         session = self.session(session_id)
         for req in [r for r in self._requests.values() if r.session is session]:

@@ -1,0 +1,132 @@
+"""Retrieval quality per HBF policy and token budget: needles in real text (CPU, embedded model).
+
+    python -m h3d.bench.retrieval --model DIR [--contexts 2048 4096 8192] [--needles 5]
+        [--depths 0.1 0.3 0.5 0.7 0.9] [--budgets 256 512 1024 2048] [--write docs/BENCHMARKS.md]
+
+Each prompt is real English text (h3d.bench.text) cut to the context length, with one needle
+sentence ("The access code for the <place> archive is <5 digits>.") inserted at a depth, then the
+question and the start of the answer. The prompt is prefilled once (prefill is exact under every
+policy; `layerwise` records its anchors then), and each policy x budget generates 8 greedy tokens
+from it, the session rewound in between. A run is correct when the digits appear in the answer.
+Deterministic: needles, digits and depths come from a fixed seed. A full sweep takes hours on 2
+cores; `--contexts`, `--needles` and `--depths` trim it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from h3d.bench.cpu import _write
+from h3d.bench.text import corpus
+from h3d.config import EngineConfig
+from h3d.engine.engine import Engine
+from h3d.engine.sampling import SamplingParams
+
+PLACES = ["Lisbon", "Kyoto", "Nairobi", "Quito", "Tallinn", "Hobart", "Tromso", "Cusco", "Dakar", "Oulu"]
+SPARSE = ("fixed", "layerwise", "attention_entropy")
+
+
+@dataclass(slots=True)
+class Tally:
+    correct: int = 0
+    total: int = 0
+    hits: float = 0.0
+    ddr_evicts: int = 0
+
+
+def prompts(engine: Engine, context: int, needles: int, depths: list[float], seed: int) -> list[tuple[list[int], str]]:
+    rng = random.Random(seed + context)
+    hay = engine.tokenizer.encode(corpus(), add_special_tokens=False)
+    out = []
+    for i in range(needles):
+        place, code = PLACES[i % len(PLACES)], f"{rng.randrange(10000, 99999)}"
+        needle = engine.tokenizer.encode(
+            f" The access code for the {place} archive is {code}. ", add_special_tokens=False
+        )
+        question = engine.tokenizer.encode(
+            f"\n\nQuestion: What is the access code for the {place} archive?\nAnswer: The access code for the "
+            f"{place} archive is",
+            add_special_tokens=False,
+        )
+        body = context - len(needle) - len(question)
+        start = rng.randrange(0, len(hay) - body)
+        text = hay[start : start + body]
+        for depth in depths:
+            at = int(depth * body)
+            out.append((text[:at] + needle + text[at:] + question, code))
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[tuple[int, str, int], Tally]:
+    engine = Engine(EngineConfig.build(model=args.model, policy="layerwise", hbm_mb=args.hbm_mb, ddr_mb=4096))
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    results: dict[tuple[int, str, int], Tally] = {}
+    for context in args.contexts:
+        for n, (ids, code) in enumerate(prompts(engine, context, args.needles, args.depths, args.seed)):
+            session = engine.create_session(policy="layerwise")
+            engine.append(session, token_ids=ids)
+            seq = engine.session(session).seq
+            configs = [("exact", context)] + [(p, b) for p in SPARSE for b in args.budgets]
+            for policy, budget in configs:
+                engine.set_policy(session, policy)
+                engine.runner.selection[seq].window_tokens = budget
+                before = engine.tier_stats()
+                done = engine.complete(session, "", params)
+                after = engine.tier_stats()
+                tally = results.setdefault((context, policy, budget), Tally())
+                tally.total += 1
+                tally.correct += int(code in done.text)
+                needed = (after.hbm_hits + after.hbm_misses) - (before.hbm_hits + before.hbm_misses)
+                tally.hits += (after.hbm_hits - before.hbm_hits) / needed if needed else 1.0
+                tally.ddr_evicts += after.ddr_evict_count - before.ddr_evict_count
+                engine.rewind(session, len(ids))
+            engine.close_session(session)
+            exact = results[(context, "exact", context)]
+            print(f"context {context}, prompt {n + 1}: exact so far {exact.correct}/{exact.total}", flush=True)
+    return results
+
+
+def table(results: dict[tuple[int, str, int], Tally]) -> str:
+    lines = [
+        "| context | policy | budget (tokens) | accuracy | vs exact | hbm_hit_rate | ddr_evict_count |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for (context, policy, budget), t in sorted(results.items(), key=lambda kv: (kv[0][0], kv[0][1] != "exact", kv[0])):
+        exact = results[(context, "exact", context)]
+        rel = t.correct / exact.correct if exact.correct else float("nan")
+        lines.append(
+            f"| {context} | {policy} | {budget} | {t.correct}/{t.total} | {rel:.2f} | {t.hits / t.total:.3f} "
+            f"| {t.ddr_evicts} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8000])
+    parser.add_argument("--needles", type=int, default=5)
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--hbm-mb", type=float, default=64.0, help="HBM budget of the runs (hit rates)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--write", default=None)
+    args = parser.parse_args()
+    out = table(run(args))
+    print(out)
+    if args.write:
+        meta = (
+            f"Measured {dt.date.today().isoformat()} on the 2-core CPU host, embedded model (fp32), greedy.\n\n"
+            f"Command: `python -m h3d.bench.retrieval --model MODEL --contexts {' '.join(map(str, args.contexts))} "
+            f"--needles {args.needles} --depths {' '.join(map(str, args.depths))} "
+            f"--budgets {' '.join(map(str, args.budgets))} --hbm-mb {args.hbm_mb}`"
+        )
+        _write(Path(args.write), f"{meta}\n\n{out}", "retrieval")
+
+
+if __name__ == "__main__":
+    main()
