@@ -1,6 +1,6 @@
 # make run   — set up .venv, convert the embedded model once into $(DATA), and run it
 # make test  — set up .venv, then lint (ruff), type-check (mypy h3d) and run the tests
-# make bench — CPU benchmark against transformers (writes docs/BENCHMARKS.md's table; slow)
+# make bench — CPU benchmarks (vs transformers, codecs, HBF cost, retrieval): docs/BENCHMARKS.md; hours
 
 PYTHON ?= python3
 VENV   := .venv
@@ -41,7 +41,11 @@ test: lint
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP) $(MODEL)/config.json
+	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python -m h3d.bench.cpu --model $(MODEL) --write docs/BENCHMARKS.md
+	$(BIN)/python -m h3d.bench.codecs --model $(MODEL) --write docs/BENCHMARKS.md
+	$(BIN)/python -m h3d.bench.hbf_cost --write docs/BENCHMARKS.md
+	$(BIN)/python -m h3d.bench.retrieval --model $(MODEL) --write docs/BENCHMARKS.md --plot docs/retrieval.png
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache

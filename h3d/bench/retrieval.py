@@ -105,6 +105,33 @@ def table(results: dict[tuple[int, str, int], Tally]) -> str:
     return "\n".join(lines)
 
 
+def plot(results: dict[tuple[int, str, int], Tally], path: Path) -> None:
+    """Accuracy vs budget per policy, one panel per context length (needs matplotlib: the bench extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({c for c, _, _ in results})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
+    for ax, context in zip(axes[0], contexts, strict=True):
+        exact = results[(context, "exact", context)]
+        ax.axhline(exact.correct / exact.total, color="black", linestyle="--", label="exact")
+        for policy in SPARSE:
+            points = sorted(
+                (b, t.correct / t.total) for (c, p, b), t in results.items() if c == context and p == policy
+            )
+            ax.plot([b for b, _ in points], [a for _, a in points], marker="o", label=policy)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(f"{context}-token context")
+        ax.set_xlabel("token budget per layer")
+        ax.set_ylabel("needles found")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -115,9 +142,13 @@ def main() -> None:
     parser.add_argument("--hbm-mb", type=float, default=64.0, help="HBM budget of the runs (hit rates)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--write", default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of accuracy vs budget here")
     args = parser.parse_args()
-    out = table(run(args))
+    results = run(args)
+    out = table(results)
     print(out)
+    if args.plot:
+        plot(results, args.plot)
     if args.write:
         meta = (
             f"Measured {dt.date.today().isoformat()} on the 2-core CPU host, embedded model (fp32), greedy.\n\n"
