@@ -36,7 +36,14 @@ class Chunk:
 class _Step:
     """One forward's view of the KV cache (implements `h3d.kv.attention.StepKV`)."""
 
-    def __init__(self, runner: ModelRunner, chunks: list[Chunk], rows: np.ndarray, seq_ends: torch.Tensor) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        chunks: list[Chunk],
+        rows: np.ndarray,
+        seq_ends: torch.Tensor,
+        protect: dict[SeqId, int],
+    ) -> None:
         self.runner = runner
         self.pools = runner.pools
         self.seq_ends = seq_ends
@@ -45,7 +52,7 @@ class _Step:
         self.query_lens = tuple(len(c.token_ids) for c in chunks)
         self.offsets = np.concatenate(([0], np.cumsum(self.query_lens)[:-1])).tolist()
         self.kv_lens = tuple(c.start + len(c.token_ids) for c in chunks)
-        self.protect = {c.seq: c.start // runner.blocks.block_size for c in chunks}
+        self.protect = protect  # seq -> first block written this step (never moved during it)
         self.rows = rows  # [L, N]: >= 0 HBM pool row, else -(DDR row + 1)
         self.has_ddr_rows = bool((rows < 0).any())
         self.selected: dict[tuple[SeqId, int], np.ndarray] = {}  # (seq, layer) -> blocks read (HBF)
@@ -179,7 +186,8 @@ class ModelRunner:
             positions.append(np.arange(c.start, end, dtype=np.int64))
             seq_ends.append(np.full(len(c.token_ids), end, dtype=np.int64))
         dev = self.device
-        step = _Step(self, chunks, np.concatenate(rows, axis=1), torch.from_numpy(np.concatenate(seq_ends)).to(dev))
+        ends = torch.from_numpy(np.concatenate(seq_ends)).to(dev)
+        step = _Step(self, chunks, np.concatenate(rows, axis=1), ends, protect)
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=dev)
         return ids, torch.from_numpy(np.concatenate(positions)).to(dev), step
 

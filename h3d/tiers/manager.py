@@ -15,6 +15,7 @@ Owner: the counters, the archive keys of sessions, and every decision to move a 
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -387,21 +388,13 @@ class TierManager:
         ddr_used = b.ddr_alloc.capacity - b.ddr_free
         ssd = self.archive.stats().stored_bytes if self.archive is not None else 0
         return TierStats(
-            hbm_hits=c.hbm_hits,
-            hbm_misses=c.hbm_misses,
+            **asdict(c),
             hbm_hit_rate=c.hbm_hit_rate,
-            ddr_hits=c.ddr_hits,
-            ssd_read_count=c.ssd_read_count,
-            ssd_write_count=c.ssd_write_count,
-            hbm_evict_count=c.hbm_evict_count,
-            ddr_evict_count=c.ddr_evict_count,
-            fetch_bytes=c.fetch_bytes,
             hbm_used_bytes=hbm_used * self.block_bytes,
             hbm_capacity_bytes=hbm_cap * self.block_bytes,
             ddr_used_bytes=ddr_used * self.block_bytes,
             ddr_capacity_bytes=b.ddr_alloc.capacity * self.block_bytes,
             ssd_used_bytes=ssd,
-            peak_hbm_bytes=c.peak_hbm_bytes,
         )
 
     def check(self) -> None:
