@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -520,3 +520,42 @@ def test_rows_give_every_token_its_own_pool_storage() -> None:
     assert torch.equal(got_k, torch.cat(written_k).sort().values)
     assert torch.equal(got_v, torch.cat(written_v).sort().values)
     bm.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 3), max_size=12)), max_size=30))
+def test_layered_allocator_matches_one_stack_per_layer(ops: list[tuple[bool, list[int]]]) -> None:
+    """`allocate_many` / `release_many` over several layers hand out and take back exactly the
+    slots that one `SlotAllocator` per layer would, in the same order."""
+    from h3d.kv.blocks import LayeredAllocator, SlotAllocator
+
+    layers, cap = 4, 5
+    owner_a = np.full(1 + layers * cap, -1, dtype=np.int64)
+    owner_b = owner_a.copy()
+    many = LayeredAllocator(layers, cap, owner_a)
+    single = [SlotAllocator(1 + layer * cap, cap, owner_b) for layer in range(layers)]
+    held: list[list[int]] = [[] for _ in range(layers)]
+    for alloc, wanted in ops:
+        ls = np.sort(np.array(wanted, dtype=np.int64))
+        if alloc:
+            counts = np.bincount(ls, minlength=layers)
+            if (counts > [a.num_free for a in single]).any():
+                with pytest.raises(OutOfBlocks):
+                    many.allocate_many(ls, SeqId(7))
+                continue
+            got = many.allocate_many(ls, SeqId(7))
+            want = np.concatenate([single[layer].allocate(int(c), SeqId(7)) for layer, c in enumerate(counts)])
+            assert got.tolist() == want.tolist()
+            for layer, slot in zip(ls.tolist(), got.tolist(), strict=True):
+                held[layer].append(slot)
+        else:
+            pairs = sorted((layer, held[layer].pop(0)) for layer in ls.tolist() if held[layer])
+            if not pairs:
+                continue
+            many.release_many(np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs]))
+            for layer in range(layers):
+                mine = np.array([slot for lay, slot in pairs if lay == layer], dtype=np.int64)
+                if len(mine):
+                    single[layer].release(mine)
+        assert [v.free_slots().tolist() for v in many] == [a.free_slots().tolist() for a in single]
+        assert owner_a.tolist() == owner_b.tolist()

@@ -47,11 +47,12 @@ def planning(tokens: int, steps: int, seed: int = 0) -> list[float]:
     keep = {seq: base}
     protect = {seq: nb - 1}
     for _ in range(steps):
-        selected = {}
+        chosen = []
         for layer in range(LAYERS):
             drift = rng.random(56) < 0.1
             picks[layer][drift] = rng.integers(1, nb - 9, int(drift.sum()))
-            selected[(seq, layer)] = np.union1d(base, picks[layer])
+            chosen.append((layer, np.union1d(base, picks[layer])))
+        selected = {seq: chosen}
         tiers.begin_step([seq])
         tiers.promote(selected, protect, keep)
     return tiers.latencies_us[100:]  # after warm-up (the first steps fill HBM)

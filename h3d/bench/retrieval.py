@@ -8,6 +8,11 @@ sentence ("The access code for the <place> archive is <5 digits>.") inserted at 
 question and the start of the answer. The prompt is prefilled once (prefill is exact under every
 policy; `layerwise` records its anchors then), and each policy x budget generates 8 greedy tokens
 from it, the session rewound in between. A run is correct when the digits appear in the answer.
+
+Calibration of `attention_entropy`'s resize thresholds: for every prompt the bench also records
+the entropy (nats) that the policy computes at each decode step (softmax of the digest bounds of the
+first sparse layer, the quantity the window resizes on) and the smallest budget at which the policy
+found the needle; the `calibration` table sets the two side by side (`--write` records it too).
 Deterministic: needles, digits and depths come from a fixed seed. A full sweep takes hours on 2
 cores; `--contexts`, `--needles` and `--depths` trim it.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +34,16 @@ from h3d.engine.sampling import SamplingParams
 
 PLACES = ["Lisbon", "Kyoto", "Nairobi", "Quito", "Tallinn", "Hobart", "Tromso", "Cusco", "Dakar", "Oulu"]
 SPARSE = ("fixed", "layerwise", "attention_entropy")
+
+
+@dataclass(slots=True)
+class Probe:
+    """One prompt under attention_entropy: its mean decode-step entropy and, per budget, whether
+    the needle was found."""
+
+    context: int
+    entropy: float
+    found: dict[int, bool]
 
 
 @dataclass(slots=True)
@@ -61,7 +77,7 @@ def prompts(engine: Engine, context: int, needles: int, depths: list[float], see
     return out
 
 
-def run(args: argparse.Namespace) -> dict[tuple[int, str, int], Tally]:
+def run(args: argparse.Namespace, probes: list[Probe]) -> dict[tuple[int, str, int], Tally]:
     engine = Engine(EngineConfig.build(model=args.model, policy="layerwise", hbm_mb=args.hbm_mb, ddr_mb=4096))
     params = SamplingParams(max_tokens=8, temperature=0.0)
     results: dict[tuple[int, str, int], Tally] = {}
@@ -71,11 +87,18 @@ def run(args: argparse.Namespace) -> dict[tuple[int, str, int], Tally]:
             engine.append(session, token_ids=ids)
             seq = engine.session(session).seq
             configs = [("exact", context)] + [(p, b) for p in SPARSE for b in args.budgets]
+            probe = Probe(context, 0.0, {})
             for policy, budget in configs:
                 engine.set_policy(session, policy)
-                engine.runner.selection[seq].window_tokens = budget
+                state = engine.runner.selection[seq]
+                state.window_tokens = budget
+                state.entropies.clear()
                 before = engine.tier_stats()
                 done = engine.complete(session, "", params)
+                if policy == "attention_entropy":
+                    probe.found[budget] = code in done.text
+                    if budget == max(args.budgets) and state.entropies:
+                        probe.entropy = sum(state.entropies) / len(state.entropies)
                 after = engine.tier_stats()
                 tally = results.setdefault((context, policy, budget), Tally())
                 tally.total += 1
@@ -85,6 +108,7 @@ def run(args: argparse.Namespace) -> dict[tuple[int, str, int], Tally]:
                 tally.ddr_evicts += after.ddr_evict_count - before.ddr_evict_count
                 engine.rewind(session, len(ids))
             engine.close_session(session)
+            probes.append(probe)
             exact = results[(context, "exact", context)]
             print(f"context {context}, prompt {n + 1}: exact so far {exact.correct}/{exact.total}", flush=True)
     return results
@@ -101,6 +125,33 @@ def table(results: dict[tuple[int, str, int], Tally]) -> str:
         lines.append(
             f"| {context} | {policy} | {budget} | {t.correct}/{t.total} | {rel:.2f} | {t.hits / t.total:.3f} "
             f"| {t.ddr_evicts} |"
+        )
+    return "\n".join(lines)
+
+
+def calibration(probes: list[Probe], budgets: list[int]) -> str:
+    """Mean decode-step entropy of the prompts, grouped by the smallest budget that found the needle."""
+    lines = [
+        "| context | ln(blocks) | entropy p10 / p50 / p90 (nats) | "
+        + " | ".join(f"found from {b}" for b in sorted(budgets))
+        + " | never found |",
+        "|---:|---:|---|" + "---|" * (len(budgets) + 1),
+    ]
+    for context in sorted({p.context for p in probes}):
+        mine = sorted(p.entropy for p in probes if p.context == context)
+        q = [mine[min(len(mine) - 1, int(f * len(mine)))] for f in (0.1, 0.5, 0.9)]
+        groups: dict[int | None, list[float]] = {}
+        for p in probes:
+            if p.context == context:
+                first = next((b for b in sorted(budgets) if p.found.get(b)), None)
+                groups.setdefault(first, []).append(p.entropy)
+        cells = []
+        for b in [*sorted(budgets), None]:
+            g = groups.get(b, [])
+            cells.append(f"{len(g)} prompts, mean {sum(g) / len(g):.2f}" if g else "-")
+        nb = -(-context // 32)
+        lines.append(
+            f"| {context} | {math.log(nb):.2f} | {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines)
 
@@ -144,9 +195,13 @@ def main() -> None:
     parser.add_argument("--write", default=None)
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of accuracy vs budget here")
     args = parser.parse_args()
-    results = run(args)
+    probes: list[Probe] = []
+    results = run(args, probes)
     out = table(results)
+    calib = calibration(probes, args.budgets)
     print(out)
+    print()
+    print(calib)
     if args.plot:
         plot(results, args.plot)
     if args.write:
@@ -157,6 +212,7 @@ def main() -> None:
             f"--budgets {' '.join(map(str, args.budgets))} --hbm-mb {args.hbm_mb}`"
         )
         _write(Path(args.write), f"{meta}\n\n{out}", "retrieval")
+        _write(Path(args.write), f"{meta}\n\n{calib}", "calibration")
 
 
 if __name__ == "__main__":

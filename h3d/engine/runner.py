@@ -55,7 +55,8 @@ class _Step:
         self.protect = protect  # seq -> first block written this step (never moved during it)
         self.rows = rows  # [L, N]: >= 0 HBM pool row, else -(DDR row + 1)
         self.has_ddr_rows = bool((rows < 0).any())
-        self.selected: dict[tuple[SeqId, int], np.ndarray] = {}  # (seq, layer) -> blocks read (HBF)
+        # seq -> [(layer, blocks read)] in layer order: what HBF selected this step
+        self.selected: dict[SeqId, list[tuple[int, np.ndarray]]] = {}
 
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
         r = self.runner
@@ -88,7 +89,7 @@ class _Step:
                 seq_runs = r.blocks.runs(seq, index)
                 kv_lens.append(self.kv_lens[i])
             else:
-                self.selected[(seq, index)] = sel
+                self.selected.setdefault(seq, []).append((index, sel))
                 seq_runs = runs_of(t.locations(index)[sel])
                 kv_lens.append(self.kv_lens[i] - (t.num_blocks - len(sel)) * r.blocks.block_size)
             runs.append(seq_runs)

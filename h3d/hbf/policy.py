@@ -81,14 +81,16 @@ def select(
         return None
     base = _base(num_blocks, cfg, block_size)
     room = budget - len(base)
-    if state.policy == "fixed" or room <= 0:
+    if state.policy == "fixed":
         return base
     if state.policy == "layerwise":
         extra = np.setdiff1d(state.anchors.get(layer, np.empty(0, dtype=np.int64)), base)[:room]
-        return np.union1d(base, extra)
+        return np.union1d(base, extra) if room > 0 else base
     scores = block_scores(q, digests)  # [nb]
     if layer == cfg.dense_layers:
-        _track_entropy(state, scores * scale)
+        _track_entropy(state, scores * scale)  # even with no room left: the window may grow
+    if room <= 0:
+        return base
     masked = scores.clone()
     masked[torch.from_numpy(base).to(scores.device)] = float("-inf")
     top = torch.topk(masked, min(room, num_blocks - len(base))).indices

@@ -25,6 +25,7 @@ What must stay true (checked by `BlockManager.check_invariants`):
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NewType
 
@@ -105,6 +106,86 @@ class SlotAllocator:
         return self._stack[: self._top]
 
 
+class LayeredAllocator:
+    """One free-list stack per layer region of the HBM pool, as rows of one array, so that a step's
+    promotions and evictions over all layers are a few vectorized operations (no per-layer loop).
+    `self[layer]` is a `SlotAllocator`-like view of one region."""
+
+    def __init__(self, num_layers: int, capacity: int, owner: np.ndarray) -> None:
+        self.capacity = capacity
+        first = 1 + np.arange(num_layers, dtype=np.int64) * capacity  # [L]
+        # Row l is layer l's stack, lowest slot on top (the highest index in use).
+        self._stack = first[:, None] + np.arange(capacity - 1, -1, -1, dtype=np.int64)[None, :]
+        self._top = np.full(num_layers, capacity, dtype=np.int64)
+        self.first = first
+        self.owner = owner
+        self._views = [_LayerView(self, layer) for layer in range(num_layers)]
+
+    def __getitem__(self, layer: int) -> _LayerView:
+        return self._views[layer]
+
+    def __iter__(self) -> Iterator[_LayerView]:
+        return iter(self._views)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    @property
+    def free(self) -> np.ndarray:
+        """Free slots per layer, [L] (a copy)."""
+        return self._top.copy()
+
+    def allocate_many(self, layers: np.ndarray, owner: SeqId) -> np.ndarray:
+        """One slot in each listed layer's region (`layers` sorted ascending); returns them."""
+        if not len(layers):
+            return np.empty(0, dtype=np.int64)
+        counts = np.bincount(layers, minlength=len(self._top))
+        short = np.flatnonzero(counts > self._top)
+        if len(short):
+            layer = int(short[0])
+            raise OutOfBlocks(f"KV pool exhausted: layer {layer} needs {counts[layer]} blocks, {self._top[layer]} free")
+        rank = np.arange(len(layers)) - (np.cumsum(counts) - counts)[layers]  # position within its layer
+        slots = self._stack[layers, self._top[layers] - 1 - rank]
+        self._top -= counts
+        self.owner[slots] = owner
+        return slots
+
+    def release_many(self, layers: np.ndarray, slots: np.ndarray) -> None:
+        """Give back `slots` (`layers` sorted ascending, each slot in its layer's region)."""
+        real = slots > NULL_SLOT
+        layers, slots = layers[real], slots[real]
+        if not len(slots):
+            return
+        counts = np.bincount(layers, minlength=len(self._top))
+        rank = np.arange(len(layers)) - (np.cumsum(counts) - counts)[layers]
+        self._stack[layers, self._top[layers] + counts[layers] - 1 - rank] = slots
+        self._top += counts
+        self.owner[slots] = _FREE
+
+
+class _LayerView:
+    """One layer's region of a `LayeredAllocator`, with `SlotAllocator`'s interface."""
+
+    def __init__(self, parent: LayeredAllocator, layer: int) -> None:
+        self._parent = parent
+        self._layer = layer
+        self.first = int(parent.first[layer])
+        self.capacity = parent.capacity
+
+    @property
+    def num_free(self) -> int:
+        return int(self._parent._top[self._layer])
+
+    def allocate(self, n: int, owner: SeqId) -> np.ndarray:
+        return self._parent.allocate_many(np.full(n, self._layer, dtype=np.int64), owner)
+
+    def release(self, slots: np.ndarray) -> None:
+        self._parent.release_many(np.full(len(slots), self._layer, dtype=np.int64), slots)
+
+    def free_slots(self) -> np.ndarray:
+        return self._parent._stack[self._layer, : self._parent._top[self._layer]]
+
+
 @dataclass(slots=True)
 class BlockTable:
     """One session's blocks per layer: block j holds tokens [j*bs, (j+1)*bs).
@@ -134,10 +215,8 @@ class BlockManager:
         if hbm_slots_per_layer < 1:
             raise ValueError("the HBM pool needs at least one slot per layer")
         self.hbm_owner = np.full(1 + hbm_slots_per_layer * num_layers, _FREE, dtype=np.int64)
-        self.hbm_alloc = [
-            SlotAllocator(1 + layer * hbm_slots_per_layer, hbm_slots_per_layer, self.hbm_owner)
-            for layer in range(num_layers)
-        ]
+        self.hbm_alloc = LayeredAllocator(num_layers, hbm_slots_per_layer, self.hbm_owner)
+        self.hbm_block = np.zeros_like(self.hbm_owner)  # block index held by each owned HBM slot
         self.ddr_owner = np.full(1 + max(ddr_slots, 0), _FREE, dtype=np.int64)
         self.ddr_alloc = SlotAllocator(1, max(ddr_slots, 0), self.ddr_owner)
         self.slots_per_layer = hbm_slots_per_layer
@@ -230,7 +309,9 @@ class BlockManager:
             cols = slice(table.num_blocks, table.num_blocks + new)
             for layer, alloc in enumerate(self.hbm_alloc):
                 in_hbm = min(new, alloc.num_free)
-                table.hbm[layer, cols][:in_hbm] = alloc.allocate(in_hbm, seq)
+                slots = alloc.allocate(in_hbm, seq)
+                table.hbm[layer, cols][:in_hbm] = slots
+                self.hbm_block[slots] = np.arange(cols.start, cols.start + in_hbm)
                 table.ddr[layer, cols][in_hbm:] = self.ddr_alloc.allocate(new - in_hbm, seq)
             table.num_blocks += new
             table.version += 1
@@ -284,6 +365,7 @@ class BlockManager:
         assert (table.hbm[layer, blocks] == NONE).all(), "block already in HBM"
         slots = self.hbm_alloc[layer].allocate(len(blocks), seq)
         table.hbm[layer, blocks] = slots
+        self.hbm_block[slots] = blocks
         table.version += 1
         return slots
 
@@ -300,6 +382,44 @@ class BlockManager:
         self._check_other_copy(table, layer, blocks, table.ddr[layer, blocks] != NONE, "HBM")
         self.hbm_alloc[layer].release(table.hbm[layer, blocks])
         table.hbm[layer, blocks] = NONE
+        table.version += 1
+
+    def add_hbm_many(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """`add_hbm` for (layer, block) pairs of several layers at once, `layers` sorted; the
+        caller has checked that none is in HBM (`check_invariants` catches a slip)."""
+        table = self._tables[seq]
+        slots = self.hbm_alloc.allocate_many(layers, seq)
+        table.hbm[layers, blocks] = slots
+        self.hbm_block[slots] = blocks
+        table.version += 1
+        return slots
+
+    def add_ddr_many(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """`add_ddr` for (layer, block) pairs of several layers at once."""
+        table = self._tables[seq]
+        assert (table.ddr[layers, blocks] == NONE).all(), "block already in DDR"
+        slots = self.ddr_alloc.allocate(len(blocks), seq)
+        table.ddr[layers, blocks] = slots
+        table.version += 1
+        return slots
+
+    def move_hbm_many(
+        self, seq: SeqId, layers: np.ndarray, old: np.ndarray, new: np.ndarray, slots: np.ndarray
+    ) -> None:
+        """Hand the HBM slots of blocks `old` over to blocks `new` of the same layers (an eviction
+        and a promotion in one): `slots` are the old blocks' slots, which must have a DDR copy;
+        the new blocks are not in HBM (the caller checked). Their bytes are to be copied in."""
+        table = self._tables[seq]
+        width = table.hbm.shape[1]
+        was, now = layers * width + old, layers * width + new
+        other = table.ddr.ravel().take(was) != NONE
+        if not other.all():
+            i = int(np.flatnonzero(~other)[0])
+            raise RuntimeError(f"dropping the only usable copy of block {old[i]} of layer {layers[i]} from HBM")
+        hbm = table.hbm.ravel()
+        hbm[was] = NONE
+        hbm[now] = slots
+        self.hbm_block[slots] = new
         table.version += 1
 
     def drop_ddr(self, seq: SeqId, layer: int, blocks: np.ndarray) -> None:

@@ -29,6 +29,7 @@ from h3d.tiers.stats import TierCounters, TierStats
 
 Pair = tuple[SeqId, int]  # (sequence, layer)
 HOT_DECAY = 0.99  # per step: a use counts ~1/e after 100 steps
+LOG_DECAY = float(np.log(HOT_DECAY))
 LATENCY_WINDOW = 4096
 
 
@@ -47,7 +48,9 @@ class TierManager:
         self._last_used: dict[SeqId, int] = {}
         self._step = 0
         self._spilling: dict[int, list[tuple[SeqId, int, np.ndarray]]] = {}  # transfer id -> blocks
-        self._hotness: dict[SeqId, tuple[np.ndarray, np.ndarray]] = {}
+        self._hotness: dict[SeqId, np.ndarray] = {}  # see _rank
+        self._slot_layers: np.ndarray | None = None
+        self._slot_rows_cache: tuple[int, np.ndarray] | None = None
         self.latencies_us: list[float] = []  # host-side HBF planning per step (promote)
 
     @property
@@ -160,92 +163,176 @@ class TierManager:
         c.fetch_bytes += below * self.block_bytes
 
     def promote(
-        self, selected: dict[tuple[SeqId, int], np.ndarray], protect: dict[SeqId, int], keep: dict[SeqId, np.ndarray]
+        self,
+        selected: dict[SeqId, list[tuple[int, np.ndarray]]],
+        protect: dict[SeqId, int],
+        keep: dict[SeqId, np.ndarray],
     ) -> None:
         """HBF, between steps: bring the blocks just read from DDR into HBM for the next step (the
-        selection is the prefetch guess), evicting the least valuable HBM blocks of the layer by
+        selection is the prefetch guess), evicting the least valuable HBM blocks of each layer by
         recency + hotness; never the sinks, the recent window, blocks written this step or the
-        selection itself. Times the decisions (`hbf_latency_us`), not the copies."""
+        selection itself. `selected` holds each session's (layer, blocks read) in layer order.
+        All layers at once, as (layer, block) pairs: no per-layer loop. Times the decisions
+        (`hbf_latency_us`), not the copies."""
         t0 = time.perf_counter()
         copy_s = 0.0
-        b = self.blocks
-        by_seq: dict[SeqId, list[tuple[int, np.ndarray]]] = {}
-        for (seq, layer), sel in selected.items():
-            by_seq.setdefault(seq, []).append((layer, sel))
-        for seq, picks in by_seq.items():
-            t = b.table(seq)
-            heat = self._heat(seq, t.hbm.shape[1])
-            # All layers at once: one fancy index over (layer, block) pairs.
-            layers = np.concatenate([np.full(len(sel), layer) for layer, sel in picks])
-            blocks = np.concatenate([sel for _, sel in picks])
-            heat[0][layers, blocks] = heat[0][layers, blocks] * HOT_DECAY ** (self._step - heat[1][layers, blocks]) + 1
-            heat[1][layers, blocks] = self._step
-            # Only full blocks get a second copy: the partial one keeps its single home for writes.
-            want = (t.hbm[layers, blocks] == NONE) & (blocks < t.num_tokens // b.block_size)
-            for layer in np.unique(layers[want]).tolist():
-                sel = selected[(seq, layer)]
-                missing = blocks[want & (layers == layer)]
-                free = b.hbm_alloc[layer].num_free
-                if free < len(missing):
-                    worth = float(heat[0][layer, missing].min())
-                    free += self._evict_cold(seq, layer, len(missing) - free, sel, protect, keep[seq], heat, worth)
-                missing = missing[:free]
-                if len(missing):
-                    slots = b.add_hbm(seq, layer, missing)
-                    c0 = time.perf_counter()
-                    self.mover.ddr_to_hbm(t.ddr[layer, missing].copy(), slots)
-                    copy_s += time.perf_counter() - c0
+        for seq, picks in selected.items():
+            if not picks:
+                continue
+            layers = np.repeat(np.array([layer for layer, _ in picks]), [len(sel) for _, sel in picks])
+            blocks = np.concatenate([sel for _, sel in picks]).astype(np.int64, copy=False)
+            copy_s += self._promote_seq(seq, layers, blocks, protect, keep[seq])
         self.latencies_us.append((time.perf_counter() - t0 - copy_s) * 1e6)
         del self.latencies_us[:-LATENCY_WINDOW]
 
-    def _heat(self, seq: SeqId, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """(hotness, last step used) per block, [L, width] each: hotness is an exponential moving
-        count of uses with a 100-step horizon."""
-        heat = self._hotness.get(seq)
-        if heat is None or heat[0].shape[1] < width:
-            grown = (np.zeros((self.blocks.num_layers, width)), np.zeros((self.blocks.num_layers, width)))
-            if heat is not None:
-                grown[0][:, : heat[0].shape[1]] = heat[0]
-                grown[1][:, : heat[1].shape[1]] = heat[1]
-            self._hotness[seq] = heat = grown
-        return heat
+    def _promote_seq(
+        self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray, protect: dict[SeqId, int], keep: np.ndarray
+    ) -> float:
+        """Promote the selected (layer, block) pairs of one session (`layers` sorted); returns the
+        seconds spent copying bytes."""
+        b = self.blocks
+        t = b.table(seq)
+        width = t.hbm.shape[1]
+        rank = self._rank(seq, width).ravel()  # a view: writes land in the [L, width] array
+        at = layers * width + blocks  # flat (layer, block) positions in the [L, width] tables
+        # A use adds 1 to the block's decayed count c: rank = log(c) - step * log(decay), so that
+        # log(c now) = rank + now * log(decay) orders blocks the same at any `now`.
+        now = self._step * LOG_DECAY
+        used = np.log1p(np.exp(rank[at] + now)) - now
+        rank[at] = used
+        # Only full blocks get a second copy: the partial one keeps its single home for writes.
+        in_hbm = t.hbm.ravel()[at]  # [n] slot or NONE
+        want = (in_hbm == NONE) & (blocks < t.num_tokens // b.block_size)
+        if not want.any():
+            return 0.0
+        idx = np.flatnonzero(want)
+        m_layers, m_blocks, m_at = layers.take(idx), blocks.take(idx), at.take(idx)
+        need = np.bincount(m_layers, minlength=b.num_layers)  # [L] missing per layer
+        free = b.hbm_alloc.free
+        short = need - free
+        copy_s = 0.0
+        got = np.zeros(b.num_layers, dtype=np.int64)  # slots freed per layer by eviction
+        v_slots = np.empty(0, dtype=np.int64)
+        starts = np.cumsum(need) - need
+        if (short > 0).any():
+            # Worth of a layer's promotion: the least rank among its missing blocks.
+            worth = np.full(b.num_layers, np.inf)
+            has = need > 0
+            worth[has] = np.minimum.reduceat(used.take(idx), starts[has])
+            v_layers, v_blocks, v_slots, copy_s = self._evict_cold(
+                seq, np.maximum(short, 0), worth, in_hbm[in_hbm != NONE], protect, keep
+            )
+            self.counters.hbm_evict_count += len(v_slots)
+            got = np.bincount(v_layers, minlength=b.num_layers)
+        # A layer's r-th missing block takes its r-th victim's slot, then a free slot, while any is left.
+        within = np.arange(len(m_layers)) - starts[m_layers]
+        reuse = within < got[m_layers]  # as many per layer as it has victims, in the same order
+        fresh = ~reuse & (within < (got + free)[m_layers])
+        slots = np.empty(len(m_layers), dtype=np.int64)
+        if len(v_slots):
+            b.move_hbm_many(seq, v_layers, v_blocks, m_blocks[reuse], v_slots)
+            slots[reuse] = v_slots
+        if fresh.any():
+            slots[fresh] = b.add_hbm_many(seq, m_layers[fresh], m_blocks[fresh])
+        placed = reuse | fresh
+        if placed.any():
+            src = t.ddr.ravel()[m_at[placed]]
+            c0 = time.perf_counter()
+            self.mover.ddr_to_hbm(src, slots[placed])
+            copy_s += time.perf_counter() - c0
+        return copy_s
+
+    def _slot_layer(self, spl: int) -> np.ndarray:
+        """The layer of each HBM slot (the null slot excluded): [L * slots_per_layer]."""
+        if self._slot_layers is None:
+            self._slot_layers = np.repeat(np.arange(self.blocks.num_layers, dtype=np.int64), spl)
+        return self._slot_layers
+
+    def _slot_rows(self, width: int) -> np.ndarray:
+        """For each HBM slot, where its layer's row starts in a flattened [L, width] table."""
+        if self._slot_rows_cache is None or self._slot_rows_cache[0] != width:
+            self._slot_rows_cache = (width, self._slot_layer(self.blocks.slots_per_layer) * width)
+        return self._slot_rows_cache[1]
+
+    def _row_starts(self, spl: int) -> np.ndarray:
+        """Where each layer's row starts in the flattened [L, slots_per_layer]: [L]."""
+        return np.arange(self.blocks.num_layers, dtype=np.int64) * spl
+
+    def _rank(self, seq: SeqId, width: int) -> np.ndarray:
+        """Each block's value for HBM, [L, width]: its count of uses decayed by HOT_DECAY per step
+        (recency + hotness over ~100 steps), kept as `log(count) - last_use * log(HOT_DECAY)` so that
+        comparing blocks needs no update of the unused ones (-inf: never used)."""
+        rank = self._hotness.get(seq)
+        if rank is None or rank.shape[1] < width:
+            grown = np.full((self.blocks.num_layers, width), -np.inf)
+            if rank is not None:
+                grown[:, : rank.shape[1]] = rank
+            self._hotness[seq] = rank = grown
+        return rank
 
     def _evict_cold(
         self,
         seq: SeqId,
-        layer: int,
-        count: int,
-        selected: np.ndarray,
+        count: np.ndarray,
+        worth: np.ndarray,
+        sel_slots: np.ndarray,
         protect: dict[SeqId, int],
         keep: np.ndarray,
-        heat: tuple[np.ndarray, np.ndarray],
-        worth: float,
-    ) -> int:
-        """Drop up to `count` of the session's HBM blocks of `layer` with the lowest value, only
-        those worth less than `worth` (so a selection larger than HBM does not churn it)."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """Choose up to `count[l]` of the session's HBM blocks of each layer l with the lowest value,
+        only those worth less than `worth[l]` (so a selection larger than HBM does not churn it).
+        Never the selection (`sel_slots`: its blocks in HBM), `keep`, blocks from `protect[seq]` on or
+        the partial block. Victims without a DDR copy get one now (as many as DDR has room for); the
+        caller hands their slots over (`BlockManager.move_hbm_many`). Returns the victims' layers
+        (sorted), blocks and HBM slots, and the seconds spent copying."""
         b = self.blocks
         t = b.table(seq)
         limit = min(t.num_tokens // b.block_size, protect.get(seq, t.num_blocks))
-        hbm = t.hbm[layer, :limit] != NONE
-        hbm[selected[selected < limit]] = False
-        hbm[keep[keep < limit]] = False
-        cand = np.flatnonzero(hbm)
-        if not len(cand):
-            return 0
-        value = heat[0][layer, cand] * HOT_DECAY ** (self._step - heat[1][layer, cand])
-        order = np.argsort(value, kind="stable")[:count]
-        victims = cand[order[value[order] < worth]]
+        none = np.empty(0, dtype=np.int64)
+        if limit <= 0:
+            return none, none, none, 0.0
+        # Slot space: the HBM pool's layer regions as the rows of [L, slots_per_layer].
+        spl, rank = b.slots_per_layer, self._hotness[seq]
+        held = b.hbm_block[1:]  # block in each slot
+        layer_of = self._slot_layer(spl)
+        ok = (b.hbm_owner[1:] == seq) & (held < limit)
+        # (A slot not ours may hold another session's block index: `clip` keeps its read in bounds.)
+        value = np.where(ok, rank.take(self._slot_rows(rank.shape[1]) + held, mode="clip"), np.inf)
+        value[sel_slots - 1] = np.inf
+        keep_slots = t.hbm[:, keep].ravel()
+        value[keep_slots[keep_slots != NONE] - 1] = np.inf
+        value = value.reshape(b.num_layers, spl)
+        # Each layer's count[l]-th lowest value bounds its victims (a sort of rows is cheaper than
+        # an argpartition here); ties go to the lowest slot, and no layer gives more than count[l].
+        ranked = np.sort(value, axis=1).ravel()
+        nth = ranked[self._row_starts(spl) + np.minimum(np.maximum(count - 1, 0), spl - 1)]
+        bound = np.where(count > 0, np.minimum(nth, np.nextafter(worth, -np.inf)), -np.inf)
+        take = value <= bound[:, None]
+        if (take.sum(axis=1) > count).any():  # ties at the bound: all below it, then the lowest slots
+            tie = value == bound[:, None]
+            room = count - (take & ~tie).sum(axis=1)
+            take &= ~tie | (np.cumsum(tie, axis=1, dtype=np.int32) <= room[:, None])
+        victims = np.flatnonzero(take)  # slot - 1, grouped by layer in ascending order
         if not len(victims):
-            return 0
-        copy = victims[t.ddr[layer, victims] == NONE]
-        if len(copy):
-            if len(copy) > b.ddr_free:
-                return 0
-            slots = b.add_ddr(seq, layer, copy)
-            self.mover.hbm_to_ddr(t.hbm[layer, copy].copy(), slots)
-        b.drop_hbm(seq, layer, victims)
-        self.counters.hbm_evict_count += len(victims)
-        return len(victims)
+            return none, none, none, 0.0
+        v_layers, v_blocks = layer_of[victims], held[victims]
+        ddr = t.ddr.ravel()[v_layers * t.ddr.shape[1] + v_blocks]
+        copy = ddr == NONE
+        if copy.any() and copy.sum() > b.ddr_free:
+            # No DDR room for every victim's copy: evict those with one, and as many others as fit,
+            # the least valuable first (layer by layer).
+            order = np.lexsort((value.ravel()[victims], v_layers))
+            victims, v_layers, v_blocks, copy = victims[order], v_layers[order], v_blocks[order], copy[order]
+            fits = ~copy | (np.cumsum(copy) <= b.ddr_free)
+            victims, v_layers, v_blocks, copy = victims[fits], v_layers[fits], v_blocks[fits], copy[fits]
+        copy_s = 0.0
+        if copy.any():
+            c_layers, c_blocks = v_layers[copy], v_blocks[copy]
+            slots = b.add_ddr_many(seq, c_layers, c_blocks)
+            c0 = time.perf_counter()
+            self.mover.hbm_to_ddr(victims[copy] + 1, slots)
+            copy_s = time.perf_counter() - c0
+        return v_layers, v_blocks, victims + 1, copy_s
 
     def end_step(self, batch: list[SeqId]) -> None:
         """Spill DDR past the high watermark (asynchronously); track peak HBM."""
