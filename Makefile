@@ -1,4 +1,5 @@
-# make run   — set up .venv, convert the embedded model once into $(DATA), and run it
+# make run   — set up .venv, convert the embedded model once into $(DATA), and start the daemon on it
+# make proto — regenerate h3d/_proto from protos/ (make test checks it is current)
 # make test  — set up .venv, then lint (ruff), type-check (mypy h3d) and run the tests
 # make bench — CPU benchmarks (vs transformers, codecs, HBF cost, retrieval): docs/BENCHMARKS.md; hours
 
@@ -7,10 +8,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 DATA   ?= data
 MODEL  ?= $(DATA)/models/smollm2-135m-instruct
-STAMP  := $(VENV)/.installed-v1
+STAMP  := $(VENV)/.installed-v2
+RUNDIR ?= $(abspath $(DATA)/run)
 PROMPT ?= In two sentences, why does a long conversation need a large KV cache?
 
-.PHONY: run test lint bench setup model clean
+.PHONY: run test lint proto bench setup model clean
 
 setup: $(STAMP)
 
@@ -30,9 +32,14 @@ $(MODEL)/config.json: | $(STAMP)
 	$(BIN)/h3d convert-gguf --embedded --if-missing $(MODEL)
 
 run: $(STAMP) $(MODEL)/config.json
-	$(BIN)/h3d generate --model $(MODEL) --chat --max-tokens 96 --prompt "$(PROMPT)"
+	@echo "h3d: serving $(MODEL) on unix:$(RUNDIR)/h3d.sock (Ctrl-C drains and stops). In another shell:"
+	@echo "  export H3D_SOCKET=$(RUNDIR)/h3d.sock"
+	@echo "  SID=\$$($(BIN)/h3ctl --json session create | python3 -c 'import json,sys; print(json.load(sys.stdin)[\"session_id\"])')"
+	@echo "  $(BIN)/h3ctl generate \$$SID --prompt 'Why does a long conversation need a large KV cache?'"
+	$(BIN)/h3d serve --model $(MODEL) --data-dir $(RUNDIR) --socket $(RUNDIR)/h3d.sock --socket-mode 0600
 
 lint: $(STAMP)
+	$(BIN)/python protos/generate.py --check
 	$(BIN)/ruff check h3d tests
 	$(BIN)/ruff format --check h3d tests
 	$(BIN)/mypy h3d
@@ -46,6 +53,9 @@ bench: $(STAMP) $(MODEL)/config.json
 	$(BIN)/python -m h3d.bench.codecs --model $(MODEL) --write docs/BENCHMARKS.md
 	$(BIN)/python -m h3d.bench.hbf_cost --write docs/BENCHMARKS.md
 	$(BIN)/python -m h3d.bench.retrieval --model $(MODEL) --write docs/BENCHMARKS.md --plot docs/retrieval.png
+
+proto: $(STAMP)
+	$(BIN)/python protos/generate.py
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache

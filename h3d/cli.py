@@ -1,4 +1,7 @@
-"""`h3d`: one-off generation and model conversion (the daemon's `serve` comes with its own issue).
+"""`h3d`: the daemon, one-off generation and model conversion.
+
+    h3d serve [--config h3d.toml] [--model DIR] [--data-dir DIR] [--socket PATH] [--listen HOST:PORT]
+              [every configuration key as --kebab-case-flag]
 
     h3d generate --model DIR (--prompt TEXT | --prompt-file PATH) [--max-tokens N] [--temperature T]
                  [--top-p P] [--top-k K] [--seed S] [--chat] [--device cpu|cuda] [--dtype fp32|bf16|fp16]
@@ -133,6 +136,31 @@ def cmd_convert_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from h3d.daemon.config import key_types
+    from h3d.daemon.server import serve
+
+    overrides = {key: getattr(args, key, None) for key in key_types()}
+    return serve(args.config, overrides)
+
+
+def _add_serve_flags(p: argparse.ArgumentParser) -> None:
+    from h3d.daemon.config import key_types
+
+    p.add_argument("--config", default=None, help="h3d.toml (see systemd/h3d.toml); flags override it")
+    choices = {"policy": POLICIES, "ssd_codec": SSD_CODECS, "device": DEVICES, "dtype": DTYPES}
+    for key, kind in sorted(key_types().items()):
+        flag = "--" + key.replace("_", "-")
+        if kind is bool:
+            p.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None)
+        elif kind is tuple:
+            p.add_argument(flag, dest=key, type=int, nargs="*", default=None)
+        elif kind in (int, float):
+            p.add_argument(flag, dest=key, type=kind, default=None)
+        else:
+            p.add_argument(flag, dest=key, choices=choices.get(key), default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h3d", description="h3d: long-context LLM inference over tiered KV")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     _add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="run the daemon (gRPC on a Unix socket, optionally TCP)")
+    _add_serve_flags(srv)
+    srv.set_defaults(func=cmd_serve)
 
     conv = sub.add_parser("convert-gguf", help="convert a llama/qwen2 GGUF file into an HF folder")
     conv.add_argument("file", nargs="?", help="the .gguf file")

@@ -31,3 +31,11 @@ class ContextTooLong(InvalidRequest):
 
 class OutOfBlocks(H3Error):
     """The KV pool has no free slot left for the request (maps to RESOURCE_EXHAUSTED)."""
+
+
+class NoArchive(H3Error):
+    """The operation needs the SSD archive and none is configured (maps to FAILED_PRECONDITION)."""
+
+
+class SessionBusy(InvalidRequest):
+    """The session already has a request in flight (maps to FAILED_PRECONDITION)."""

@@ -226,3 +226,17 @@ def teacher_margins(engine: Engine, context: Sequence[int], generated: Sequence[
     logits = runner_logits(engine, seq, ids, [len(ids)])
     engine.runner.release(SeqId(seq))
     return top2_margins(logits[len(context) - 1 :])
+
+
+def step_until_failure(engine: Engine, max_steps: int = 1000) -> Exception:
+    """Step until a request fails; return its error (an expected failure ends the request with a
+    `RequestFailed` event; the engine itself goes on)."""
+    from h3d.engine.session import RequestFailed
+
+    for _ in range(max_steps):
+        if not engine.has_work:
+            break
+        for event in engine.step():
+            if isinstance(event, RequestFailed):
+                return event.error
+    raise AssertionError("no request failed")

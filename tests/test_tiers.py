@@ -29,7 +29,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import VOCAB_SIZE, assert_greedy_match, make_engine, random_prompt, split_sizes, teacher_margins
+from helpers import (
+    VOCAB_SIZE,
+    assert_greedy_match,
+    make_engine,
+    random_prompt,
+    split_sizes,
+    step_until_failure,
+    teacher_margins,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,7 +45,7 @@ from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
 from h3d.engine.runner import Chunk
 from h3d.engine.sampling import SamplingParams
-from h3d.engine.session import GenerationDone, SessionId, TokenDelta
+from h3d.engine.session import GenerationDone, RequestFailed, SessionId, TokenDelta
 from h3d.errors import H3Error, OutOfBlocks
 from h3d.kv.blocks import NONE, SeqId
 from h3d.kv.pool import KVPool
@@ -436,10 +444,10 @@ def test_corrupt_archive_record_is_named(checkpoint: Callable[[str], Path], tmp_
     _names_block(str(err.value), sid, layer, block)
     # The engine stages that block for the next step that reads the session: the error names it.
     engine.submit(sid, params=SamplingParams(max_tokens=4, ignore_eos=True))
-    with pytest.raises(ArchiveCorrupt) as err:
-        while engine.has_work:
-            engine.step()
-    _names_block(str(err.value), sid, layer, block)
+    error = step_until_failure(engine)
+    assert isinstance(error, ArchiveCorrupt)
+    _names_block(str(error), sid, layer, block)
+    assert not engine.has_work and not engine.session(sid).busy  # the request ended; the session stays
     engine.close()
 
 
@@ -463,8 +471,9 @@ def test_a_corrupt_block_is_never_read_as_garbage(checkpoint: Callable[[str], Pa
     _flip_payload_byte(tmp_path, sid, layer, block)
     cached = engine.cached_tokens(sid)
     rid = engine.submit(sid, params=SamplingParams(max_tokens=4, ignore_eos=True))
-    with pytest.raises(ArchiveCorrupt):
-        engine.step()
+    failed = [e for e in engine.step() if isinstance(e, RequestFailed)]
+    assert [e.request_id for e in failed] == [rid] and isinstance(failed[0].error, ArchiveCorrupt)
+    rid = engine.submit(sid, params=SamplingParams(max_tokens=4, ignore_eos=True))  # the client retries
     t = engine.runner.blocks.table(engine.session(sid).seq)
     slot = int(t.ddr[layer, block])
     if slot != NONE:
@@ -477,10 +486,7 @@ def test_a_corrupt_block_is_never_read_as_garbage(checkpoint: Callable[[str], Pa
     for _ in range(3):
         if not engine.has_work:
             break
-        try:
-            events = engine.step()
-        except ArchiveCorrupt:
-            continue
+        events = engine.step()
         tokens += [e.token_id for e in events if isinstance(e, TokenDelta) and e.request_id == rid]
     assert tokens == [], "a token was computed over a block whose archive record is corrupt"
     engine.close()

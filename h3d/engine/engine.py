@@ -13,7 +13,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,12 +29,21 @@ from h3d.engine.session import (
     GenerationDone,
     PrefillProgress,
     Request,
+    RequestFailed,
     RequestId,
     Session,
     SessionId,
     TokenDelta,
 )
-from h3d.errors import ConfigError, ContextTooLong, InvalidRequest, OutOfBlocks, SessionNotFound
+from h3d.errors import (
+    ConfigError,
+    ContextTooLong,
+    H3Error,
+    InvalidRequest,
+    OutOfBlocks,
+    SessionBusy,
+    SessionNotFound,
+)
 from h3d.kv.blocks import SeqId
 from h3d.kv.pool import KVPool
 from h3d.model.fingerprint import model_fingerprint
@@ -43,6 +52,15 @@ from h3d.model.tokenizer import Tokenizer
 from h3d.tiers.archive import Archive, CacheIdentity
 from h3d.tiers.codecs import Codec
 from h3d.tiers.stats import TierStats
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Cumulative work since the engine started."""
+
+    steps: int = 0
+    prefill_tokens: int = 0  # tokens fed in prefill chunks (more than one token per sequence)
+    generated_tokens: int = 0
 
 
 class Engine:
@@ -72,6 +90,8 @@ class Engine:
         self._requests: dict[RequestId, Request] = {}
         self._seq_ids = itertools.count(1)
         self._request_ids = itertools.count(1)
+        self._failed: list[Event] = []  # requests ended outside a step, reported by step() / take_events()
+        self.counters = EngineCounters()
 
     def _open_archive(self) -> Archive | None:
         cfg = self.config
@@ -141,7 +161,7 @@ class Engine:
     def close_session(self, session_id: SessionId) -> None:
         session = self.session(session_id)
         for req in [r for r in self._requests.values() if r.session is session]:
-            self._finish(req, FinishReason.CANCELLED)
+            self._failed.append(self._finish(req, FinishReason.CANCELLED))
         self.runner.release(session.seq)
         del self.sessions[session_id]
 
@@ -192,7 +212,7 @@ class Engine:
         """Queue an append (generate=False) or a generation continuing the session's context."""
         session = self.session(session_id)
         if session.busy:
-            raise InvalidRequest(f"session {session_id} already has a request in flight")
+            raise SessionBusy(f"session {session_id} already has a request in flight")
         params = (params or session.sampling).validate()
         ids = list(token_ids or [])
         if text:
@@ -239,7 +259,11 @@ class Engine:
     # ---- the step loop --------------------------------------------------------------------
 
     def step(self) -> list[Event]:
-        """Advance every request by one forward pass; return the events it produced."""
+        """Advance every request by one forward pass; return the events it produced.
+
+        A request that fails with an expected error (`H3Error`: no room, an unreadable archive
+        record) ends with a `RequestFailed` event; the others go on. Anything else is a bug and
+        propagates."""
         events: list[Event] = []
         for req in list(self._requests.values()):
             if req.cancelled:
@@ -247,10 +271,32 @@ class Engine:
             elif not req.generate and self._pending(req) <= 0:
                 events.append(self._finish_append(req))
         chunks, reqs = self._schedule()
+        events += self._failed
+        self._failed = []
         if chunks:
-            logits = self.runner.execute(chunks)
+            try:
+                logits = self.runner.execute(chunks)
+            except H3Error as exc:
+                # The runner left no half-written KV behind; the sessions keep their tokens.
+                return events + [self._fail(req, exc) for req in reqs]
+            self.counters.steps += 1
+            self.counters.prefill_tokens += sum(len(c.token_ids) for c in chunks if len(c.token_ids) > 1)
             events += self._commit(chunks, reqs, logits)
         return events
+
+    def take_events(self) -> list[Event]:
+        """Events of requests that ended outside a step (their session was closed), once."""
+        events, self._failed = self._failed, []
+        return events
+
+    def _fail(self, req: Request, error: H3Error) -> RequestFailed:
+        req.session.busy = False
+        self._requests.pop(req.id, None)
+        return RequestFailed(req.id, req.session.id, error)
+
+    def requests(self) -> dict[RequestId, Request]:
+        """Requests in flight (read-only use: stats)."""
+        return self._requests
 
     def _pending(self, req: Request) -> int:
         """Tokens of the session still to feed before this request can sample (or is done)."""
@@ -278,11 +324,10 @@ class Engine:
             if not self.runner.can_fit([*chunks, chunk]):
                 if not chunks:
                     # Nothing else runs and this cannot fit: fail the request, keep the session.
-                    req.session.busy = False
-                    del self._requests[req.id]
-                    raise OutOfBlocks(
+                    error = OutOfBlocks(
                         f"KV pool full: session {req.session.id} needs more than hbm_mb={self.config.hbm_mb}"
                     )
+                    self._failed.append(self._fail(req, error))
                 continue
             chunks.append(chunk)
             reqs.append(req)
@@ -313,6 +358,7 @@ class Engine:
             req.first_token_at = now
         req.output_ids.append(token)
         req.session.tokens.append(token)
+        self.counters.generated_tokens += 1
         req.detok.push(token)
         reason = self._stop_reason(req, token)
         text = req.detok.text
@@ -376,6 +422,8 @@ class Engine:
         while request_id in self._requests:
             for event in self.step():
                 if event.request_id == request_id:
+                    if isinstance(event, RequestFailed):
+                        raise event.error
                     yield event
 
     def append(self, session_id: SessionId, text: str | None = None, token_ids: list[int] | None = None) -> AppendDone:

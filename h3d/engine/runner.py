@@ -94,7 +94,7 @@ class _Step:
                 kv_lens.append(self.kv_lens[i] - (t.num_blocks - len(sel)) * r.blocks.block_size)
             runs.append(seq_runs)
             locs.append(sel)
-            r.tiers.count_reads(sum(c for _, _, c in seq_runs), sum(c for tier, _, c in seq_runs if tier))
+            r.tiers.count_reads(seq, sum(c for _, _, c in seq_runs), sum(c for tier, _, c in seq_runs if tier))
         seqs = self.seqs
 
         def tables() -> torch.Tensor:

@@ -29,8 +29,8 @@ class SamplingParams:
     def validate(self) -> SamplingParams:
         if self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise InvalidRequest(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -16,6 +16,7 @@ import torch
 
 from h3d.engine.detok import IncrementalDetokenizer
 from h3d.engine.sampling import SamplingParams
+from h3d.errors import H3Error
 from h3d.kv.blocks import SeqId
 
 SessionId = NewType("SessionId", str)
@@ -39,6 +40,7 @@ class Session:
     created_at: float = field(default_factory=time.time)
     last_used_at: float = field(default_factory=time.time)
     busy: bool = False
+    pinned_until: float | None = None  # PinSession: Unix expiry, inf for none; None: not pinned
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +83,17 @@ class AppendDone:
     prefill_s: float
 
 
-Event = TokenDelta | GenerationDone | PrefillProgress | AppendDone
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """A request ended by an expected error (no room in the tiers, an unreadable archive record):
+    the session keeps its context; its KV is rebuilt by the next request."""
+
+    request_id: RequestId
+    session_id: SessionId
+    error: H3Error
+
+
+Event = TokenDelta | GenerationDone | PrefillProgress | AppendDone | RequestFailed
 
 
 @dataclass(slots=True)

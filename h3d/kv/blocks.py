@@ -379,7 +379,9 @@ class BlockManager:
 
     def drop_hbm(self, seq: SeqId, layer: int, blocks: np.ndarray) -> None:
         table = self._tables[seq]
-        self._check_other_copy(table, layer, blocks, table.ddr[layer, blocks] != NONE, "HBM")
+        full = blocks < table.num_tokens // self.block_size
+        other = (table.ddr[layer, blocks] != NONE) | (table.archived[layer, blocks] & full)
+        self._check_other_copy(table, layer, blocks, other, "HBM")
         self.hbm_alloc[layer].release(table.hbm[layer, blocks])
         table.hbm[layer, blocks] = NONE
         table.version += 1

@@ -20,12 +20,12 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from h3d.errors import OutOfBlocks
+from h3d.errors import NoArchive, OutOfBlocks
 from h3d.kv.blocks import NONE, BlockManager, SeqId
 from h3d.kv.pool import KVPool
 from h3d.tiers.archive import Archive, BlockKey
 from h3d.tiers.mover import Mover, Transfer
-from h3d.tiers.stats import TierCounters, TierStats
+from h3d.tiers.stats import SessionCounters, TierCounters, TierStats
 
 Pair = tuple[SeqId, int]  # (sequence, layer)
 HOT_DECAY = 0.99  # per step: a use counts ~1/e after 100 steps
@@ -52,6 +52,8 @@ class TierManager:
         self._slot_layers: np.ndarray | None = None
         self._slot_rows_cache: tuple[int, np.ndarray] | None = None
         self.latencies_us: list[float] = []  # host-side HBF planning per step (promote)
+        self.per_session: dict[SeqId, SessionCounters] = {}
+        self.pinned: set[SeqId] = set()  # never demoted from HBM while idle
 
     @property
     def block_bytes(self) -> int:
@@ -66,6 +68,8 @@ class TierManager:
         name = self.names.pop(seq, None)
         self._last_used.pop(seq, None)
         self._hotness.pop(seq, None)
+        self.per_session.pop(seq, None)
+        self.pinned.discard(seq)
         if purge_archive and name is not None and self.archive is not None:
             self.archive.delete_session(name)
 
@@ -117,7 +121,7 @@ class TierManager:
         new = b.blocks_needed(seq, n_tokens)
         if new <= 0:
             return
-        idle = [s for s in b.tables() if s not in batch]
+        idle = [s for s in b.tables() if s not in batch and s not in self.pinned]
         for layer, alloc in enumerate(b.hbm_alloc):
             if new > alloc.num_free and idle:
                 self._demote_idle(layer, new - alloc.num_free, idle, batch, protect)
@@ -152,15 +156,20 @@ class TierManager:
                     b.drop_ddr(seq, layer, gone)  # never leave a table pointing at unread bytes
                     raise
             self.counters.ssd_read_count += staged
+            for seq, gone in missing:
+                self.per_session.setdefault(seq, SessionCounters()).ssd_read_count += len(gone)
             self.counters.ddr_hits -= staged  # count_reads will find them in DDR: they came from SSD
 
-    def count_reads(self, total: int, below: int) -> None:
-        """Count the blocks a layer's attention reads: `total`, of which `below` HBM (in DDR)."""
+    def count_reads(self, seq: SeqId, total: int, below: int) -> None:
+        """Count the blocks a layer's attention reads for `seq`: `total`, of which `below` HBM."""
         c = self.counters
         c.hbm_hits += total - below
         c.hbm_misses += below
         c.ddr_hits += below
         c.fetch_bytes += below * self.block_bytes
+        mine = self.per_session.setdefault(seq, SessionCounters())
+        mine.hbm_hits += total - below
+        mine.hbm_misses += below
 
     def promote(
         self,
@@ -463,6 +472,79 @@ class TierManager:
         return torch.cat(parts, dim=1)
 
     # ---- admin and inspection ---------------------------------------------------------------
+
+    def residency(self, seq: SeqId) -> tuple[int, int, int]:
+        """Block copies of `seq` per tier, over all layers: (HBM, DDR, archived)."""
+        t = self.blocks.table(seq)
+        nb = t.num_blocks
+        return (
+            int((t.hbm[:, :nb] != NONE).sum()),
+            int((t.ddr[:, :nb] != NONE).sum()),
+            int(t.archived[:, :nb].sum()),
+        )
+
+    def demote(self, seq: SeqId, to_ssd: bool) -> int:
+        """Move `seq`'s blocks down now (an idle session; between steps): to DDR (HBM copies
+        dropped, copied to DDR first where needed), or to the archive (every full block archived,
+        then its HBM and DDR copies dropped; the partial last block goes to DDR). Returns the block
+        copies moved or dropped."""
+        b = self.blocks
+        t = b.table(seq)
+        full = t.num_tokens // b.block_size
+        moved = 0
+        if to_ssd:
+            if self.archive is None:
+                raise NoArchive("evicting to SSD needs an archive: configure ssd_path")
+            moved += self.snapshot(seq)
+        for layer in range(b.num_layers):
+            idx = np.flatnonzero(t.hbm[layer, : t.num_blocks] != NONE)
+            if to_ssd:
+                idx = idx[idx >= full]  # the full ones are archived: dropped below
+            copy = idx[t.ddr[layer, idx] == NONE]
+            if len(copy) > b.ddr_free:
+                self._free_ddr(len(copy) - b.ddr_free, [p for p in self._order([seq], None) if p[0] != seq], {})
+            if len(copy):
+                slots = b.add_ddr(seq, layer, copy)
+                self.mover.hbm_to_ddr(t.hbm[layer, copy].copy(), slots)
+            if len(idx):
+                b.drop_hbm(seq, layer, idx)
+                self.counters.hbm_evict_count += len(idx)
+                moved += len(idx)
+            if to_ssd:
+                ddr = np.flatnonzero(t.ddr[layer, :full] != NONE)
+                gone = np.flatnonzero(t.hbm[layer, :full] != NONE)
+                if len(gone):
+                    b.drop_hbm(seq, layer, gone)
+                    self.counters.hbm_evict_count += len(gone)
+                    moved += len(gone)
+                if len(ddr):
+                    b.drop_ddr(seq, layer, ddr)
+                    self.counters.ddr_evict_count += len(ddr)
+                    moved += len(ddr)
+        return moved
+
+    def snapshot(self, seq: SeqId) -> int:
+        """Write every full block of `seq` without an archive copy to the archive, durably, from
+        wherever it is (its copies stay). Returns the blocks written."""
+        if self.archive is None:
+            raise NoArchive("a snapshot needs an archive: configure ssd_path")
+        self._settle()
+        b = self.blocks
+        t = b.table(seq)
+        full = t.num_tokens // b.block_size
+        written = 0
+        for layer in range(b.num_layers):
+            todo = np.flatnonzero(~t.archived[layer, :full])
+            for pool, slots in ((self.hbm, t.hbm), (self.ddr, t.ddr)):
+                here = todo[slots[layer, todo] != NONE]
+                if len(here):
+                    keys = [BlockKey(self.names[seq], layer, int(j)) for j in here]
+                    self.mover.write_now(keys, pool, slots[layer, here].copy(), [b.block_size] * len(here))
+                    b.set_archived(seq, layer, here)
+                    todo = todo[~np.isin(todo, here)]
+                    written += len(here)
+        self.counters.ssd_write_count += written
+        return written
 
     def flush(self) -> None:
         """Wait for archive writes in flight (shutdown, tests)."""

@@ -32,6 +32,20 @@ class TierCounters:
         return self.hbm_hits / needed if needed else 1.0
 
 
+@dataclass(slots=True)
+class SessionCounters:
+    """One session's share of the read counters."""
+
+    hbm_hits: int = 0
+    hbm_misses: int = 0
+    ssd_read_count: int = 0
+
+    @property
+    def hbm_hit_rate(self) -> float:
+        needed = self.hbm_hits + self.hbm_misses
+        return self.hbm_hits / needed if needed else 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class TierStats:
     """A snapshot for the API, logs and `h3d generate --json`."""

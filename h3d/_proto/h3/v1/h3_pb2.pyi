@@ -1,0 +1,381 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_HBM: _ClassVar[Tier]
+    TIER_DDR: _ClassVar[Tier]
+    TIER_SSD: _ClassVar[Tier]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_CANCELLED: FinishReason
+TIER_UNSPECIFIED: Tier
+TIER_HBM: Tier
+TIER_DDR: Tier
+TIER_SSD: Tier
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class TierResidency(_message.Message):
+    __slots__ = ("hbm_blocks", "ddr_blocks", "ssd_blocks")
+    HBM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DDR_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SSD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    hbm_blocks: int
+    ddr_blocks: int
+    ssd_blocks: int
+    def __init__(self, hbm_blocks: _Optional[int] = ..., ddr_blocks: _Optional[int] = ..., ssd_blocks: _Optional[int] = ...) -> None: ...
+
+class Session(_message.Message):
+    __slots__ = ("session_id", "num_tokens", "cached_tokens", "policy", "created_at", "last_used_at", "busy", "pinned", "pinned_until", "sampling", "residency", "window_tokens", "token_ids", "text")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_AT_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    PINNED_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    num_tokens: int
+    cached_tokens: int
+    policy: str
+    created_at: float
+    last_used_at: float
+    busy: bool
+    pinned: bool
+    pinned_until: float
+    sampling: SamplingParams
+    residency: TierResidency
+    window_tokens: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., created_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., busy: _Optional[bool] = ..., pinned: _Optional[bool] = ..., pinned_until: _Optional[float] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ..., window_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("hbm_hit_rate", "hbm_hits", "hbm_misses", "ddr_evict_count", "hbm_evict_count", "ssd_read_count", "ssd_write_count", "hbf_latency_us_p50", "hbf_latency_us_p99", "hbm_used_bytes", "hbm_capacity_bytes", "ddr_used_bytes", "ddr_capacity_bytes", "ssd_used_bytes", "fetch_bytes")
+    HBM_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    HBM_HITS_FIELD_NUMBER: _ClassVar[int]
+    HBM_MISSES_FIELD_NUMBER: _ClassVar[int]
+    DDR_EVICT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HBM_EVICT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SSD_READ_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SSD_WRITE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HBF_LATENCY_US_P50_FIELD_NUMBER: _ClassVar[int]
+    HBF_LATENCY_US_P99_FIELD_NUMBER: _ClassVar[int]
+    HBM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HBM_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DDR_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DDR_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SSD_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    hbm_hit_rate: float
+    hbm_hits: int
+    hbm_misses: int
+    ddr_evict_count: int
+    hbm_evict_count: int
+    ssd_read_count: int
+    ssd_write_count: int
+    hbf_latency_us_p50: float
+    hbf_latency_us_p99: float
+    hbm_used_bytes: int
+    hbm_capacity_bytes: int
+    ddr_used_bytes: int
+    ddr_capacity_bytes: int
+    ssd_used_bytes: int
+    fetch_bytes: int
+    def __init__(self, hbm_hit_rate: _Optional[float] = ..., hbm_hits: _Optional[int] = ..., hbm_misses: _Optional[int] = ..., ddr_evict_count: _Optional[int] = ..., hbm_evict_count: _Optional[int] = ..., ssd_read_count: _Optional[int] = ..., ssd_write_count: _Optional[int] = ..., hbf_latency_us_p50: _Optional[float] = ..., hbf_latency_us_p99: _Optional[float] = ..., hbm_used_bytes: _Optional[int] = ..., hbm_capacity_bytes: _Optional[int] = ..., ddr_used_bytes: _Optional[int] = ..., ddr_capacity_bytes: _Optional[int] = ..., ssd_used_bytes: _Optional[int] = ..., fetch_bytes: _Optional[int] = ...) -> None: ...
+
+class CreateSessionRequest(_message.Message):
+    __slots__ = ("system_prompt", "policy", "sampling")
+    SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    system_prompt: str
+    policy: str
+    sampling: SamplingParams
+    def __init__(self, system_prompt: _Optional[str] = ..., policy: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("session_id", "with_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WITH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    with_tokens: bool
+    def __init__(self, session_id: _Optional[str] = ..., with_tokens: _Optional[bool] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions", "next_page_token", "total")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[Session]
+    next_page_token: str
+    total: int
+    def __init__(self, sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id", "purge")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PURGE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    purge: bool
+    def __init__(self, session_id: _Optional[str] = ..., purge: _Optional[bool] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AppendContextRequest(_message.Message):
+    __slots__ = ("session_id", "text", "token_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AppendProgress(_message.Message):
+    __slots__ = ("tokens_done", "tokens_total")
+    TOKENS_DONE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    tokens_done: int
+    tokens_total: int
+    def __init__(self, tokens_done: _Optional[int] = ..., tokens_total: _Optional[int] = ...) -> None: ...
+
+class AppendSummary(_message.Message):
+    __slots__ = ("tokens_added", "prefill_s", "num_tokens")
+    TOKENS_ADDED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens_added: int
+    prefill_s: float
+    num_tokens: int
+    def __init__(self, tokens_added: _Optional[int] = ..., prefill_s: _Optional[float] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class AppendContextResponse(_message.Message):
+    __slots__ = ("progress", "done")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    progress: AppendProgress
+    done: AppendSummary
+    def __init__(self, progress: _Optional[_Union[AppendProgress, _Mapping]] = ..., done: _Optional[_Union[AppendSummary, _Mapping]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("session_id", "prompt", "prompt_token_ids", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class TokenDelta(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateSummary(_message.Message):
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "ttft_s", "tokens_per_s", "residency", "tier_stats")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    TIER_STATS_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    tokens_per_s: float
+    residency: TierResidency
+    tier_stats: TierStats
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ..., tier_stats: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("delta", "done")
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    delta: TokenDelta
+    done: GenerateSummary
+    def __init__(self, delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., done: _Optional[_Union[GenerateSummary, _Mapping]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class SessionStats(_message.Message):
+    __slots__ = ("session_id", "num_tokens", "residency", "hbm_hit_rate", "ssd_read_count", "window_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    HBM_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    SSD_READ_COUNT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    num_tokens: int
+    residency: TierResidency
+    hbm_hit_rate: float
+    ssd_read_count: int
+    window_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ..., hbm_hit_rate: _Optional[float] = ..., ssd_read_count: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
+
+class Throughput(_message.Message):
+    __slots__ = ("tokens_per_s", "window_s", "generated_tokens_total", "prefill_tokens_total", "active_requests", "queued_requests", "sessions")
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    tokens_per_s: float
+    window_s: float
+    generated_tokens_total: int
+    prefill_tokens_total: int
+    active_requests: int
+    queued_requests: int
+    sessions: int
+    def __init__(self, tokens_per_s: _Optional[float] = ..., window_s: _Optional[float] = ..., generated_tokens_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class Stats(_message.Message):
+    __slots__ = ("sessions", "throughput", "uptime_s", "draining")
+    GLOBAL_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionStats]
+    throughput: Throughput
+    uptime_s: float
+    draining: bool
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionStats, _Mapping]]] = ..., throughput: _Optional[_Union[Throughput, _Mapping]] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., **kwargs) -> None: ...
+
+class EvictSessionRequest(_message.Message):
+    __slots__ = ("session_id", "to")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    to: Tier
+    def __init__(self, session_id: _Optional[str] = ..., to: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class EvictSessionResponse(_message.Message):
+    __slots__ = ("blocks_moved", "residency")
+    BLOCKS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    blocks_moved: int
+    residency: TierResidency
+    def __init__(self, blocks_moved: _Optional[int] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ...) -> None: ...
+
+class PinSessionRequest(_message.Message):
+    __slots__ = ("session_id", "ttl_s", "unpin")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    UNPIN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ttl_s: float
+    unpin: bool
+    def __init__(self, session_id: _Optional[str] = ..., ttl_s: _Optional[float] = ..., unpin: _Optional[bool] = ...) -> None: ...
+
+class SnapshotSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class SnapshotSessionResponse(_message.Message):
+    __slots__ = ("blocks_written", "seconds")
+    BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    blocks_written: int
+    seconds: float
+    def __init__(self, blocks_written: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class SetPolicyRequest(_message.Message):
+    __slots__ = ("session_id", "policy")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    policy: str
+    def __init__(self, session_id: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("timeout_s",)
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    timeout_s: float
+    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("requests_finished", "requests_cancelled")
+    REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    requests_finished: int
+    requests_cancelled: int
+    def __init__(self, requests_finished: _Optional[int] = ..., requests_cancelled: _Optional[int] = ...) -> None: ...
+
+class GetConfigRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetConfigResponse(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,137 @@
+"""Prometheus metrics: a text-format endpoint (`GET /metrics` on `metrics_listen`), no client library.
+
+Every name starts with `h3d_`. The daemon's own counters and histograms (RPCs, time to first
+token, time between tokens) live here; the engine's figures (tiers, HBF, throughput) are read
+from a fresh `Stats` snapshot at each scrape, so both always agree with `GetStats`.
+docs/OPERATIONS.md lists them; docs/grafana-dashboard.json plots them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from h3d._proto.h3.v1 import h3_pb2 as pb
+
+log = structlog.get_logger("h3d.metrics")
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        out, total = [], 0
+        sep = "," if labels else ""
+        for bound, count in zip([*self.buckets, float("inf")], self.counts, strict=True):
+            total += count
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            out.append(f'{name}_bucket{{{labels}{sep}le="{le}"}} {total}')
+        suffix = f"{{{labels}}}" if labels else ""
+        out += [f"{name}_sum{suffix} {self.sum}", f"{name}_count{suffix} {total}"]
+        return out
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.rpcs: dict[tuple[str, str], int] = defaultdict(int)
+        self.rpc_seconds: dict[str, Histogram] = defaultdict(lambda: Histogram(LATENCY_BUCKETS))
+        self.ttft = Histogram(LATENCY_BUCKETS)
+        self.inter_token = Histogram(LATENCY_BUCKETS)
+
+    def rpc(self, method: str, code: str, seconds: float) -> None:
+        self.rpcs[(method, code)] += 1
+        self.rpc_seconds[method].observe(seconds)
+
+    def token(self, gap_s: float, first: bool) -> None:
+        (self.ttft if first else self.inter_token).observe(gap_s)
+
+    def render(self, stats: pb.Stats, in_flight: int) -> str:
+        g, t = stats.__getattribute__("global"), stats.throughput
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, value: float) -> None:
+            lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"])
+
+        metric("h3d_hbm_hit_rate", "gauge", "Blocks read from HBM / blocks read, since start.", g.hbm_hit_rate)
+        metric("h3d_hbm_hits_total", "counter", "Blocks attention read from HBM.", g.hbm_hits)
+        metric("h3d_hbm_misses_total", "counter", "Blocks attention read from below HBM.", g.hbm_misses)
+        metric("h3d_ddr_evict_total", "counter", "DDR block copies dropped (ddr_evict_count).", g.ddr_evict_count)
+        metric("h3d_hbm_evict_total", "counter", "HBM block copies dropped.", g.hbm_evict_count)
+        metric("h3d_ssd_read_total", "counter", "Blocks read back from the SSD archive.", g.ssd_read_count)
+        metric("h3d_ssd_write_total", "counter", "Blocks written to the SSD archive.", g.ssd_write_count)
+        metric("h3d_fetch_bytes_total", "counter", "Bytes attention read from below HBM.", g.fetch_bytes)
+        lines += [
+            "# HELP h3d_hbf_latency_us Host-side HBF planning per decode step (recent steps).",
+            "# TYPE h3d_hbf_latency_us gauge",
+            f'h3d_hbf_latency_us{{quantile="0.5"}} {g.hbf_latency_us_p50}',
+            f'h3d_hbf_latency_us{{quantile="0.99"}} {g.hbf_latency_us_p99}',
+            "# HELP h3d_tier_used_bytes Bytes of KV held per tier.",
+            "# TYPE h3d_tier_used_bytes gauge",
+            f'h3d_tier_used_bytes{{tier="hbm"}} {g.hbm_used_bytes}',
+            f'h3d_tier_used_bytes{{tier="ddr"}} {g.ddr_used_bytes}',
+            f'h3d_tier_used_bytes{{tier="ssd"}} {g.ssd_used_bytes}',
+            "# HELP h3d_tier_capacity_bytes Bytes of KV each tier can hold (SSD: unbounded, not shown).",
+            "# TYPE h3d_tier_capacity_bytes gauge",
+            f'h3d_tier_capacity_bytes{{tier="hbm"}} {g.hbm_capacity_bytes}',
+            f'h3d_tier_capacity_bytes{{tier="ddr"}} {g.ddr_capacity_bytes}',
+        ]
+        metric("h3d_tokens_per_second", "gauge", "Generated tokens per second (last 10 s).", t.tokens_per_s)
+        metric("h3d_generated_tokens_total", "counter", "Tokens generated.", t.generated_tokens_total)
+        metric("h3d_prefill_tokens_total", "counter", "Tokens prefilled.", t.prefill_tokens_total)
+        metric("h3d_sessions", "gauge", "Open sessions.", t.sessions)
+        metric("h3d_requests_in_flight", "gauge", "AppendContext and Generate streams admitted.", in_flight)
+        metric("h3d_draining", "gauge", "1 while the daemon drains.", int(stats.draining))
+        metric("h3d_uptime_seconds", "gauge", "Seconds since the daemon started.", stats.uptime_s)
+        lines += ["# HELP h3d_rpc_total RPCs answered, by method and status code.", "# TYPE h3d_rpc_total counter"]
+        lines += [f'h3d_rpc_total{{method="{m}",code="{c}"}} {n}' for (m, c), n in sorted(self.rpcs.items())]
+        lines += ["# HELP h3d_rpc_duration_seconds RPC handling time.", "# TYPE h3d_rpc_duration_seconds histogram"]
+        for method, hist in sorted(self.rpc_seconds.items()):
+            lines += hist.lines("h3d_rpc_duration_seconds", f'method="{method}"')
+        lines += ["# HELP h3d_ttft_seconds Generate: request to first token.", "# TYPE h3d_ttft_seconds histogram"]
+        lines += self.ttft.lines("h3d_ttft_seconds")
+        lines += [
+            "# HELP h3d_inter_token_seconds Generate: time between tokens of a stream.",
+            "# TYPE h3d_inter_token_seconds histogram",
+        ]
+        lines += self.inter_token.lines("h3d_inter_token_seconds")
+        return "\n".join(lines) + "\n"
+
+
+async def serve_metrics(host: str, port: int, snapshot: Callable[[], Awaitable[str]]) -> asyncio.AbstractServer:
+    """A minimal HTTP/1.1 server: GET /metrics answers `snapshot()`, anything else 404."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            if method == "GET" and path.split("?")[0] == "/metrics":
+                body, status, kind = (await snapshot()).encode(), "200 OK", "text/plain; version=0.0.4"
+            else:
+                body, status, kind = b"not found: try /metrics\n", "404 Not Found", "text/plain"
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, ConnectionError):
+            pass
+        except Exception:
+            log.exception("metrics_request_failed")
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port)

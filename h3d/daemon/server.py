@@ -1,0 +1,246 @@
+"""`h3d serve`: the daemon's lifecycle around one engine.
+
+start: logs -> engine (model load, in a thread) -> worker thread -> gRPC on the Unix socket
+       (mode `socket_mode`) and optional TCP -> health SERVING -> READY=1 (systemd)
+run:   every `stats_interval_s` a `tier_stats` log event; WATCHDOG=1 at half the watchdog
+       period; SIGHUP reloads the keys in `config.RELOADABLE`
+stop:  SIGTERM/SIGINT -> STOPPING=1, health NOT_SERVING, new work refused (UNAVAILABLE);
+       streams in flight get `drain_timeout_s` to finish, then end with finish reason
+       CANCELLED; archive writes are flushed; exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from h3d._proto.h3.v1 import h3_pb2 as pb
+from h3d.daemon import logs
+from h3d.daemon.auth import LOCAL, Auth
+from h3d.daemon.config import RELOADABLE, DaemonConfig, load, split_address
+from h3d.daemon.metrics import Metrics, serve_metrics
+from h3d.daemon.notify import Notifier
+from h3d.daemon.service import H3AdminServicer, H3Servicer, State, handlers, stats_pb
+from h3d.daemon.worker import EngineWorker, _cancel_all
+from h3d.errors import ConfigError, H3Error
+
+log = structlog.get_logger("h3d.server")
+SERVICES = ("h3.v1.H3", "h3.v1.H3Admin")
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig, config_path: str | None, overrides: dict[str, object]) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.overrides = overrides
+        self.notifier = Notifier()
+        self.stop_requested = asyncio.Event()
+        self.health = health.aio.HealthServicer()
+        self.metrics = Metrics()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def run(self) -> int:
+        from h3d.engine.engine import Engine  # torch loads here, after the config is known good
+
+        cfg = self.config
+        Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
+        log.info("starting", pid=os.getpid(), model=cfg.engine.model, data_dir=cfg.data_dir)
+        t0 = time.perf_counter()
+        engine = await asyncio.to_thread(Engine, cfg.engine)
+        log.info("model_loaded", seconds=round(time.perf_counter() - t0, 3), layers=engine.model.config.num_layers)
+        loop = asyncio.get_running_loop()
+        self.worker = EngineWorker(engine, loop)
+        self.worker.start()
+        self.state = State(cfg, self.worker, Auth(cfg), self.metrics)
+        server = self._server()
+        addresses = self._bind(server)
+        await server.start()
+        os.chmod(cfg.socket_path, int(cfg.socket_mode, 8))
+        for service in ("", *SERVICES):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        metrics_server = None
+        if cfg.metrics_listen is not None:
+            host, port = split_address("metrics_listen", cfg.metrics_listen)
+            metrics_server = await serve_metrics(host, port, self._scrape)
+            bound = metrics_server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+            log.info("metrics_listening", address=f"{host}:{bound}")
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_requested.set)
+        loop.add_signal_handler(signal.SIGHUP, self._reload)
+        self._tasks.append(asyncio.create_task(self._stats_loop()))
+        if self.notifier.watchdog_s:
+            self._tasks.append(asyncio.create_task(self._watchdog_loop(self.notifier.watchdog_s / 2)))
+        log.info("listening", **addresses)
+        self.notifier.send(READY="1", STATUS="serving", MAINPID=str(os.getpid()))
+
+        await self.stop_requested.wait()
+        self.notifier.send(STOPPING="1", STATUS="draining")
+        log.info("draining", in_flight=self.state.in_flight, timeout_s=cfg.drain_timeout_s)
+        finished, cancelled = await self.drain(cfg.drain_timeout_s)
+        await server.stop(grace=5)
+        for task in self._tasks:
+            task.cancel()
+        if metrics_server is not None:
+            metrics_server.close()
+        await asyncio.to_thread(self.worker.stop, 30)
+        await asyncio.to_thread(engine.close)  # archive writes in flight become durable
+        with contextlib.suppress(FileNotFoundError):
+            cfg.socket_path.unlink()
+        log.info("stopped", requests_finished=finished, requests_cancelled=cancelled)
+        return 0
+
+    def _server(self) -> grpc.aio.Server:
+        cfg = self.config
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        server.add_generic_rpc_handlers(
+            (
+                handlers(self.state, H3Servicer(self.state), "H3", admin=False),
+                handlers(self.state, H3AdminServicer(self.state, self.drain), "H3Admin", admin=True),
+            )
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = (*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        _ = pb  # the descriptors reflection serves are registered by importing h3_pb2
+        return server
+
+    def _bind(self, server: grpc.aio.Server) -> dict[str, str]:
+        cfg = self.config
+        path = cfg.socket_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            if not path.is_socket():
+                raise ConfigError(f"socket: {path} exists and is not a socket")
+            path.unlink()  # a stale socket from a previous run (a live daemon holds the data dir lock)
+        server.add_insecure_port(f"unix:{path}")
+        out = {"socket": str(path)}
+        if cfg.listen is not None:
+            host, port = split_address("listen", cfg.listen)
+            target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            if cfg.tls_cert_file and cfg.tls_key_file:
+                creds = grpc.ssl_server_credentials(
+                    [(Path(cfg.tls_key_file).read_bytes(), Path(cfg.tls_cert_file).read_bytes())]
+                )
+                bound = server.add_secure_port(target, creds)
+            else:
+                bound = server.add_insecure_port(target)
+            if bound == 0:
+                raise ConfigError(f"listen: cannot bind {cfg.listen}")
+            out["address"] = f"{host}:{bound}"
+        return out
+
+    async def drain(self, timeout_s: float) -> tuple[int, int]:
+        """Refuse new work; give streams in flight `timeout_s` to end; cancel the rest.
+        Returns (requests that finished, requests cancelled)."""
+        self.state.draining = True
+        for service in ("", *SERVICES):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        before = self.state.in_flight
+        deadline = time.monotonic() + timeout_s
+        while self.state.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.state.in_flight
+        if left:
+            await self.worker.call(lambda e: _cancel_all(e, list(e.requests())))
+            end = time.monotonic() + 10
+            while self.state.in_flight and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+        return before - left, left
+
+    async def _scrape(self) -> str:
+        stats = await self.worker.call(lambda e: stats_pb(self.state, e, []))
+        return self.metrics.render(stats, self.state.in_flight)
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.state.config.stats_interval_s)
+            try:
+                await self.worker.call(_expire_pins)
+                stats = await self.worker.call(lambda e: stats_pb(self.state, e, []))
+            except H3Error:
+                continue
+            g, t = stats.__getattribute__("global"), stats.throughput
+            log.info(
+                "tier_stats",
+                hbm_hit_rate=round(g.hbm_hit_rate, 4),
+                ddr_evict_count=g.ddr_evict_count,
+                ssd_read_count=g.ssd_read_count,
+                hbm_evict_count=g.hbm_evict_count,
+                hbf_latency_us_p50=round(g.hbf_latency_us_p50, 1),
+                hbf_latency_us_p99=round(g.hbf_latency_us_p99, 1),
+                hbm_used_bytes=g.hbm_used_bytes,
+                hbm_capacity_bytes=g.hbm_capacity_bytes,
+                ddr_used_bytes=g.ddr_used_bytes,
+                ddr_capacity_bytes=g.ddr_capacity_bytes,
+                ssd_used_bytes=g.ssd_used_bytes,
+                tokens_per_s=round(t.tokens_per_s, 2),
+                sessions=t.sessions,
+                in_flight=self.state.in_flight,
+            )
+
+    async def _watchdog_loop(self, every_s: float) -> None:
+        while True:
+            self.notifier.send(WATCHDOG="1")
+            await asyncio.sleep(every_s)
+
+    def _reload(self) -> None:
+        """SIGHUP: re-read the file (flags still win) and apply the keys in RELOADABLE."""
+        try:
+            fresh = load(self.config_path, self.overrides)
+        except H3Error as exc:
+            log.error("reload_failed", error=str(exc))
+            return
+        changes = {k: getattr(fresh, k) for k in RELOADABLE if getattr(fresh, k) != getattr(self.config, k)}
+        self.config = replace(self.config, **changes)
+        self.state.config = self.config
+        self.state.auth.reload(self.config)
+        logs.configure(self.config.log_level)
+        restart = sorted(
+            k for k, v in fresh.public().items() if k not in RELOADABLE and self.config.public().get(k) != v
+        )
+        log.info("reloaded", changed=sorted(changes), need_restart=restart)
+
+
+def _expire_pins(engine: object) -> None:
+    from h3d.engine.engine import Engine
+
+    assert isinstance(engine, Engine)
+    now = time.time()
+    for session in engine.sessions.values():
+        if session.pinned_until is not None and session.pinned_until != math.inf and session.pinned_until <= now:
+            session.pinned_until = None
+            engine.runner.tiers.pinned.discard(session.seq)
+
+
+def serve(config_path: str | None, overrides: dict[str, object]) -> int:
+    """Load the configuration, run the daemon until SIGTERM; 0 on a clean stop, 1 on a bad start."""
+    import uvloop
+
+    config = load(config_path, overrides)  # ConfigError -> the CLI prints it and exits 1
+    logs.configure(config.log_level)
+    daemon = Daemon(config, config_path, overrides)
+    try:
+        return uvloop.run(daemon.run())
+    except H3Error as exc:
+        log.error("start_failed", error=str(exc))
+        raise
+
+
+__all__ = ["LOCAL", "serve"]

@@ -1,0 +1,168 @@
+"""The engine's own thread: the only code that touches the `Engine` once the daemon runs.
+
+The event loop (gRPC handlers) never blocks on the model. It hands the worker *commands* (a
+function of the engine, run between two steps, whose result comes back as an awaited future) and
+*requests* (a submit whose events come back on an asyncio queue, one per request). The worker
+runs commands, then one `engine.step()` (which batches every request in flight), and posts the
+step's events to the loop with `call_soon_threadsafe`.
+
+Owner: the engine thread, the per-request event queues, and the throughput window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import structlog
+
+from h3d.engine.engine import Engine
+from h3d.engine.session import AppendDone, Event, GenerationDone, RequestFailed, RequestId
+from h3d.errors import H3Error
+
+T = TypeVar("T")
+THROUGHPUT_WINDOW_S = 10.0
+IDLE_WAIT_S = 0.05
+
+log = structlog.get_logger("h3d.worker")
+
+
+class InternalFault(H3Error):
+    """The engine failed unexpectedly (a bug); the daemon logged the traceback."""
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self._loop = loop
+        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future[Any] | None]] = (
+            queue.SimpleQueue()
+        )
+        self._wake = threading.Event()
+        self._streams: dict[RequestId, asyncio.Queue[Event]] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="h3d-engine", daemon=True)
+        self._tokens: deque[tuple[float, int]] = deque()  # (time, generated tokens) per step
+        self.step_errors = 0
+
+    # ---- the loop's side --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps; return (or raise) its result."""
+        future: asyncio.Future[T] = self._loop.create_future()
+        self._commands.put((fn, future))
+        self._wake.set()
+        return await future
+
+    async def start_request(self, submit: Callable[[Engine], RequestId]) -> tuple[RequestId, asyncio.Queue[Event]]:
+        """Submit a request (`submit` calls `engine.submit`); its events arrive on the queue, the
+        last one a GenerationDone, AppendDone or RequestFailed."""
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        made: list[RequestId] = []
+
+        def run(engine: Engine) -> RequestId:
+            rid = submit(engine)
+            self._streams[rid] = events  # before any step can produce its events
+            made.append(rid)
+            return rid
+
+        try:
+            return await self.call(run), events
+        except asyncio.CancelledError:
+            # The client left while the submit was queued: cancel what it created (commands run
+            # in order, so this runs after it).
+            self._commands.put((lambda engine: _cancel_all(engine, made), None))
+            self._wake.set()
+            raise
+
+    def cancel(self, rid: RequestId) -> None:
+        """Cancel a request (its client went away): it ends at the next step, freeing its slot."""
+        self._commands.put((lambda engine: engine.cancel(rid), None))
+        self._wake.set()
+
+    def throughput(self) -> float:
+        """Generated tokens per second over the last THROUGHPUT_WINDOW_S seconds."""
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self._tokens) if t > now - THROUGHPUT_WINDOW_S]
+        return sum(n for _, n in recent) / THROUGHPUT_WINDOW_S
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop after the commands queued so far (requests in flight must have ended)."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._run_commands()
+            self._dispatch(self.engine.take_events())
+            if self._stop:
+                return
+            if not self.engine.has_work:
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            before = self.engine.counters.generated_tokens
+            try:
+                events = self.engine.step()
+            except Exception:
+                # A bug: fail every request in flight rather than spin on it; the daemon goes on.
+                log.exception("engine_step_failed")
+                self.step_errors += 1
+                fault = InternalFault("internal error in the engine; the daemon's log has the details")
+                events = [self.engine._fail(req, fault) for req in list(self.engine.requests().values())]
+            made = self.engine.counters.generated_tokens - before
+            if made:
+                now = time.monotonic()
+                self._tokens.append((now, made))
+                while self._tokens and self._tokens[0][0] < now - THROUGHPUT_WINDOW_S:
+                    self._tokens.popleft()
+            self._dispatch(events)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:
+                if future is not None:
+                    self._loop.call_soon_threadsafe(_settle, future, None, exc)
+                elif not isinstance(exc, H3Error):
+                    log.exception("engine_command_failed")
+                continue
+            if future is not None:
+                self._loop.call_soon_threadsafe(_settle, future, result, None)
+
+    def _dispatch(self, events: list[Event]) -> None:
+        for event in events:
+            done = isinstance(event, GenerationDone | AppendDone | RequestFailed)
+            stream = self._streams.pop(event.request_id, None) if done else self._streams.get(event.request_id)
+            if stream is not None:
+                self._loop.call_soon_threadsafe(stream.put_nowait, event)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # the awaiting handler was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _cancel_all(engine: Engine, rids: list[RequestId]) -> None:
+    for rid in rids:
+        engine.cancel(rid)
