@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import signal
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -31,9 +31,12 @@ from h3d.daemon.auth import LOCAL, Auth
 from h3d.daemon.config import RELOADABLE, DaemonConfig, load, split_address
 from h3d.daemon.metrics import Metrics, serve_metrics
 from h3d.daemon.notify import Notifier
-from h3d.daemon.service import H3AdminServicer, H3Servicer, State, handlers, stats_pb
+from h3d.daemon.service import H3AdminServicer, H3Servicer, State, expire_pin, handlers, stats_pb
 from h3d.daemon.worker import EngineWorker, _cancel_all
 from h3d.errors import ConfigError, H3Error
+
+if TYPE_CHECKING:
+    from h3d.engine.engine import Engine
 
 log = structlog.get_logger("h3d.server")
 SERVICES = ("h3.v1.H3", "h3.v1.H3Admin")
@@ -218,15 +221,9 @@ class Daemon:
         log.info("reloaded", changed=sorted(changes), need_restart=restart)
 
 
-def _expire_pins(engine: object) -> None:
-    from h3d.engine.engine import Engine
-
-    assert isinstance(engine, Engine)
-    now = time.time()
+def _expire_pins(engine: Engine) -> None:
     for session in engine.sessions.values():
-        if session.pinned_until is not None and session.pinned_until != math.inf and session.pinned_until <= now:
-            session.pinned_until = None
-            engine.runner.tiers.pinned.discard(session.seq)
+        expire_pin(engine, session)
 
 
 def serve(config_path: str | None, overrides: dict[str, object]) -> int:

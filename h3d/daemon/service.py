@@ -106,7 +106,15 @@ def residency_pb(engine: Engine, session: Session) -> pb.TierResidency:
     return pb.TierResidency(hbm_blocks=hbm, ddr_blocks=ddr, ssd_blocks=ssd)
 
 
+def expire_pin(engine: Engine, session: Session) -> None:
+    """Drop a session's pin once its TTL has passed (checked whenever it is read, and periodically)."""
+    if session.pinned_until is not None and session.pinned_until <= time.time():
+        session.pinned_until = None
+        engine.runner.tiers.pinned.discard(session.seq)
+
+
 def session_pb(engine: Engine, session: Session, with_tokens: bool = False) -> pb.Session:
+    expire_pin(engine, session)
     s = session.sampling
     out = pb.Session(
         session_id=session.id,
@@ -161,7 +169,8 @@ def tier_stats_pb(engine: Engine) -> pb.TierStats:
 
 
 def sampling_from(base: SamplingParams, msg: pb.SamplingParams, limit: int) -> SamplingParams:
-    """`base` with the fields `msg` sets, checked (max_tokens within 1..limit)."""
+    """`base` with the fields `msg` sets, checked (max_tokens within 1..limit). A max_tokens the
+    request leaves unset (the session's or the daemon's default) is capped at the limit."""
     over: dict[str, Any] = {}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
         if msg.HasField(name):
@@ -175,9 +184,11 @@ def sampling_from(base: SamplingParams, msg: pb.SamplingParams, limit: int) -> S
     if msg.ignore_eos:
         over["ignore_eos"] = True
     params = replace(base, **over)
+    if "max_tokens" not in over:
+        params = replace(params, max_tokens=min(params.max_tokens, limit))
     if not 1 <= params.max_tokens <= limit:
         raise InvalidRequest(f"max_tokens must be within 1..{limit} (max_tokens_limit), got {params.max_tokens}")
-    return params.validate()
+    return params.validate()  # temperatures below sampling.MIN_TEMPERATURE sample greedily
 
 
 def check_token_ids(engine: Engine, ids: list[int], field: str) -> None:
@@ -203,7 +214,7 @@ class H3Servicer:
 
         def create(engine: Engine) -> pb.Session:
             defaults = engine.with_sampling()
-            params = sampling_from(defaults, request.sampling, limit) if request.HasField("sampling") else defaults
+            params = sampling_from(defaults, request.sampling, limit)  # an unset message sets no field
             sid = engine.create_session(request.system_prompt or None, params, policy)
             self.s.owners[sid] = caller.owner
             return session_pb(engine, engine.session(sid))
@@ -220,21 +231,17 @@ class H3Servicer:
         size = request.page_size or DEFAULT_PAGE
         if size > MAX_PAGE:
             raise InvalidRequest(f"page_size: at most {MAX_PAGE}, got {size}")
-        try:
-            start = int(request.page_token) if request.page_token else 0
-        except ValueError:
-            raise InvalidRequest("page_token: not a token from a previous ListSessions") from None
-        if start < 0:
-            raise InvalidRequest("page_token: not a token from a previous ListSessions")
+        after = _cursor(request.page_token)
         mine = [sid for sid, owner in self.s.owners.items() if owner == caller.owner or caller.admin]
 
         def page(engine: Engine) -> pb.ListSessionsResponse:
             sessions = sorted((engine.session(sid) for sid in mine if sid in engine.sessions), key=_age)
-            chunk = sessions[start : start + size]
-            more = start + size < len(sessions)
+            rest = [s for s in sessions if after is None or _age(s) > after]
+            chunk = rest[:size]
+            more = len(rest) > size
             return pb.ListSessionsResponse(
                 sessions=[session_pb(engine, s) for s in chunk],
-                next_page_token=str(start + size) if more else "",
+                next_page_token=f"{chunk[-1].created_at!r}/{chunk[-1].id}" if more else "",
                 total=len(sessions),
             )
 
@@ -298,6 +305,7 @@ class H3Servicer:
             raise InvalidRequest("give prompt or prompt_token_ids, not both")
         ids = list(request.prompt_token_ids)
         limit = self.s.config.max_tokens_limit
+        started = time.perf_counter()  # TTFT counts the prompt's prefill too
         with self.s.slot():
             if request.prompt or ids:
                 # As `Engine.generate`: append the prompt first, so that (append T; generate) and
@@ -328,19 +336,23 @@ class H3Servicer:
 
             rid, events = await self.s.worker.start_request(submit)
             finished = False
-            started = time.perf_counter()
+            first: float | None = None
             last = started
             try:
                 while True:
                     event = await events.get()
                     if isinstance(event, TokenDelta):
                         now = time.perf_counter()
-                        self.s.metrics.token(now - last, first=last == started)
+                        self.s.metrics.token(now - last, first=first is None)
+                        first = first or now
                         last = now
                         yield pb.GenerateResponse(delta=pb.TokenDelta(text=event.text, token_ids=[event.token_id]))
                     elif isinstance(event, GenerationDone):
                         finished = True
-                        summary = await self.s.worker.call(functools.partial(_summary, sid=sid, done=event))
+                        ttft = (first or time.perf_counter()) - started
+                        summary = await self.s.worker.call(
+                            functools.partial(_summary, sid=sid, done=event, ttft_s=ttft)
+                        )
                         yield pb.GenerateResponse(done=summary)
                         return
                     elif isinstance(event, RequestFailed):
@@ -362,13 +374,28 @@ def _age(session: Session) -> tuple[float, str]:
     return session.created_at, session.id
 
 
-def _summary(engine: Engine, *, sid: SessionId, done: GenerationDone) -> pb.GenerateSummary:
+def _cursor(token: str) -> tuple[float, str] | None:
+    """A page token: the (created_at, id) of the last session of the previous page, so that pages
+    stay consistent while sessions open and close between calls."""
+    if not token:
+        return None
+    created, sep, sid = token.partition("/")
+    try:
+        at = float(created)
+    except ValueError:
+        at = math.nan
+    if not sep or not sid or not math.isfinite(at):
+        raise InvalidRequest("page_token: not a token from a previous ListSessions")
+    return at, sid
+
+
+def _summary(engine: Engine, *, sid: SessionId, done: GenerationDone, ttft_s: float) -> pb.GenerateSummary:
     residency = residency_pb(engine, engine.session(sid)) if sid in engine.sessions else pb.TierResidency()
     return pb.GenerateSummary(
         finish_reason=FINISH[done.finish_reason],
         prompt_tokens=done.prompt_tokens,
         completion_tokens=len(done.token_ids),
-        ttft_s=done.ttft_s,
+        ttft_s=ttft_s,
         tokens_per_s=done.decode_tokens_per_s,
         residency=residency,
         tier_stats=tier_stats_pb(engine),

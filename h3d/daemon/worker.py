@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import structlog
 
 from h3d.engine.engine import Engine
-from h3d.engine.session import AppendDone, Event, GenerationDone, RequestFailed, RequestId
+from h3d.engine.session import AppendDone, Event, GenerationDone, RequestFailed, RequestId, SessionId
 from h3d.errors import H3Error
 
 T = TypeVar("T")
@@ -121,6 +121,8 @@ class EngineWorker:
                 self.step_errors += 1
                 fault = InternalFault("internal error in the engine; the daemon's log has the details")
                 events = [self.engine._fail(req, fault) for req in list(self.engine.requests().values())]
+                for event in events:
+                    _drop_unsampled_kv(self.engine, event.session_id)
             made = self.engine.counters.generated_tokens - before
             if made:
                 now = time.monotonic()
@@ -161,6 +163,17 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _drop_unsampled_kv(engine: Engine, session_id: SessionId) -> None:
+    """After a failed step: a decoding session whose last token got its KV but no successor would
+    have nothing left to feed, and its next request would wait forever; recompute that token."""
+    session = engine.sessions.get(session_id)
+    if session is not None:
+        try:
+            engine.rewind(session_id, len(session.tokens))  # keeps the tokens, cuts KV to len - 1
+        except Exception:
+            log.exception("engine_rewind_failed", session_id=session_id)
 
 
 def _cancel_all(engine: Engine, rids: list[RequestId]) -> None:

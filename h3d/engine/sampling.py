@@ -12,6 +12,8 @@ import torch
 
 from h3d.errors import InvalidRequest
 
+MIN_TEMPERATURE = 1e-6  # temperatures in [0, this) sample greedily
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -41,7 +43,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below MIN_TEMPERATURE, logits / temperature overflow to inf and the softmax to NaN.
+        return self.temperature < MIN_TEMPERATURE
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -1,0 +1,227 @@
+"""Load test of the daemon over loopback: many clients, streaming Generate, latency and leaks.
+
+    python -m h3d.bench.load --model DIR [--tiny] [--clients 64] [--requests 20] [--max-tokens 16]
+        [--time-limit-s 900] [--write docs/BENCHMARKS.md]
+
+Starts `h3d serve` on a temporary data dir (Unix socket), runs a warm-up round, reads the daemon's
+RSS, then `--clients` concurrent clients (one grpc.aio channel and session each) send
+`--requests` Generate calls each: a short fresh prompt, then `--max-tokens` greedy tokens
+(ignore_eos). Client-side it records time to first token (call start to first delta) and the
+time between deltas. RSS is read again after the run (and after a settle pause).
+
+The same work is then run in-process on an `Engine` of the same configuration (all clients'
+requests submitted at once, one step loop): `grpc overhead per token` is the difference of the
+wall times per generated token, daemon minus engine, measured side by side in this one run.
+`--tiny` runs on the first two layers of the model (same tokenizer and widths), which makes the
+model cheap so that the daemon's own cost shows. Loopback only; the clients share the host's
+cores with the daemon, so the figures are upper bounds on the daemon's cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from h3d.bench.cpu import _write
+from h3d.config import EngineConfig
+from h3d.engine.engine import Engine
+from h3d.engine.sampling import SamplingParams
+
+PROMPTS = [
+    "Summarize why the key-value cache of a transformer grows with the length of the conversation.",
+    "List three ways to keep a long context on a small accelerator.",
+    "Explain paged attention to a new engineer in a few sentences.",
+    "What is the difference between host memory and device memory for inference?",
+]
+
+
+def tiny_model(src: Path, out: Path, layers: int = 2) -> Path:
+    """The first `layers` layers of `src` (config, weights, tokenizer files) in `out`."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    weights = load_file(str(src / "model.safetensors"))
+    keep = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(keep, str(out / "model.safetensors"))
+    return out
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def _client(sock: str, n: int, idx: int, max_tokens: int, ttft: list[float], gaps: list[float]) -> int:
+    import grpc
+
+    from h3d._proto.h3.v1 import h3_pb2 as pb
+    from h3d._proto.h3.v1 import h3_pb2_grpc as rpc
+
+    tokens = 0
+    async with grpc.aio.insecure_channel(f"unix:{sock}") as ch:
+        stub = rpc.H3Stub(ch)
+        for r in range(n):
+            session = await stub.CreateSession(pb.CreateSessionRequest())
+            prompt = f"{PROMPTS[(idx + r) % len(PROMPTS)]} (client {idx}, request {r})"
+            sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            t0 = last = time.perf_counter()
+            first = True
+            async for msg in stub.Generate(
+                pb.GenerateRequest(session_id=session.session_id, prompt=prompt, sampling=sampling)
+            ):
+                if msg.HasField("delta"):
+                    now = time.perf_counter()
+                    (ttft if first else gaps).append(now - (t0 if first else last))
+                    first, last = False, now
+                    tokens += len(msg.delta.token_ids)
+            await stub.CloseSession(pb.CloseSessionRequest(session_id=session.session_id))
+    return tokens
+
+
+async def _round(
+    sock: str, clients: int, requests: int, max_tokens: int
+) -> tuple[float, int, list[float], list[float]]:
+    ttft: list[float] = []
+    gaps: list[float] = []
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(_client(sock, requests, i, max_tokens, ttft, gaps) for i in range(clients)))
+    return time.perf_counter() - t0, sum(counts), ttft, gaps
+
+
+def in_process(model: Path, clients: int, requests: int, max_tokens: int) -> tuple[float, int]:
+    """The same requests through an Engine in this process, every client's requests in flight
+    together as in the daemon: wall seconds and tokens generated."""
+    engine = Engine(EngineConfig.build(model=str(model)))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    _batches(engine, clients, 2, params)  # warm-up, as the daemon had
+    t0 = time.perf_counter()
+    tokens = _batches(engine, clients, requests, params)
+    return time.perf_counter() - t0, tokens
+
+
+def _batches(engine: Engine, clients: int, requests: int, params: SamplingParams) -> int:
+    """Each client as the daemon's: open a session, append its prompt, generate, close; next."""
+    from h3d.engine.session import AppendDone, GenerationDone, TokenDelta
+
+    owner: dict[int, int] = {}  # request id -> client
+    done = [0] * clients
+    sessions = [engine.create_session() for _ in range(clients)]
+
+    def start(i: int) -> None:
+        text = f"{PROMPTS[(i + done[i]) % len(PROMPTS)]} (client {i}, request {done[i]})"
+        owner[engine.submit(sessions[i], text=text, generate=False)] = i
+
+    for i in range(clients):
+        start(i)
+    tokens = 0
+    while engine.has_work:
+        for event in engine.step():
+            i = owner.pop(event.request_id, -1)
+            if isinstance(event, TokenDelta):
+                tokens += 1
+                owner[event.request_id] = i
+            elif isinstance(event, AppendDone):
+                owner[engine.submit(sessions[i], generate=True, params=params)] = i
+            elif isinstance(event, GenerationDone):
+                engine.close_session(sessions[i])
+                done[i] += 1
+                if done[i] < requests:
+                    sessions[i] = engine.create_session()
+                    start(i)
+            elif i >= 0:
+                owner[event.request_id] = i
+    return tokens
+
+
+def run(args: argparse.Namespace) -> str:
+    model = Path(args.model)
+    work = Path(tempfile.mkdtemp(prefix="h3d-load-"))
+    if args.tiny:
+        model = tiny_model(model, work / "tiny")
+    sock = str(work / "h3d.sock")
+    cmd = [sys.executable, "-m", "h3d.cli", "serve", "--model", str(model), "--data-dir", str(work / "data"),
+           "--socket", sock, "--log-level", "warning", "--max-pending-requests", str(4 * args.clients)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not Path(sock).exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"h3d serve did not start: {proc.stderr.read() if proc.stderr else ''}")
+            time.sleep(0.2)
+        time.sleep(0.5)
+        asyncio.run(_round(sock, args.clients, 2, args.max_tokens))  # warm-up
+        rss_warm = rss_mb(proc.pid)
+        print(f"warm-up done, daemon RSS {rss_warm:.0f} MiB; running {args.clients} x {args.requests}", flush=True)
+        wall, tokens, ttft, gaps = asyncio.run(
+            asyncio.wait_for(_round(sock, args.clients, args.requests, args.max_tokens), args.time_limit_s)
+        )
+        time.sleep(2)
+        rss_after = rss_mb(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(120)
+    print(f"daemon exited {code}; in-process baseline ...", flush=True)
+    base_wall, base_tokens = in_process(model, args.clients, args.requests, args.max_tokens)
+    shutil.rmtree(work, ignore_errors=True)
+    ms = lambda xs, q: float(np.percentile(xs, q) * 1e3)  # noqa: E731
+    overhead_ms = (wall / tokens - base_wall / base_tokens) * 1e3
+    rows = [
+        ("requests (clients x requests)", f"{args.clients} x {args.requests} = {args.clients * args.requests}"),
+        ("tokens generated (daemon / in-process)", f"{tokens} / {base_tokens}"),
+        ("time to first token p50 / p99 (ms)", f"{ms(ttft, 50):.1f} / {ms(ttft, 99):.1f}"),
+        ("inter-token latency p50 / p99 (ms)", f"{ms(gaps, 50):.1f} / {ms(gaps, 99):.1f}"),
+        ("wall per token, daemon (ms)", f"{wall / tokens * 1e3:.3f}"),
+        ("wall per token, in-process engine (ms)", f"{base_wall / base_tokens * 1e3:.3f}"),
+        ("gRPC overhead per token (ms)", f"{overhead_ms:.3f}"),
+        ("throughput, daemon (tokens/s)", f"{tokens / wall:.1f}"),
+        ("daemon RSS after warm-up / after the run (MiB)",
+         f"{rss_warm:.0f} / {rss_after:.0f} ({(rss_after / rss_warm - 1) * 100:+.1f} %)"),
+    ]  # fmt: skip
+    table = "\n".join(["| figure | value |", "|---|---:|", *[f"| {k} | {v} |" for k, v in rows]])
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--tiny", action="store_true", help="use the model's first two layers only")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--time-limit-s", type=float, default=900)
+    parser.add_argument("--write", default=None)
+    args = parser.parse_args()
+    table = run(args)
+    print(table)
+    if args.write:
+        name = "tiny (first 2 layers of the embedded model)" if args.tiny else "embedded model (SmolLM2-135M, fp32)"
+        meta = (
+            f"Measured {dt.date.today().isoformat()} on the 2-core CPU host (clients and daemon share it), {name}, "
+            f"{os.cpu_count()} CPUs.\n\nCommand: `python -m h3d.bench.load --model MODEL{' --tiny' * args.tiny} "
+            f"--clients {args.clients} --requests {args.requests} --max-tokens {args.max_tokens}`"
+        )
+        _write(Path(args.write), f"{meta}\n\n{table}", "load-tiny" if args.tiny else "load")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,440 @@
+"""h3ctl against a real `h3d serve` (tests/daemon.py) on the tiny llama_gqa4_tied checkpoint.
+
+One module-scoped daemon serves most tests; `test_drain_refuses_new_work` drains it, so it comes
+last. Generation is checked token for token against the in-process engine on the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon import RunningDaemon, running_daemon
+
+from h3d import ctl
+from h3d._proto.h3.v1 import h3_pb2 as pb
+from h3d.config import EngineConfig
+from h3d.engine.engine import Engine
+from h3d.engine.sampling import SamplingParams
+
+MODEL = "llama_gqa4_tied"
+TEXT = "The quick brown fox jumps over the lazy dog. A long conversation needs a large cache: every token"
+# Several blocks (block_size 32) of context, for the tier moves.
+LONG_TEXT = (
+    "Paged attention keeps the cache in blocks of a fixed number of tokens. A table per sequence says "
+    "which block of the pool holds which part of the sequence, so sequences grow one block at a time. "
+) * 2
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint: Callable[[str], Path]) -> Path:
+    return checkpoint(MODEL)
+
+
+@pytest.fixture(scope="module")
+def d(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    with running_daemon(model, tmp_path_factory.mktemp("h3d")) as daemon:
+        yield daemon
+
+
+@pytest.fixture(scope="module")
+def engine(model: Path) -> Engine:
+    return Engine(EngineConfig.build(model=str(model)))
+
+
+def ok(d: RunningDaemon, *args: str) -> str:
+    r = d.ctl(*args)
+    assert r.returncode == 0, f"h3ctl {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}"
+    assert "Traceback" not in r.stderr
+    return r.stdout
+
+
+def ok_json(d: RunningDaemon, *args: str) -> dict[str, Any]:
+    out = ok(d, "--json", *args)
+    assert out.endswith("\n") and out.count("\n") == 1, f"not one line: {out!r}"
+    obj = json.loads(out)
+    assert isinstance(obj, dict)
+    return obj
+
+
+def failed(d: RunningDaemon, code: int, *args: str) -> subprocess.CompletedProcess[str]:
+    r = d.ctl(*args)
+    assert r.returncode == code, f"h3ctl {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}"
+    assert "Traceback" not in r.stderr
+    return r
+
+
+def new_session(d: RunningDaemon, *args: str) -> str:
+    sid = ok_json(d, "session", "create", *args)["session_id"]
+    assert isinstance(sid, str)
+    return sid
+
+
+def ctl_alone(*args: str) -> subprocess.CompletedProcess[str]:
+    """h3ctl with no daemon behind it."""
+    cmd = [sys.executable, "-m", "h3d.ctl", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+# ---- no daemon needed ----------------------------------------------------------------------------
+
+
+def test_unreachable_daemon_is_a_clear_error(tmp_path: Path) -> None:
+    r = ctl_alone("--socket", "/nonexistent/sock", "health")
+    assert r.returncode == 1
+    assert "UNAVAILABLE" in r.stderr and "cannot reach the daemon at unix:/nonexistent/sock" in r.stderr
+    assert "is h3d running?" in r.stderr and "Traceback" not in r.stderr
+    r = ctl_alone("--json", "--socket", str(tmp_path / "none.sock"), "session", "list")
+    assert r.returncode == 1 and r.stdout == ""
+    err = json.loads(r.stderr)["error"]
+    assert err["code"] == "UNAVAILABLE" and "cannot reach the daemon" in err["message"]
+
+
+def test_usage_errors_exit_2(tmp_path: Path) -> None:
+    for args in (
+        ("frobnicate",),
+        (),
+        ("session",),
+        ("session", "show"),
+        ("generate", "abc"),  # --prompt is required
+        ("append", "abc"),  # --text or --file
+        ("append", "abc", "--text", "x", "--file", "f"),
+        ("evict", "abc", "--to", "hbm"),
+        ("pin", "abc", "--ttl", "5", "--unpin"),
+        ("generate", "abc", "--prompt", "x", "--max-tokens", "-1"),
+        ("generate", "abc", "--prompt", "x", "--top-p", "0"),
+        ("stats", "--interval", "0"),
+        ("health", "--json"),  # global options go before the command
+    ):
+        r = ctl_alone("--socket", str(tmp_path / "s"), *args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+    r = ctl_alone("--socket", "a", "--address", "127.0.0.1:1", "health")
+    assert r.returncode == 2 and "not both" in r.stderr
+    r = ctl_alone("--tls-ca", "ca.pem", "health")
+    assert r.returncode == 2 and "--tls-ca needs --address" in r.stderr
+    r = ctl_alone("--token-file", str(tmp_path / "missing"), "health")
+    assert r.returncode == 2 and "cannot read the token file" in r.stderr
+    (tmp_path / "empty").write_text("# nothing\n\n")
+    r = ctl_alone("--token-file", str(tmp_path / "empty"), "health")
+    assert r.returncode == 2 and "holds no token" in r.stderr
+
+
+def test_sampling_sets_only_the_fields_given() -> None:
+    parser = ctl.build_parser()
+    sp = ctl.sampling_of(parser.parse_args(["generate", "x", "--prompt", "", "--temperature", "0"]))
+    assert sp.HasField("temperature") and sp.temperature == 0
+    assert not any(sp.HasField(f) for f in ("max_tokens", "top_p", "top_k", "seed"))
+    args = ["generate", "x", "--prompt", "p", "--max-tokens", "5", "--top-p", "0.5", "--top-k", "3", "--seed", "7"]
+    sp = ctl.sampling_of(parser.parse_args([*args, "--stop", "a", "--stop", "b"]))
+    assert (sp.max_tokens, sp.top_p, sp.top_k, sp.seed, list(sp.stop)) == (5, 0.5, 3, 7, ["a", "b"])
+    assert not sp.HasField("temperature")
+
+
+def test_read_token_skips_blanks_and_comments(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("\n  # a comment\n\n  s3cret  \nother\n")
+    assert ctl.read_token(str(path)) == "s3cret"
+
+
+def test_list_follows_pages() -> None:
+    pages = {"": ("a", "2"), "2": ("b", "4"), "4": ("c", "")}
+    seen: list[str] = []
+
+    class FakeStub:
+        ListSessions = None
+
+    class FakeClient:
+        h3 = FakeStub()
+
+        def call(self, method: Any, request: pb.ListSessionsRequest) -> pb.ListSessionsResponse:
+            seen.append(request.page_token)
+            sid, nxt = pages[request.page_token]
+            return pb.ListSessionsResponse(sessions=[pb.Session(session_id=sid)], next_page_token=nxt, total=3)
+
+    fake: Any = FakeClient()
+    sessions = ctl.list_sessions(fake)
+    assert [s.session_id for s in sessions] == ["a", "b", "c"]
+    assert seen == ["", "2", "4"]
+
+
+def test_interrupted_stream_exits_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    cancelled: list[bool] = []
+
+    class Call:
+        def __iter__(self) -> Iterator[pb.GenerateResponse]:
+            yield pb.GenerateResponse(delta=pb.TokenDelta(text="Hel", token_ids=[7]))
+            raise KeyboardInterrupt  # Ctrl-C while waiting for the next token
+
+        def cancel(self) -> None:
+            cancelled.append(True)
+
+    class Stub:
+        Generate = None  # the fake stream ignores the method
+
+    class Client:
+        h3 = Stub()
+
+        def stream(self, method: Any, request: pb.GenerateRequest) -> Call:
+            assert request.session_id == "abc" and request.prompt == "hi"
+            return Call()
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(ctl, "connect", lambda args: Client())
+    assert ctl.main(["generate", "abc", "--prompt", "hi"]) == 130
+    out = capsys.readouterr()
+    assert out.out == "Hel\n" and out.err == ""
+    assert cancelled == [True]
+
+
+# ---- against the daemon --------------------------------------------------------------------------
+
+
+def test_health(d: RunningDaemon) -> None:
+    assert ok(d, "health") == "SERVING\n"
+    assert ok_json(d, "health") == {"status": "SERVING"}
+
+
+def test_session_create_list_show(d: RunningDaemon) -> None:
+    created = ok_json(d, "session", "create")
+    sid = created["session_id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", sid)
+    assert created["num_tokens"] == 0 and created["policy"] == "attention_entropy"
+    listed = {s["session_id"]: s for s in ok_json(d, "session", "list")["sessions"]}
+    assert listed[sid]["num_tokens"] == 0
+    assert listed[sid]["policy"] == "attention_entropy"
+    assert isinstance(listed[sid]["created_at"], float) and abs(listed[sid]["created_at"] - time.time()) < 120
+    # Human output: the id alone; a table naming it.
+    human = ok(d, "session", "create", "--system", "Be brief.", "--policy", "exact").strip()
+    assert re.fullmatch(r"[0-9a-f]{32}", human)
+    table = ok(d, "session", "list")
+    assert table.splitlines()[0].split()[:3] == ["SESSION", "POLICY", "TOKENS"]
+    assert any(line.startswith(human) and " exact " in line for line in table.splitlines())
+    shown = ok_json(d, "session", "show", human)
+    assert shown["policy"] == "exact" and shown["num_tokens"] > 0  # the system prompt
+    assert shown["residency"] == {"hbm_blocks": 0, "ddr_blocks": 0, "ssd_blocks": 0}  # prefilled lazily
+    assert shown["token_ids"] == [] and shown["text"] == ""  # without --with-tokens
+    assert f"session_id    {human}" in ok(d, "session", "show", human)
+
+
+def test_generate_matches_the_engine(d: RunningDaemon, engine: Engine) -> None:
+    esid = engine.create_session()
+    engine.append(esid, text=TEXT)
+    appended = list(engine.session(esid).tokens)
+    assert appended == engine.tokenizer.encode(TEXT)
+    done = engine.complete(esid, "", SamplingParams(max_tokens=8))
+    assert len(done.token_ids) >= 1
+
+    sid = new_session(d)
+    summary = ok_json(d, "append", sid, "--text", TEXT)
+    assert summary["tokens_added"] == len(appended) and summary["num_tokens"] == len(appended)
+    assert summary["prefill_s"] > 0
+    out = ok_json(d, "generate", sid, "--prompt", "", "--max-tokens", "8", "--temperature", "0")
+    assert out["token_ids"] == list(done.token_ids)
+    assert out["text"] == done.text
+    assert out["finish_reason"] == done.finish_reason.name.lower()
+    assert out["completion_tokens"] == len(done.token_ids)
+    assert out["prompt_tokens"] == len(appended)
+    assert out["ttft_s"] > 0 and out["tokens_per_s"] >= 0
+
+    shown = ok_json(d, "session", "show", sid, "--with-tokens")
+    assert shown["token_ids"] == appended + list(done.token_ids) == engine.session(esid).tokens
+    assert shown["text"] == engine.tokenizer.decode(engine.session(esid).tokens)
+    assert shown["num_tokens"] == len(shown["token_ids"])
+    engine.close_session(esid)
+
+    # Streaming: the deltas' text, then a newline; human append prints a summary line.
+    sid2 = new_session(d)
+    human = ok(d, "append", sid2, "--text", TEXT)
+    n = len(appended)
+    assert re.fullmatch(rf"appended {n} tokens in [0-9.]+ s \(the context holds {n} tokens\)\n", human)
+    streamed = ok(d, "generate", sid2, "--prompt", "", "--max-tokens", "8", "--temperature", "0")
+    assert streamed == done.text + "\n"
+
+
+def test_generate_with_a_prompt_and_limits(d: RunningDaemon, engine: Engine) -> None:
+    # `generate --prompt T` on an empty session is `append T` then generate.
+    esid = engine.create_session()
+    done = engine.complete(esid, TEXT, SamplingParams(max_tokens=3))
+    engine.close_session(esid)
+    sid = new_session(d)
+    out = ok_json(d, "generate", sid, "--prompt", TEXT, "--max-tokens", "3", "--temperature", "0")
+    assert out["token_ids"] == list(done.token_ids) and out["completion_tokens"] <= 3
+    if len(done.token_ids) == 3:
+        assert out["finish_reason"] == "length"
+    # Seeded sampling is reproducible across sessions.
+    runs = []
+    for _ in range(2):
+        s = new_session(d)
+        args = ("--prompt", TEXT, "--max-tokens", "4", "--temperature", "1.5", "--top-p", "0.9", "--seed", "11")
+        runs.append(ok_json(d, "generate", s, *args)["token_ids"])
+    assert runs[0] == runs[1] and len(runs[0]) >= 1
+
+
+def test_errors_from_the_daemon(d: RunningDaemon) -> None:
+    r = failed(d, 1, "session", "show", "nonexistent")
+    assert r.stderr.startswith("h3ctl: error: NOT_FOUND: ") and "nonexistent" in r.stderr
+    assert r.stdout == ""
+    r = failed(d, 1, "--json", "session", "show", "nonexistent")
+    err = json.loads(r.stderr)["error"]
+    assert err["code"] == "NOT_FOUND" and "nonexistent" in err["message"]
+    sid = new_session(d)
+    ok(d, "append", sid, "--text", "Hello")
+    r = failed(d, 1, "generate", sid, "--prompt", "x", "--max-tokens", "0")
+    assert "INVALID_ARGUMENT" in r.stderr and "max_tokens" in r.stderr
+    r = failed(d, 1, "--json", "generate", sid, "--prompt", "x", "--max-tokens", "0")
+    assert json.loads(r.stderr)["error"]["code"] == "INVALID_ARGUMENT" and r.stdout == ""
+    r = failed(d, 1, "generate", new_session(d), "--prompt", "")  # nothing to continue
+    assert "INVALID_ARGUMENT" in r.stderr
+    r = failed(d, 1, "session", "create", "--policy", "bogus")
+    assert "INVALID_ARGUMENT" in r.stderr and "bogus" in r.stderr
+
+
+def test_health_config_stats_top(d: RunningDaemon) -> None:
+    config = ok_json(d, "config")
+    assert config["block_size"] == 32 and config["socket"] == str(d.socket)
+    pretty = ok(d, "config")
+    assert pretty.count("\n") > 10 and json.loads(pretty) == config
+
+    sid = new_session(d)
+    added = ok_json(d, "append", sid, "--text", TEXT)["tokens_added"]
+    stats = ok_json(d, "stats")
+    assert 0 <= stats["global"]["hbm_hit_rate"] <= 1
+    assert stats["global"]["hbm_capacity_bytes"] > 0
+    assert stats["throughput"]["sessions"] >= 1 and stats["draining"] is False
+    assert sid in {s["session_id"] for s in stats["sessions"]}
+    human = ok(d, "stats")
+    for key in ("hbm_hit_rate", "ddr_evict_count", "ssd_read_count", "hbf_latency_us", "occupancy_mib"):
+        assert key in human
+    assert "tokens_per_s" in human and "in_flight" in human
+
+    top = ok(d, "top", "--once")
+    assert top.startswith("h3d  up ") and "SESSION" in top
+    row = next(line for line in top.splitlines() if line.startswith(sid[:12]))
+    assert sid not in row  # the id's prefix only
+    cells = row.split()  # SESSION POLICY/WINDOW TOKENS HBM DDR SSD HIT BUSY
+    assert cells[1].startswith("attention_entropy/") and cells[2] == str(added)
+    assert int(cells[3]) > 0 and cells[7] == "-"
+
+
+def test_stats_watch_until_interrupted(d: RunningDaemon) -> None:
+    cmd = [sys.executable, "-m", "h3d.ctl", "--socket", str(d.socket), "--json", "stats", "--watch"]
+    proc = subprocess.Popen([*cmd, "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline() for _ in range(3)]
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    frames = [json.loads(line) for line in lines + rest.splitlines() if line.strip()]
+    assert len(frames) >= 3 and all("hbm_hit_rate" in f["global"] for f in frames)
+
+
+def test_evict_pin_policy_close(d: RunningDaemon) -> None:
+    sid = new_session(d)
+    ok(d, "append", sid, "--text", LONG_TEXT)
+    before = ok_json(d, "session", "show", sid)["residency"]
+    assert before["hbm_blocks"] > 0
+
+    moved = ok_json(d, "evict", sid, "--to", "ddr")
+    assert moved["blocks_moved"] > 0 and moved["residency"]["hbm_blocks"] == 0
+    after = ok_json(d, "session", "show", sid)["residency"]
+    assert after["hbm_blocks"] == 0 and after["ddr_blocks"] > 0
+    assert "moved 0 block copies to DDR" in ok(d, "evict", sid, "--to", "ddr")  # nothing left to move
+
+    archived = ok_json(d, "evict", sid, "--to", "ssd")
+    assert archived["residency"]["ssd_blocks"] > 0
+    assert ok_json(d, "session", "show", sid)["residency"]["ssd_blocks"] > 0
+
+    pinned = ok_json(d, "pin", sid, "--ttl", "60")
+    assert pinned["pinned"] is True and 50 < pinned["pinned_until"] - time.time() <= 61
+    assert ok_json(d, "session", "show", sid)["pinned"] is True
+    assert ok(d, "pin", sid).strip() == f"pinned {sid} until unpinned"
+    assert ok_json(d, "pin", sid, "--unpin")["pinned"] is False
+
+    assert ok(d, "policy", sid, "exact").strip() == f"{sid}: policy exact"
+    assert ok_json(d, "session", "show", sid)["policy"] == "exact"
+    assert ok_json(d, "policy", sid, "fixed")["policy"] == "fixed"
+    r = failed(d, 1, "policy", sid, "nonsense")
+    assert "INVALID_ARGUMENT" in r.stderr
+
+    assert ok(d, "session", "close", sid).strip() == f"closed {sid}"
+    r = failed(d, 1, "session", "show", sid)
+    assert "NOT_FOUND" in r.stderr
+    assert sid not in ok(d, "session", "list")
+    assert "NOT_FOUND" in failed(d, 1, "session", "close", sid).stderr
+
+
+def test_append_from_a_file(d: RunningDaemon, engine: Engine, tmp_path: Path) -> None:
+    path = tmp_path / "context.txt"
+    path.write_text("Café, naïve, résumé: " + TEXT, encoding="utf-8")
+    sid = new_session(d)
+    summary = ok_json(d, "append", sid, "--file", str(path))
+    expected = engine.tokenizer.encode(path.read_text(encoding="utf-8"))
+    assert summary["tokens_added"] == len(expected) == summary["num_tokens"]
+    shown = ok_json(d, "session", "show", sid, "--with-tokens")
+    assert shown["token_ids"] == expected and shown["text"].endswith(TEXT)
+
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café".encode("latin-1"))
+    r = failed(d, 2, "append", sid, "--file", str(bad))
+    assert "not UTF-8" in r.stderr and str(bad) in r.stderr
+    r = failed(d, 2, "append", sid, "--file", str(tmp_path / "missing.txt"))
+    assert "cannot read" in r.stderr
+    assert ok_json(d, "session", "show", sid)["num_tokens"] == len(expected)  # nothing appended
+
+
+def test_append_progress_on_stderr(d: RunningDaemon, tmp_path: Path) -> None:
+    path = tmp_path / "long.txt"
+    path.write_text(LONG_TEXT * 4)
+    sid = new_session(d)
+    r = d.ctl("append", sid, "--file", str(path))
+    assert r.returncode == 0, r.stderr
+    summary = re.fullmatch(r"appended (\d+) tokens in [0-9.]+ s \(the context holds \1 tokens\)\n", r.stdout)
+    assert summary is not None, r.stdout
+    total = int(summary[1])
+    assert total > 2 * 32
+    lines = r.stderr.splitlines()
+    assert lines and lines[-1] == f"prefill: {total - 1}/{total - 1} tokens", r.stderr
+
+
+def test_token_file_and_tcp(model: Path, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# clients\nclient-token\n")
+    admins = tmp_path / "admins"
+    admins.write_text("admin-token\n")
+    extra = ["--auth-token-file", str(tokens), "--admin-token-file", str(admins)]
+    with running_daemon(model, tmp_path / "data", extra=extra) as d:
+        r = failed(d, 1, "session", "list")
+        assert "UNAUTHENTICATED" in r.stderr and "--token-file" in r.stderr
+        sid = ok_json(d, "--token-file", str(tokens), "session", "create")["session_id"]
+        assert d.tcp_address is not None
+        tcp = ctl_alone("--address", d.tcp_address, "--token-file", str(tokens), "--json", "session", "list")
+        assert tcp.returncode == 0, tcp.stderr
+        assert [s["session_id"] for s in json.loads(tcp.stdout)["sessions"]] == [sid]
+        r = failed(d, 1, "--token-file", str(tokens), "config")
+        assert "PERMISSION_DENIED" in r.stderr
+        assert ok_json(d, "--token-file", str(admins), "config")["auth_token_file"] == str(tokens)
+
+
+# ---- last: it drains the module's daemon -----------------------------------------------------------
+
+
+def test_drain_refuses_new_work(d: RunningDaemon) -> None:
+    drained = ok_json(d, "drain", "--timeout", "5")
+    assert drained == {"requests_finished": 0, "requests_cancelled": 0}
+    r = failed(d, 1, "session", "create")
+    assert "UNAVAILABLE" in r.stderr and "draining" in r.stderr and "cannot reach" not in r.stderr
+    r = failed(d, 1, "health")
+    assert r.stdout == "NOT_SERVING\n"
+    assert ok_json(d, "stats")["draining"] is True

@@ -1,0 +1,125 @@
+"""The daemon's configuration (TOML + flags), its metrics text and the Grafana dashboard that reads it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from h3d._proto.h3.v1 import h3_pb2 as pb
+from h3d.daemon.config import RELOADABLE, DaemonConfig, key_types, load
+from h3d.daemon.metrics import Histogram, Metrics
+from h3d.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "h3d.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_file_then_flags_flags_win(tmp_path: Path) -> None:
+    path = _toml(
+        tmp_path,
+        'model = "m"\nhbm_mb = 64.0\nblock_size = 16\nlog_level = "debug"\n'
+        "[sampling]\ntemperature = 0.5\nmax_tokens = 9\n",
+    )
+    cfg = load(path, {"hbm_mb": 32.0, "sampling_max_tokens": 7, "data_dir": str(tmp_path)})
+    assert cfg.engine.hbm_mb == 32.0 and cfg.engine.block_size == 16 and cfg.log_level == "debug"
+    assert cfg.engine.sampling.temperature == 0.5 and cfg.engine.sampling.max_tokens == 7
+    # The archive defaults to the data dir; the socket too.
+    assert cfg.engine.ssd_path == str(tmp_path / "archive") and cfg.socket_path == tmp_path / "h3d.sock"
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "names"),
+    [
+        ('model = "m"\nbogus = 1\n', {}, "bogus"),
+        ('model = "m"\n[sampling]\nbogus = 1\n', {}, "sampling.bogus"),
+        ('model = "m"\nhbm_mb = "lots"\n', {}, "hbm_mb"),
+        ('model = "m"\nblock_size = 1.5\n', {}, "block_size"),
+        ('model = "m"\n[sampling]\ntop_p = 0\n', {}, "sampling.top_p"),
+        ('model = "m"\nlog_level = "loud"\n', {}, "log_level"),
+        ('model = "m"\nsocket_mode = "rw"\n', {}, "socket_mode"),
+        ('model = "m"\nlisten = "0.0.0.0:50051"\n', {}, "listen"),
+        ('model = "m"\nlisten = "nonsense"\n', {}, "listen"),
+        ('model = "m"\nmax_tokens_limit = 0\n', {}, "max_tokens_limit"),
+        ('model = "m"\ntls_cert_file = "/nonexistent"\ntls_key_file = "/nonexistent"\n', {}, "tls_cert_file"),
+        ("model = [\n", {}, "TOML"),
+        ('model = "m"\n', {"nonsense_key": 1}, "nonsense_key"),
+        ("", {}, "model"),
+    ],
+)
+def test_bad_configuration_names_the_key(tmp_path: Path, text: str, overrides: dict, names: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(names)):
+        load(_toml(tmp_path, text), {"data_dir": str(tmp_path), **overrides})
+
+
+def test_tcp_beyond_loopback_needs_tls_or_a_token(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# clients\nsecret-1\n\n")
+    cfg = load(None, {"model": "m", "data_dir": str(tmp_path), "listen": "0.0.0.0:0", "auth_token_file": str(tokens)})
+    assert cfg.listen == "0.0.0.0:0"
+    assert load(None, {"model": "m", "data_dir": str(tmp_path), "listen": "127.0.0.1:0"}).listen == "127.0.0.1:0"
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="auth_token_file"):
+        load(None, {"model": "m", "data_dir": str(tmp_path), "auth_token_file": str(empty)})
+
+
+def test_every_key_is_a_flag_and_reloadable_keys_exist() -> None:
+    from h3d.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    flags = {opt for action in serve._actions for opt in action.option_strings}
+    for key in key_types():
+        assert "--" + key.replace("_", "-") in flags, key
+    assert set(RELOADABLE) <= set(DaemonConfig.__dataclass_fields__)
+
+
+def test_histogram_buckets_are_cumulative() -> None:
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 2.0, 3.0):
+        h.observe(v)
+    lines = h.lines("x")
+    assert lines[:3] == ['x_bucket{le="0.1"} 2', 'x_bucket{le="1.0"} 3', 'x_bucket{le="+Inf"} 5']
+    assert lines[3] == "x_sum 5.65" and lines[4] == "x_count 5"
+
+
+def _rendered() -> str:
+    m = Metrics()
+    m.rpc("Generate", "OK", 0.2)
+    m.token(0.1, first=True)
+    m.token(0.02, first=False)
+    stats = pb.Stats(uptime_s=5.0)
+    stats.__getattribute__("global").hbm_hit_rate = 0.75
+    stats.__getattribute__("global").ddr_evict_count = 12
+    stats.throughput.generated_tokens_total = 40
+    return m.render(stats, in_flight=3)
+
+
+def test_metrics_text_carries_the_figures() -> None:
+    text = _rendered()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert values["h3d_hbm_hit_rate"] == "0.75" and values["h3d_ddr_evict_total"] == "12"
+    assert values["h3d_generated_tokens_total"] == "40" and values["h3d_requests_in_flight"] == "3"
+    assert values['h3d_rpc_total{method="Generate",code="OK"}'] == "1"
+    assert values["h3d_ttft_seconds_count"] == "1" and values["h3d_inter_token_seconds_count"] == "1"
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    assert all(n.startswith("h3d_") for n in names)
+
+
+def test_dashboard_queries_only_exported_metrics() -> None:
+    dash = json.loads((ROOT / "docs/grafana-dashboard.json").read_text())
+    exported = {
+        re.sub(r"_(bucket|sum|count)$", "", line.split("{")[0].split(" ")[0])
+        for line in _rendered().splitlines()
+        if line and not line.startswith("#")
+    }
+    used = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"\bh3d_[a-z_]+", t["expr"])}
+    used = {re.sub(r"_(bucket|sum|count)$", "", m) for m in used}
+    assert used and used <= exported, used - exported
