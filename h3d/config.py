@@ -55,6 +55,8 @@ class EngineConfig:
     entropy_grow_above: float = 1.5
     max_batch_size: int = 64
     max_context_tokens: int | None = None
+    session_log_path: str | None = None  # token logs: sessions survive restarts (h3d serve sets it)
+    fsync_interval_ms: float = 50.0
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     check_invariants: bool = False
 
@@ -102,6 +104,8 @@ class EngineConfig:
         if any(layer < 0 for layer in self.quantize_skip_layers):
             raise ConfigError("quantize_skip_layers: layer indices must be >= 0")
         _positive("max_batch_size", self.max_batch_size)
+        if not self.fsync_interval_ms >= 0:
+            raise ConfigError(f"fsync_interval_ms: must be >= 0, got {self.fsync_interval_ms}")
         if self.max_context_tokens is not None:
             _positive("max_context_tokens", self.max_context_tokens)
         if self.sampling.temperature < 0:

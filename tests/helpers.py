@@ -54,6 +54,8 @@ SPECS: dict[str, Spec] = {
     "llama_mha_untied": Spec("llama", heads=4, kv_heads=4, layers=2, tied=False, seed=1),
     # GQA ratio 4 with 8 heads of 16 (q size 128 != hidden 64: explicit head_dim), tied head.
     "llama_gqa4_tied": Spec("llama", heads=8, kv_heads=2, layers=3, tied=True, seed=2),
+    # The same shape with room for long contexts (restarts of sessions of thousands of tokens).
+    "llama_long": Spec("llama", heads=8, kv_heads=2, layers=3, tied=True, seed=2, max_pos=8192),
     # Llama 3 scaling with a short original context, so low and medium frequencies are rescaled.
     "llama3_rope": Spec(
         "llama",

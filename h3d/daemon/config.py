@@ -197,6 +197,7 @@ def load(path: str | None, overrides: dict[str, Any]) -> DaemonConfig:
     engine = {k: v for k, v in values.items() if k in ENGINE_KEYS}
     data_dir = str(daemon.get("data_dir", DEFAULT_DATA_DIR))
     engine.setdefault("ssd_path", str(Path(data_dir) / "archive"))
+    engine.setdefault("session_log_path", str(Path(data_dir) / "sessions"))
     engine_cfg = EngineConfig.build(**engine)
     if sampling:
         engine_cfg = replace(engine_cfg, sampling=replace(SamplingDefaults(), **sampling)).validate()

@@ -66,6 +66,13 @@ class Daemon:
         self.worker = EngineWorker(engine, loop)
         self.worker.start()
         self.state = State(cfg, self.worker, Auth(cfg), self.metrics)
+        self.state.owners = {sid: s.owner or LOCAL for sid, s in engine.sessions.items()}
+        if engine.restored:
+            log.info(
+                "sessions_restored",
+                sessions=len(engine.restored),
+                kv_rebuild_blocks=engine.tier_stats().kv_rebuild_blocks,
+            )
         server = self._server()
         addresses = self._bind(server)
         await server.start()
@@ -97,6 +104,10 @@ class Daemon:
         if metrics_server is not None:
             metrics_server.close()
         await asyncio.to_thread(self.worker.stop, 30)
+        t0 = time.perf_counter()
+        written = await asyncio.to_thread(engine.checkpoint)  # every session's KV durable, logs synced
+        log.info("checkpoint", blocks_written=written, sessions=len(engine.sessions),
+                 seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
         await asyncio.to_thread(engine.close)  # archive writes in flight become durable
         with contextlib.suppress(FileNotFoundError):
             cfg.socket_path.unlink()

@@ -165,6 +165,7 @@ def tier_stats_pb(engine: Engine) -> pb.TierStats:
         ddr_capacity_bytes=t.ddr_capacity_bytes,
         ssd_used_bytes=t.ssd_used_bytes,
         fetch_bytes=t.fetch_bytes,
+        kv_rebuild_blocks=t.kv_rebuild_blocks,
     )
 
 
@@ -215,7 +216,7 @@ class H3Servicer:
         def create(engine: Engine) -> pb.Session:
             defaults = engine.with_sampling()
             params = sampling_from(defaults, request.sampling, limit)  # an unset message sets no field
-            sid = engine.create_session(request.system_prompt or None, params, policy)
+            sid = engine.create_session(request.system_prompt or None, params, policy, owner=caller.owner)
             self.s.owners[sid] = caller.owner
             return session_pb(engine, engine.session(sid))
 

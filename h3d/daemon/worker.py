@@ -123,6 +123,8 @@ class EngineWorker:
                 events = [self.engine._fail(req, fault) for req in list(self.engine.requests().values())]
                 for event in events:
                     _drop_unsampled_kv(self.engine, event.session_id)
+            if self.engine.journal is not None:
+                self.engine.journal.sync_due()  # group commit of the token logs
             made = self.engine.counters.generated_tokens - before
             if made:
                 now = time.monotonic()

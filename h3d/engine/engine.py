@@ -13,7 +13,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -49,6 +49,7 @@ from h3d.kv.pool import KVPool
 from h3d.model.fingerprint import model_fingerprint
 from h3d.model.loader import load_model
 from h3d.model.tokenizer import Tokenizer
+from h3d.store.tokenlog import TokenStore
 from h3d.tiers.archive import Archive, CacheIdentity
 from h3d.tiers.codecs import Codec
 from h3d.tiers.stats import TierStats
@@ -92,6 +93,11 @@ class Engine:
         self._request_ids = itertools.count(1)
         self._failed: list[Event] = []  # requests ended outside a step, reported by step() / take_events()
         self.counters = EngineCounters()
+        self.journal: TokenStore | None = None
+        self.restored: list[SessionId] = []  # sessions reopened from the token logs at start
+        if config.session_log_path is not None:
+            self.journal = TokenStore(Path(config.session_log_path), config.fsync_interval_ms)
+            self._restore()
 
     def _open_archive(self) -> Archive | None:
         cfg = self.config
@@ -112,15 +118,87 @@ class Engine:
         return self.runner.tiers.stats()
 
     def close(self) -> None:
-        """Finish archive writes in flight and release the archive (its folder stays)."""
+        """Finish archive writes in flight and release the archive (its folder stays); token logs
+        are synced and closed."""
+        if self.journal is not None:
+            self.journal.close()
         self.runner.tiers.close()
         if self.runner.tiers.archive is not None:
             self.runner.tiers.archive.close()
 
+    # ---- durability -----------------------------------------------------------------------
+
+    def _meta(self, session: Session) -> dict[str, object]:
+        state = self.runner.selection.get(session.seq)
+        sampling = asdict(session.sampling)
+        sampling["stop"], sampling["stop_token_ids"] = list(sampling["stop"]), list(sampling["stop_token_ids"])
+        hbf = None
+        if state is not None:
+            hbf = {"window_tokens": state.window_tokens, "steps": state.steps, "entropies": list(state.entropies)}
+        return {
+            "policy": session.policy,
+            "owner": session.owner,
+            "created_at": session.created_at,
+            "sampling": sampling,
+            "hbf": hbf,
+        }
+
+    def _restore(self) -> None:
+        """Reopen every session of the token logs; adopt the KV their blocks have in the archive
+        (read lazily); the tokens without it are prefilled again by the session's next request."""
+        assert self.journal is not None
+        for r in self.journal.load_all():
+            meta = r.meta
+            saved = dict(meta.get("sampling", {}))
+            saved["stop"] = tuple(saved.get("stop", ()))
+            saved["stop_token_ids"] = tuple(saved.get("stop_token_ids", ()))
+            sampling = SamplingParams(**saved)
+            policy = meta.get("policy", self.config.policy)
+            session = Session(
+                id=SessionId(r.session_id),
+                seq=SeqId(next(self._seq_ids)),
+                sampling=sampling,
+                policy=policy if policy in POLICIES else self.config.policy,
+                tokens=list(r.tokens),
+                pieces=int(bool(r.tokens)),
+                created_at=float(meta.get("created_at", time.time())),
+                owner=str(meta.get("owner", "")),
+            )
+            self.runner.open(session.seq, session.id, session.policy)
+            hbf = meta.get("hbf") or {}
+            state = self.runner.selection[session.seq]
+            state.window_tokens = int(hbf.get("window_tokens", state.window_tokens))
+            state.steps = int(hbf.get("steps", 0))
+            state.entropies[:] = [float(x) for x in hbf.get("entropies", [])]
+            want = max(len(session.tokens) - 1, 0)  # the last token is fed by the next request
+            adopted = self.runner.adopt(session.seq, want)
+            bs = self.runner.blocks.block_size
+            rebuilt = -(-want // bs) - -(-adopted // bs)
+            self.runner.tiers.counters.kv_rebuild_blocks += rebuilt * self.runner.blocks.num_layers
+            self.sessions[session.id] = session
+            self.restored.append(session.id)
+
+    def checkpoint(self) -> int:
+        """Before a shutdown: every session's KV blocks (the partial last one too) durable in the
+        archive, its HBF state in its log, every log synced. Returns the blocks written."""
+        written = 0
+        for session in self.sessions.values():
+            if self.runner.tiers.archive is not None:
+                written += self.runner.tiers.snapshot(session.seq, partial=True)
+            if self.journal is not None:
+                self.journal.set_meta(session.id, self._meta(session))
+        if self.journal is not None:
+            self.journal.sync()
+        return written
+
     # ---- sessions -------------------------------------------------------------------------
 
     def create_session(
-        self, system_prompt: str | None = None, sampling: SamplingParams | None = None, policy: str | None = None
+        self,
+        system_prompt: str | None = None,
+        sampling: SamplingParams | None = None,
+        policy: str | None = None,
+        owner: str = "",
     ) -> SessionId:
         policy = policy or self.config.policy
         if policy not in POLICIES:
@@ -130,10 +208,18 @@ class Engine:
             max_tokens=defaults.max_tokens, temperature=defaults.temperature, top_p=defaults.top_p, top_k=defaults.top_k
         )
         session = Session(
-            id=SessionId(uuid.uuid4().hex), seq=SeqId(next(self._seq_ids)), sampling=params.validate(), policy=policy
+            id=SessionId(uuid.uuid4().hex),
+            seq=SeqId(next(self._seq_ids)),
+            sampling=params.validate(),
+            policy=policy,
+            owner=owner,
         )
-        if system_prompt:
-            self._extend(session, self._tokenize(session, system_prompt))
+        first = self._tokenize(session, system_prompt) if system_prompt else []
+        self._check_tokens(session, first)
+        if self.journal is not None:
+            self.journal.create(session.id, self._meta(session), first)  # durable before it is known
+        session.tokens.extend(first)
+        session.pieces += bool(first)
         self.runner.open(session.seq, session.id, policy)
         self.sessions[session.id] = session
         return session.id
@@ -155,6 +241,8 @@ class Engine:
             raise InvalidRequest(f"session {session_id} has a request in flight")
         if not 0 <= num_tokens <= len(session.tokens):
             raise InvalidRequest(f"cannot rewind to {num_tokens} tokens: the context holds {len(session.tokens)}")
+        if self.journal is not None:
+            self.journal.cut(session.id, num_tokens)
         del session.tokens[num_tokens:]
         self.runner.blocks.truncate(session.seq, max(0, min(self.cached_tokens(session_id), num_tokens - 1)))
 
@@ -164,6 +252,8 @@ class Engine:
             self._failed.append(self._finish(req, FinishReason.CANCELLED))
         self.runner.release(session.seq)
         del self.sessions[session_id]
+        if self.journal is not None:
+            self.journal.delete(session_id)
 
     def set_policy(self, session_id: SessionId, policy: str) -> None:
         """Switch the HBF policy a session's decode steps use (takes effect at the next step)."""
@@ -172,6 +262,8 @@ class Engine:
         session = self.session(session_id)
         session.policy = policy
         self.runner.set_policy(session.seq, policy)
+        if self.journal is not None:
+            self.journal.set_meta(session.id, self._meta(session))
 
     def hbf_latency_us(self) -> tuple[float, float]:
         """p50 and p99 of the host-side HBF planning per step, over the last steps (0, 0 if none)."""
@@ -189,7 +281,7 @@ class Engine:
         # Special tokens only where the tokenizer adds them to a session's first piece.
         return self.tokenizer.encode(text, add_special_tokens=session.pieces == 0)
 
-    def _extend(self, session: Session, ids: list[int]) -> None:
+    def _check_tokens(self, session: Session, ids: list[int]) -> None:
         if len(session.tokens) + len(ids) > self.max_context:
             raise ContextTooLong(
                 f"context would be {len(session.tokens) + len(ids)} tokens, max_context_tokens is {self.max_context}"
@@ -197,6 +289,11 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (size {self.model.config.vocab_size})")
+
+    def _extend(self, session: Session, ids: list[int]) -> None:
+        self._check_tokens(session, ids)
+        if self.journal is not None:
+            self.journal.append(session.id, ids)  # the log first: it is the truth
         session.tokens.extend(ids)
         session.pieces += 1
         session.last_used_at = time.time()
@@ -356,6 +453,8 @@ class Engine:
         now = time.perf_counter()
         if req.first_token_at is None:
             req.first_token_at = now
+        if self.journal is not None:
+            self.journal.append(req.session.id, [token])  # logged before the client can see it
         req.output_ids.append(token)
         req.session.tokens.append(token)
         self.counters.generated_tokens += 1
@@ -393,6 +492,8 @@ class Engine:
         return text[: min(cuts)] if cuts else text
 
     def _finish(self, req: Request, reason: FinishReason) -> GenerationDone:
+        if self.journal is not None and req.session.id in self.sessions:
+            self.journal.sync(req.session.id)  # every Generate ends durable
         req.finish_reason = reason
         req.session.busy = False
         self._requests.pop(req.id, None)

@@ -151,6 +151,7 @@ class ModelRunner:
         self.digests = DigestStore(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype, self.device)
         self.hbf = hbf or replace(EngineConfig(), policy="exact").hbf
         self.selection: dict[SeqId, SelectionState] = {}
+        self._stale_digests: set[SeqId] = set()  # adopted from the archive: digests to rebuild
         self.check_invariants = check_invariants
 
     def cached_tokens(self, seq: SeqId) -> int:
@@ -196,6 +197,10 @@ class ModelRunner:
     def execute(self, chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
         """Run the chunks; return fp32 logits of each chunk's last token where `want_logits`
         ([M, vocab]), or of every token when `all_logits` ([N, vocab])."""
+        for c in chunks:
+            if c.seq in self._stale_digests:
+                self._stale_digests.discard(c.seq)
+                self._rebuild_digests(c.seq)
         try:
             ids, positions, step = self._prepare(chunks)
             hidden = self.model(ids, positions, step)  # [N, hidden]
@@ -234,6 +239,14 @@ class ModelRunner:
         self.tiers.register(seq, name or f"seq-{seq}")
         self.selection[seq] = SelectionState(policy or self.hbf.policy, self.hbf.window_tokens)
 
+    def adopt(self, seq: SeqId, num_tokens: int) -> int:
+        """After a restart: take the KV of `seq`'s first tokens from the archive (see
+        `TierManager.adopt`); digests follow at its first step. Returns the tokens adopted."""
+        adopted = self.tiers.adopt(seq, num_tokens)
+        if adopted and self.selection[seq].policy != "exact":
+            self._stale_digests.add(seq)
+        return adopted
+
     def set_policy(self, seq: SeqId, policy: str) -> None:
         state = self.selection[seq]
         if state.policy == "exact" and policy != "exact":
@@ -253,6 +266,7 @@ class ModelRunner:
             self.digests.update(seq, layer, positions, k.transpose(0, 1).to(self.device))
 
     def release(self, seq: SeqId) -> None:
+        self._stale_digests.discard(seq)
         self.tiers.release(seq)
         self.digests.drop(seq)
         self.selection.pop(seq, None)

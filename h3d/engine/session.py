@@ -41,6 +41,7 @@ class Session:
     last_used_at: float = field(default_factory=time.time)
     busy: bool = False
     pinned_until: float | None = None  # PinSession: Unix expiry, inf for none; None: not pinned
+    owner: str = ""  # who may use it (the daemon's token hash); kept in the token log
 
 
 @dataclass(frozen=True, slots=True)

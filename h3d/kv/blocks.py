@@ -323,6 +323,18 @@ class BlockManager:
         ddr = table.ddr[:, blocks]  # [L, n]
         return np.where(hbm >= 0, hbm * self.block_size + offsets, -(ddr * self.block_size + offsets) - 1)
 
+    def adopt_archived(self, seq: SeqId, num_tokens: int) -> None:
+        """Open `seq`'s table over `num_tokens` tokens whose blocks are all in the archive only (a
+        restart): no slot is taken; the blocks are staged from the archive when first read."""
+        table = self._tables[seq]
+        if table.num_tokens:
+            raise ValueError(f"sequence {seq} already holds tokens")
+        nb = self.blocks_for(num_tokens)
+        self._grow(table, nb)
+        table.archived[:, :nb] = True
+        table.num_blocks, table.num_tokens = nb, num_tokens
+        table.version += 1
+
     def truncate(self, seq: SeqId, num_tokens: int) -> None:
         """Forget tokens past `num_tokens` (a step that failed midway): their blocks are released."""
         table = self._tables[seq]

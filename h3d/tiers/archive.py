@@ -386,6 +386,11 @@ class Archive:
         with self._state:
             return (key.layer, key.index) in self._index.get(key.session, {})
 
+    def blocks_of(self, session: str) -> dict[tuple[int, int], int]:
+        """`session`'s archived blocks: (layer, index) -> the tokens the record holds."""
+        with self._state:
+            return {li: loc.num_tokens for li, loc in self._index.get(session, {}).items()}
+
     def keys(self) -> frozenset[BlockKey]:
         with self._state:
             return frozenset(BlockKey(s, li[0], li[1]) for s, blocks in self._index.items() for li in blocks)

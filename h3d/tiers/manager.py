@@ -155,6 +155,12 @@ class TierManager:
                 except BaseException:
                     b.drop_ddr(seq, layer, gone)  # never leave a table pointing at unread bytes
                     raise
+                t = b.table(seq)
+                partial = gone[gone >= t.num_tokens // b.block_size]
+                if len(partial):
+                    # A partial block (archived at a checkpoint) is written to from now on: its
+                    # DDR copy is its one home, the archived record is stale.
+                    b.set_archived(seq, layer, partial, False)
             self.counters.ssd_read_count += staged
             for seq, gone in missing:
                 self.per_session.setdefault(seq, SessionCounters()).ssd_read_count += len(gone)
@@ -523,9 +529,11 @@ class TierManager:
                     moved += len(ddr)
         return moved
 
-    def snapshot(self, seq: SeqId) -> int:
+    def snapshot(self, seq: SeqId, partial: bool = False) -> int:
         """Write every full block of `seq` without an archive copy to the archive, durably, from
-        wherever it is (its copies stay). Returns the blocks written."""
+        wherever it is (its copies stay). With `partial` (a checkpoint before shutdown) the last,
+        partial block is written too, without being marked archived: it stays the block new
+        tokens go to, and only a restart reads that record. Returns the blocks written."""
         if self.archive is None:
             raise NoArchive("a snapshot needs an archive: configure ssd_path")
         self._settle()
@@ -543,8 +551,33 @@ class TierManager:
                     b.set_archived(seq, layer, here)
                     todo = todo[~np.isin(todo, here)]
                     written += len(here)
+            if partial and full < t.num_blocks:
+                pool, slot = (
+                    (self.hbm, t.hbm[layer, full]) if t.hbm[layer, full] != NONE else (self.ddr, t.ddr[layer, full])
+                )
+                key = BlockKey(self.names[seq], layer, full)
+                self.mover.write_now([key], pool, np.array([slot]), [t.num_tokens - full * b.block_size])
+                written += 1
         self.counters.ssd_write_count += written
         return written
+
+    def adopt(self, seq: SeqId, num_tokens: int) -> int:
+        """After a restart: give `seq` the longest prefix of its first `num_tokens` tokens whose
+        blocks the archive holds in every layer (read lazily, when a step first needs them).
+        Returns the tokens adopted; the rest are to be prefilled again."""
+        if self.archive is None or num_tokens <= 0:
+            return 0
+        b = self.blocks
+        have = self.archive.blocks_of(self.names[seq])
+        done = 0
+        for j in range(b.blocks_for(num_tokens)):
+            want = min(b.block_size, num_tokens - j * b.block_size)
+            if any(have.get((layer, j)) != want for layer in range(b.num_layers)):
+                break
+            done += want
+        if done:
+            b.adopt_archived(seq, done)
+        return done
 
     def flush(self) -> None:
         """Wait for archive writes in flight (shutdown, tests)."""

@@ -25,6 +25,7 @@ class TierCounters:
     ddr_evict_count: int = 0
     fetch_bytes: int = 0
     peak_hbm_bytes: int = 0
+    kv_rebuild_blocks: int = 0  # blocks whose KV was computed again (missing from the archive at a restart)
 
     @property
     def hbm_hit_rate(self) -> float:
@@ -65,6 +66,7 @@ class TierStats:
     ddr_capacity_bytes: int
     ssd_used_bytes: int
     peak_hbm_bytes: int
+    kv_rebuild_blocks: int
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -1,0 +1,232 @@
+"""The token log: each session's context, append-only and checksummed — the truth KV is rebuilt from.
+
+One file per session, `<folder>/<session id>.h3log`, a sequence of records:
+
+    b"H3" | kind (1 byte) | payload length (u32 LE) | crc32 of kind+length+payload (u32 LE) | payload
+
+- `META`: a JSON object (policy, sampling defaults, owner, times); the last one wins.
+- `TOKENS`: token ids appended to the context (u32 LE each).
+- `CUT`: the context was cut back to a length (u64 LE).
+- `CLOSED`: the session was closed (the file is deleted right after; a crash in between leaves it).
+
+Writes go to the file at once (the OS has them, so a killed process loses nothing it wrote);
+`fsync` runs at most every `fsync_interval_ms` for all dirty logs (group commit) and whenever a
+caller asks (`sync`, at the end of every Generate). Reading stops at the first torn or corrupt
+record and truncates the file there: what follows it was never acknowledged as durable.
+
+Owner: the files under the folder. Pure Python (no torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MAGIC = b"H3"
+HEADER = struct.Struct("<2sBII")  # magic, kind, length, crc
+META, TOKENS, CUT, CLOSED = 1, 2, 3, 4
+SUFFIX = ".h3log"
+
+
+@dataclass
+class Restored:
+    """A session as its log tells it."""
+
+    session_id: str
+    meta: dict[str, Any]
+    tokens: list[int]
+    closed: bool
+    truncated_bytes: int  # a torn or corrupt tail that was cut off
+
+
+@dataclass
+class _Log:
+    fd: int
+    size: int
+    dirty: bool = False
+    tokens: int = 0
+
+
+@dataclass
+class TokenStore:
+    folder: Path
+    fsync_interval_ms: float = 50.0
+    _logs: dict[str, _Log] = field(default_factory=dict)
+    _last_sync: float = 0.0
+    syncs: int = 0
+
+    def __post_init__(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._last_sync = time.monotonic()
+
+    # ---- writing ----------------------------------------------------------------------------
+
+    def create(self, session_id: str, meta: dict[str, Any], tokens: list[int]) -> None:
+        """A new session's log: its metadata and first tokens, durable before this returns."""
+        path = self._path(session_id)
+        if session_id in self._logs or path.exists():
+            raise ValueError(f"session {session_id} already has a token log")
+        tmp = path.with_suffix(".tmp")
+        data = _record(META, json.dumps(meta).encode()) + (_record(TOKENS, _pack(tokens)) if tokens else b"")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(self.folder)
+        self._open(session_id, path, len(tokens))
+
+    def append(self, session_id: str, tokens: list[int]) -> None:
+        if tokens:
+            self._write(session_id, _record(TOKENS, _pack(tokens)), len(tokens))
+
+    def set_meta(self, session_id: str, meta: dict[str, Any]) -> None:
+        self._write(session_id, _record(META, json.dumps(meta).encode()), 0)
+
+    def cut(self, session_id: str, num_tokens: int) -> None:
+        log = self._logs[session_id]
+        self._write(session_id, _record(CUT, struct.pack("<Q", num_tokens)), num_tokens - log.tokens)
+
+    def delete(self, session_id: str) -> None:
+        """Forget a closed session: a CLOSED record (durable), then the file goes."""
+        log = self._logs.pop(session_id, None)
+        if log is None:
+            return
+        try:
+            os.write(log.fd, _record(CLOSED, b""))
+            os.fsync(log.fd)
+        finally:
+            os.close(log.fd)
+        self._path(session_id).unlink(missing_ok=True)
+        _fsync_dir(self.folder)
+
+    def sync(self, session_id: str | None = None) -> None:
+        """fsync one session's log (or every dirty one) now."""
+        logs = [self._logs[session_id]] if session_id in self._logs else []
+        if session_id is None:
+            logs = [log for log in self._logs.values() if log.dirty]
+        for log in logs:
+            if log.dirty:
+                os.fsync(log.fd)
+                log.dirty = False
+                self.syncs += 1
+        if session_id is None:
+            self._last_sync = time.monotonic()
+
+    def sync_due(self) -> None:
+        """Group commit: fsync the dirty logs if `fsync_interval_ms` has passed since the last time."""
+        if (time.monotonic() - self._last_sync) * 1000 >= self.fsync_interval_ms:
+            self.sync()
+
+    def close(self) -> None:
+        self.sync()
+        for log in self._logs.values():
+            os.close(log.fd)
+        self._logs.clear()
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def load_all(self) -> list[Restored]:
+        """Every session log in the folder, oldest first (by creation time); torn tails cut off,
+        logs of closed sessions deleted. The logs stay open for appending."""
+        out = []
+        for tmp in self.folder.glob("*.tmp"):
+            tmp.unlink()  # a create that never finished: its session was never acknowledged
+        for path in sorted(self.folder.glob(f"*{SUFFIX}")):
+            restored = read_log(path)
+            if restored.closed:
+                path.unlink()
+                continue
+            if restored.truncated_bytes:
+                with open(path, "r+b") as f:
+                    f.truncate(path.stat().st_size - restored.truncated_bytes)
+                    os.fsync(f.fileno())
+            self._open(restored.session_id, path, len(restored.tokens))
+            out.append(restored)
+        return sorted(out, key=lambda r: (_created_at(r.meta), r.session_id))
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _path(self, session_id: str) -> Path:
+        if not session_id or not all(c.isalnum() or c in "-_" for c in session_id):
+            raise ValueError(f"not a session id usable as a file name: {session_id!r}")
+        return self.folder / f"{session_id}{SUFFIX}"
+
+    def _open(self, session_id: str, path: Path, tokens: int) -> None:
+        old = self._logs.pop(session_id, None)
+        if old is not None:
+            os.close(old.fd)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._logs[session_id] = _Log(fd=fd, size=os.fstat(fd).st_size, tokens=tokens)
+
+    def _write(self, session_id: str, data: bytes, tokens: int) -> None:
+        log = self._logs[session_id]
+        written = os.write(log.fd, data)
+        if written != len(data):  # a short write (full disk): never leave half a record behind
+            os.ftruncate(log.fd, log.size)
+            raise OSError(28, "short write to the token log (disk full?)")
+        log.size += written
+        log.tokens += tokens
+        log.dirty = True
+
+
+def read_log(path: Path) -> Restored:
+    data = path.read_bytes()
+    meta: dict[str, Any] = {}
+    tokens: list[int] = []
+    closed = False
+    pos = 0
+    while pos + HEADER.size <= len(data):
+        magic, kind, length, crc = HEADER.unpack_from(data, pos)
+        end = pos + HEADER.size + length
+        if magic != MAGIC or end > len(data):
+            break
+        payload = data[pos + HEADER.size : end]
+        if zlib.crc32(payload, zlib.crc32(bytes([kind]) + struct.pack("<I", length))) != crc:
+            break
+        if kind == META:
+            try:
+                value = json.loads(payload)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                break
+            if not isinstance(value, dict):
+                break
+            meta = value
+        elif kind == TOKENS and length % 4 == 0:
+            tokens.extend(struct.unpack(f"<{length // 4}I", payload))
+        elif kind == CUT and length == 8:
+            del tokens[struct.unpack("<Q", payload)[0] :]
+        elif kind == CLOSED and length == 0:
+            closed = True
+        else:
+            break  # an unknown kind, or a payload of the wrong size: not ours
+        pos = end
+    return Restored(path.name[: -len(SUFFIX)], meta, tokens, closed, len(data) - pos)
+
+
+def _created_at(meta: dict[str, Any]) -> float:
+    value = meta.get("created_at")
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+def _record(kind: int, payload: bytes) -> bytes:
+    crc = zlib.crc32(payload, zlib.crc32(bytes([kind]) + struct.pack("<I", len(payload))))
+    return HEADER.pack(MAGIC, kind, len(payload), crc) + payload
+
+
+def _pack(tokens: list[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,141 @@
+"""Sessions outlive the daemon: token logs, the checkpoint at SIGTERM, recovery after kill -9.
+
+The reference is always the in-process engine on the same tiny checkpoint, never interrupted.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from daemon import running_daemon
+from helpers import VOCAB_SIZE, random_prompt
+
+from h3d._proto.h3.v1 import h3_pb2 as pb
+from h3d.config import EngineConfig
+from h3d.engine.engine import Engine
+from h3d.engine.sampling import SamplingParams
+from h3d.engine.session import GenerationDone
+
+MODEL = "llama_long"
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+SAMPLING = pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _generate(stub: object, sid: str, max_tokens: int = 8) -> list[int]:
+    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    out = []
+    for msg in stub.Generate(pb.GenerateRequest(session_id=sid, sampling=sampling), timeout=300):  # type: ignore[attr-defined]
+        if msg.HasField("delta"):
+            out += list(msg.delta.token_ids)
+    return out
+
+
+def _append(stub: object, sid: str, ids: list[int]) -> None:
+    for _ in stub.AppendContext(pb.AppendContextRequest(session_id=sid, token_ids=ids), timeout=300):  # type: ignore[attr-defined]
+        pass
+
+
+def test_sigterm_then_restart_continues_every_session_from_the_archive(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """3 sessions of 3,000 tokens, a generation each, SIGTERM, restart: all 3 are listed, none of
+    their KV is recomputed (kv_rebuild_blocks 0, archive reads > 0), and the next generation is
+    exactly the uninterrupted engine's."""
+    ckpt = checkpoint(MODEL)
+    prompts = [random_prompt(3000, VOCAB_SIZE, seed=40 + i) for i in range(3)]
+    engine = Engine(EngineConfig.build(model=str(ckpt)))
+    expected = []
+    for ids in prompts:
+        sid = engine.create_session()
+        engine.append(sid, token_ids=ids)
+        first = engine.complete(sid, "", GREEDY).token_ids
+        second = engine.complete(sid, "", GREEDY).token_ids
+        expected.append((list(first), list(second)))
+    engine.close()
+
+    data = tmp_path / "data"
+    with running_daemon(ckpt, data, tcp=False) as d:
+        h3 = d.h3()
+        sids = []
+        for ids, (first, _) in zip(prompts, expected, strict=True):
+            sid = h3.CreateSession(pb.CreateSessionRequest()).session_id
+            _append(h3, sid, ids)
+            assert _generate(h3, sid) == first
+            sids.append(sid)
+    [event] = d.events("checkpoint")
+    assert event["sessions"] == 3 and event["blocks_written"] > 0
+
+    with running_daemon(ckpt, data, tcp=False) as d:
+        h3 = d.h3()
+        listed = h3.ListSessions(pb.ListSessionsRequest())
+        assert sorted(s.session_id for s in listed.sessions) == sorted(sids)
+        assert all(s.num_tokens == 3000 + 8 for s in listed.sessions)
+        assert [e["sessions"] for e in d.events("sessions_restored")] == [3]
+        for sid, ids, (first, second) in zip(sids, prompts, expected, strict=True):
+            full = h3.GetSession(pb.GetSessionRequest(session_id=sid, with_tokens=True))
+            assert list(full.token_ids) == ids + first
+            assert full.cached_tokens == 3000 + 8 - 1  # every token's KV but the last came back
+            assert _generate(h3, sid) == second
+        stats = getattr(h3.GetStats(pb.GetStatsRequest()), "global")
+        assert stats.kv_rebuild_blocks == 0 and stats.ssd_read_count > 0
+
+
+def test_kill_9_during_streams_loses_no_streamed_token(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """kill -9 while 4 streams run: every token a client received is in its session's log after the
+    restart, and generation continues as the engine continues that log."""
+    ckpt = checkpoint(MODEL)
+    data = tmp_path / "data"
+    prompts = [random_prompt(200 + 50 * i, VOCAB_SIZE, seed=60 + i) for i in range(4)]
+    received: list[list[int]] = [[] for _ in prompts]
+    with running_daemon(ckpt, data, tcp=False, extra=["--max-tokens-limit", "5000"]) as d:
+        h3 = d.h3()
+        sids = []
+        for ids in prompts:
+            sid = h3.CreateSession(pb.CreateSessionRequest()).session_id
+            _append(h3, sid, ids)
+            sids.append(sid)
+        started = [threading.Event() for _ in prompts]
+
+        def stream(i: int) -> None:
+            sampling = pb.SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True)
+            try:
+                for msg in h3.Generate(pb.GenerateRequest(session_id=sids[i], sampling=sampling)):
+                    if msg.HasField("delta"):
+                        received[i] += list(msg.delta.token_ids)
+                        if len(received[i]) >= 5:
+                            started[i].set()
+            except grpc.RpcError:
+                pass  # the daemon died under it
+            finally:
+                started[i].set()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for e in started:
+            assert e.wait(120)
+        d.proc.send_signal(signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        d.proc.wait(30)
+        d.proc.returncode = 0  # the fixture's own SIGTERM check does not apply to a killed process
+    assert all(len(r) >= 5 for r in received)
+
+    engine = Engine(EngineConfig.build(model=str(ckpt)))
+    with running_daemon(ckpt, data, tcp=False) as d:
+        h3 = d.h3()
+        for sid, ids, got in zip(sids, prompts, received, strict=True):
+            logged = list(h3.GetSession(pb.GetSessionRequest(session_id=sid, with_tokens=True)).token_ids)
+            assert logged[: len(ids)] == ids
+            assert logged[len(ids) : len(ids) + len(got)] == got  # every streamed token was logged first
+            ref = engine.create_session()
+            rid = engine.submit(ref, token_ids=logged, generate=True, params=GREEDY)
+            [done] = [e for e in engine.run(rid) if isinstance(e, GenerationDone)]
+            assert _generate(h3, sid) == list(done.token_ids)
+        stats = getattr(h3.GetStats(pb.GetStatsRequest()), "global")
+        assert stats.kv_rebuild_blocks > 0  # nothing was checkpointed: the KV was prefilled again
+    engine.close()
