@@ -239,3 +239,34 @@ def test_vectorized_promotion_matches_a_per_block_oracle(seed: int, steps: int, 
         assert got == expect
         assert tiers.counters.hbm_evict_count - before == evicted
         tiers.check()
+
+
+@pytest.mark.parametrize(
+    ("entropy", "expected"),
+    [(0.5, [1536, 1152, 1024, 1024]), (2.0, [2048, 2048, 2048, 2048]), (3.0, [2560, 3200, 4000, 4096])],
+)
+def test_entropy_resizes_the_window_every_16_steps_within_its_bounds(entropy: float, expected: list[int]) -> None:
+    """Below entropy_shrink_below the window shrinks by 1/4, above entropy_grow_above it grows by
+    1/4, clamped to [window_min_tokens, window_max_tokens]; only every `resize_every` steps."""
+    from h3d.hbf.policy import HbfConfig, after_step
+
+    cfg = HbfConfig(
+        policy="attention_entropy", window_tokens=2048, window_min_tokens=1024, window_max_tokens=4096,
+        sink_blocks=1, recent_tokens=256, dense_layers=2, entropy_shrink_below=1.3, entropy_grow_above=2.5,
+    )  # fmt: skip
+    state = SelectionState("attention_entropy", 2048)
+    sizes = []
+    for _ in range(4):
+        for step in range(16):
+            state.entropies.append(entropy)
+            after_step(state, cfg)
+            if step < 15:
+                assert state.entropies, "resized before 16 steps"
+        assert state.entropies == []  # the mean of those 16 steps was used, then forgotten
+        sizes.append(state.window_tokens)
+    assert sizes == expected
+    fixed = SelectionState("fixed", 2048)
+    for _ in range(32):
+        fixed.entropies.append(0.1)
+        after_step(fixed, cfg)
+    assert fixed.window_tokens == 2048  # only attention_entropy resizes

@@ -64,6 +64,12 @@ def tiny_model(src: Path, out: Path, layers: int = 2) -> Path:
     return out
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -171,10 +177,12 @@ def run(args: argparse.Namespace) -> str:
         time.sleep(0.5)
         asyncio.run(_round(sock, args.clients, 2, args.max_tokens))  # warm-up
         rss_warm = rss_mb(proc.pid)
+        cpu_daemon0, cpu_client0 = cpu_s(proc.pid), time.process_time()
         print(f"warm-up done, daemon RSS {rss_warm:.0f} MiB; running {args.clients} x {args.requests}", flush=True)
         wall, tokens, ttft, gaps = asyncio.run(
             asyncio.wait_for(_round(sock, args.clients, args.requests, args.max_tokens), args.time_limit_s)
         )
+        cpu_daemon, cpu_client = cpu_s(proc.pid) - cpu_daemon0, time.process_time() - cpu_client0
         time.sleep(2)
         rss_after = rss_mb(proc.pid)
     finally:
@@ -194,6 +202,7 @@ def run(args: argparse.Namespace) -> str:
         ("wall per token, in-process engine (ms)", f"{base_wall / base_tokens * 1e3:.3f}"),
         ("gRPC overhead per token (ms)", f"{overhead_ms:.3f}"),
         ("throughput, daemon (tokens/s)", f"{tokens / wall:.1f}"),
+        ("CPU seconds during the run: daemon / clients (wall s)", f"{cpu_daemon:.0f} / {cpu_client:.0f} ({wall:.0f})"),
         ("daemon RSS after warm-up / after the run (MiB)",
          f"{rss_warm:.0f} / {rss_after:.0f} ({(rss_after / rss_warm - 1) * 100:+.1f} %)"),
     ]  # fmt: skip
