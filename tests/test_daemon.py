@@ -271,12 +271,14 @@ def test_sixteen_concurrent_streams(
 
 
 def test_cancelled_stream_frees_its_slot(model: Path, tmp_path: Path) -> None:
-    extra = ["--max-pending-requests", "1", "--max-context-tokens", "16384", "--retry-after-ms", "250"]
+    # A stream far too long to finish on its own before the client cancels it, even on a slow host.
+    extra = ["--max-pending-requests", "1", "--max-context-tokens", "16384", "--retry-after-ms", "250",
+             "--max-tokens-limit", "16000"]  # fmt: skip
     with running_daemon(model, tmp_path / "d", extra=extra, tcp=False, env=ENV) as d:
         h3 = d.h3()
         first, second = new_session(h3, TEXTS[0]), new_session(h3, TEXTS[1])
         n_context = h3.GetSession(pb.GetSessionRequest(session_id=first), timeout=T).num_tokens
-        call = h3.Generate(pb.GenerateRequest(session_id=first, sampling=greedy(2000)), timeout=T)
+        call = h3.Generate(pb.GenerateRequest(session_id=first, sampling=greedy(16000)), timeout=T)
         head = [next(call) for _ in range(3)]
         assert all(m.HasField("delta") for m in head)
 
@@ -326,7 +328,7 @@ def test_cancelled_stream_frees_its_slot(model: Path, tmp_path: Path) -> None:
 
 
 def test_sigterm_ends_live_streams_with_cancelled(model: Path, tmp_path: Path) -> None:
-    extra = ["--drain-timeout-s", "2", "--max-tokens-limit", "5000", "--max-context-tokens", "16384"]
+    extra = ["--drain-timeout-s", "2", "--max-tokens-limit", "16000", "--max-context-tokens", "16384"]
     with running_daemon(model, tmp_path / "d", extra=extra, tcp=False, env=ENV) as d:
         h3 = d.h3()
         sids = [new_session(h3, f"{TEXTS[i % 3]} ({i})") for i in range(4)]
@@ -336,7 +338,7 @@ def test_sigterm_ends_live_streams_with_cancelled(model: Path, tmp_path: Path) -
         def run(i: int) -> None:
             msgs = []
             try:
-                for m in h3.Generate(pb.GenerateRequest(session_id=sids[i], sampling=greedy(5000)), timeout=T):
+                for m in h3.Generate(pb.GenerateRequest(session_id=sids[i], sampling=greedy(16000)), timeout=T):
                     msgs.append(m)
                     started[i].set()
                 results[i] = msgs

@@ -595,7 +595,8 @@ def _stream(state: State, impl: Any, name: str, admin: bool) -> Any:
         try:
             async for item in impl(request, context, _begin(state, request, context, admin)):
                 yield item
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away: grpc.aio cancels the handler's task or closes its generator.
             code = grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:
