@@ -125,6 +125,9 @@ class EngineWorker:
                     _drop_unsampled_kv(self.engine, event.session_id)
             if self.engine.journal is not None:
                 self.engine.journal.sync_due()  # group commit of the token logs
+            for reason in self.engine.rebuilds:
+                log.warning("kv_rebuild", reason=reason)
+            self.engine.rebuilds.clear()
             made = self.engine.counters.generated_tokens - before
             if made:
                 now = time.monotonic()

@@ -50,7 +50,7 @@ from h3d.model.fingerprint import model_fingerprint
 from h3d.model.loader import load_model
 from h3d.model.tokenizer import Tokenizer
 from h3d.store.tokenlog import TokenStore
-from h3d.tiers.archive import Archive, CacheIdentity
+from h3d.tiers.archive import Archive, ArchiveCorrupt, BlockKey, CacheIdentity
 from h3d.tiers.codecs import Codec
 from h3d.tiers.stats import TierStats
 
@@ -95,6 +95,8 @@ class Engine:
         self.counters = EngineCounters()
         self.journal: TokenStore | None = None
         self.restored: list[SessionId] = []  # sessions reopened from the token logs at start
+        self.rebuilds: list[str] = []  # why KV was dropped to be prefilled again (the daemon logs them)
+        self._rebuilt: set[BlockKey] = set()  # damaged records already dropped once
         if config.session_log_path is not None:
             self.journal = TokenStore(Path(config.session_log_path), config.fsync_interval_ms)
             self._restore()
@@ -373,6 +375,16 @@ class Engine:
         if chunks:
             try:
                 logits = self.runner.execute(chunks)
+            except ArchiveCorrupt as exc:
+                # The runner left no half-written KV behind. A damaged block is never used: the
+                # session's KV is cut back to it and prefilled again from its token log.
+                session = self._session_named(exc.key.session) if exc.key is not None else None
+                if session is None or exc.key in self._rebuilt:
+                    return events + [self._fail(req, exc) for req in reqs]
+                assert exc.key is not None
+                self._rebuilt.add(exc.key)
+                self._rebuild_from(session, exc.key.index, str(exc))
+                return events
             except H3Error as exc:
                 # The runner left no half-written KV behind; the sessions keep their tokens.
                 return events + [self._fail(req, exc) for req in reqs]
@@ -380,6 +392,18 @@ class Engine:
             self.counters.prefill_tokens += sum(len(c.token_ids) for c in chunks if len(c.token_ids) > 1)
             events += self._commit(chunks, reqs, logits)
         return events
+
+    def _session_named(self, name: str) -> Session | None:
+        return self.sessions.get(SessionId(name))
+
+    def _rebuild_from(self, session: Session, block: int, reason: str) -> None:
+        """Forget `session`'s KV from `block` on (every layer); its next step prefills it again."""
+        blocks = self.runner.blocks
+        before = blocks.table(session.seq).num_blocks
+        blocks.truncate(session.seq, block * blocks.block_size)
+        dropped = (before - blocks.table(session.seq).num_blocks) * blocks.num_layers
+        self.runner.tiers.counters.kv_rebuild_blocks += dropped
+        self.rebuilds.append(f"{reason}: {dropped} blocks of session {session.id} are prefilled again")
 
     def take_events(self) -> list[Event]:
         """Events of requests that ended outside a step (their session was closed), once."""

@@ -64,7 +64,12 @@ class ArchiveError(H3Error):
 
 
 class ArchiveCorrupt(ArchiveError):
-    """Stored bytes fail their checksum or are malformed; the message names the block, file and offset."""
+    """Stored bytes fail their checksum or are malformed; the message names the block, file and offset.
+    `key` is the block, when one block's record is at fault (not the whole archive)."""
+
+    def __init__(self, message: str, key: BlockKey | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class ArchiveMismatch(ArchiveError):
@@ -411,13 +416,13 @@ class Archive:
             finally:
                 os.close(fd)
         except OSError as e:
-            raise ArchiveCorrupt(f"{_describe(key)} cannot be read from {where}: {e}") from e
+            raise ArchiveCorrupt(f"{_describe(key)} cannot be read from {where}: {e}", key) from e
         codec, payload = self._verify(key, loc, data, where)
         ident = self.identity
         try:
             k, v = decode(codec, payload, self._dtype, ident.num_kv_heads, loc.num_tokens, ident.head_dim)
         except ValueError as e:
-            raise ArchiveCorrupt(f"{_describe(key)} in {where} does not decode: {e}") from e
+            raise ArchiveCorrupt(f"{_describe(key)} in {where} does not decode: {e}", key) from e
         with self._state:
             self._counts[3] += 1
         return k, v
@@ -431,7 +436,7 @@ class Archive:
             if crc != loc.crc:
                 raise ValueError("checksum differs from the manifest's")
         except ValueError as e:
-            raise ArchiveCorrupt(f"{_describe(key)} is corrupt: {e}, in {where}") from e
+            raise ArchiveCorrupt(f"{_describe(key)} is corrupt: {e}, in {where}", key) from e
         want = self._header(key, loc.num_tokens, found.codec_id)
         for f in fields(RecordHeader):
             expected, got = getattr(want, f.name), getattr(found, f.name)
