@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -139,3 +140,27 @@ def test_kill_9_during_streams_loses_no_streamed_token(checkpoint: Callable[[str
         stats = getattr(h3.GetStats(pb.GetStatsRequest()), "global")
         assert stats.kv_rebuild_blocks > 0  # nothing was checkpointed: the KV was prefilled again
     engine.close()
+
+
+def test_idle_sessions_expire_after_session_ttl_s(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """With session_ttl_s, an idle session is closed (log and KV deleted); a pinned one is kept."""
+    ckpt = checkpoint("llama_gqa4_tied")
+    data = tmp_path / "data"
+    with running_daemon(ckpt, data, tcp=False, extra=["--session-ttl-s", "1"]) as d:
+        h3, admin = d.h3(), d.admin()
+        idle = h3.CreateSession(pb.CreateSessionRequest()).session_id
+        kept = h3.CreateSession(pb.CreateSessionRequest()).session_id
+        _append(h3, idle, [5, 6, 7])
+        admin.PinSession(pb.PinSessionRequest(session_id=kept))
+        deadline = time.monotonic() + 60
+        while idle in {s.session_id for s in h3.ListSessions(pb.ListSessionsRequest()).sessions}:
+            assert time.monotonic() < deadline, "the idle session never expired"
+            time.sleep(0.2)
+        assert [s.session_id for s in h3.ListSessions(pb.ListSessionsRequest()).sessions] == [kept]
+        assert [e["session_id"] for e in d.events("session_expired")] == [idle]
+        assert not (data / "sessions" / f"{idle}.h3log").exists()
+        try:
+            h3.GetSession(pb.GetSessionRequest(session_id=idle))
+            raise AssertionError("an expired session is still served")
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.NOT_FOUND

@@ -30,6 +30,7 @@ RELOADABLE = (
     "max_tokens_limit",
     "auth_token_file",
     "admin_token_file",
+    "session_ttl_s",
 )
 
 
@@ -54,6 +55,7 @@ class DaemonConfig:
     max_tokens_limit: int = 4096
     max_message_bytes: int = 4 * 1024 * 1024
     retry_after_ms: int = 500
+    session_ttl_s: float = 0.0  # close sessions idle (no request, not pinned) this long; 0: never
 
     @property
     def socket_path(self) -> Path:
@@ -73,6 +75,8 @@ class DaemonConfig:
                 raise ConfigError(f"{key}: must be > 0, got {getattr(self, key)}")
         if self.max_message_bytes < 1024:
             raise ConfigError(f"max_message_bytes: must be >= 1024, got {self.max_message_bytes}")
+        if not self.session_ttl_s >= 0:
+            raise ConfigError(f"session_ttl_s: must be >= 0 (0 keeps sessions forever), got {self.session_ttl_s}")
         if self.retry_after_ms < 0:
             raise ConfigError(f"retry_after_ms: must be >= 0, got {self.retry_after_ms}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

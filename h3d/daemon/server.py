@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -37,6 +38,7 @@ from h3d.errors import ConfigError, H3Error
 
 if TYPE_CHECKING:
     from h3d.engine.engine import Engine
+    from h3d.engine.session import SessionId
 
 log = structlog.get_logger("h3d.server")
 SERVICES = ("h3.v1.H3", "h3.v1.H3Admin")
@@ -89,6 +91,7 @@ class Daemon:
             loop.add_signal_handler(sig, self.stop_requested.set)
         loop.add_signal_handler(signal.SIGHUP, self._reload)
         self._tasks.append(asyncio.create_task(self._stats_loop()))
+        self._tasks.append(asyncio.create_task(self._expiry_loop()))
         if self.notifier.watchdog_s:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(self.notifier.watchdog_s / 2)))
         log.info("listening", **addresses)
@@ -209,6 +212,18 @@ class Daemon:
                 in_flight=self.state.in_flight,
             )
 
+    async def _expiry_loop(self) -> None:
+        """Close sessions idle for `session_ttl_s` (not busy, not pinned), when it is set."""
+        while True:
+            ttl = self.state.config.session_ttl_s
+            await asyncio.sleep(min(max(ttl / 4, 0.2), 10.0) if ttl else 5.0)
+            if not ttl:
+                continue
+            closed = await self.worker.call(functools.partial(_close_idle, ttl_s=ttl))
+            for sid in closed:
+                self.state.owners.pop(sid, None)
+                log.info("session_expired", session_id=sid, ttl_s=ttl)
+
     async def _watchdog_loop(self, every_s: float) -> None:
         while True:
             self.notifier.send(WATCHDOG="1")
@@ -230,6 +245,18 @@ class Daemon:
             k for k, v in fresh.public().items() if k not in RELOADABLE and self.config.public().get(k) != v
         )
         log.info("reloaded", changed=sorted(changes), need_restart=restart)
+
+
+def _close_idle(engine: Engine, *, ttl_s: float) -> list[SessionId]:
+    now = time.time()
+    idle = [
+        s.id
+        for s in engine.sessions.values()
+        if not s.busy and s.pinned_until is None and now - s.last_used_at >= ttl_s
+    ]
+    for sid in idle:
+        engine.close_session(sid)
+    return idle
 
 
 def _expire_pins(engine: Engine) -> None:

@@ -343,6 +343,7 @@ class Engine:
             prefill_total=max(target - cached, 0),
         )
         session.busy = True
+        session.last_used_at = time.time()
         self._requests[req.id] = req
         return req.id
 
@@ -516,6 +517,7 @@ class Engine:
         return text[: min(cuts)] if cuts else text
 
     def _finish(self, req: Request, reason: FinishReason) -> GenerationDone:
+        req.session.last_used_at = time.time()
         if self.journal is not None and req.session.id in self.sessions:
             self.journal.sync(req.session.id)  # every Generate ends durable
         req.finish_reason = reason
