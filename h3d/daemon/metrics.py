@@ -59,7 +59,7 @@ class Metrics:
         (self.ttft if first else self.inter_token).observe(gap_s)
 
     def render(self, stats: pb.Stats, in_flight: int) -> str:
-        g, t = stats.__getattribute__("global"), stats.throughput
+        g, t = getattr(stats, "global"), stats.throughput
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, value: float) -> None:

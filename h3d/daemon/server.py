@@ -26,7 +26,6 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.daemon import logs
 from h3d.daemon.auth import LOCAL, Auth
 from h3d.daemon.config import RELOADABLE, DaemonConfig, load, split_address
@@ -135,7 +134,6 @@ class Daemon:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
-        _ = pb  # the descriptors reflection serves are registered by importing h3_pb2
         return server
 
     def _bind(self, server: grpc.aio.Server) -> dict[str, str]:
@@ -193,7 +191,7 @@ class Daemon:
                 stats = await self.worker.call(lambda e: stats_pb(self.state, e, []))
             except H3Error:
                 continue
-            g, t = stats.__getattribute__("global"), stats.throughput
+            g, t = getattr(stats, "global"), stats.throughput
             log.info(
                 "tier_stats",
                 hbm_hit_rate=round(g.hbm_hit_rate, 4),
@@ -276,6 +274,3 @@ def serve(config_path: str | None, overrides: dict[str, object]) -> int:
     except H3Error as exc:
         log.error("start_failed", error=str(exc))
         raise
-
-
-__all__ = ["LOCAL", "serve"]

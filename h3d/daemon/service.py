@@ -125,7 +125,7 @@ def session_pb(engine: Engine, session: Session, with_tokens: bool = False) -> p
         last_used_at=session.last_used_at,
         busy=session.busy,
         pinned=session.pinned_until is not None,
-        pinned_until=0.0 if session.pinned_until in (None, math.inf) else float(session.pinned_until or 0.0),
+        pinned_until=session.pinned_until if session.pinned_until not in (None, math.inf) else 0.0,
         sampling=pb.SamplingParams(
             max_tokens=s.max_tokens,
             temperature=s.temperature,
@@ -420,8 +420,7 @@ def stats_pb(state: State, engine: Engine, ids: list[SessionId]) -> pb.Stats:
                 window_tokens=engine.runner.selection[session.seq].window_tokens,
             )
         )
-    requests = engine.requests().values()
-    active = sum(1 for r in requests if r.session.seq in engine.runner.blocks.tables())
+    active = len(engine.requests())
     return pb.Stats(
         **{"global": tier_stats_pb(engine)},
         sessions=sessions,

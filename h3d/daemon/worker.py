@@ -48,7 +48,6 @@ class EngineWorker:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="h3d-engine", daemon=True)
         self._tokens: deque[tuple[float, int]] = deque()  # (time, generated tokens) per step
-        self.step_errors = 0
 
     # ---- the loop's side --------------------------------------------------------------------
 
@@ -118,7 +117,6 @@ class EngineWorker:
             except Exception:
                 # A bug: fail every request in flight rather than spin on it; the daemon goes on.
                 log.exception("engine_step_failed")
-                self.step_errors += 1
                 fault = InternalFault("internal error in the engine; the daemon's log has the details")
                 events = [self.engine._fail(req, fault) for req in list(self.engine.requests().values())]
                 for event in events:
@@ -154,11 +152,20 @@ class EngineWorker:
                 self._loop.call_soon_threadsafe(_settle, future, result, None)
 
     def _dispatch(self, events: list[Event]) -> None:
+        """Hand a step's events to their streams: one wake-up of the loop per step, not per event."""
+        batch = []
         for event in events:
             done = isinstance(event, GenerationDone | AppendDone | RequestFailed)
             stream = self._streams.pop(event.request_id, None) if done else self._streams.get(event.request_id)
             if stream is not None:
-                self._loop.call_soon_threadsafe(stream.put_nowait, event)
+                batch.append((stream, event))
+        if batch:
+            self._loop.call_soon_threadsafe(_deliver, batch)
+
+
+def _deliver(batch: list[tuple[asyncio.Queue[Event], Event]]) -> None:
+    for stream, event in batch:
+        stream.put_nowait(event)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

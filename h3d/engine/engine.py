@@ -91,7 +91,7 @@ class Engine:
         self._requests: dict[RequestId, Request] = {}
         self._seq_ids = itertools.count(1)
         self._request_ids = itertools.count(1)
-        self._failed: list[Event] = []  # requests ended outside a step, reported by step() / take_events()
+        self._ended: list[Event] = []  # requests ended outside a step, reported by step() / take_events()
         self.counters = EngineCounters()
         self.journal: TokenStore | None = None
         self.restored: list[SessionId] = []  # sessions reopened from the token logs at start
@@ -251,7 +251,7 @@ class Engine:
     def close_session(self, session_id: SessionId) -> None:
         session = self.session(session_id)
         for req in [r for r in self._requests.values() if r.session is session]:
-            self._failed.append(self._finish(req, FinishReason.CANCELLED))
+            self._ended.append(self._finish(req, FinishReason.CANCELLED))
         self.runner.release(session.seq)
         del self.sessions[session_id]
         if self.journal is not None:
@@ -371,8 +371,8 @@ class Engine:
             elif not req.generate and self._pending(req) <= 0:
                 events.append(self._finish_append(req))
         chunks, reqs = self._schedule()
-        events += self._failed
-        self._failed = []
+        events += self._ended
+        self._ended = []
         if chunks:
             try:
                 logits = self.runner.execute(chunks)
@@ -408,7 +408,7 @@ class Engine:
 
     def take_events(self) -> list[Event]:
         """Events of requests that ended outside a step (their session was closed), once."""
-        events, self._failed = self._failed, []
+        events, self._ended = self._ended, []
         return events
 
     def _fail(self, req: Request, error: H3Error) -> RequestFailed:
@@ -449,7 +449,7 @@ class Engine:
                     error = OutOfBlocks(
                         f"KV pool full: session {req.session.id} needs more than hbm_mb={self.config.hbm_mb}"
                     )
-                    self._failed.append(self._fail(req, error))
+                    self._ended.append(self._fail(req, error))
                 continue
             chunks.append(chunk)
             reqs.append(req)

@@ -50,7 +50,6 @@ class _Log:
     fd: int
     size: int
     dirty: bool = False
-    tokens: int = 0
 
 
 @dataclass
@@ -80,18 +79,17 @@ class TokenStore:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(self.folder)
-        self._open(session_id, path, len(tokens))
+        self._open(session_id, path)
 
     def append(self, session_id: str, tokens: list[int]) -> None:
         if tokens:
-            self._write(session_id, _record(TOKENS, _pack(tokens)), len(tokens))
+            self._write(session_id, _record(TOKENS, _pack(tokens)))
 
     def set_meta(self, session_id: str, meta: dict[str, Any]) -> None:
-        self._write(session_id, _record(META, json.dumps(meta).encode()), 0)
+        self._write(session_id, _record(META, json.dumps(meta).encode()))
 
     def cut(self, session_id: str, num_tokens: int) -> None:
-        log = self._logs[session_id]
-        self._write(session_id, _record(CUT, struct.pack("<Q", num_tokens)), num_tokens - log.tokens)
+        self._write(session_id, _record(CUT, struct.pack("<Q", num_tokens)))
 
     def delete(self, session_id: str) -> None:
         """Forget a closed session: a CLOSED record (durable), then the file goes."""
@@ -147,7 +145,7 @@ class TokenStore:
                 with open(path, "r+b") as f:
                     f.truncate(path.stat().st_size - restored.truncated_bytes)
                     os.fsync(f.fileno())
-            self._open(restored.session_id, path, len(restored.tokens))
+            self._open(restored.session_id, path)
             out.append(restored)
         return sorted(out, key=lambda r: (_created_at(r.meta), r.session_id))
 
@@ -158,21 +156,20 @@ class TokenStore:
             raise ValueError(f"not a session id usable as a file name: {session_id!r}")
         return self.folder / f"{session_id}{SUFFIX}"
 
-    def _open(self, session_id: str, path: Path, tokens: int) -> None:
+    def _open(self, session_id: str, path: Path) -> None:
         old = self._logs.pop(session_id, None)
         if old is not None:
             os.close(old.fd)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-        self._logs[session_id] = _Log(fd=fd, size=os.fstat(fd).st_size, tokens=tokens)
+        self._logs[session_id] = _Log(fd=fd, size=os.fstat(fd).st_size)
 
-    def _write(self, session_id: str, data: bytes, tokens: int) -> None:
+    def _write(self, session_id: str, data: bytes) -> None:
         log = self._logs[session_id]
         written = os.write(log.fd, data)
         if written != len(data):  # a short write (full disk): never leave half a record behind
             os.ftruncate(log.fd, log.size)
             raise OSError(28, "short write to the token log (disk full?)")
         log.size += written
-        log.tokens += tokens
         log.dirty = True
 
 
