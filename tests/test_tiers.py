@@ -19,6 +19,7 @@ tests/test_archive.py::test_crash_between_data_and_manifest.
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -450,21 +451,29 @@ def test_corrupt_archive_record_is_named(checkpoint: Callable[[str], Path], tmp_
 
 
 def test_a_corrupt_block_is_rebuilt_never_read(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
-    """A damaged archive record is never used: the session's KV is cut back to that block and
-    prefilled again from its tokens (counted in kv_rebuild_blocks), and the generation is the
-    one an undamaged twin produces. The step that met it leaves no trace: the block is not
-    recorded in a DDR slot its bytes never reached."""
+    """A damaged archive record is never used: that block alone is computed again from its tokens,
+    in every layer, over the blocks before it (counted in kv_rebuild_blocks), and its K/V and the
+    next generation equal an undamaged twin's. The step that met it leaves no trace."""
     engine, sid, _ = _spilled_engine(checkpoint(MODEL), tmp_path / "damaged")
     twin, twin_sid, _ = _spilled_engine(checkpoint(MODEL), tmp_path / "twin")
     layer, block = _archive_only_block(engine, sid)
     _flip_payload_byte(tmp_path / "damaged", sid, layer, block)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     rid = engine.submit(sid, params=params)
+    cached = engine.cached_tokens(sid)
     assert not any(isinstance(e, RequestFailed) for e in engine.step())  # the request goes on
-    t = engine.runner.blocks.table(engine.session(sid).seq)
-    assert engine.cached_tokens(sid) <= block * engine.runner.blocks.block_size
-    assert (t.ddr[:, block:] == NONE).all() and (t.hbm[:, block:] == NONE).all()
-    assert engine.tier_stats().kv_rebuild_blocks >= engine.runner.blocks.num_layers
+    seq = engine.session(sid).seq
+    t = engine.runner.blocks.table(seq)
+    assert engine.cached_tokens(sid) == cached  # nothing else is dropped
+    assert ((t.hbm[:, block] != NONE) | (t.ddr[:, block] != NONE)).all() and not t.archived[:, block].any()
+    assert engine.tier_stats().kv_rebuild_blocks == 1
+    [reason] = engine.rebuilds
+    _names_block(reason, sid, layer, block)
+    twin_seq = twin.session(twin_sid).seq
+    for layer_ in range(engine.runner.blocks.num_layers):
+        mine = engine.runner.tiers.read_keys(seq, layer_)
+        theirs = twin.runner.tiers.read_keys(twin_seq, layer_)
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
     tokens: list[int] = []
     while engine.has_work:
         tokens += [e.token_id for e in engine.step() if isinstance(e, TokenDelta) and e.request_id == rid]
@@ -472,6 +481,81 @@ def test_a_corrupt_block_is_rebuilt_never_read(checkpoint: Callable[[str], Path]
     engine.runner.tiers.check()
     engine.close()
     twin.close()
+
+
+def test_restart_writes_the_next_token_into_the_archived_partial_block(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """After a checkpoint and a restart, the partial last block is only in the archive; the first
+    token fed is written into it (brought back to DDR first), so every layer's keys equal those of
+    an engine that never stopped."""
+    cfg = {"ssd_path": str(tmp_path / "archive"), "session_log_path": str(tmp_path / "sessions")}
+    engine = make_engine(checkpoint(MODEL), **cfg)
+    twin = make_engine(checkpoint(MODEL))
+    prompt = random_prompt(299, VOCAB_SIZE, seed=3)  # 18 full blocks of 16 and 11 tokens
+    sid = engine.create_session()
+    engine.append(sid, token_ids=prompt)
+    engine.checkpoint()
+    engine.close()
+    restored = make_engine(checkpoint(MODEL), **cfg)
+    twin_sid = twin.create_session()
+    twin.append(twin_sid, token_ids=prompt)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert restored.complete(sid, "", params).token_ids == twin.complete(twin_sid, "", params).token_ids
+    seq, twin_seq = restored.session(sid).seq, twin.session(twin_sid).seq
+    for layer in range(restored.runner.blocks.num_layers):
+        mine = restored.runner.tiers.read_keys(seq, layer)
+        theirs = twin.runner.tiers.read_keys(twin_seq, layer)
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    restored.runner.tiers.check()
+    restored.close()
+    twin.close()
+
+
+def test_several_corrupt_blocks_are_each_rebuilt(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """Five damaged records in five blocks (some met while rewriting a later one): exactly those
+    five blocks are computed again, and the logits equal an undamaged twin's."""
+    engine, sid, _ = _spilled_engine(checkpoint(MODEL), tmp_path / "damaged")
+    twin, twin_sid, _ = _spilled_engine(checkpoint(MODEL), tmp_path / "twin")
+    seq = engine.session(sid).seq
+    t = engine.runner.blocks.table(seq)
+    full = engine.cached_tokens(sid) // engine.runner.blocks.block_size
+    only = (t.hbm[:, :full] == NONE) & (t.ddr[:, :full] == NONE) & t.archived[:, :full]
+    damaged: dict[int, int] = {}  # block -> a layer where it is archive-only
+    for layer_, block_ in zip(*np.nonzero(only), strict=True):
+        damaged.setdefault(int(block_), int(layer_))
+    assert len(damaged) >= 5, "make HBM/DDR smaller"
+    picked = sorted(damaged)[-5:]
+    for block_ in picked:
+        _flip_payload_byte(tmp_path / "damaged", sid, damaged[block_], block_)
+    tokens = list(engine.session(sid).tokens)
+    got_tokens, got = _greedy_with_logits(engine, sid)
+    want_tokens, want = _greedy_with_logits(twin, twin_sid)
+    assert engine.tier_stats().kv_rebuild_blocks == 5
+    assert sorted(int(r.split("block ")[-1].split()[0]) for r in engine.rebuilds) == picked
+    assert got_tokens == want_tokens
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert engine.session(sid).tokens[: len(tokens)] == tokens
+    engine.runner.tiers.check()
+    engine.close()
+    twin.close()
+
+
+def _greedy_with_logits(engine: Engine, sid: SessionId, n: int = 8) -> tuple[list[int], torch.Tensor]:
+    """`n` greedy tokens and the logits each was sampled from (the engine repairs damaged blocks
+    as its steps meet them)."""
+    rows: list[torch.Tensor] = []
+    execute = engine.runner.execute
+
+    def spy(chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
+        out = execute(chunks, all_logits)
+        rows.extend(out)
+        return out
+
+    engine.runner.execute = spy  # type: ignore[method-assign]
+    done = engine.complete(sid, "", SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    engine.runner.execute = execute  # type: ignore[method-assign]
+    return list(done.token_ids), torch.stack(rows)
 
 
 def test_archive_of_another_model_is_refused(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
@@ -642,3 +726,41 @@ def test_real_model_tiered_equals_untiered(smol_dir: Path, tmp_path: Path) -> No
         f"seconds: untiered {seconds[0]:.0f}, raw {seconds[1]:.0f}, int8 {seconds[2]:.0f}"
     )
     assert agree > 0
+
+
+@pytest.mark.slow
+def test_real_model_damaged_blocks_are_rebuilt_after_a_restart(smol_dir: Path, tmp_path: Path) -> None:
+    """A checkpointed session restarts from an archive with 5 damaged records (5 blocks, various
+    layers): exactly those blocks are computed again (kv_rebuild_blocks = 5), and the next 8 greedy
+    tokens and their logits equal (within 1e-3) a restart from the undamaged archive."""
+
+    def config(folder: Path) -> EngineConfig:
+        return EngineConfig.build(
+            model=str(smol_dir),
+            dtype="fp32",
+            policy="exact",
+            ssd_path=str(folder / "archive"),
+            session_log_path=str(folder / "sessions"),
+        )
+
+    engine = Engine(config(tmp_path / "damaged"))
+    ids = engine.tokenizer.encode(_real_text())[:500]
+    sid = engine.create_session()
+    engine.append(sid, token_ids=ids)
+    engine.checkpoint()
+    engine.close()
+    shutil.copytree(tmp_path / "damaged", tmp_path / "intact")
+    blocks = [2, 5, 8, 11, 14]
+    for i, block in enumerate(blocks):
+        _flip_payload_byte(tmp_path / "damaged" / "archive", sid, (7 * i) % 30, block)
+
+    damaged, intact = Engine(config(tmp_path / "damaged")), Engine(config(tmp_path / "intact"))
+    got_tokens, got = _greedy_with_logits(damaged, sid)
+    want_tokens, want = _greedy_with_logits(intact, sid)
+    assert damaged.tier_stats().kv_rebuild_blocks == 5 and intact.tier_stats().kv_rebuild_blocks == 0
+    assert sorted(int(r.split("block ")[-1].split()[0]) for r in damaged.rebuilds) == blocks
+    assert intact.tier_stats().ssd_read_count > 0
+    assert got_tokens == want_tokens
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+    damaged.close()
+    intact.close()

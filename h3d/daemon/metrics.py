@@ -73,7 +73,7 @@ class Metrics:
         metric("h3d_ssd_read_total", "counter", "Blocks read back from the SSD archive.", g.ssd_read_count)
         metric("h3d_ssd_write_total", "counter", "Blocks written to the SSD archive.", g.ssd_write_count)
         metric("h3d_fetch_bytes_total", "counter", "Bytes attention read from below HBM.", g.fetch_bytes)
-        metric("h3d_kv_rebuild_blocks_total", "counter", "Blocks recomputed by prefill (not in the archive).",
+        metric("h3d_kv_rebuild_blocks_total", "counter", "KV blocks computed again (archive copy missing or damaged).",
                g.kv_rebuild_blocks)  # fmt: skip
         lines += [
             "# HELP h3d_hbf_latency_us Host-side HBF planning per decode step (recent steps).",

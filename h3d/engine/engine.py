@@ -176,7 +176,7 @@ class Engine:
             adopted = self.runner.adopt(session.seq, want)
             bs = self.runner.blocks.block_size
             rebuilt = -(-want // bs) - -(-adopted // bs)
-            self.runner.tiers.counters.kv_rebuild_blocks += rebuilt * self.runner.blocks.num_layers
+            self.runner.tiers.counters.kv_rebuild_blocks += rebuilt
             self.sessions[session.id] = session
             self.restored.append(session.id)
 
@@ -377,14 +377,13 @@ class Engine:
             try:
                 logits = self.runner.execute(chunks)
             except ArchiveCorrupt as exc:
-                # The runner left no half-written KV behind. A damaged block is never used: the
-                # session's KV is cut back to it and prefilled again from its token log.
+                # The runner left no half-written KV behind. A damaged block is never used: its
+                # KV is computed again from the token log, and the step runs again next time.
                 session = self._session_named(exc.key.session) if exc.key is not None else None
                 if session is None or exc.key in self._rebuilt:
                     return events + [self._fail(req, exc) for req in reqs]
                 assert exc.key is not None
-                self._rebuilt.add(exc.key)
-                self._rebuild_from(session, exc.key.index, str(exc))
+                self._repair(session, exc.key, str(exc))
                 return events
             except H3Error as exc:
                 # The runner left no half-written KV behind; the sessions keep their tokens.
@@ -397,12 +396,36 @@ class Engine:
     def _session_named(self, name: str) -> Session | None:
         return self.sessions.get(SessionId(name))
 
+    def _repair(self, session: Session, key: BlockKey, reason: str) -> None:
+        """Compute the KV of the damaged block `key` again from `session`'s tokens, in every
+        layer, over the blocks before it; a damaged block met on the way is rewritten first.
+        Only those blocks are recomputed (`kv_rebuild_blocks` counts them). If that cannot be
+        done (no room), the session's KV is cut back to the block, to be prefilled again."""
+        bs = self.runner.blocks.block_size
+        cached = self.runner.cached_tokens(session.seq)
+        todo = [key]
+        while todo:
+            block = todo[-1].index
+            self._rebuilt.add(todo[-1])
+            try:
+                self.runner.rewrite(session.seq, block, session.tokens[block * bs : min((block + 1) * bs, cached)])
+            except H3Error as exc:
+                if isinstance(exc, ArchiveCorrupt) and exc.key is not None and exc.key not in self._rebuilt:
+                    todo.append(exc.key)  # an earlier block of the session: rewritten first
+                    continue
+                self._rebuild_from(session, min(k.index for k in todo), f"{reason}; rewriting it failed: {exc}")
+                return
+            done = todo.pop()
+            self.runner.tiers.counters.kv_rebuild_blocks += 1
+            self.rebuilds.append(f"{reason}: block {done.index} of session {session.id} was computed again")
+            reason = f"while rewriting block {done.index}"
+
     def _rebuild_from(self, session: Session, block: int, reason: str) -> None:
         """Forget `session`'s KV from `block` on (every layer); its next step prefills it again."""
         blocks = self.runner.blocks
         before = blocks.table(session.seq).num_blocks
         blocks.truncate(session.seq, block * blocks.block_size)
-        dropped = (before - blocks.table(session.seq).num_blocks) * blocks.num_layers
+        dropped = before - blocks.table(session.seq).num_blocks
         self.runner.tiers.counters.kv_rebuild_blocks += dropped
         self.rebuilds.append(f"{reason}: {dropped} blocks of session {session.id} are prefilled again")
 

@@ -124,6 +124,28 @@ class _Step:
                 r.digests.update(seq, index, positions, k[off : off + n])
 
 
+class _Rewrite(_Step):
+    """A forward that computes one block's K/V again: its tokens attend to the blocks before it
+    (staged from the archive where needed) and to themselves; nothing past the block is read."""
+
+    def __init__(self, runner: ModelRunner, chunk: Chunk, rows: np.ndarray, block: int) -> None:
+        ends = torch.full((len(chunk.token_ids),), chunk.start + len(chunk.token_ids), device=runner.device)
+        super().__init__(runner, [chunk], rows, ends, {})
+        self.block = block
+
+    def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
+        r = self.runner
+        seq = self.seqs[0]
+        r.tiers.stage(index, self.seqs, self.protect, upto={seq: self.block + 1})
+        locations = r.blocks.table(seq).locations(index)[: self.block + 1]
+        return LayerKV(
+            query_lens=self.query_lens,
+            kv_lens=self.kv_lens,
+            runs=(runs_of(locations),),
+            tables=lambda: r.padded_locations([locations]),
+        )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -199,8 +221,8 @@ class ModelRunner:
         ([M, vocab]), or of every token when `all_logits` ([N, vocab])."""
         for c in chunks:
             if c.seq in self._stale_digests:
+                self._rebuild_digests(c.seq)  # may meet a damaged record: done again after its rewrite
                 self._stale_digests.discard(c.seq)
-                self._rebuild_digests(c.seq)
         try:
             ids, positions, step = self._prepare(chunks)
             hidden = self.model(ids, positions, step)  # [N, hidden]
@@ -226,6 +248,27 @@ class ModelRunner:
         if not pick:
             return hidden.new_zeros((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.model.logits(hidden[pick])
+
+    @torch.inference_mode()
+    def rewrite(self, seq: SeqId, block: int, token_ids: list[int]) -> None:
+        """Compute the K/V of `seq`'s block `block` again, in every layer, from its tokens (the
+        block's archive record was damaged); the blocks after it are neither read nor changed.
+        Raises `ArchiveCorrupt` if a block before it is damaged too: rewrite that one first, then
+        this one again."""
+        start = block * self.blocks.block_size
+        if len(token_ids) != min(self.blocks.block_size, self.cached_tokens(seq) - start):
+            raise ValueError(f"block {block} of seq {seq} holds other tokens than the {len(token_ids)} given")
+        try:
+            self.tiers.begin_rewrite(seq, block)
+            rows = self.blocks.rewrite(seq, block)
+            chunk = Chunk(seq, tuple(token_ids), start, want_logits=False)
+            ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+            positions = torch.arange(start, start + len(token_ids), device=self.device)
+            self.model(ids, positions, _Rewrite(self, chunk, rows, block))
+        finally:
+            self.tiers.end_rewrite()
+        if self.check_invariants:
+            self.tiers.check()
 
     def _keep(self, seq: SeqId) -> np.ndarray:
         """Blocks of `seq` that HBF never evicts from HBM: sinks and the recent window."""

@@ -315,6 +315,10 @@ class BlockManager:
                 table.ddr[layer, cols][in_hbm:] = self.ddr_alloc.allocate(new - in_hbm, seq)
             table.num_blocks += new
             table.version += 1
+        if start % self.block_size:
+            last = start // self.block_size
+            if ((table.hbm[:, last] == NONE) & (table.ddr[:, last] == NONE)).any():
+                raise RuntimeError(f"seq {seq}: the partial block {last} has no HBM or DDR home to write to")
         table.num_tokens = end
         positions = np.arange(start, end, dtype=np.int64)  # [n]
         blocks = positions // self.block_size
@@ -334,6 +338,32 @@ class BlockManager:
         table.archived[:, :nb] = True
         table.num_blocks, table.num_tokens = nb, num_tokens
         table.version += 1
+
+    def rewrite(self, seq: SeqId, block: int) -> np.ndarray:
+        """Give `block` of `seq` one writable home in every layer, to be written again (its
+        archive record was damaged): an HBM copy is kept, else a DDR copy, else a new DDR slot is
+        taken (the caller makes room: `homeless(seq, block)` of them); other copies are dropped
+        and the block no longer counts as archived. Returns the rows of its tokens, [L, n], as
+        `append` does."""
+        table = self._tables[seq]
+        for layer in range(self.num_layers):
+            if table.hbm[layer, block] != NONE and table.ddr[layer, block] != NONE:
+                self.ddr_alloc.release(table.ddr[layer, block : block + 1])
+                table.ddr[layer, block] = NONE
+            if table.hbm[layer, block] == NONE and table.ddr[layer, block] == NONE:
+                table.ddr[layer, block] = self.ddr_alloc.allocate(1, seq)[0]
+        table.archived[:, block] = False
+        table.version += 1
+        positions = np.arange(block * self.block_size, min((block + 1) * self.block_size, table.num_tokens))
+        offsets = positions % self.block_size
+        hbm = table.hbm[:, block, None]  # [L, 1]
+        ddr = table.ddr[:, block, None]
+        return np.where(hbm >= 0, hbm * self.block_size + offsets, -(ddr * self.block_size + offsets) - 1)
+
+    def homeless(self, seq: SeqId, block: int) -> int:
+        """Layers in which `block` of `seq` is in neither HBM nor DDR."""
+        table = self._tables[seq]
+        return int(((table.hbm[:, block] == NONE) & (table.ddr[:, block] == NONE)).sum())
 
     def truncate(self, seq: SeqId, num_tokens: int) -> None:
         """Forget tokens past `num_tokens` (a step that failed midway): their blocks are released."""
@@ -441,6 +471,14 @@ class BlockManager:
         full = blocks < table.num_tokens // self.block_size
         other = (table.hbm[layer, blocks] != NONE) | (table.archived[layer, blocks] & full)
         self._check_other_copy(table, layer, blocks, other, "DDR")
+        self.ddr_alloc.release(table.ddr[layer, blocks])
+        table.ddr[layer, blocks] = NONE
+        table.version += 1
+
+    def unadd_ddr(self, seq: SeqId, layer: int, blocks: np.ndarray) -> None:
+        """Give back the DDR slots `add_ddr` just took for `blocks` when their bytes never arrived
+        (a failed archive read): the blocks stay where they were, in the archive."""
+        table = self._tables[seq]
         self.ddr_alloc.release(table.ddr[layer, blocks])
         table.ddr[layer, blocks] = NONE
         table.version += 1

@@ -54,6 +54,7 @@ class TierManager:
         self.latencies_us: list[float] = []  # host-side HBF planning per step (promote)
         self.per_session: dict[SeqId, SessionCounters] = {}
         self.pinned: set[SeqId] = set()  # never demoted from HBM while idle
+        self._rewriting: tuple[SeqId, int] | None = None  # (seq, block) being computed again: never moved
 
     @property
     def block_bytes(self) -> int:
@@ -118,6 +119,7 @@ class TierManager:
     def prepare_append(self, seq: SeqId, n_tokens: int, batch: list[SeqId], protect: dict[SeqId, int]) -> None:
         """Make room so that `blocks.append(seq, n_tokens)` succeeds."""
         b = self.blocks
+        self._stage_partial(seq, batch, protect)
         new = b.blocks_needed(seq, n_tokens)
         if new <= 0:
             return
@@ -129,15 +131,43 @@ class TierManager:
         if short > 0:
             self._free_ddr(short, self._order(batch, None), protect)
 
-    def stage(self, layer: int, batch: list[SeqId], protect: dict[SeqId, int]) -> None:
-        """Make every block of `layer` of the batch's sequences readable (HBM or DDR)."""
+    def _stage_partial(self, seq: SeqId, batch: list[SeqId], protect: dict[SeqId, int]) -> None:
+        """Bring `seq`'s partial last block into DDR in every layer where only the archive holds
+        it (a checkpoint's record, after a restart): new tokens are written into it."""
+        b = self.blocks
+        t = b.table(seq)
+        last = t.num_tokens // b.block_size
+        if self.archive is None or t.num_tokens % b.block_size == 0:
+            return
+        layers = np.flatnonzero((t.hbm[:, last] == NONE) & (t.ddr[:, last] == NONE))
+        if not len(layers):
+            return
+        if len(layers) > b.ddr_free:
+            self._free_ddr(len(layers) - b.ddr_free, self._order(batch, None), protect)
+        for layer in layers.tolist():
+            block = np.array([last])
+            slots = b.add_ddr(seq, layer, block)
+            try:
+                self.mover.read([BlockKey(self.names[seq], layer, last)], slots)
+            except BaseException:
+                b.unadd_ddr(seq, layer, block)
+                raise
+            b.set_archived(seq, layer, block, False)  # its DDR copy is its one home from now on
+        self.counters.ssd_read_count += len(layers)
+        self.per_session.setdefault(seq, SessionCounters()).ssd_read_count += len(layers)
+
+    def stage(
+        self, layer: int, batch: list[SeqId], protect: dict[SeqId, int], upto: dict[SeqId, int] | None = None
+    ) -> None:
+        """Make every block of `layer` of the batch's sequences readable (HBM or DDR); with
+        `upto`, only each sequence's first `upto[seq]` blocks."""
         if self.archive is None:
             return  # without an archive every block is in HBM or DDR already
         b = self.blocks
         missing: list[tuple[SeqId, np.ndarray]] = []
         for seq in batch:
             t = b.table(seq)
-            nb = t.num_blocks
+            nb = t.num_blocks if upto is None else min(t.num_blocks, upto[seq])
             gone = np.flatnonzero((t.hbm[layer, :nb] == NONE) & (t.ddr[layer, :nb] == NONE))
             if len(gone):
                 missing.append((seq, gone))
@@ -153,7 +183,7 @@ class TierManager:
                 try:
                     self.mover.read(keys, slots)
                 except BaseException:
-                    b.drop_ddr(seq, layer, gone)  # never leave a table pointing at unread bytes
+                    b.unadd_ddr(seq, layer, gone)  # never leave a table pointing at unread bytes
                     raise
                 t = b.table(seq)
                 partial = gone[gone >= t.num_tokens // b.block_size]
@@ -165,6 +195,17 @@ class TierManager:
             for seq, gone in missing:
                 self.per_session.setdefault(seq, SessionCounters()).ssd_read_count += len(gone)
             self.counters.ddr_hits -= staged  # count_reads will find them in DDR: they came from SSD
+
+    def begin_rewrite(self, seq: SeqId, block: int) -> None:
+        """Make room for `BlockManager.rewrite(seq, block)`: a DDR slot for every layer in which
+        the block has no copy. Until `end_rewrite` that block is never moved."""
+        self._rewriting = (seq, block)
+        short = self.blocks.homeless(seq, block) - self.blocks.ddr_free
+        if short > 0:
+            self._free_ddr(short, self._order([seq], None), {})
+
+    def end_rewrite(self) -> None:
+        self._rewriting = None
 
     def count_reads(self, seq: SeqId, total: int, below: int) -> None:
         """Count the blocks a layer's attention reads for `seq`: `total`, of which `below` HBM."""
@@ -378,6 +419,8 @@ class TierManager:
         t = self.blocks.table(seq)
         limit = min(t.num_tokens // self.blocks.block_size, protect.get(seq, t.num_blocks))
         ddr = t.ddr[layer, :limit] != NONE
+        if self._rewriting is not None and self._rewriting[0] == seq and self._rewriting[1] < limit:
+            ddr[self._rewriting[1]] = False
         spare = (t.hbm[layer, :limit] != NONE) | t.archived[layer, :limit]
         return np.flatnonzero(ddr & spare), np.flatnonzero(ddr & ~spare)
 

@@ -25,7 +25,7 @@ class TierCounters:
     ddr_evict_count: int = 0
     fetch_bytes: int = 0
     peak_hbm_bytes: int = 0
-    kv_rebuild_blocks: int = 0  # blocks whose KV was computed again (missing from the archive at a restart)
+    kv_rebuild_blocks: int = 0  # blocks (all layers) computed again: missing or damaged in the archive
 
     @property
     def hbm_hit_rate(self) -> float:
