@@ -44,6 +44,7 @@ class EngineConfig:
     ssd_codec: str = "raw-zstd"
     quantize_skip_layers: tuple[int, ...] = ()
     ddr_high_watermark: float = 0.85
+    ssd_retry_interval_s: float = 10.0  # a degraded SSD tier (full disk, I/O error) is tried again this often
     policy: str = "attention_entropy"
     window_tokens: int = 2048
     window_min_tokens: int = 512
@@ -92,6 +93,8 @@ class EngineConfig:
             raise ConfigError(f"ddr_mb: must be >= 0, got {self.ddr_mb}")
         _choice("ssd_codec", self.ssd_codec, SSD_CODECS)
         _choice("policy", self.policy, POLICIES)
+        if not self.ssd_retry_interval_s > 0:
+            raise ConfigError(f"ssd_retry_interval_s: must be > 0, got {self.ssd_retry_interval_s}")
         if not 0 < self.ddr_high_watermark <= 1:
             raise ConfigError(f"ddr_high_watermark: must be in (0, 1], got {self.ddr_high_watermark}")
         for key in ("window_tokens", "window_min_tokens", "window_max_tokens", "recent_tokens"):

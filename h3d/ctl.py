@@ -223,6 +223,8 @@ def stats_text(stats: Any) -> str:
         ("hbm_evict_count", str(g.hbm_evict_count)),
         ("ssd_read_count", str(g.ssd_read_count)),
         ("ssd_write_count", str(g.ssd_write_count)),
+        ("ssd_tier", f"DEGRADED: {g.ssd_degraded_reason}" if g.ssd_degraded else "ok"),
+        ("kv_rebuild_blocks", str(g.kv_rebuild_blocks)),
         ("hbf_latency_us", f"p50 {g.hbf_latency_us_p50:.1f}  p99 {g.hbf_latency_us_p99:.1f}"),
         (
             "occupancy_mib",

@@ -37,5 +37,10 @@ class NoArchive(H3Error):
     """The operation needs the SSD archive and none is configured (maps to FAILED_PRECONDITION)."""
 
 
+class SsdDegraded(H3Error):
+    """The SSD tier takes no writes now (a full disk, an I/O error); it is tried again every
+    `ssd_retry_interval_s` (maps to UNAVAILABLE)."""
+
+
 class SessionBusy(InvalidRequest):
     """The session already has a request in flight (maps to FAILED_PRECONDITION)."""

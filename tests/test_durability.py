@@ -5,6 +5,7 @@ The reference is always the in-process engine on the same tiny checkpoint, never
 
 from __future__ import annotations
 
+import resource
 import signal
 import threading
 import time
@@ -164,3 +165,52 @@ def test_idle_sessions_expire_after_session_ttl_s(checkpoint: Callable[[str], Pa
             raise AssertionError("an expired session is still served")
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_full_ssd_degrades_the_tier_and_the_daemon_keeps_answering(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The archive's files cannot grow (RLIMIT_FSIZE on the daemon: its writes fail with EFBIG, as
+    they would with ENOSPC on a full disk): every request still succeeds with the right tokens,
+    Stats and the log show the degraded SSD tier; once files can grow again, the tier recovers."""
+    ckpt = checkpoint(MODEL)
+    prompts = [random_prompt(300, VOCAB_SIZE, seed=70 + i) for i in range(3)]
+    engine = Engine(EngineConfig.build(model=str(ckpt)))
+    expected = []
+    for ids in prompts:
+        sid = engine.create_session()
+        engine.append(sid, token_ids=ids)
+        expected.append(list(engine.complete(sid, "", GREEDY).token_ids))
+    engine.close()
+
+    slot_mb = 32 * 2 * 2 * 16 * 4 / 2**20  # one layer's K+V of a 32-token block
+    tiers = ["--hbm-mb", str(3 * slot_mb), "--ddr-mb", str(40 * slot_mb), "--ssd-retry-interval-s", "0.2"]
+    with running_daemon(ckpt, tmp_path / "data", extra=tiers, tcp=False) as d:
+        limit = 64 * 1024  # token logs stay smaller; the archive's first segment outgrows it
+        _, hard = resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (limit, hard))
+        h3 = d.h3()
+        sids = []
+        for ids, want in zip(prompts, expected, strict=True):
+            sid = h3.CreateSession(pb.CreateSessionRequest()).session_id
+            _append(h3, sid, ids)
+            assert _generate(h3, sid) == want
+            sids.append(sid)
+        stats = getattr(h3.GetStats(pb.GetStatsRequest()), "global")
+        assert stats.ssd_degraded and stats.ssd_write_errors > 0 and "File too large" in stats.ssd_degraded_reason
+        assert stats.recompute_evict_count > 0
+        assert d.events("ssd_degraded")
+        # The idle sessions' KV was forgotten; their tokens were not: they continue correctly.
+        for sid in sids:
+            full = h3.GetSession(pb.GetSessionRequest(session_id=sid, with_tokens=True))
+            assert len(full.token_ids) == 308
+
+        resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (hard, hard))
+        for _ in range(50):  # each step after the retry interval tries the archive again
+            _generate(h3, sids[0], max_tokens=1)
+            stats = getattr(h3.GetStats(pb.GetStatsRequest()), "global")
+            if not stats.ssd_degraded:
+                break
+            time.sleep(0.1)
+        assert not stats.ssd_degraded and stats.ssd_degraded_reason == ""
+        assert d.events("ssd_recovered")

@@ -46,7 +46,7 @@ from h3d.engine.engine import Engine
 from h3d.engine.runner import Chunk
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import GenerationDone, RequestFailed, SessionId, TokenDelta
-from h3d.errors import H3Error, OutOfBlocks
+from h3d.errors import H3Error, OutOfBlocks, SsdDegraded
 from h3d.kv.blocks import NONE, SeqId
 from h3d.kv.pool import KVPool
 from h3d.tiers.archive import Archive, ArchiveCorrupt, ArchiveMismatch, BlockKey, CacheIdentity
@@ -764,3 +764,79 @@ def test_real_model_damaged_blocks_are_rebuilt_after_a_restart(smol_dir: Path, t
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
     damaged.close()
     intact.close()
+
+
+# ---- (d) a full disk: the SSD tier degrades, serving goes on, and it recovers ---------------------
+
+
+def test_full_disk_degrades_the_ssd_tier_and_serving_goes_on(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Archive writes fail with ENOSPC: the SSD tier is marked degraded (no request fails, no DDR
+    copy is dropped), DDR is freed by forgetting an idle session's KV, which is computed again
+    when it is used next (its generation equals an untiered engine's); once writes succeed again
+    the tier recovers and archives, and the archive reopens clean."""
+    import errno
+
+    import h3d.tiers.archive as archive_mod
+
+    disk_full = [True]
+    write_all = archive_mod._write_all
+
+    def full_disk(fd: int, data: bytes, offset: int) -> None:
+        if disk_full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_all(fd, data, offset)
+
+    monkeypatch.setattr(archive_mod, "_write_all", full_disk)
+    engine = make_engine(
+        checkpoint(MODEL),
+        prefill_chunk_tokens=64,
+        hbm_mb=3 * 2 * SLOT_BYTES / 2**20,  # 2 blocks per layer
+        ddr_mb=56 * SLOT_BYTES / 2**20,  # one session of 300 tokens (57 blocks) fits, past the watermark
+        ssd_path=str(tmp_path / "archive"),
+        ssd_retry_interval_s=3600,
+    )
+    plain = make_engine(checkpoint(MODEL))
+    tiers = engine.runner.tiers
+    prompts = [random_prompt(300, VOCAB_SIZE, seed=60 + i) for i in range(2)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    first = engine.create_session()
+    engine.append(first, token_ids=prompts[0])  # past the high watermark: the spill's write fails
+    tiers.flush()
+    stats = engine.tier_stats()
+    assert stats.ssd_degraded and stats.ssd_write_errors >= 1 and stats.ssd_write_count > 0
+    assert [name for name, _ in tiers.notices] == ["ssd_degraded"]
+    assert "No space left" in str(tiers.ssd_degraded)
+    assert engine.cached_tokens(first) == 299 and not tiers.blocks.table(engine.session(first).seq).archived.any()
+
+    second = engine.create_session()
+    engine.append(second, token_ids=prompts[1])  # DDR is freed by forgetting the idle first session
+    assert engine.tier_stats().recompute_evict_count > 0
+    assert engine.cached_tokens(first) < 299 and engine.cached_tokens(second) == 299
+    with pytest.raises(SsdDegraded):
+        engine.runner.tiers.snapshot(engine.session(second).seq)
+
+    for sid, prompt in zip((first, second), prompts, strict=True):
+        twin = plain.create_session()
+        plain.append(twin, token_ids=prompt)
+        assert engine.complete(sid, "", params).token_ids == plain.complete(twin, "", params).token_ids
+
+    disk_full[0] = False  # space is back: the next retry recovers, and spills archive again
+    assert tiers.retry_ssd()
+    assert not engine.tier_stats().ssd_degraded and tiers.notices[-1][0] == "ssd_recovered"
+    written = engine.tier_stats().ssd_write_count
+    engine.complete(first, "", params)
+    engine.runner.tiers.snapshot(engine.session(first).seq)
+    assert engine.tier_stats().ssd_write_count > written
+    engine.runner.tiers.check()
+    archive = engine.runner.tiers.archive
+    assert archive is not None
+    keys, identity = archive.keys(), archive.identity
+    engine.close()
+    plain.close()
+    with Archive(tmp_path / "archive", identity) as reopened:
+        assert reopened.keys() == keys
+        for key in keys:
+            reopened.get(key)  # every record the manifest lists is whole

@@ -75,6 +75,11 @@ class Metrics:
         metric("h3d_fetch_bytes_total", "counter", "Bytes attention read from below HBM.", g.fetch_bytes)
         metric("h3d_kv_rebuild_blocks_total", "counter", "KV blocks computed again (archive copy missing or damaged).",
                g.kv_rebuild_blocks)  # fmt: skip
+        metric("h3d_ssd_degraded", "gauge", "1 while the SSD tier takes no writes (full disk, I/O error).",
+               int(g.ssd_degraded))  # fmt: skip
+        metric("h3d_ssd_write_errors_total", "counter", "Archive writes that failed.", g.ssd_write_errors)
+        metric("h3d_recompute_evict_total", "counter", "Block copies forgotten while the SSD tier was degraded.",
+               g.recompute_evict_count)  # fmt: skip
         lines += [
             "# HELP h3d_hbf_latency_us Host-side HBF planning per decode step (recent steps).",
             "# TYPE h3d_hbf_latency_us gauge",

@@ -166,6 +166,10 @@ def tier_stats_pb(engine: Engine) -> pb.TierStats:
         ssd_used_bytes=t.ssd_used_bytes,
         fetch_bytes=t.fetch_bytes,
         kv_rebuild_blocks=t.kv_rebuild_blocks,
+        ssd_degraded=t.ssd_degraded,
+        ssd_degraded_reason=engine.runner.tiers.ssd_degraded or "",
+        ssd_write_errors=t.ssd_write_errors,
+        recompute_evict_count=t.recompute_evict_count,
     )
 
 

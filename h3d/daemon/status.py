@@ -18,6 +18,7 @@ from h3d.errors import (
     OutOfBlocks,
     SessionBusy,
     SessionNotFound,
+    SsdDegraded,
 )
 from h3d.tiers.archive import ArchiveCorrupt
 
@@ -58,6 +59,7 @@ CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (MessageTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Draining, grpc.StatusCode.UNAVAILABLE),
+    (SsdDegraded, grpc.StatusCode.UNAVAILABLE),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (ArchiveCorrupt, grpc.StatusCode.DATA_LOSS),

@@ -126,6 +126,10 @@ class EngineWorker:
             for reason in self.engine.rebuilds:
                 log.warning("kv_rebuild", reason=reason)
             self.engine.rebuilds.clear()
+            tiers = self.engine.runner.tiers
+            for name, fields in tiers.notices:
+                (log.info if name == "ssd_recovered" else log.warning)(name, **fields)
+            tiers.notices.clear()
             made = self.engine.counters.generated_tokens - before
             if made:
                 now = time.monotonic()

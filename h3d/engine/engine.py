@@ -9,6 +9,7 @@ events. Requests join and leave between steps (continuous batching).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import uuid
@@ -43,6 +44,7 @@ from h3d.errors import (
     OutOfBlocks,
     SessionBusy,
     SessionNotFound,
+    SsdDegraded,
 )
 from h3d.kv.blocks import SeqId
 from h3d.kv.pool import KVPool
@@ -85,6 +87,7 @@ class Engine:
             check_invariants=config.check_invariants,
             hbf=config.hbf,
         )
+        self.runner.tiers.ssd_retry_interval_s = config.ssd_retry_interval_s
         self.max_context = config.max_context_tokens or mc.max_position_embeddings
         self.eos_ids = frozenset(mc.eos_token_ids)
         self.sessions: dict[SessionId, Session] = {}
@@ -182,11 +185,14 @@ class Engine:
 
     def checkpoint(self) -> int:
         """Before a shutdown: every session's KV blocks (the partial last one too) durable in the
-        archive, its HBF state in its log, every log synced. Returns the blocks written."""
+        archive, its HBF state in its log, every log synced. Returns the blocks written. With the
+        SSD tier degraded, only the logs are written (the KV is computed again after a restart)."""
         written = 0
         for session in self.sessions.values():
-            if self.runner.tiers.archive is not None:
-                written += self.runner.tiers.snapshot(session.seq, partial=True)
+            if self.runner.tiers.archive is not None and self.runner.tiers.ssd_degraded is None:
+                # If it fails, the KV is computed again after the restart; the token log is the truth.
+                with contextlib.suppress(SsdDegraded):
+                    written += self.runner.tiers.snapshot(session.seq, partial=True)
             if self.journal is not None:
                 self.journal.set_meta(session.id, self._meta(session))
         if self.journal is not None:

@@ -72,6 +72,11 @@ class ArchiveCorrupt(ArchiveError):
         self.key = key
 
 
+class ArchiveWriteFailed(ArchiveError):
+    """A write to the archive failed (a full disk, an I/O error): nothing of it counts, and the
+    archive takes no more writes until `Archive.recover` succeeds."""
+
+
 class ArchiveMismatch(ArchiveError):
     """Stored data belongs to another cache (model, dtype, geometry, codec, format); names the field."""
 
@@ -305,8 +310,22 @@ class Archive:
             except BaseException as e:
                 self._broken = repr(e)
                 if isinstance(e, OSError):
-                    raise ArchiveError(f"KV archive {self.path}: write failed ({e}); reopen it to continue") from e
+                    raise ArchiveWriteFailed(f"KV archive {self.path}: write failed ({e})") from e
                 raise
+
+    def recover(self) -> None:
+        """After a failed write: cut the segment and the manifest back to their last durable
+        ends (what the failed write may have left is dropped), and take writes again. Raises
+        OSError if the files cannot be cut back (the archive stays refusing writes)."""
+        with self._write_lock:
+            self._check_open()
+            if self._broken is None:
+                return
+            os.ftruncate(self._seg_fd, self._seg_size)
+            os.fsync(self._seg_fd)
+            os.ftruncate(self._man_fd, self._man_size)
+            os.fsync(self._man_fd)
+            self._broken = None
 
     def codec_for(self, layer: int) -> Codec:
         return Codec.RAW_ZSTD if layer in self.lossless_layers else self.codec
@@ -354,9 +373,9 @@ class Archive:
     def _append_records(self, pending: list[_Pending]) -> list[_Loc]:
         """Append one batch to the active segment (never split across two) and fsync it."""
         if self._seg_size >= self._segment_bytes:
+            fd = self._open_segment(self._seg_no + 1)
             os.close(self._seg_fd)
-            self._seg_no, self._seg_size = self._seg_no + 1, 0
-            self._seg_fd = self._open_segment(self._seg_no)
+            self._seg_no, self._seg_size, self._seg_fd = self._seg_no + 1, 0, fd
         locs, offset = [], self._seg_size
         for p in pending:
             locs.append(_Loc(self._seg_no, offset, len(p.record), p.num_tokens, p.codec, p.crc))
@@ -372,8 +391,8 @@ class Archive:
             body = json.dumps(entry, separators=(",", ":")).encode()
             lines.append(b"%08x %s\n" % (zlib.crc32(body), body))
         _write_all(self._man_fd, b"".join(lines), self._man_size)
-        self._man_size += sum(map(len, lines))
         os.fsync(self._man_fd)
+        self._man_size += sum(map(len, lines))  # only once durable: `recover` cuts back to it
 
     def delete_session(self, session: str) -> int:
         """Forget every block of `session` (one durable tombstone line). -> number of blocks removed."""
@@ -463,7 +482,7 @@ class Archive:
     def _check_writable(self) -> None:
         self._check_open()
         if self._broken is not None:
-            raise ArchiveError(f"KV archive {self.path}: an earlier write failed ({self._broken}); reopen it")
+            raise ArchiveWriteFailed(f"KV archive {self.path}: an earlier write failed ({self._broken})")
 
     def close(self) -> None:
         """Release the files and the folder lock. Idempotent; waits for a put in progress."""

@@ -8,6 +8,11 @@ archive into DDR just before that layer runs, evicting the blocks whose next use
 (the layers just computed). Idle sessions are demoted first; DDR spills to the archive past
 `ddr_high_watermark`. A DDR copy is dropped only once an archive copy is durable.
 
+A failed archive write (a full disk, an I/O error) marks the SSD tier degraded: DDR copies are
+kept, nothing more is written, and DDR is freed by dropping idle sessions' KV, to be computed
+again from their token logs when next used (evicting by recompute). Every
+`ssd_retry_interval_s` the archive is cut back to its last durable state and writes resume.
+
 Owner: the counters, the archive keys of sessions, and every decision to move a block. The
 `BlockManager` records the moves (it is the one writer of residency); the `Mover` copies bytes.
 """
@@ -20,10 +25,10 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from h3d.errors import NoArchive, OutOfBlocks
+from h3d.errors import NoArchive, OutOfBlocks, SsdDegraded
 from h3d.kv.blocks import NONE, BlockManager, SeqId
 from h3d.kv.pool import KVPool
-from h3d.tiers.archive import Archive, BlockKey
+from h3d.tiers.archive import Archive, ArchiveWriteFailed, BlockKey
 from h3d.tiers.mover import Mover, Transfer
 from h3d.tiers.stats import SessionCounters, TierCounters, TierStats
 
@@ -55,6 +60,10 @@ class TierManager:
         self.per_session: dict[SeqId, SessionCounters] = {}
         self.pinned: set[SeqId] = set()  # never demoted from HBM while idle
         self._rewriting: tuple[SeqId, int] | None = None  # (seq, block) being computed again: never moved
+        self.ssd_degraded: str | None = None  # why the archive takes no writes now
+        self.ssd_retry_interval_s = 10.0
+        self._ssd_retry_at = 0.0
+        self.notices: list[tuple[str, dict[str, object]]] = []  # (log event, fields) for the daemon's log
 
     @property
     def block_bytes(self) -> int:
@@ -115,6 +124,65 @@ class TierManager:
         for seq in batch:
             self._last_used[seq] = self._step
         self._complete(self.mover.poll())
+        if self.ssd_degraded is not None and time.monotonic() >= self._ssd_retry_at:
+            self.retry_ssd()
+
+    # ---- the SSD tier's health --------------------------------------------------------------
+
+    @property
+    def writable(self) -> bool:
+        """Whether blocks can be archived now (an archive, not degraded)."""
+        return self.archive is not None and self.ssd_degraded is None
+
+    def _degrade(self, error: ArchiveWriteFailed) -> None:
+        self.counters.ssd_write_errors += 1
+        self._ssd_retry_at = time.monotonic() + self.ssd_retry_interval_s
+        if self.ssd_degraded is None:
+            self.ssd_degraded = str(error)
+            self.notices.append(("ssd_degraded", {"reason": str(error), "retry_s": self.ssd_retry_interval_s}))
+
+    def retry_ssd(self) -> bool:
+        """Try the degraded SSD tier again: cut the archive back to its last durable state and
+        take writes (the next failure degrades it again). Returns whether it is writable."""
+        if self.archive is None or self.ssd_degraded is None:
+            return self.archive is not None
+        self._settle()
+        try:
+            self.archive.recover()
+        except OSError as e:
+            self._ssd_retry_at = time.monotonic() + self.ssd_retry_interval_s
+            self.ssd_degraded = f"{self.ssd_degraded}; recovering failed: {e}"
+            return False
+        self.notices.append(("ssd_recovered", {"after": self.ssd_degraded}))
+        self.ssd_degraded = None
+        return True
+
+    def _drop_idle_kv(self, need: int, protect: dict[SeqId, int]) -> int:
+        """Free `need` DDR slots by forgetting the KV of idle sessions, least recently used
+        first, from their last block back (their tokens stay; the next request computes the KV
+        again). Returns the slots freed."""
+        b = self.blocks
+        busy = set(protect) | self.pinned | ({self._rewriting[0]} if self._rewriting else set())
+        freed = 0
+        for seq in sorted((s for s in b.tables() if s not in busy), key=lambda s: self._last_used.get(s, 0)):
+            t = b.table(seq)
+            per_block = (t.ddr[:, : t.num_blocks] != NONE).sum(axis=0)  # DDR copies of each block
+            if not per_block.any():
+                continue
+            from_end = np.cumsum(per_block[::-1])  # slots freed by dropping the last i+1 blocks
+            keep = t.num_blocks - 1 - int(np.searchsorted(from_end, need - freed))
+            keep = max(keep, 0)
+            got = int(per_block[keep:].sum())
+            copies = int((t.hbm[:, keep : t.num_blocks] != NONE).sum()) + got
+            b.truncate(seq, keep * b.block_size)
+            self.counters.recompute_evict_count += copies
+            self.notices.append(
+                ("kv_dropped_for_recompute", {"session": self.names.get(seq, str(seq)), "from_block": keep})
+            )
+            freed += got
+            if freed >= need:
+                break
+        return freed
 
     def prepare_append(self, seq: SeqId, n_tokens: int, batch: list[SeqId], protect: dict[SeqId, int]) -> None:
         """Make room so that `blocks.append(seq, n_tokens)` succeeds."""
@@ -397,7 +465,7 @@ class TierManager:
         self.counters.peak_hbm_bytes = max(self.counters.peak_hbm_bytes, used_hbm)
         cap = b.ddr_alloc.capacity
         excess = (cap - b.ddr_free) - int(self.high_watermark * cap)
-        if excess > 0 and self.archive is not None and not self.mover.in_flight:
+        if excess > 0 and self.writable and not self.mover.in_flight:
             self._spill(excess, self._order(batch, None), {})
 
     # ---- moves ------------------------------------------------------------------------------
@@ -427,12 +495,16 @@ class TierManager:
     def _free_ddr(self, need: int, order: list[Pair], protect: dict[SeqId, int]) -> None:
         """Free `need` DDR slots now: drop redundant copies first, then archive and drop."""
         self._settle()
-        freed = self._spill(need, order, protect, wait=True)
+        before = self.blocks.ddr_free
+        self._spill(need, order, protect, wait=True)
+        freed = self.blocks.ddr_free - before  # archive writes that failed freed nothing
+        if freed < need and self.ssd_degraded is not None:
+            freed += self._drop_idle_kv(need - freed, protect)
         if freed < need:
-            raise OutOfBlocks(
-                f"DDR is full: {need - freed} more blocks are needed and none can be evicted"
-                + ("" if self.archive is not None else " (no ssd_path is configured)")
-            )
+            why = " (no ssd_path is configured)" if self.archive is None else ""
+            if self.ssd_degraded is not None:
+                why = f" (the SSD tier is degraded: {self.ssd_degraded})"
+            raise OutOfBlocks(f"DDR is full: {need - freed} more blocks are needed and none can be evicted{why}")
 
     def _spill(self, need: int, order: list[Pair], protect: dict[SeqId, int], wait: bool = False) -> int:
         freed = 0
@@ -445,7 +517,7 @@ class TierManager:
                 freed += len(take)
             if freed >= need:
                 return freed
-        if self.archive is None:
+        if not self.writable:
             return freed
         for (seq, layer), _, costly in plans:
             take = costly[: need - freed]
@@ -473,7 +545,11 @@ class TierManager:
     def _complete(self, done: list[Transfer]) -> None:
         for transfer in done:
             blocks = self._spilling.pop(transfer.id, [])
-            transfer.future.result()  # an archive error surfaces here, before any DDR copy is dropped
+            try:
+                transfer.future.result()  # an archive error surfaces here, before any DDR copy is dropped
+            except ArchiveWriteFailed as e:
+                self._degrade(e)  # the blocks keep their DDR copies
+                continue
             for seq, layer, idx in blocks:
                 if not self.blocks.has(seq):
                     continue
@@ -580,6 +656,15 @@ class TierManager:
         if self.archive is None:
             raise NoArchive("a snapshot needs an archive: configure ssd_path")
         self._settle()
+        if self.ssd_degraded is not None and not self.retry_ssd():
+            raise SsdDegraded(f"the SSD tier takes no writes now: {self.ssd_degraded}")
+        try:
+            return self._snapshot(seq, partial)
+        except ArchiveWriteFailed as e:
+            self._degrade(e)
+            raise SsdDegraded(f"the SSD tier takes no writes now: {e}") from e
+
+    def _snapshot(self, seq: SeqId, partial: bool) -> int:
         b = self.blocks
         t = b.table(seq)
         full = t.num_tokens // b.block_size
@@ -640,6 +725,7 @@ class TierManager:
             ddr_used_bytes=ddr_used * self.block_bytes,
             ddr_capacity_bytes=b.ddr_alloc.capacity * self.block_bytes,
             ssd_used_bytes=ssd,
+            ssd_degraded=self.ssd_degraded is not None,
         )
 
     def check(self) -> None:

@@ -26,6 +26,8 @@ class TierCounters:
     fetch_bytes: int = 0
     peak_hbm_bytes: int = 0
     kv_rebuild_blocks: int = 0  # blocks (all layers) computed again: missing or damaged in the archive
+    ssd_write_errors: int = 0  # archive writes that failed (each degrades the SSD tier)
+    recompute_evict_count: int = 0  # block copies forgotten while the SSD tier was degraded, recomputed later
 
     @property
     def hbm_hit_rate(self) -> float:
@@ -67,6 +69,9 @@ class TierStats:
     ssd_used_bytes: int
     peak_hbm_bytes: int
     kv_rebuild_blocks: int
+    ssd_write_errors: int
+    recompute_evict_count: int
+    ssd_degraded: bool
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
