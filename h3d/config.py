@@ -44,6 +44,7 @@ class EngineConfig:
     ssd_codec: str = "raw-zstd"
     quantize_skip_layers: tuple[int, ...] = ()
     ddr_high_watermark: float = 0.85
+    ssd_capacity_mb: float | None = None  # live archive records beyond this: closed sessions' KV evicted
     ssd_retry_interval_s: float = 10.0  # a degraded SSD tier (full disk, I/O error) is tried again this often
     policy: str = "attention_entropy"
     window_tokens: int = 2048
@@ -93,6 +94,8 @@ class EngineConfig:
             raise ConfigError(f"ddr_mb: must be >= 0, got {self.ddr_mb}")
         _choice("ssd_codec", self.ssd_codec, SSD_CODECS)
         _choice("policy", self.policy, POLICIES)
+        if self.ssd_capacity_mb is not None and not self.ssd_capacity_mb > 0:
+            raise ConfigError(f"ssd_capacity_mb: must be > 0, got {self.ssd_capacity_mb}")
         if not self.ssd_retry_interval_s > 0:
             raise ConfigError(f"ssd_retry_interval_s: must be > 0, got {self.ssd_retry_interval_s}")
         if not 0 < self.ddr_high_watermark <= 1:

@@ -423,7 +423,7 @@ def cmd_session_close(c: Client, args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"session_id": args.id, "closed": True, "purge": args.purge})
     else:
-        print(f"closed {args.id}")
+        print(f"{'purged' if args.purge else 'closed'} {args.id}")
     return 0
 
 
@@ -713,7 +713,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_session_show)
     c = ss.add_parser("close", help="close a session, freeing its KV")
     c.add_argument("id", metavar="ID")
-    c.add_argument("--purge", action="store_true", help="also delete its archived blocks now")
+    c.add_argument(
+        "--purge",
+        action="store_true",
+        help="delete it now, token log and archived KV (without: closed, kept on disk, reopened when used)",
+    )
     c.set_defaults(func=cmd_session_close)
 
     c = sub.add_parser("append", help="add text to a session's context")

@@ -369,6 +369,9 @@ def test_evict_pin_policy_close(d: RunningDaemon) -> None:
     assert "INVALID_ARGUMENT" in r.stderr
 
     assert ok(d, "session", "close", sid).strip() == f"closed {sid}"
+    shown = ok_json(d, "session", "show", sid)
+    assert shown["closed"] is True and shown["residency"]["hbm_blocks"] == shown["residency"]["ddr_blocks"] == 0
+    assert ok(d, "session", "close", sid, "--purge").strip() == f"purged {sid}"
     r = failed(d, 1, "session", "show", sid)
     assert "NOT_FOUND" in r.stderr
     assert sid not in ok(d, "session", "list")

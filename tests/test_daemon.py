@@ -531,7 +531,7 @@ def test_random_field_values_never_fail_internally(limits_daemon: RunningDaemon)
         if name == "CreateSession":
             state.live.append(result.session_id)
             state.created += 1
-        elif name == "CloseSession":
+        elif name == "CloseSession" and req.purge:  # without purge it stays, closed
             state.live.remove(req.session_id)
             state.closed.append(req.session_id)
         elif name == "Generate":
@@ -708,10 +708,10 @@ BAD_INPUTS = [
         lambda c: c.admin.EvictSession(pb.EvictSessionRequest(session_id=NO_SUCH, to=pb.TIER_DDR)),
     ),
     bad(
-        "CloseSession twice",
+        "CloseSession purge twice",
         Code.NOT_FOUND,
         "no session",
-        lambda c: [c.h3.CloseSession(pb.CloseSessionRequest(session_id=s)) for s in [c.session()] * 2],
+        lambda c: [c.h3.CloseSession(pb.CloseSessionRequest(session_id=s, purge=True)) for s in [c.session()] * 2],
     ),
     bad(
         "append beyond max_context_tokens",
@@ -1010,7 +1010,7 @@ def test_tokens_and_ownership(model: Path, tmp_path: Path) -> None:
         pinned = admin.PinSession(pb.PinSessionRequest(session_id=sid), timeout=T, metadata=root)
         assert pinned.pinned and pinned.pinned_until == 0
         # Bob still cannot close it; Alice can.
-        h3.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=T, metadata=alice)
+        h3.CloseSession(pb.CloseSessionRequest(session_id=sid, purge=True), timeout=T, metadata=alice)
         assert list_all(h3, metadata=alice) == []
 
 

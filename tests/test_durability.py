@@ -144,27 +144,43 @@ def test_kill_9_during_streams_loses_no_streamed_token(checkpoint: Callable[[str
 
 
 def test_idle_sessions_expire_after_session_ttl_s(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
-    """With session_ttl_s, an idle session is closed (log and KV deleted); a pinned one is kept."""
-    ckpt = checkpoint("llama_gqa4_tied")
+    """With session_ttl_s, an idle session is closed: its KV leaves HBM and DDR for the archive, it
+    stays listed, and its next request reopens it and continues exactly; a pinned one is kept.
+    Closing with purge deletes its log and its archived KV."""
+    ckpt = checkpoint(MODEL)
+    prompt = random_prompt(200, VOCAB_SIZE, seed=90)
+    engine = Engine(EngineConfig.build(model=str(ckpt)))
+    ref = engine.create_session()
+    engine.append(ref, token_ids=prompt)
+    want = [list(engine.complete(ref, "", GREEDY).token_ids) for _ in range(2)]
+    engine.close()
     data = tmp_path / "data"
     with running_daemon(ckpt, data, tcp=False, extra=["--session-ttl-s", "1"]) as d:
         h3, admin = d.h3(), d.admin()
         idle = h3.CreateSession(pb.CreateSessionRequest()).session_id
         kept = h3.CreateSession(pb.CreateSessionRequest()).session_id
-        _append(h3, idle, [5, 6, 7])
+        _append(h3, idle, prompt)
+        assert _generate(h3, idle) == want[0]
         admin.PinSession(pb.PinSessionRequest(session_id=kept))
         deadline = time.monotonic() + 60
-        while idle in {s.session_id for s in h3.ListSessions(pb.ListSessionsRequest()).sessions}:
+        while not h3.GetSession(pb.GetSessionRequest(session_id=idle)).closed:
             assert time.monotonic() < deadline, "the idle session never expired"
             time.sleep(0.2)
-        assert [s.session_id for s in h3.ListSessions(pb.ListSessionsRequest()).sessions] == [kept]
+        assert not h3.GetSession(pb.GetSessionRequest(session_id=kept)).closed
         assert [e["session_id"] for e in d.events("session_expired")] == [idle]
+        closed = h3.GetSession(pb.GetSessionRequest(session_id=idle))
+        assert closed.residency.hbm_blocks == closed.residency.ddr_blocks == 0 < closed.residency.ssd_blocks
+        assert _generate(h3, idle) == want[1]  # reopened from the archive
+        h3.CloseSession(pb.CloseSessionRequest(session_id=idle, purge=True))
         assert not (data / "sessions" / f"{idle}.h3log").exists()
+        assert [s.session_id for s in h3.ListSessions(pb.ListSessionsRequest()).sessions] == [kept]
         try:
             h3.GetSession(pb.GetSessionRequest(session_id=idle))
-            raise AssertionError("an expired session is still served")
+            raise AssertionError("a purged session is still served")
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.NOT_FOUND
+        stats = getattr(h3.GetStats(pb.GetStatsRequest()), "global")
+        assert stats.kv_rebuild_blocks == 0
 
 
 def test_a_full_ssd_degrades_the_tier_and_the_daemon_keeps_answering(

@@ -46,7 +46,7 @@ from h3d.engine.engine import Engine
 from h3d.engine.runner import Chunk
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import GenerationDone, RequestFailed, SessionId, TokenDelta
-from h3d.errors import H3Error, OutOfBlocks, SsdDegraded
+from h3d.errors import H3Error, OutOfBlocks, SessionNotFound, SsdDegraded
 from h3d.kv.blocks import NONE, SeqId
 from h3d.kv.pool import KVPool
 from h3d.tiers.archive import Archive, ArchiveCorrupt, ArchiveMismatch, BlockKey, CacheIdentity
@@ -840,3 +840,94 @@ def test_full_disk_degrades_the_ssd_tier_and_serving_goes_on(
         assert reopened.keys() == keys
         for key in keys:
             reopened.get(key)  # every record the manifest lists is whole
+
+
+# ---- (e) closed sessions, purge and ssd_capacity_mb ------------------------------------------------
+
+
+def _closing_engine(model: Path, folder: Path, **overrides: Any) -> Engine:
+    return make_engine(model, ssd_path=str(folder / "archive"), session_log_path=str(folder / "sessions"), **overrides)
+
+
+def test_a_closed_session_leaves_memory_and_reopens_where_it_stopped(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Closing (without purge) moves the session's KV to the archive only, freeing its HBM and DDR
+    slots; its next request reopens it and continues as if it had never closed. Purging deletes
+    its archived KV and its log."""
+    engine = _closing_engine(checkpoint(MODEL), tmp_path)
+    twin = make_engine(checkpoint(MODEL))
+    prompt = random_prompt(299, VOCAB_SIZE, seed=11)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    sid, twin_sid = engine.create_session(), twin.create_session()
+    engine.append(sid, token_ids=prompt)
+    twin.append(twin_sid, token_ids=prompt)
+    assert engine.complete(sid, "", params).token_ids == twin.complete(twin_sid, "", params).token_ids
+    seq = engine.session(sid).seq
+    engine.close_session(sid)
+    assert engine.session(sid).closed
+    hbm, ddr, ssd = engine.runner.tiers.residency(seq)
+    assert hbm == ddr == 0 and ssd == engine.runner.blocks.table(seq).num_blocks * engine.runner.blocks.num_layers
+    assert engine.tier_stats().hbm_used_bytes == engine.tier_stats().ddr_used_bytes == 0
+    engine.runner.tiers.check()
+    engine.close_session(sid)  # closing a closed session changes nothing
+    assert engine.complete(sid, "", params).token_ids == twin.complete(twin_sid, "", params).token_ids
+    assert not engine.session(sid).closed and engine.tier_stats().kv_rebuild_blocks == 0
+    engine.close_session(sid, purge=True)
+    archive = engine.runner.tiers.archive
+    assert archive is not None and not archive.blocks_of(sid)
+    assert not list((tmp_path / "sessions").glob(f"{sid}*"))
+    with pytest.raises(SessionNotFound):
+        engine.session(sid)
+    engine.close()
+    twin.close()
+
+
+def test_ssd_capacity_evicts_closed_sessions_coldest_first_and_reclaims_disk(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Past ssd_capacity_mb of live archive records, the archived KV of closed sessions goes, least
+    recently used first; compaction gives the disk space back; an evicted session reopens by
+    computing its KV again from its tokens, with the same output."""
+    engine = _closing_engine(checkpoint(MODEL), tmp_path)
+    prompts = [random_prompt(299, VOCAB_SIZE, seed=80 + i) for i in range(3)]
+    sids = []
+    for ids in prompts:
+        sid = engine.create_session()
+        engine.append(sid, token_ids=ids)
+        engine.close_session(sid)
+        sids.append(sid)
+    archive = engine.runner.tiers.archive
+    assert archive is not None
+    per_session = archive.live_bytes() / 3
+    disk = archive.disk_bytes()
+    engine.close()
+
+    capacity_mb = 2.5 * per_session / 2**20  # two closed sessions fit, not three
+    engine = _closing_engine(checkpoint(MODEL), tmp_path, ssd_capacity_mb=capacity_mb)
+    archive = engine.runner.tiers.archive
+    assert archive is not None
+    for sid in sids[1:]:
+        engine.session(sid).last_used_at += 1  # sids[0] is the coldest
+    extra = engine.create_session()
+    engine.append(extra, token_ids=random_prompt(40, VOCAB_SIZE, seed=7))
+    engine.close_session(extra)  # triggers the check
+    assert engine.evictions == [sids[0]]
+    assert archive.live_bytes() <= capacity_mb * 2**20
+    assert archive.disk_bytes() < disk
+    assert not archive.blocks_of(sids[0]) and archive.blocks_of(sids[1]) and archive.blocks_of(sids[2])
+    assert engine.cached_tokens(sids[0]) == 0 and engine.session(sids[0]).closed
+    twin = make_engine(checkpoint(MODEL))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    for sid, ids in zip(sids, prompts, strict=True):
+        t = twin.create_session()
+        twin.append(t, token_ids=ids)
+        assert engine.complete(sid, "", params).token_ids == twin.complete(t, "", params).token_ids
+    engine.runner.tiers.check()
+    keys = archive.keys()
+    engine.close()
+    twin.close()
+    with Archive(tmp_path / "archive", archive.identity) as reopened:  # compaction left a clean store
+        assert reopened.keys() == keys
+        for key in keys:
+            reopened.get(key)

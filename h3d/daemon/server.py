@@ -211,7 +211,8 @@ class Daemon:
             )
 
     async def _expiry_loop(self) -> None:
-        """Close sessions idle for `session_ttl_s` (not busy, not pinned), when it is set."""
+        """Close sessions idle for `session_ttl_s` (not busy, not pinned, not closed yet), when it is set:
+        their KV goes to the archive only, and their next request reopens them."""
         while True:
             ttl = self.state.config.session_ttl_s
             await asyncio.sleep(min(max(ttl / 4, 0.2), 10.0) if ttl else 5.0)
@@ -219,7 +220,6 @@ class Daemon:
                 continue
             closed = await self.worker.call(functools.partial(_close_idle, ttl_s=ttl))
             for sid in closed:
-                self.state.owners.pop(sid, None)
                 log.info("session_expired", session_id=sid, ttl_s=ttl)
 
     async def _watchdog_loop(self, every_s: float) -> None:
@@ -250,7 +250,7 @@ def _close_idle(engine: Engine, *, ttl_s: float) -> list[SessionId]:
     idle = [
         s.id
         for s in engine.sessions.values()
-        if not s.busy and s.pinned_until is None and now - s.last_used_at >= ttl_s
+        if not s.busy and not s.closed and s.pinned_until is None and now - s.last_used_at >= ttl_s
     ]
     for sid in idle:
         engine.close_session(sid)

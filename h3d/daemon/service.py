@@ -137,6 +137,7 @@ def session_pb(engine: Engine, session: Session, with_tokens: bool = False) -> p
         ),
         residency=residency_pb(engine, session),
         window_tokens=engine.runner.selection[session.seq].window_tokens,
+        closed=session.closed,
     )
     if s.seed is not None:
         out.sampling.seed = s.seed
@@ -256,8 +257,9 @@ class H3Servicer:
         self, request: pb.CloseSessionRequest, context: Any, caller: Caller
     ) -> pb.CloseSessionResponse:
         sid = self.s.check_owner(caller, request.session_id)
-        await self.s.worker.call(lambda e: e.close_session(sid))
-        self.s.owners.pop(sid, None)
+        await self.s.worker.call(lambda e: e.close_session(sid, purge=request.purge))
+        if request.purge:
+            self.s.owners.pop(sid, None)
         return pb.CloseSessionResponse()
 
     async def AppendContext(

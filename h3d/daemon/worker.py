@@ -101,9 +101,25 @@ class EngineWorker:
 
     # ---- the engine thread ------------------------------------------------------------------
 
+    def _report(self) -> None:
+        """Log what the engine noted outside the request flow: KV rebuilt, the SSD tier's health,
+        closed sessions' KV evicted for ssd_capacity_mb."""
+        engine = self.engine
+        for reason in engine.rebuilds:
+            log.warning("kv_rebuild", reason=reason)
+        engine.rebuilds.clear()
+        for sid in engine.evictions:
+            log.info("kv_evicted_for_capacity", session_id=sid)
+        engine.evictions.clear()
+        tiers = engine.runner.tiers
+        for name, fields in tiers.notices:
+            (log.info if name == "ssd_recovered" else log.warning)(name, **fields)
+        tiers.notices.clear()
+
     def _run(self) -> None:
         while True:
             self._run_commands()
+            self._report()
             self._dispatch(self.engine.take_events())
             if self._stop:
                 return
@@ -123,13 +139,7 @@ class EngineWorker:
                     _drop_unsampled_kv(self.engine, event.session_id)
             if self.engine.journal is not None:
                 self.engine.journal.sync_due()  # group commit of the token logs
-            for reason in self.engine.rebuilds:
-                log.warning("kv_rebuild", reason=reason)
-            self.engine.rebuilds.clear()
-            tiers = self.engine.runner.tiers
-            for name, fields in tiers.notices:
-                (log.info if name == "ssd_recovered" else log.warning)(name, **fields)
-            tiers.notices.clear()
+            self._report()
             made = self.engine.counters.generated_tokens - before
             if made:
                 now = time.monotonic()

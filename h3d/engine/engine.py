@@ -52,7 +52,7 @@ from h3d.model.fingerprint import model_fingerprint
 from h3d.model.loader import load_model
 from h3d.model.tokenizer import Tokenizer
 from h3d.store.tokenlog import TokenStore
-from h3d.tiers.archive import Archive, ArchiveCorrupt, BlockKey, CacheIdentity
+from h3d.tiers.archive import Archive, ArchiveCorrupt, ArchiveWriteFailed, BlockKey, CacheIdentity
 from h3d.tiers.codecs import Codec
 from h3d.tiers.stats import TierStats
 
@@ -99,6 +99,7 @@ class Engine:
         self.journal: TokenStore | None = None
         self.restored: list[SessionId] = []  # sessions reopened from the token logs at start
         self.rebuilds: list[str] = []  # why KV was dropped to be prefilled again (the daemon logs them)
+        self.evictions: list[SessionId] = []  # closed sessions whose archived KV ssd_capacity_mb evicted
         self._rebuilt: set[BlockKey] = set()  # damaged records already dropped once
         if config.session_log_path is not None:
             self.journal = TokenStore(Path(config.session_log_path), config.fsync_interval_ms)
@@ -143,6 +144,7 @@ class Engine:
         return {
             "policy": session.policy,
             "owner": session.owner,
+            "closed": session.closed,
             "created_at": session.created_at,
             "sampling": sampling,
             "hbf": hbf,
@@ -168,6 +170,7 @@ class Engine:
                 pieces=int(bool(r.tokens)),
                 created_at=float(meta.get("created_at", time.time())),
                 owner=str(meta.get("owner", "")),
+                closed=bool(meta.get("closed", False)),
             )
             self.runner.open(session.seq, session.id, session.policy)
             hbf = meta.get("hbf") or {}
@@ -254,14 +257,63 @@ class Engine:
         del session.tokens[num_tokens:]
         self.runner.blocks.truncate(session.seq, max(0, min(self.cached_tokens(session_id), num_tokens - 1)))
 
-    def close_session(self, session_id: SessionId) -> None:
+    def close_session(self, session_id: SessionId, purge: bool = False) -> None:
+        """End `session_id`'s requests (cancelled) and free its memory. With `purge`, the session
+        is deleted: its token log and archived KV go. Without, it is closed: its KV goes to the
+        archive only (or is forgotten, to be computed again, without a writable archive), it
+        stays listed, and its next request reopens it where it stopped."""
         session = self.session(session_id)
         for req in [r for r in self._requests.values() if r.session is session]:
             self._ended.append(self._finish(req, FinishReason.CANCELLED))
-        self.runner.release(session.seq)
-        del self.sessions[session_id]
+        if purge:
+            self.runner.release(session.seq)
+            del self.sessions[session_id]
+            if self.journal is not None:
+                self.journal.delete(session_id)
+            return
+        if session.closed:
+            return
+        session.pinned_until = None
+        tiers = self.runner.tiers
+        try:
+            if not tiers.writable:
+                raise SsdDegraded("no writable archive")
+            self.runner.park(session.seq)
+        except SsdDegraded:
+            tiers.forget(session.seq)
+        session.closed = True
         if self.journal is not None:
-            self.journal.delete(session_id)
+            self.journal.set_meta(session.id, self._meta(session))
+        self._enforce_ssd_capacity()
+
+    def _reopen(self, session: Session) -> None:
+        session.closed = False
+        if self.journal is not None:
+            self.journal.set_meta(session.id, self._meta(session))
+
+    def _enforce_ssd_capacity(self) -> None:
+        """Past `ssd_capacity_mb` of live archive records: forget the archived KV of closed
+        sessions, least recently used first (their tokens stay; the KV is computed again if
+        they are reopened); then reclaim the disk space of dead records."""
+        archive, cap = self.runner.tiers.archive, self.config.ssd_capacity_mb
+        if archive is None or cap is None or not self.runner.tiers.writable:
+            return
+        limit = int(cap * 2**20)
+        try:
+            if archive.live_bytes() > limit:
+                closed = sorted((s for s in self.sessions.values() if s.closed), key=lambda s: s.last_used_at)
+                for session in closed:
+                    if self.runner.cached_tokens(session.seq) == 0:
+                        continue
+                    self.runner.tiers.forget(session.seq)
+                    self.evictions.append(session.id)
+                    if archive.live_bytes() <= limit:
+                        break
+            disk = archive.disk_bytes()
+            if disk > limit and disk - archive.live_bytes() >= limit / 10:  # worth copying the live records
+                archive.compact(keep_ratio=1.0)
+        except ArchiveWriteFailed as e:
+            self.runner.tiers.degrade(e)
 
     def set_policy(self, session_id: SessionId, policy: str) -> None:
         """Switch the HBF policy a session's decode steps use (takes effect at the next step)."""
@@ -318,6 +370,8 @@ class Engine:
         session = self.session(session_id)
         if session.busy:
             raise SessionBusy(f"session {session_id} already has a request in flight")
+        if session.closed:
+            self._reopen(session)
         params = (params or session.sampling).validate()
         ids = list(token_ids or [])
         if text:
@@ -395,6 +449,8 @@ class Engine:
                 # The runner left no half-written KV behind; the sessions keep their tokens.
                 return events + [self._fail(req, exc) for req in reqs]
             self.counters.steps += 1
+            if self.counters.steps % 64 == 0:
+                self._enforce_ssd_capacity()
             self.counters.prefill_tokens += sum(len(c.token_ids) for c in chunks if len(c.token_ids) > 1)
             events += self._commit(chunks, reqs, logits)
         return events

@@ -42,6 +42,7 @@ class Session:
     busy: bool = False
     pinned_until: float | None = None  # PinSession: Unix expiry, inf for none; None: not pinned
     owner: str = ""  # who may use it (the daemon's token hash); kept in the token log
+    closed: bool = False  # closed (not purged): its KV is in the archive only; its next request reopens it
 
 
 @dataclass(frozen=True, slots=True)

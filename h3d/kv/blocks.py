@@ -475,6 +475,20 @@ class BlockManager:
         table.ddr[layer, blocks] = NONE
         table.version += 1
 
+    def drop_to_archive(self, seq: SeqId) -> None:
+        """Drop every HBM and DDR copy of `seq`'s blocks, all of which the archive holds (its
+        partial last block too, written as it is now): a closed session, like after a restart."""
+        table = self._tables[seq]
+        nb = table.num_blocks
+        if not table.archived[:, :nb].all():
+            raise RuntimeError(f"seq {seq}: dropping every copy of blocks the archive lacks")
+        for layer, alloc in enumerate(self.hbm_alloc):
+            alloc.release(table.hbm[layer, :nb])
+            self.ddr_alloc.release(table.ddr[layer, :nb])
+        table.hbm[:, :nb] = NONE
+        table.ddr[:, :nb] = NONE
+        table.version += 1
+
     def unadd_ddr(self, seq: SeqId, layer: int, blocks: np.ndarray) -> None:
         """Give back the DDR slots `add_ddr` just took for `blocks` when their bytes never arrived
         (a failed archive read): the blocks stay where they were, in the archive."""
@@ -539,6 +553,7 @@ class BlockManager:
             row = hbm[layer][hbm[layer] != NONE]
             assert ((row >= first) & (row < first + self.slots_per_layer)).all(), f"seq {seq}: layer {layer} region"
         assert ((hbm != NONE) | (ddr != NONE) | arch).all(), f"seq {seq}: a block is in no tier"
-        if table.num_tokens % self.block_size:
-            assert ((hbm[:, -1] != NONE) | (ddr[:, -1] != NONE)).all(), f"seq {seq}: partial block not in HBM/DDR"
+        if table.num_tokens % self.block_size:  # the archive holds it only in the state a restart leaves
+            last = (hbm[:, -1] != NONE) | (ddr[:, -1] != NONE)
+            assert last.all() or (~last & arch[:, -1]).all(), f"seq {seq}: partial block not in HBM/DDR"
         assert (table.hbm[:, nb:] == NONE).all() and (table.ddr[:, nb:] == NONE).all(), f"seq {seq}: stale slots"

@@ -181,6 +181,7 @@ class Archive:
         self._write_lock = threading.Lock()
         self._state = threading.Lock()
         self._index: dict[str, dict[tuple[int, int], _Loc]] = {}  # session -> (layer, index) -> place
+        self._live: dict[int, int] = {}  # segment -> bytes of its records the index points at
         self._counts = [0, 0, 0, 0]  # raw_bytes, stored_bytes, records, reads
         self._closed = False
         self._broken: str | None = None  # set when a write failed midway: further writes refused
@@ -263,13 +264,28 @@ class Archive:
     def _apply(self, entry: dict[str, Any], ends: dict[int, int], file: Path, pos: int) -> None:
         try:
             if entry["op"] == "del":
-                self._index.pop(entry["s"], None)
+                self._forget(entry["s"])
                 return
             loc = _Loc(entry["seg"], entry["off"], entry["len"], entry["n"], Codec(entry["c"]), entry["crc"])
-            self._index.setdefault(entry["s"], {})[(entry["l"], entry["i"])] = loc
+            self._place(BlockKey(entry["s"], entry["l"], entry["i"]), loc)
             ends[loc.segment] = max(ends.get(loc.segment, 0), loc.offset + loc.length)
         except (KeyError, ValueError, TypeError) as e:
             raise ArchiveMismatch(f"{file} offset {pos}: manifest entry of an unknown format ({e!r})") from e
+
+    def _place(self, key: BlockKey, loc: _Loc) -> None:
+        """Point the index at `loc` for `key` (under `_state`, or while opening)."""
+        blocks = self._index.setdefault(key.session, {})
+        old = blocks.get((key.layer, key.index))
+        if old is not None:
+            self._live[old.segment] -= old.length
+        blocks[(key.layer, key.index)] = loc
+        self._live[loc.segment] = self._live.get(loc.segment, 0) + loc.length
+
+    def _forget(self, session: str) -> int:
+        blocks = self._index.pop(session, {})
+        for loc in blocks.values():
+            self._live[loc.segment] -= loc.length
+        return len(blocks)
 
     def _trim_segments(self, ends: dict[int, int]) -> tuple[int, int]:
         """Cut bytes no entry points at (left by a crash mid-put). -> (active segment, its size)."""
@@ -344,7 +360,7 @@ class Archive:
             self._append_manifest([_put_entry(p.key, loc) for p, loc in zip(pending, locs, strict=True)])
             with self._state:
                 for p, loc in zip(pending, locs, strict=True):
-                    self._index.setdefault(p.key.session, {})[(p.key.layer, p.key.index)] = loc
+                    self._place(p.key, loc)
                     self._counts[0] += p.raw_bytes
                     self._counts[1] += p.payload_bytes
                 self._counts[2] += len(pending)
@@ -370,12 +386,16 @@ class Archive:
         record, crc = pack_record(self._header(key, n, CODEC_IDS[codec]), payload)
         return _Pending(key, record, n, codec, crc, 2 * k.numel() * k.element_size(), len(payload))
 
+    def _rotate(self) -> None:
+        """Start the next segment (the new file first: a failure leaves the active one open)."""
+        fd = self._open_segment(self._seg_no + 1)
+        os.close(self._seg_fd)
+        self._seg_no, self._seg_size, self._seg_fd = self._seg_no + 1, 0, fd
+
     def _append_records(self, pending: list[_Pending]) -> list[_Loc]:
         """Append one batch to the active segment (never split across two) and fsync it."""
         if self._seg_size >= self._segment_bytes:
-            fd = self._open_segment(self._seg_no + 1)
-            os.close(self._seg_fd)
-            self._seg_no, self._seg_size, self._seg_fd = self._seg_no + 1, 0, fd
+            self._rotate()
         locs, offset = [], self._seg_size
         for p in pending:
             locs.append(_Loc(self._seg_no, offset, len(p.record), p.num_tokens, p.codec, p.crc))
@@ -386,13 +406,10 @@ class Archive:
         return locs
 
     def _append_manifest(self, entries: list[dict[str, Any]]) -> None:
-        lines = []
-        for entry in entries:
-            body = json.dumps(entry, separators=(",", ":")).encode()
-            lines.append(b"%08x %s\n" % (zlib.crc32(body), body))
-        _write_all(self._man_fd, b"".join(lines), self._man_size)
+        data = _manifest_lines(entries)
+        _write_all(self._man_fd, data, self._man_size)
         os.fsync(self._man_fd)
-        self._man_size += sum(map(len, lines))  # only once durable: `recover` cuts back to it
+        self._man_size += len(data)  # only once durable: `recover` cuts back to it
 
     def delete_session(self, session: str) -> int:
         """Forget every block of `session` (one durable tombstone line). -> number of blocks removed."""
@@ -403,8 +420,75 @@ class Archive:
                 return 0
             self._append_manifest([{"op": "del", "s": session}])
             with self._state:
-                self._index.pop(session, None)
+                self._forget(session)
             return n
+
+    def live_bytes(self) -> int:
+        """Bytes of the records the store holds now (what compaction would keep)."""
+        with self._state:
+            return sum(self._live.values())
+
+    def disk_bytes(self) -> int:
+        """Bytes the segments take on disk."""
+        return sum(p.stat().st_size for p in self.path.glob("seg-*.h3kv"))
+
+    def compact(self, keep_ratio: float = 0.5) -> int:
+        """Reclaim the space of dead records (superseded or deleted): the live records of every
+        segment less than `keep_ratio` live are copied into a new segment (bytes as they are,
+        checksums kept), the manifest is rewritten with the live entries only (a new file,
+        fsynced, renamed over the old one), and those segments are deleted. A crash at any point
+        leaves a store that opens to the same contents. Returns the bytes freed on disk."""
+        with self._writing():
+            sizes = {int(p.stem[4:]): p.stat().st_size for p in self.path.glob("seg-*.h3kv") if p.stem[4:].isdigit()}
+            with self._state:
+                victims = {n for n, size in sizes.items() if size and self._live.get(n, 0) < keep_ratio * size}
+                moving = [
+                    (BlockKey(s, li[0], li[1]), loc)
+                    for s, blocks in self._index.items()
+                    for li, loc in blocks.items()
+                    if loc.segment in victims
+                ]
+            if not victims:
+                return 0
+            if self._seg_no in victims:  # the copies go to a new segment
+                self._rotate()
+            pending = []
+            for key, loc in moving:
+                fd = os.open(self._seg_path(loc.segment), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    data = os.pread(fd, loc.length, loc.offset)
+                finally:
+                    os.close(fd)
+                pending.append(_Pending(key, data, loc.num_tokens, loc.codec, loc.crc, 0, len(data)))
+            locs = self._append_records(pending) if pending else []
+            with self._state:
+                for p, loc in zip(pending, locs, strict=True):
+                    self._place(p.key, loc)
+                entries = [
+                    _put_entry(BlockKey(s, li[0], li[1]), loc) for s, blocks in self._index.items()
+                    for li, loc in blocks.items()
+                ]  # fmt: skip
+            self._rewrite_manifest(entries)
+            for n in victims:
+                self._seg_path(n).unlink(missing_ok=True)
+                self._live.pop(n, None)
+            _fsync_dir(self.path)
+            return sum(sizes[n] for n in victims)
+
+    def _rewrite_manifest(self, entries: list[dict[str, Any]]) -> None:
+        data = _manifest_lines(entries)
+        tmp = self.path / "manifest.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            _write_all(fd, data, 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        tmp.replace(self.path / "manifest.log")
+        _fsync_dir(self.path)
+        os.close(self._man_fd)
+        self._man_fd = os.open(self.path / "manifest.log", os.O_WRONLY | os.O_CLOEXEC)
+        self._man_size = len(data)
 
     def contains(self, key: BlockKey) -> bool:
         with self._state:
@@ -503,6 +587,15 @@ class Archive:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _manifest_lines(entries: list[dict[str, Any]]) -> bytes:
+    """Manifest lines: the crc32 of the JSON body in 8 hex digits, a space, the body."""
+    out = []
+    for entry in entries:
+        body = json.dumps(entry, separators=(",", ":")).encode()
+        out.append(b"%08x %s\n" % (zlib.crc32(body), body))
+    return b"".join(out)
 
 
 def _put_entry(key: BlockKey, loc: _Loc) -> dict[str, Any]:

@@ -134,7 +134,7 @@ class TierManager:
         """Whether blocks can be archived now (an archive, not degraded)."""
         return self.archive is not None and self.ssd_degraded is None
 
-    def _degrade(self, error: ArchiveWriteFailed) -> None:
+    def degrade(self, error: ArchiveWriteFailed) -> None:
         self.counters.ssd_write_errors += 1
         self._ssd_retry_at = time.monotonic() + self.ssd_retry_interval_s
         if self.ssd_degraded is None:
@@ -548,7 +548,7 @@ class TierManager:
             try:
                 transfer.future.result()  # an archive error surfaces here, before any DDR copy is dropped
             except ArchiveWriteFailed as e:
-                self._degrade(e)  # the blocks keep their DDR copies
+                self.degrade(e)  # the blocks keep their DDR copies
                 continue
             for seq, layer, idx in blocks:
                 if not self.blocks.has(seq):
@@ -661,7 +661,7 @@ class TierManager:
         try:
             return self._snapshot(seq, partial)
         except ArchiveWriteFailed as e:
-            self._degrade(e)
+            self.degrade(e)
             raise SsdDegraded(f"the SSD tier takes no writes now: {e}") from e
 
     def _snapshot(self, seq: SeqId, partial: bool) -> int:
@@ -688,6 +688,34 @@ class TierManager:
                 written += 1
         self.counters.ssd_write_count += written
         return written
+
+    def park(self, seq: SeqId) -> int:
+        """A closed session: every block, the partial last one included, durable in the archive,
+        then every HBM and DDR copy dropped (the state a restart leaves: the next step that uses
+        it stages its blocks back). Returns the blocks written."""
+        written = self.snapshot(seq, partial=True)
+        b = self.blocks
+        t = b.table(seq)
+        if t.num_tokens % b.block_size:
+            for layer in range(b.num_layers):  # its record is current: it is the partial block's only copy now
+                b.set_archived(seq, layer, np.array([t.num_blocks - 1]))
+        b.drop_to_archive(seq)
+        self.pinned.discard(seq)
+        return written
+
+    def forget(self, seq: SeqId) -> int:
+        """Forget all of `seq`'s KV (its archived records too): computed again from its tokens
+        when it is used next. Returns the block copies dropped."""
+        b = self.blocks
+        t = b.table(seq)
+        nb = t.num_blocks
+        copies = int((t.hbm[:, :nb] != NONE).sum() + (t.ddr[:, :nb] != NONE).sum())
+        b.truncate(seq, 0)
+        if self.writable and seq in self.names:
+            assert self.archive is not None
+            self.archive.delete_session(self.names[seq])
+        self.counters.recompute_evict_count += copies
+        return copies
 
     def adopt(self, seq: SeqId, num_tokens: int) -> int:
         """After a restart: give `seq` the longest prefix of its first `num_tokens` tokens whose
