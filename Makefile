@@ -1,6 +1,7 @@
 # make run   — set up .venv, convert the embedded model once into $(DATA), and start the daemon on it
 # make proto — regenerate h3d/_proto from protos/ (make test checks it is current)
-# make test  — set up .venv, then lint (ruff), type-check (mypy h3d) and run the tests
+# make test  — set up .venv, then lint (ruff), type-check (mypy h3d) and run the tests, Python then Node
+# make test-node — the Node client's tests (clients/node), against a daemon they start
 # make bench — CPU benchmarks (vs transformers, codecs, HBF cost, retrieval): docs/BENCHMARKS.md; hours
 
 PYTHON ?= python3
@@ -8,11 +9,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 DATA   ?= data
 MODEL  ?= $(DATA)/models/smollm2-135m-instruct
-STAMP  := $(VENV)/.installed-v2
+STAMP  := $(VENV)/.installed-v3
 RUNDIR ?= $(abspath $(DATA)/run)
 PROMPT ?= In two sentences, why does a long conversation need a large KV cache?
+# The Node client's tests serve the embedded model from where the Python tests convert it (unless
+# they found it in data/: then test-node converts it there).
+TEST_MODEL := $(abspath .cache/models/smollm2-135m-instruct)
 
-.PHONY: run test lint proto bench setup model clean
+.PHONY: run test test-node lint proto bench setup model clean
 
 setup: $(STAMP)
 
@@ -46,6 +50,11 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-node
+
+test-node: $(STAMP)
+	test -f $(TEST_MODEL)/config.json || $(BIN)/h3d convert-gguf --embedded $(TEST_MODEL)
+	cd clients/node && npm ci --no-audit --no-fund && H3D_BIN=$(abspath $(BIN))/h3d H3D_MODEL=$(TEST_MODEL) npm test
 
 bench: $(STAMP) $(MODEL)/config.json
 	$(BIN)/python -m pip install -q -e '.[bench]'

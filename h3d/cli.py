@@ -126,10 +126,10 @@ def cmd_convert_gguf(args: argparse.Namespace) -> int:
 
     if args.embedded == (args.file is not None):
         raise H3Error("give either a GGUF FILE or --embedded")
-    src = embedded_gguf() if args.embedded else Path(args.file)
     if args.if_missing and (Path(args.outdir) / "config.json").is_file():
         print(f"{args.outdir} already holds a converted model", file=sys.stderr)
         return 0
+    src = embedded_gguf() if args.embedded else Path(args.file)
     print(f"converting {src} -> {args.outdir}", file=sys.stderr)
     out = convert_gguf(src, args.outdir)
     print(f"wrote {out}", file=sys.stderr)

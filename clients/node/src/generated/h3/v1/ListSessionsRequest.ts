@@ -1,0 +1,24 @@
+// Original file: ../../protos/h3/v1/h3.proto
+
+
+export interface ListSessionsRequest {
+  /**
+   * Sessions per page: 1..1000; 0 means 100.
+   */
+  'pageSize'?: (number);
+  /**
+   * From a previous response's `next_page_token`; empty for the first page.
+   */
+  'pageToken'?: (string);
+}
+
+export interface ListSessionsRequest__Output {
+  /**
+   * Sessions per page: 1..1000; 0 means 100.
+   */
+  'pageSize': (number);
+  /**
+   * From a previous response's `next_page_token`; empty for the first page.
+   */
+  'pageToken': (string);
+}

@@ -1,0 +1,28 @@
+// Original file: ../../protos/h3/v1/h3.proto
+
+import type { TierResidency as _h3_v1_TierResidency, TierResidency__Output as _h3_v1_TierResidency__Output } from '../../h3/v1/TierResidency.js';
+import type { Long } from '@grpc/proto-loader';
+
+export interface SessionStats {
+  'sessionId'?: (string);
+  'numTokens'?: (number | string | Long);
+  'residency'?: (_h3_v1_TierResidency | null);
+  /**
+   * This session's blocks read from HBM / all blocks it read.
+   */
+  'hbmHitRate'?: (number | string);
+  'ssdReadCount'?: (number | string | Long);
+  'windowTokens'?: (number | string | Long);
+}
+
+export interface SessionStats__Output {
+  'sessionId': (string);
+  'numTokens': (number);
+  'residency': (_h3_v1_TierResidency__Output | null);
+  /**
+   * This session's blocks read from HBM / all blocks it read.
+   */
+  'hbmHitRate': (number);
+  'ssdReadCount': (number);
+  'windowTokens': (number);
+}

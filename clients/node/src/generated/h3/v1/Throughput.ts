@@ -1,0 +1,35 @@
+// Original file: ../../protos/h3/v1/h3.proto
+
+import type { Long } from '@grpc/proto-loader';
+
+export interface Throughput {
+  /**
+   * Generated tokens per second over the last `window_s` seconds.
+   */
+  'tokensPerS'?: (number | string);
+  'windowS'?: (number | string);
+  'generatedTokensTotal'?: (number | string | Long);
+  'prefillTokensTotal'?: (number | string | Long);
+  /**
+   * Requests running in the engine, and waiting for a batch slot.
+   */
+  'activeRequests'?: (number);
+  'queuedRequests'?: (number);
+  'sessions'?: (number);
+}
+
+export interface Throughput__Output {
+  /**
+   * Generated tokens per second over the last `window_s` seconds.
+   */
+  'tokensPerS': (number);
+  'windowS': (number);
+  'generatedTokensTotal': (number);
+  'prefillTokensTotal': (number);
+  /**
+   * Requests running in the engine, and waiting for a batch slot.
+   */
+  'activeRequests': (number);
+  'queuedRequests': (number);
+  'sessions': (number);
+}

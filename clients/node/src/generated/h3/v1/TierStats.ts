@@ -1,0 +1,137 @@
+// Original file: ../../protos/h3/v1/h3.proto
+
+import type { Long } from '@grpc/proto-loader';
+
+/**
+ * The KV tiers' counters and occupancy. Counters count blocks (one layer's `block_size` tokens)
+ * since the daemon started.
+ */
+export interface TierStats {
+  /**
+   * Blocks read by attention that were in HBM / all blocks read.
+   */
+  'hbmHitRate'?: (number | string);
+  'hbmHits'?: (number | string | Long);
+  'hbmMisses'?: (number | string | Long);
+  /**
+   * DDR copies dropped (after a durable archive write, or because HBM holds a copy).
+   */
+  'ddrEvictCount'?: (number | string | Long);
+  /**
+   * HBM copies dropped (demoted to DDR).
+   */
+  'hbmEvictCount'?: (number | string | Long);
+  /**
+   * Blocks read back from the SSD archive / written to it.
+   */
+  'ssdReadCount'?: (number | string | Long);
+  'ssdWriteCount'?: (number | string | Long);
+  /**
+   * Host-side HBF planning per decode step, over the last steps (microseconds).
+   */
+  'hbfLatencyUsP50'?: (number | string);
+  'hbfLatencyUsP99'?: (number | string);
+  'hbmUsedBytes'?: (number | string | Long);
+  'hbmCapacityBytes'?: (number | string | Long);
+  'ddrUsedBytes'?: (number | string | Long);
+  'ddrCapacityBytes'?: (number | string | Long);
+  /**
+   * Bytes the archive's segments take on disk.
+   */
+  'ssdUsedBytes'?: (number | string | Long);
+  /**
+   * Bytes copied from DDR for attention.
+   */
+  'fetchBytes'?: (number | string | Long);
+  /**
+   * Blocks (block_size tokens, all layers) whose KV was computed again because the archive lacked
+   * them (a restart after a crash) or held them damaged.
+   */
+  'kvRebuildBlocks'?: (number | string | Long);
+  /**
+   * The SSD tier takes no writes now (a full disk, an I/O error): the daemon serves from HBM and
+   * DDR, and frees DDR by forgetting idle sessions' KV (recomputed when next used). It is tried
+   * again every ssd_retry_interval_s.
+   */
+  'ssdDegraded'?: (boolean);
+  /**
+   * Why it is degraded (the failed write's error); empty when it is not.
+   */
+  'ssdDegradedReason'?: (string);
+  /**
+   * Archive writes that failed since start.
+   */
+  'ssdWriteErrors'?: (number | string | Long);
+  /**
+   * Block copies (one layer's block) forgotten while the SSD tier was degraded, to be computed
+   * again from the token log when their session is next used.
+   */
+  'recomputeEvictCount'?: (number | string | Long);
+}
+
+/**
+ * The KV tiers' counters and occupancy. Counters count blocks (one layer's `block_size` tokens)
+ * since the daemon started.
+ */
+export interface TierStats__Output {
+  /**
+   * Blocks read by attention that were in HBM / all blocks read.
+   */
+  'hbmHitRate': (number);
+  'hbmHits': (number);
+  'hbmMisses': (number);
+  /**
+   * DDR copies dropped (after a durable archive write, or because HBM holds a copy).
+   */
+  'ddrEvictCount': (number);
+  /**
+   * HBM copies dropped (demoted to DDR).
+   */
+  'hbmEvictCount': (number);
+  /**
+   * Blocks read back from the SSD archive / written to it.
+   */
+  'ssdReadCount': (number);
+  'ssdWriteCount': (number);
+  /**
+   * Host-side HBF planning per decode step, over the last steps (microseconds).
+   */
+  'hbfLatencyUsP50': (number);
+  'hbfLatencyUsP99': (number);
+  'hbmUsedBytes': (number);
+  'hbmCapacityBytes': (number);
+  'ddrUsedBytes': (number);
+  'ddrCapacityBytes': (number);
+  /**
+   * Bytes the archive's segments take on disk.
+   */
+  'ssdUsedBytes': (number);
+  /**
+   * Bytes copied from DDR for attention.
+   */
+  'fetchBytes': (number);
+  /**
+   * Blocks (block_size tokens, all layers) whose KV was computed again because the archive lacked
+   * them (a restart after a crash) or held them damaged.
+   */
+  'kvRebuildBlocks': (number);
+  /**
+   * The SSD tier takes no writes now (a full disk, an I/O error): the daemon serves from HBM and
+   * DDR, and frees DDR by forgetting idle sessions' KV (recomputed when next used). It is tried
+   * again every ssd_retry_interval_s.
+   */
+  'ssdDegraded': (boolean);
+  /**
+   * Why it is degraded (the failed write's error); empty when it is not.
+   */
+  'ssdDegradedReason': (string);
+  /**
+   * Archive writes that failed since start.
+   */
+  'ssdWriteErrors': (number);
+  /**
+   * Block copies (one layer's block) forgotten while the SSD tier was degraded, to be computed
+   * again from the token log when their session is next used.
+   */
+  'recomputeEvictCount': (number);
+}
