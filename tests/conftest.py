@@ -11,6 +11,13 @@ The checkpoints are built lazily, once per test session, into a session temporar
 
 from __future__ import annotations
 
+import os
+
+# The Triton kernels' CPU twins: the interpreter mode is fixed when Triton is first imported, so it
+# is set before anything can import it. Only code that asks for a kernel on the CPU (the tests of
+# the GPU path) runs through it; the engine uses the kernels on CUDA only.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import json
 import shutil
 from collections.abc import Callable, Iterator

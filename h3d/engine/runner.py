@@ -15,7 +15,7 @@ import torch
 from h3d.config import EngineConfig
 from h3d.hbf.digests import DigestStore
 from h3d.hbf.policy import HbfConfig, SelectionState, after_step, probe_anchors, select
-from h3d.kv.attention import LayerKV, Pools, gather_blocks
+from h3d.kv.attention import LayerKV, Pools, gather_blocks, kernel_attention
 from h3d.kv.blocks import BlockManager, SeqId, runs_of
 from h3d.kv.pool import KVPool
 from h3d.model.llama import CausalLM
@@ -161,6 +161,8 @@ class ModelRunner:
         cfg = model.config
         self.model = model
         self.device = model.lm_head.weight_t.device
+        if self.device.type == "cuda":
+            model.use_attention(kernel_attention)  # decode steps through the Triton paged kernel
         self.blocks = BlockManager(hbm_slots_per_layer, ddr_slots, cfg.num_layers, block_size)
         dtype = model.lm_head.weight_t.dtype
         shape = (block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
@@ -307,6 +309,14 @@ class ModelRunner:
         for layer in range(self.blocks.num_layers):
             k = self.tiers.read_keys(seq, layer)  # [Hkv, num_tokens, D]
             self.digests.update(seq, layer, positions, k.transpose(0, 1).to(self.device))
+
+    def park(self, seq: SeqId) -> None:
+        """A closed session: its KV to the archive only (`TierManager.park`), its digests dropped
+        (rebuilt from the archive if it is reopened)."""
+        self.tiers.park(seq)
+        self.digests.drop(seq)
+        if self.selection[seq].policy != "exact":
+            self._stale_digests.add(seq)
 
     def release(self, seq: SeqId) -> None:
         self._stale_digests.discard(seq)

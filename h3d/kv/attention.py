@@ -205,3 +205,31 @@ class StepKV(Protocol):
     def write(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' K/V of layer `index`. k, v: [N, Hkv, D]."""
         ...
+
+
+def kernel_attention(q: torch.Tensor, pools: Pools, layer: LayerKV, scale: float) -> torch.Tensor:
+    """The GPU path: a decode step (one query per sequence) goes to the Triton paged kernel
+    (`h3d.kv.triton_decode`), which reads each listed block where it is, HBM or pinned DDR, with
+    no gather; prefill chunks go through `paged_attention` (SDPA over the runs). On the CPU the
+    kernel runs only under Triton's interpreter (the tests' twin of the GPU path); otherwise its
+    torch fallback computes the same thing."""
+    from h3d.kv.triton_decode import paged_decode
+
+    if not all(n == 1 for n in layer.query_lens):
+        return paged_attention(q, pools, layer, scale)
+    bs = pools.k[0].shape[2]
+    hkv = pools.k[0].shape[0]
+    kv_lens = torch.tensor(layer.kv_lens, dtype=torch.int32)
+    nblocks = (kv_lens + bs - 1) // bs  # the listed blocks: full ones, then the partial last one
+    tail = (kv_lens - (nblocks - 1) * bs).to(q.device)
+    tables = layer.tables().to(torch.int32)  # [B, W]: every KV head reads the same blocks
+    b = tables.shape[0]
+    return paged_decode(
+        q,
+        (pools.k[0], pools.k[1]),
+        (pools.v[0], pools.v[1]),
+        tables[:, None, :].expand(b, hkv, tables.shape[1]),
+        nblocks[:, None].expand(b, hkv).to(q.device),
+        tail,
+        scale,
+    )

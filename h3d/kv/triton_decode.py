@@ -1,0 +1,426 @@
+"""Paged decode attention in Triton: one query token per sequence, blocks read where they live.
+
+`paged_decode(q, k_pools, v_pools, tables, nblocks, tail, scale)` attends each sequence's query
+heads to the blocks listed for each of its KV heads: `tables[b, kh, :nblocks[b, kh]]` holds block
+locations (HBM slot `s >= 0`, or `-(DDR slot + 1)`), a selection in any order or every block, each
+list ending with the sequence's last, partial block (`tail[b]` valid tokens; every other listed
+block has `bs`). Pool slabs are `[Hkv, slots, bs, D]` (`h3d.kv.pool.KVPool`): for a (block, head)
+the `bs x D` tile is contiguous, so each key row is one coalesced `D`-element load.
+
+Grid and work (flash-decoding):
+
+- `_split_kernel`, grid `(B, Hkv, splits)`. Program (b, kh, s) takes entries
+  `[s * block_split, (s + 1) * block_split)` of list (b, kh) and walks them `CHUNK` blocks at a time
+  (a `TILE = CHUNK * bs >= 64`-token tile): it loads the tile's locations, picks for each key row a
+  pointer into the HBM or the DDR slab by the location's sign (a pointer select: one load per row,
+  no second masked load), and runs an online softmax in fp32 (base 2, `scale * log2 e` folded in).
+  GQA: the program serves all `G = H / Hkv` query heads of its KV head at once, a `[G_PAD, D]` query
+  tile (`G_PAD = max(16, next pow2 of G)`, padded rows masked: `tl.dot` wants every dim >= 16)
+  against a `[TILE, D]` key tile, so K/V are read once per KV head, never repeated. Both products
+  are `tl.dot`s with fp32 accumulation (`ieee` precision for fp32 pools, no tf32).
+  Bytes read per program: `2 * block_split * bs * D * itemsize` of K/V (less for the tail's masked
+  rows), `block_split * 4` of table, `G * D * itemsize` of query. It writes `G` partial rows of
+  `D` fp32 and `G` log-sum-exps.
+- `_merge_kernel`, grid `(B, H)`: merges the splits of one query head by log-sum-exp, reading
+  `splits * (D + 1) * 4` bytes and writing `D` values in q's dtype. Splits that got no entry (lists
+  shorter than the table width; their programs write zeros and lse = -inf) are not even read: the
+  merge counts the used ones, `cdiv(nblocks, block_split)`.
+
+Why two kernels: a split does not know when its siblings finish, and a merge inside the first
+kernel would need a grid-wide barrier or atomics plus a "last program merges" counter (more state,
+nondeterministic order). A second launch of `B * H` tiny programs costs a few microseconds, and is
+skipped altogether when one split covers the table (the split kernel then writes the output).
+
+Split heuristic (`block_split=None`), from shapes only (no device sync, so CUDA-graph friendly):
+at most `4 * SMs` programs; `splits = (4 * SMs) // (B * Hkv)` (at least 1, and no more than one per
+`CHUNK` blocks of the table width `W`); `block_split = cdiv(W, splits)` rounded up to a multiple of
+`CHUNK`. A wide batch (B * Hkv >= 4 * SMs) gets one split and no merge; one long sequence gets many.
+Measured on an H200 (132 SMs; bf16, D 128, bs 16, all blocks in HBM), sweeping `block_split`: the
+best is about 512 programs, 3.7 to 4.0 TB/s; slightly more than 4 per SM (544, 576, 768) falls to
+3.0 to 3.4 (a partial last wave), 2 per SM gives 3.4 to 3.6, under 1 per SM 1.2 to 2.2.
+
+The DDR slab: on CUDA it is a pinned host tensor, passed to the kernel as is. Triton's launcher
+resolves each pointer argument with `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER)`,
+which succeeds for pinned (cudaHostAlloc'd) memory and, under unified addressing, gives the same
+address: the kernel then reads those rows over PCIe (zero-copy). Pageable host memory is refused
+here with a clear error (the GPU cannot address it). Checked on an H200 (torch 2.11, Triton 3.6):
+outputs within tolerance of the float64 oracle with pinned DDR slabs; lists all in DDR read at
+about 51 GB/s (PCIe-bound), 10 % in DDR gives about 490 GB/s overall; a CUDA graph of a call
+replays to the same output.
+
+Fallback: the Triton kernels run on CUDA tensors, or on CPU tensors when `TRITON_INTERPRET=1`
+(Triton's interpreter). Otherwise (CPU without the interpreter, or no Triton installed)
+`torch_paged_decode` computes the same thing by gathering the listed blocks and a masked fp32
+softmax. Triton is imported lazily, at the first launch: the engine core imports this module with
+torch alone, and importing it does not fix the interpreter mode. That mode is Triton's, fixed when
+Triton itself is first imported (its library functions are decorated then): TRITON_INTERPRET must
+be set before anything imports Triton, as the tests do at their top.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from functools import cache
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+# Bound by `_kernels()` at the first launch (the kernels below refer to `tl` as a global).
+triton: Any = None
+tl: Any = None
+
+
+def _interpreting() -> bool:
+    """TRITON_INTERPRET, read as Triton reads it."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in {"1", "true", "on", "yes"}
+
+
+@cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can run here: Triton is installed, and a GPU or the interpreter is there."""
+    return _triton_installed() and (_interpreting() or torch.cuda.is_available())
+
+
+@cache
+def _kernels() -> SimpleNamespace:
+    """Import Triton and decorate the two kernels, once."""
+    global triton, tl
+    import triton as triton_module
+    import triton.language as tl_module
+
+    triton, tl = triton_module, tl_module
+    interpret = bool(triton.knobs.runtime.interpret)
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(tl.max, InterpretedFunction):
+            raise RuntimeError("paged_decode: Triton was imported before TRITON_INTERPRET was set; set it first")
+        _patch_interpreter_index()
+    return SimpleNamespace(
+        split=triton.jit(_split_kernel),
+        merge=triton.jit(_merge_kernel),
+        interpret=interpret,
+        dtypes={torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16},
+    )
+
+
+def _patch_interpreter_index() -> None:
+    """Let the interpreter take runtime loop bounds (`range(start, end)`) under NumPy >= 2.4.
+
+    Triton 3.6's interpreter turns a scalar (a 1-element array there) into an int with `int()`,
+    which NumPy 2.4 refuses for arrays of one dimension (triton-lang/triton#9171, fixed upstream
+    after 3.6). Wrap its per-launch patching so that `__index__` goes through `.item()`.
+    """
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_h3d_index_fix", False):
+        return
+
+    def patch(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patch._h3d_index_fix = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch
+
+
+BLOCK_SIZES = (16, 32, 64, 128)
+HEAD_DIMS = (16, 32, 64, 128, 256)
+MIN_TILE = 64  # key rows per loop step of a program: CHUNK = max(1, MIN_TILE // bs) blocks
+PROGRAMS_PER_SM = 4  # the split heuristic's target (module docstring)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer the wrapper allocates (output, split workspace); tests poison it with NaN."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_pools: tuple[torch.Tensor, torch.Tensor],
+    v_pools: tuple[torch.Tensor, torch.Tensor],
+    tables: torch.Tensor,
+    nblocks: torch.Tensor,
+    tail: torch.Tensor,
+    scale: float,
+    *,
+    block_split: int | None = None,
+) -> torch.Tensor:
+    """Decode attention over per-(sequence, KV head) block lists. See the module docstring.
+
+    q: [B, H, D]; k_pools, v_pools: (HBM, DDR) slabs [Hkv, S_tier, bs, D]; tables: [B, Hkv, W]
+    int32; nblocks: [B, Hkv] int32 (>= 1); tail: [B] int32 in 1..bs -> [B, H, D] in q's dtype.
+    """
+    _check(q, k_pools, v_pools, tables, nblocks, tail)
+    if _triton_installed() and (q.device.type == "cuda" or _interpreting()):
+        return _triton_paged_decode(q, k_pools, v_pools, tables, nblocks, tail, scale, block_split)
+    return torch_paged_decode(q, k_pools, v_pools, tables, nblocks, tail, scale)
+
+
+def _check(
+    q: torch.Tensor,
+    k_pools: tuple[torch.Tensor, torch.Tensor],
+    v_pools: tuple[torch.Tensor, torch.Tensor],
+    tables: torch.Tensor,
+    nblocks: torch.Tensor,
+    tail: torch.Tensor,
+) -> None:
+    b, h, d = q.shape
+    hkv, _, bs, dk = k_pools[0].shape
+    if bs not in BLOCK_SIZES or d not in HEAD_DIMS:
+        raise ValueError(f"paged_decode: block size {bs} must be one of {BLOCK_SIZES}, head dim {d} of {HEAD_DIMS}")
+    if dk != d or h % hkv:
+        raise ValueError(f"paged_decode: q {tuple(q.shape)} does not fit pools {tuple(k_pools[0].shape)}")
+    for pool in (*k_pools, *v_pools):
+        if pool.dim() != 4 or pool.shape[0] != hkv or pool.shape[2:] != (bs, d) or pool.dtype != k_pools[0].dtype:
+            raise ValueError(f"paged_decode: pool {tuple(pool.shape)} {pool.dtype} differs from the HBM K slab")
+    if tables.shape[:2] != (b, hkv) or nblocks.shape != (b, hkv) or tail.shape != (b,):
+        raise ValueError(f"paged_decode: tables {tuple(tables.shape)}, nblocks, tail do not match B={b}, Hkv={hkv}")
+
+
+# ---------------------------------------------------------------- torch path (CPU, or no Triton)
+
+
+def torch_paged_decode(
+    q: torch.Tensor,
+    k_pools: tuple[torch.Tensor, torch.Tensor],
+    v_pools: tuple[torch.Tensor, torch.Tensor],
+    tables: torch.Tensor,
+    nblocks: torch.Tensor,
+    tail: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as `paged_decode`, in plain torch: gather the listed blocks, masked fp32 softmax."""
+    b, h, d = q.shape
+    hkv, _, bs, _ = k_pools[0].shape
+    w = tables.shape[-1]
+    dev = q.device
+    entry = torch.arange(w, device=dev)  # [W]
+    n = nblocks.to(dev, torch.int64)[..., None]  # [B, Hkv, 1]
+    listed = entry < n  # [B, Hkv, W]; padding entries are replaced by slot 0 and never used
+    loc = torch.where(listed, tables.to(dev, torch.int64), 0)
+    last = entry == n - 1  # [B, Hkv, W]
+    tok = torch.arange(bs, device=dev)
+    valid_tok = torch.where(last[..., None], tok < tail.to(dev)[:, None, None, None], True)  # [B, Hkv, W, bs]
+    valid = (listed[..., None] & valid_tok).reshape(b, hkv, w * bs)  # [B, Hkv, T]
+    k = _gather(k_pools, loc).masked_fill(~valid[..., None], 0.0)  # [B, Hkv, T, D] fp32
+    v = _gather(v_pools, loc).masked_fill(~valid[..., None], 0.0)
+    qg = q.float().view(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
+    scores = torch.einsum("bkgd,bktd->bkgt", qg, k) * scale  # [B, Hkv, G, T]
+    scores.masked_fill_(~valid[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgt,bktd->bkgd", probs, v)  # [B, Hkv, G, D]
+    return out.reshape(b, h, d).to(q.dtype)
+
+
+def _gather(pools: tuple[torch.Tensor, torch.Tensor], loc: torch.Tensor) -> torch.Tensor:
+    """pools: (HBM, DDR) [Hkv, S, bs, D]; loc: [B, Hkv, W] -> [B, Hkv, W*bs, D] fp32 on loc's device."""
+    hbm, ddr = pools
+    b, hkv, w = loc.shape
+    heads = torch.arange(hkv, device=loc.device)[None, :, None]  # [1, Hkv, 1]
+    from_hbm = hbm[heads.to(hbm.device), loc.clamp(min=0).to(hbm.device)].float().to(loc.device)
+    from_ddr = ddr[heads.to(ddr.device), (-loc - 1).clamp(min=0).to(ddr.device)].float().to(loc.device)
+    g = torch.where((loc >= 0)[..., None, None], from_hbm, from_ddr)  # [B, Hkv, W, bs, D]
+    return g.reshape(b, hkv, w * hbm.shape[2], hbm.shape[3])
+
+
+# ---------------------------------------------------------------- Triton path
+
+
+@cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 4  # the interpreter: a few splits, so that the merge is exercised
+
+
+def choose_block_split(b: int, hkv: int, w: int, bs: int, device: torch.device) -> int:
+    """Blocks per program for a [B, Hkv, W] table (see the module docstring's heuristic)."""
+    chunk = max(1, MIN_TILE // bs)
+    splits = max(1, min(PROGRAMS_PER_SM * _sm_count(device) // (b * hkv), -(-w // chunk)))
+    per = -(-w // splits)
+    return max(chunk, -(-per // chunk) * chunk)
+
+
+def _triton_paged_decode(
+    q: torch.Tensor,
+    k_pools: tuple[torch.Tensor, torch.Tensor],
+    v_pools: tuple[torch.Tensor, torch.Tensor],
+    tables: torch.Tensor,
+    nblocks: torch.Tensor,
+    tail: torch.Tensor,
+    scale: float,
+    block_split: int | None,
+) -> torch.Tensor:
+    kernels = _kernels()
+    b, h, d = q.shape
+    hkv, _, bs, _ = k_pools[0].shape
+    w = tables.shape[-1]
+    g = h // hkv
+    k_hbm, k_ddr = (_addressable(p, q.device) for p in k_pools)
+    v_hbm, v_ddr = (_addressable(p, q.device) for p in v_pools)
+    if k_hbm.stride() != v_hbm.stride() or k_ddr.stride() != v_ddr.stride():
+        raise ValueError("paged_decode: K and V slabs of a tier must share their layout")
+    if any(t.device != q.device for t in (tables, nblocks, tail)):
+        raise ValueError("paged_decode: tables, nblocks and tail must be on q's device")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_split is None:
+        block_split = choose_block_split(b, hkv, w, bs, q.device)
+    if block_split < 1:
+        raise ValueError(f"paged_decode: block_split must be >= 1, got {block_split}")
+    splits = max(1, -(-w // block_split))
+    chunk = max(1, MIN_TILE // bs)
+    out = _empty((b, h, d), q.dtype, q.device)
+    if splits > 1:
+        part_o = _empty((b, h, splits, d), torch.float32, q.device)  # [B, H, S, D]
+        part_lse = _empty((b, h, splits), torch.float32, q.device)  # [B, H, S] (log2)
+    else:  # unused: the split kernel writes `out`
+        part_o = part_lse = out
+    big = d * chunk * bs >= 128 * 128
+    kernels.split[(b, hkv, splits)](
+        q, k_hbm, v_hbm, k_ddr, v_ddr, tables, nblocks, tail, out, part_o, part_lse,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1),
+        k_hbm.stride(0), k_hbm.stride(1), k_ddr.stride(0), k_ddr.stride(1),
+        tables.stride(0), tables.stride(1), tables.stride(2),
+        nblocks.stride(0), nblocks.stride(1), tail.stride(0),
+        block_split,
+        G=g, G_PAD=max(16, triton.next_power_of_2(g)), BS=bs, D=d, CHUNK=chunk, SINGLE=splits == 1,
+        PRECISION="ieee" if k_hbm.dtype == torch.float32 else "tf32", DOT=_dot_dtype(kernels, k_hbm.dtype),
+        num_warps=8 if big else 4, num_stages=2 if big else 3,
+    )  # fmt: skip
+    if splits > 1:
+        kernels.merge[(b, h)](
+            part_o, part_lse, nblocks, out,
+            nblocks.stride(0), nblocks.stride(1), block_split,
+            SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), G=g, D=d,
+            num_warps=4, num_stages=1,
+        )  # fmt: skip
+    return out
+
+
+def _dot_dtype(kernels: SimpleNamespace, dtype: torch.dtype) -> Any:
+    """The operand type of the kernel's `tl.dot`s: the pools' own. Under the interpreter, bf16 goes
+    through fp32 instead, since Triton 3.6's interpreter multiplies bf16's raw uint16 bits (the
+    values are rounded to bf16 first all the same, so the results match the GPU's)."""
+    if dtype not in kernels.dtypes:
+        raise ValueError(f"paged_decode: pools of {dtype} are not supported (fp32, bf16, fp16)")
+    return tl.float32 if kernels.interpret and dtype == torch.bfloat16 else kernels.dtypes[dtype]
+
+
+def _addressable(pool: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A slab the kernel can read from `device`: on it, or pinned host memory (zero-copy over PCIe)."""
+    if pool.stride(-1) != 1 or pool.stride(-2) != pool.shape[-1]:
+        raise ValueError("paged_decode: each pool's [bs, D] tiles must be contiguous")
+    if device.type == "cuda" and pool.device.type == "cpu" and not pool.is_pinned():
+        raise ValueError("paged_decode: a host pool read from the GPU must be pinned (KVPool(pin_memory=True))")
+    return pool
+
+
+# The kernels, as plain functions: `_kernels()` decorates them with `triton.jit` at the first launch.
+
+
+def _split_kernel(  # type: ignore[no-untyped-def]
+    q_ptr, k_hbm, v_hbm, k_ddr, v_ddr, tables_ptr, nblocks_ptr, tail_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    qk_scale,
+    stride_qb, stride_qh,
+    stride_hbm_h, stride_hbm_s, stride_ddr_h, stride_ddr_s,
+    stride_tb, stride_th, stride_tw,
+    stride_nb, stride_nh, stride_tail,
+    block_split,
+    G: tl.constexpr, G_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+    SINGLE: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """Program (b, kh, split): online softmax of kh's G query heads over its share of list (b, kh)."""
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    split = tl.program_id(2)
+    n = tl.load(nblocks_ptr + b * stride_nb + kh * stride_nh)
+    tail = tl.load(tail_ptr + b * stride_tail)
+    start = split * block_split
+    end = tl.minimum(start + block_split, n)
+
+    rows_g = tl.arange(0, G_PAD)  # [G_PAD] query heads of kh (rows >= G are padding)
+    cols = tl.arange(0, D)  # [D]
+    heads = kh * G + rows_g
+    q = (
+        tl.load(
+            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + cols[None, :],
+            mask=(rows_g < G)[:, None],
+            other=0.0,
+        )
+        .to(k_hbm.dtype.element_ty)
+        .to(DOT)
+    )  # [G_PAD, D], rounded to the pools' dtype first
+
+    r = tl.arange(0, CHUNK * BS)  # [TILE] key rows of a step: block r // BS, token r % BS
+    r_blk = r // BS
+    r_tok = r % BS
+    table = tables_ptr + b.to(tl.int64) * stride_tb + kh.to(tl.int64) * stride_th
+    head_hbm = kh.to(tl.int64) * stride_hbm_h
+    head_ddr = kh.to(tl.int64) * stride_ddr_h
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    for i0 in range(start, end, CHUNK):
+        j = i0 + r_blk  # [TILE] list entry of each row
+        live = j < end
+        loc = tl.load(table + j * stride_tw, mask=live, other=0)  # [TILE] int32
+        in_hbm = loc >= 0
+        slot = tl.where(in_hbm, loc, -loc - 1).to(tl.int64)
+        offset = tl.where(in_hbm, head_hbm + slot * stride_hbm_s, head_ddr + slot * stride_ddr_s) + r_tok * D
+        valid = live & ((j < n - 1) | (r_tok < tail))  # [TILE]: the last block has `tail` tokens
+        tile = offset[:, None] + cols[None, :]  # [TILE, D]
+        k = tl.load(tl.where(in_hbm, k_hbm, k_ddr)[:, None] + tile, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PRECISION) * qk_scale  # [G_PAD, TILE] fp32
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [G_PAD, TILE]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(tl.where(in_hbm, v_hbm, v_ddr)[:, None] + tile, mask=valid[:, None], other=0.0)
+        pv = tl.dot(p.to(v.dtype).to(DOT), v.to(DOT), input_precision=PRECISION)  # [G_PAD, D]
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty list (nblocks == 0) gives zeros, not NaN
+    o = acc / l_safe[:, None]
+    keep = (rows_g < G)[:, None]
+    row = b.to(tl.int64) * (G * tl.num_programs(1)) + heads  # [G_PAD] query head row of [B, H]
+    if SINGLE:
+        tl.store(out_ptr + row[:, None] * D + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=keep)
+    else:
+        nsplit = tl.num_programs(2)
+        tl.store(part_o_ptr + (row[:, None] * nsplit + split) * D + cols[None, :], o, mask=keep)
+        tl.store(part_lse_ptr + row * nsplit + split, m_i + tl.log2(l_safe), mask=rows_g < G)
+
+
+def _merge_kernel(  # type: ignore[no-untyped-def]
+    part_o_ptr, part_lse_ptr, nblocks_ptr, out_ptr,
+    stride_nb, stride_nh, block_split,
+    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """Program (b, h): out[b, h] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over used splits."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(nblocks_ptr + b * stride_nb + (h // G) * stride_nh)
+    s = tl.arange(0, SPLITS_PAD)
+    used = s < tl.minimum(tl.cdiv(n, block_split), SPLITS)  # splits past the list: not read
+    row = b.to(tl.int64) * tl.num_programs(1) + h
+    lse = tl.load(part_lse_ptr + row * SPLITS + s, mask=used, other=float("-inf"))  # [SPLITS_PAD]
+    top = tl.max(lse, 0)
+    wgt = tl.where(used, tl.exp2(lse - top), 0.0)
+    cols = tl.arange(0, D)
+    o = tl.load(part_o_ptr + (row * SPLITS + s[:, None]) * D + cols[None, :], mask=used[:, None], other=0.0)
+    total = tl.sum(wgt, 0)
+    merged = tl.sum(wgt[:, None] * o, 0) / tl.where(total > 0, total, 1.0)  # [D]
+    tl.store(out_ptr + row * D + cols, merged.to(out_ptr.dtype.element_ty))

@@ -1,0 +1,236 @@
+"""The Triton paged decode kernel (run by Triton's CPU interpreter) and its torch twin, against a
+float64 oracle written here.
+
+The oracle walks each (sequence, KV head) list entry by entry: the entry's location names a pool
+(HBM slot >= 0, DDR slot -(loc + 1)), the block gives `bs` tokens (`tail` for the list's last
+entry), and query head h = kh * G + g takes a float64 softmax over the gathered keys.
+
+The inputs are made to catch wrong reads: both pools hold different random values; every byte that
+must never be read is NaN: slot 0 of each pool (which every padding entry of the tables names,
+alternately in HBM and DDR), and the tokens of each sequence's last block past its tail. Each KV
+head of a sequence lists its own random subset of the sequence's earlier blocks, in random order,
+then the last block; head 0 of sequence 0 lists the last block alone, and the heads of the last
+sequence list all its `W` blocks (shuffled), so that a program walks several key tiles. Tables are
+random, not contiguous, and mix the two tiers. Every buffer the wrapper allocates (the output and the split
+workspace) starts as NaN, so anything the kernels fail to write, or any split the merge reads that
+no program wrote, shows up.
+
+Tolerances, relative to the largest |output|: fp32 inputs give fp32 accumulations within about
+1e-7 of float64, checked at 1e-5. bf16/fp16 inputs are compared with the oracle on the same values
+upcast; what separates them is the output's rounding (2^-9 relative for bf16) and the
+probabilities' rounding to the input dtype before the P·V product (as flash attention does), both
+well inside 1e-2.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton (it reads the variable then)
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from h3d.kv import triton_decode as T
+
+NUM_SLOTS = (12, 15)  # HBM, DDR (different, so that the slabs' strides differ); slot 0 is poison
+
+Pools = tuple[torch.Tensor, torch.Tensor]
+Case = tuple[torch.Tensor, Pools, Pools, torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v, tables, nblocks, tail
+
+
+def make_case(b: int, hkv: int, group: int, d: int, bs: int, width: int, dtype: torch.dtype, seed: int) -> Case:
+    """Random q, pools, tables [B, Hkv, W], nblocks [B, Hkv], tail [B] as the module docstring says."""
+    g = torch.Generator().manual_seed(seed)
+    k = [torch.randn(hkv, n, bs, d, generator=g) for n in NUM_SLOTS]  # HBM, DDR
+    v = [torch.randn(hkv, n, bs, d, generator=g) for n in NUM_SLOTS]
+    for pool in (*k, *v):
+        pool[:, 0] = float("nan")
+    free = [(tier, slot) for tier in (0, 1) for slot in range(1, NUM_SLOTS[tier])]
+    order = torch.randperm(len(free), generator=g).tolist()
+    tables = torch.empty(b, hkv, width, dtype=torch.int32)
+    nblocks = torch.empty(b, hkv, dtype=torch.int32)
+    tail = torch.randint(1, bs + 1, (b,), generator=g, dtype=torch.int32)
+    for i in range(b):
+        nb = width if i == b - 1 else int(torch.randint(1, width + 1, (1,), generator=g))
+        blocks = [free[order.pop()] for _ in range(nb)]
+        locs = [s if t == 0 else -(s + 1) for t, s in blocks]  # the sequence's blocks, its last one last
+        tier, slot = blocks[-1]
+        for pool in (k[tier], v[tier]):
+            pool[:, slot, int(tail[i]) :] = float("nan")  # past the tail: never written
+        for kh in range(hkv):
+            earlier = torch.randperm(nb - 1, generator=g).tolist()
+            keep = 0 if i == kh == 0 else nb - 1 if i == b - 1 else int(torch.randint(0, nb, (1,), generator=g))
+            chosen = [locs[j] for j in earlier[:keep]] + [locs[-1]]
+            padding = [0 if j % 2 else -1 for j in range(width - len(chosen))]  # slot 0 of HBM / DDR
+            tables[i, kh] = torch.tensor(chosen + padding, dtype=torch.int32)
+            nblocks[i, kh] = len(chosen)
+    # q as a strided view (rows of 2 * D), as a slice of a fused projection would be.
+    q = torch.randn(b, hkv * group, 2 * d, generator=g)[..., :d].to(dtype)
+    kp, vp = (k[0].to(dtype), k[1].to(dtype)), (v[0].to(dtype), v[1].to(dtype))
+    return q, kp, vp, tables, nblocks, tail
+
+
+def oracle(case: Case, scale: float) -> torch.Tensor:
+    """Plain loops in float64 -> [B, H, D]."""
+    q, k_pools, v_pools, tables, nblocks, tail = case
+    b, h, d = q.shape
+    hkv, _, bs, _ = k_pools[0].shape
+    group = h // hkv
+    out = torch.zeros(b, h, d, dtype=torch.float64)
+    for i in range(b):
+        for kh in range(hkv):
+            n = int(nblocks[i, kh])
+            keys, vals = [], []
+            for j in range(n):
+                loc = int(tables[i, kh, j])
+                tier, slot = (0, loc) if loc >= 0 else (1, -loc - 1)
+                count = int(tail[i]) if j == n - 1 else bs
+                keys.append(k_pools[tier][kh, slot, :count].double())
+                vals.append(v_pools[tier][kh, slot, :count].double())
+            key, val = torch.cat(keys), torch.cat(vals)  # [T, D]
+            for gq in range(group):
+                head = kh * group + gq
+                scores = key @ q[i, head].double() * scale  # [T]
+                out[i, head] = torch.softmax(scores, dim=0) @ val
+    return out
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max())
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@pytest.fixture
+def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every buffer the wrapper allocates starts as NaN."""
+
+    def nan_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(T, "_empty", nan_empty)
+
+
+def check_kernel(case: Case, block_split: int | None) -> None:
+    q = case[0]
+    scale = q.shape[-1] ** -0.5
+    got = T.paged_decode(*case, scale, block_split=block_split)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert not torch.isnan(got).any(), "the kernels left an output unwritten or read a poisoned byte"
+    err = rel_err(got, oracle(case, scale))
+    assert err < TOL[q.dtype], f"relative error {err:.3g} ({q.dtype}, block_split={block_split})"
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.usefixtures("poisoned")
+# 1 and 2 blocks per split; auto (2 splits of 4 here); 6 = one split, two loop steps, no merge.
+@pytest.mark.parametrize("block_split", [1, 2, None, 6], ids=["split1", "split2", "auto", "whole"])
+@pytest.mark.parametrize("group", [1, 4, 8], ids=["gqa1", "gqa4", "gqa8"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_kernel_matches_oracle(dtype: torch.dtype, group: int, block_split: int | None) -> None:
+    case = make_case(b=3, hkv=2, group=group, d=32, bs=16, width=6, dtype=dtype, seed=group * 7 + (block_split or 0))
+    check_kernel(case, block_split)
+
+
+@pytest.mark.usefixtures("poisoned")
+@pytest.mark.parametrize(("bs", "d", "group", "block_split"), [(32, 64, 3, None), (64, 32, 2, 1), (16, 128, 5, 3)])
+def test_kernel_other_shapes(bs: int, d: int, group: int, block_split: int | None) -> None:
+    """Other block sizes (one block per loop step at bs 64), head dims, and group sizes that are not
+    powers of two (padded query rows)."""
+    check_kernel(make_case(2, 2, group, d, bs, 5, torch.float32, seed=bs + d + group), block_split)
+
+
+@pytest.mark.usefixtures("poisoned")
+@pytest.mark.parametrize("block_split", [1, None])
+def test_kernel_single_block(block_split: int | None) -> None:
+    """A sequence of one (partial) block, listed in a table wider than the list (poisoned padding)."""
+    q, kp, vp, tables, nblocks, tail = make_case(2, 2, 4, 32, 16, 1, torch.float32, seed=5)
+    assert (nblocks == 1).all()
+    tables = torch.cat([tables, torch.full((2, 2, 4), -1, dtype=torch.int32)], dim=-1)  # DDR slot 0
+    check_kernel((q, kp, vp, tables, nblocks, tail), block_split)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8], ids=["gqa1", "gqa4", "gqa8"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_torch_path_matches_oracle(dtype: torch.dtype, group: int) -> None:
+    case = make_case(3, 2, group, 32, 16, 6, dtype, seed=100 + group)
+    scale = case[0].shape[-1] ** -0.5
+    got = T.torch_paged_decode(*case, scale)
+    assert got.dtype == dtype and not torch.isnan(got).any()
+    assert rel_err(got, oracle(case, scale)) < TOL[dtype]
+
+
+def test_cpu_without_interpreter_takes_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make_case(2, 2, 4, 32, 16, 4, torch.float32, seed=3)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert torch.equal(T.paged_decode(*case, 0.2), T.torch_paged_decode(*case, 0.2))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(T, "_triton_installed", lambda: False)  # as on a host without Triton
+    assert not T.triton_available()
+    assert torch.equal(T.paged_decode(*case, 0.2), T.torch_paged_decode(*case, 0.2))
+
+
+def test_split_choice() -> None:
+    cpu = torch.device("cpu")
+    # 4 "SMs" off CUDA: at most 16 programs; a multiple of CHUNK = 4 blocks (bs 16), covering W.
+    assert T.choose_block_split(b=1, hkv=1, w=64, bs=16, device=cpu) == 4
+    assert T.choose_block_split(b=3, hkv=2, w=6, bs=16, device=cpu) == 4  # 2 splits: the "auto" case above
+    assert T.choose_block_split(b=8, hkv=2, w=64, bs=16, device=cpu) == 64  # wide batch: one split
+    assert T.choose_block_split(b=1, hkv=1, w=3, bs=16, device=cpu) == 4  # at least one chunk
+    assert T.choose_block_split(b=1, hkv=1, w=5, bs=64, device=cpu) == 1
+
+
+def test_rejects_bad_shapes() -> None:
+    assert T.triton_available()
+    q, kp, vp, tables, nblocks, tail = make_case(1, 1, 1, 32, 16, 2, torch.float32, seed=0)
+    odd = tuple(p[:, :, :12] for p in kp)  # block size 12
+    with pytest.raises(ValueError, match="block size"):
+        T.paged_decode(q, odd, odd, tables, nblocks, tail, 1.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        T.paged_decode(torch.randn(1, 1, 64), kp, vp, tables, nblocks, tail, 1.0)
+
+
+# ---- the engine on the kernel path (the GPU's decode, here under the interpreter) ---------------
+
+
+@pytest.mark.parametrize("policy", ["exact", "attention_entropy"])
+def test_engine_decode_through_the_kernel_equals_the_reference(checkpoint: Callable[[str], Path], policy: str) -> None:
+    """The engine's decode steps through `kernel_attention` (as on CUDA) give the reference
+    attention's logits: with blocks in HBM and DDR (a small HBM), with a selection smaller than
+    the context (attention_entropy), and two sequences in one step."""
+    from helpers import VOCAB_SIZE, make_engine, random_prompt, runner_logits
+
+    from h3d.engine.runner import Chunk
+    from h3d.kv.attention import kernel_attention, reference_attention
+    from h3d.kv.blocks import SeqId
+
+    slot = 2 * 16 * 2 * 16 * 4  # llama_gqa4_tied: one layer's K+V of a 16-token block
+    overrides = {
+        "policy": policy,
+        "block_size": 16,
+        "hbm_mb": 3 * 6 * slot / 2**20,
+        "window_tokens": 64,
+        "window_min_tokens": 64,
+        "recent_tokens": 32,
+        "dense_layers": 1,
+    }
+    prompts = [random_prompt(150, VOCAB_SIZE, seed=1), random_prompt(97, VOCAB_SIZE, seed=2)]
+    logits = []
+    for fn in (kernel_attention, reference_attention):
+        engine = make_engine(checkpoint("llama_gqa4_tied"), **overrides)
+        engine.model.use_attention(fn)
+        out = [runner_logits(engine, i, ids, [len(ids) - 6, 1, 1, 1, 1, 1, 1]) for i, ids in enumerate(prompts)]
+        both = [Chunk(SeqId(i), (7,), len(ids), True) for i, ids in enumerate(prompts)]
+        out.append(engine.runner.execute(both))  # a batch of two decode steps
+        assert engine.tier_stats().ddr_hits > 0  # the kernel read blocks in DDR
+        logits.append(torch.cat(out))
+        engine.close()
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
