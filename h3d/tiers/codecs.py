@@ -36,10 +36,13 @@ import struct
 import threading
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import zstandard
+
+if TYPE_CHECKING:
+    import zstandard
 
 ZSTD_LEVEL = 3
 INT8_MAX_REL_ERROR = 1.0 / 254.0
@@ -121,10 +124,18 @@ def unpack_record(data: bytes) -> tuple[RecordHeader, int, memoryview]:
 _local = threading.local()
 
 
+def _zstd() -> Any:
+    """zstandard, imported when the archive first needs it: the engine core runs without it (a
+    GPU host with torch alone, no SSD archive)."""
+    import zstandard
+
+    return zstandard
+
+
 def _compressor() -> zstandard.ZstdCompressor:
     c = getattr(_local, "cctx", None)
     if c is None:
-        c = _local.cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        c = _local.cctx = _zstd().ZstdCompressor(level=ZSTD_LEVEL)
     return c
 
 
@@ -132,10 +143,10 @@ def _decompress(payload: bytes | memoryview, expected: int) -> bytearray:
     """Decompress into a fresh writable buffer of exactly `expected` bytes, or raise ValueError."""
     d = getattr(_local, "dctx", None)
     if d is None:
-        d = _local.dctx = zstandard.ZstdDecompressor()
+        d = _local.dctx = _zstd().ZstdDecompressor()
     try:
         raw = d.decompress(payload, max_output_size=expected)
-    except zstandard.ZstdError as e:
+    except _zstd().ZstdError as e:
         raise ValueError(f"zstd payload does not decompress: {e}") from e
     if len(raw) != expected:
         raise ValueError(f"payload decompresses to {len(raw)} bytes, expected {expected}")
