@@ -335,3 +335,19 @@ def test_run_attention_reads_runs_across_pools(n: int) -> None:
     q = 2.0 * torch.randn(n, h, HEAD_DIM, generator=g)
     got = A.run_attention(q, p.pools, runs, kv_len, SCALE)
     assert_close_to_oracle(got, oracle(q, p, table, kv_len, SCALE))
+
+
+@pytest.mark.parametrize(("n", "t", "heads"), [(1, 40, (4, 4)), (16, 16, (8, 2)), (24, 100, (6, 2)), (64, 300, (4, 1))])
+def test_the_cuda_chunk_path_equals_the_masked_one(n: int, t: int, heads: tuple[int, int]) -> None:
+    """The CUDA prefill path (`causal_lower_right`, no mask tensor, K/V repeated per group) is the
+    same function as the CPU path's boolean-mask SDPA: run here on the CPU, where torch builds the
+    mask it stands for."""
+    g = torch.Generator().manual_seed(n + t)
+    h, hkv = heads
+    q = torch.randn(n, h, 32, generator=g)
+    k, v = torch.randn(hkv, t, 32, generator=g), torch.randn(hkv, t, 32, generator=g)
+    mask = torch.arange(t)[None, :] <= torch.arange(t - n, t)[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=0.2, enable_gqa=True
+    )[0].transpose(0, 1)
+    torch.testing.assert_close(A.causal_lower_right_attention(q, k, v, 0.2), want, rtol=1e-5, atol=1e-5)

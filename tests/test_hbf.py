@@ -64,10 +64,31 @@ def test_selection_keeps_sinks_and_recent_window(policy: str, num_blocks: int) -
         assert sel is None  # everything fits the budget: all blocks are read
         return
     assert sel is not None
-    assert {0, 1} <= set(sel.tolist())
-    assert set(range(num_blocks - 64 // BS, num_blocks)) <= set(sel.tolist())
-    assert len(sel) <= cfg.window_tokens // BS and (np.diff(sel) > 0).all()
+    rows = sel if sel.ndim == 2 else sel[None]  # attention_entropy: one row per KV head
+    assert len(rows) == (2 if policy == "attention_entropy" else 1)
+    for row in rows:
+        assert {0, 1} <= set(row.tolist())
+        assert set(range(num_blocks - 64 // BS, num_blocks)) <= set(row.tolist())
+        assert len(row) <= cfg.window_tokens // BS and (np.diff(row) > 0).all()
     assert select(state, cfg, 0, torch.randn(4, 16), digests, num_blocks, BS, 0.25) is None  # a dense layer
+
+
+def test_attention_entropy_selects_each_kv_heads_top_blocks() -> None:
+    """Each KV head gets its own top blocks by its group's bound: a block only one head scores
+    high is read by that head, even when the other head's scores are all larger."""
+    cfg = replace(EngineConfig(), window_tokens=4 * BS, sink_blocks=1, recent_tokens=BS, dense_layers=0).hbf
+    state = SelectionState("attention_entropy", cfg.window_tokens)
+    nb, d = 12, 16
+    digests = torch.zeros(2, nb, 2, d)
+    digests[1, :, :, 0] = 5.0  # head 1: every block scores 5 (q = e0), far above head 0's
+    digests[1, 7, :, 0] = 9.0  # its best blocks: 7 and 3
+    digests[1, 3, :, 0] = 8.0
+    digests[0, 4, :, 0] = 1.0  # head 0: blocks 4 and 9 only, scoring 1 and 0.5
+    digests[0, 9, :, 0] = 0.5
+    q = torch.zeros(4, d)
+    q[:, 0] = 1.0
+    sel = select(state, cfg, 0, q, digests, nb, BS, 0.25)
+    assert sel is not None and sel.tolist() == [[0, 4, 9, 11], [0, 3, 7, 11]]
 
 
 @pytest.mark.parametrize("policy", ["fixed", "attention_entropy", "layerwise"])

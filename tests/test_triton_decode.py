@@ -201,15 +201,20 @@ def test_rejects_bad_shapes() -> None:
 # ---- the engine on the kernel path (the GPU's decode, here under the interpreter) ---------------
 
 
-@pytest.mark.parametrize("policy", ["exact", "attention_entropy"])
-def test_engine_decode_through_the_kernel_equals_the_reference(checkpoint: Callable[[str], Path], policy: str) -> None:
-    """The engine's decode steps through `kernel_attention` (as on CUDA) give the reference
-    attention's logits: with blocks in HBM and DDR (a small HBM), with a selection smaller than
-    the context (attention_entropy), and two sequences in one step."""
+@pytest.mark.parametrize("planned", [False, True], ids=["host-planned", "device-planned"])
+@pytest.mark.parametrize("policy", ["exact", "attention_entropy", "fixed"])
+def test_engine_decode_through_the_kernel_equals_the_reference(
+    checkpoint: Callable[[str], Path], policy: str, planned: bool
+) -> None:
+    """The engine's decode steps through `kernel_attention` (as on CUDA) and the CPU fast path give
+    the reference attention's logits: with blocks in HBM and DDR (a small HBM), with per-KV-head
+    selections smaller than the context (attention_entropy), and two sequences in one step. The
+    GPU's decode planning (`_DevicePlan`: locations copied once per step, selections kept on the
+    device) is run here too, against the host-planned reference."""
     from helpers import VOCAB_SIZE, make_engine, random_prompt, runner_logits
 
     from h3d.engine.runner import Chunk
-    from h3d.kv.attention import kernel_attention, reference_attention
+    from h3d.kv.attention import kernel_attention, paged_attention, reference_attention
     from h3d.kv.blocks import SeqId
 
     slot = 2 * 16 * 2 * 16 * 4  # llama_gqa4_tied: one layer's K+V of a 16-token block
@@ -224,13 +229,15 @@ def test_engine_decode_through_the_kernel_equals_the_reference(checkpoint: Calla
     }
     prompts = [random_prompt(150, VOCAB_SIZE, seed=1), random_prompt(97, VOCAB_SIZE, seed=2)]
     logits = []
-    for fn in (kernel_attention, reference_attention):
+    for fn in (kernel_attention, paged_attention, reference_attention):
         engine = make_engine(checkpoint("llama_gqa4_tied"), **overrides)
         engine.model.use_attention(fn)
+        engine.runner.plan_on_device = planned and fn is not reference_attention
         out = [runner_logits(engine, i, ids, [len(ids) - 6, 1, 1, 1, 1, 1, 1]) for i, ids in enumerate(prompts)]
         both = [Chunk(SeqId(i), (7,), len(ids), True) for i, ids in enumerate(prompts)]
         out.append(engine.runner.execute(both))  # a batch of two decode steps
         assert engine.tier_stats().ddr_hits > 0  # the kernel read blocks in DDR
         logits.append(torch.cat(out))
         engine.close()
-    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits[0], logits[2], rtol=1e-4, atol=1e-4)  # the kernel
+    torch.testing.assert_close(logits[1], logits[2], rtol=1e-4, atol=1e-4)  # the CPU fast path

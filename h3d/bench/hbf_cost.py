@@ -4,11 +4,12 @@
 
 Synthetic metadata with the embedded model's shape (30 layers, 3 KV heads, head_dim 64,
 block_size 32): one session of `--tokens` tokens, an HBM budget of 1/6 of its blocks per layer,
-the rest in DDR. Each step selects, per layer, the sink, the recent window and 56 more blocks
-(a 2,048-token window) that drift slowly (90 % kept from the previous step, as real selections
-do), and runs the tier manager's promotion/eviction (`TierManager.promote`): `hbf_latency_us`
-is that planning, the copies excluded. The pools are 1 element wide: planning never touches bytes.
-Scoring (digest bound over all blocks + top-k) is timed separately on real-sized digests.
+the rest in DDR. Each step selects, per layer and per KV head, the sink, the recent window and 55
+more blocks (a 2,048-token window per head) that drift slowly (90 % kept from the previous step,
+as real selections do), and runs the tier manager's promotion/eviction of the heads' union
+(`TierManager.promote`): `hbf_latency_us` is that planning, the copies excluded. The pools are 1
+element wide: planning never touches bytes. Scoring (digest bound over all blocks per KV head +
+top-k per head) is timed separately on real-sized digests.
 """
 
 from __future__ import annotations
@@ -43,15 +44,18 @@ def planning(tokens: int, steps: int, seed: int = 0) -> list[float]:
     blocks.append(seq, tokens)
     rng = np.random.default_rng(seed)
     base = np.union1d([0], np.arange(nb - 8, nb))
-    picks = [rng.choice(nb - 9, 56, replace=False) + 1 for _ in range(LAYERS)]
+    # attention_entropy's selection: 55 top blocks per KV head beside the 9 base ones (a 2048-token
+    # window); each head's picks drift 10 % per step. The tiers keep the union of the heads' picks.
+    picks = [[rng.choice(nb - 9, 55, replace=False) + 1 for _ in range(KV_HEADS)] for _ in range(LAYERS)]
     keep = {seq: base}
     protect = {seq: nb - 1}
     for _ in range(steps):
         chosen = []
         for layer in range(LAYERS):
-            drift = rng.random(56) < 0.1
-            picks[layer][drift] = rng.integers(1, nb - 9, int(drift.sum()))
-            chosen.append((layer, np.union1d(base, picks[layer])))
+            for head in picks[layer]:
+                drift = rng.random(55) < 0.1
+                head[drift] = rng.integers(1, nb - 9, int(drift.sum()))
+            chosen.append((layer, np.unique(np.concatenate([base, *picks[layer]]))))
         selected = {seq: chosen}
         tiers.begin_step([seq])
         tiers.promote(selected, protect, keep)
@@ -65,8 +69,8 @@ def scoring_us(tokens: int, repeats: int = 50) -> float:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        scores = block_scores(q, digests)
-        torch.topk(scores, 56)
+        scores = block_scores(q, digests, per_head=True)  # [Hkv, nb]
+        torch.topk(scores, 55, dim=-1)
         times.append(time.perf_counter() - t0)
     return float(np.median(times) * 1e6)
 

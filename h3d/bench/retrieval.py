@@ -86,7 +86,7 @@ def run(args: argparse.Namespace, probes: list[Probe]) -> dict[tuple[int, str, i
             session = engine.create_session(policy="layerwise")
             engine.append(session, token_ids=ids)
             seq = engine.session(session).seq
-            configs = [("exact", context)] + [(p, b) for p in SPARSE for b in args.budgets]
+            configs = [("exact", context)] + [(p, b) for p in args.policies for b in args.budgets]
             probe = Probe(context, 0.0, {})
             for policy, budget in configs:
                 engine.set_policy(session, policy)
@@ -190,6 +190,7 @@ def main() -> None:
     parser.add_argument("--needles", type=int, default=5)
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--policies", nargs="+", choices=SPARSE, default=list(SPARSE))
     parser.add_argument("--hbm-mb", type=float, default=64.0, help="HBM budget of the runs (hit rates)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--write", default=None)

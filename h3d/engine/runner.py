@@ -57,13 +57,17 @@ class _Step:
         self.has_ddr_rows = bool((rows < 0).any())
         # seq -> [(layer, blocks read)] in layer order: what HBF selected this step
         self.selected: dict[SeqId, list[tuple[int, np.ndarray]]] = {}
+        self.plan = _DevicePlan(self) if _DevicePlan.applies(self) else None
 
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
+        if self.plan is not None:
+            return self.plan.layer(index, q, scale)
         r = self.runner
         r.tiers.stage(index, self.seqs, self.protect)
         runs: list = []
         kv_lens: list[int] = []
         locs: list[np.ndarray | None] = []
+        heads: list[np.ndarray | None] = []  # per-KV-head locations of a per-head selection
         for i, seq in enumerate(self.seqs):
             t = r.blocks.table(seq)
             sel = None
@@ -85,13 +89,20 @@ class _Step:
                     r.blocks.block_size,
                     scale,
                 )
+            if isinstance(sel, torch.Tensor):
+                sel = sel.cpu().numpy()
             if sel is None:
                 seq_runs = r.blocks.runs(seq, index)
                 kv_lens.append(self.kv_lens[i])
+                heads.append(None)
             else:
-                self.selected.setdefault(seq, []).append((index, sel))
-                seq_runs = runs_of(t.locations(index)[sel])
-                kv_lens.append(self.kv_lens[i] - (t.num_blocks - len(sel)) * r.blocks.block_size)
+                union = sel if sel.ndim == 1 else np.unique(sel)  # what must be readable (and promoted)
+                self.selected.setdefault(seq, []).append((index, union))
+                where = t.locations(index)
+                seq_runs = runs_of(where[union])
+                kv_lens.append(self.kv_lens[i] - (t.num_blocks - sel.shape[-1]) * r.blocks.block_size)
+                heads.append(None if sel.ndim == 1 else where[sel])
+                sel = union
             runs.append(seq_runs)
             locs.append(sel)
             r.tiers.count_reads(seq, sum(c for _, _, c in seq_runs), sum(c for tier, _, c in seq_runs if tier))
@@ -101,12 +112,34 @@ class _Step:
             full = [r.blocks.table(s).locations(index) for s in seqs]
             return r.padded_locations([f if sel is None else f[sel] for f, sel in zip(full, locs, strict=True)])
 
-        return LayerKV(query_lens=self.query_lens, kv_lens=tuple(kv_lens), runs=tuple(runs), tables=tables)
+        if all(h is None for h in heads):
+            return LayerKV(query_lens=self.query_lens, kv_lens=tuple(kv_lens), runs=tuple(runs), tables=tables)
+        hkv = r.hbm.k.shape[0]
+
+        def head_tables() -> torch.Tensor:
+            full = [r.blocks.table(s).locations(index) for s in seqs]
+            rows = [np.broadcast_to(f if sel is None else f[sel], (hkv, len(f if sel is None else sel))) if h is None
+                    else h for f, sel, h in zip(full, locs, heads, strict=True)]  # fmt: skip
+            out = np.zeros((len(rows), hkv, max(x.shape[1] for x in rows)), dtype=np.int64)
+            for i, x in enumerate(rows):
+                out[i, :, : x.shape[1]] = x
+            return torch.from_numpy(out).to(r.device)
+
+        return LayerKV(
+            query_lens=self.query_lens,
+            kv_lens=tuple(kv_lens),
+            runs=tuple(runs),
+            tables=tables,
+            head_locs=tuple(heads),
+            head_tables=head_tables,
+        )
 
     def write(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         r = self.runner
         rows = self.rows[index]
-        if not self.has_ddr_rows:
+        if self.plan is not None and not self.has_ddr_rows:
+            r.hbm.write(self.plan.rows[index], k, v)
+        elif not self.has_ddr_rows:
             r.hbm.write(torch.from_numpy(rows).to(r.device), k, v)
         else:
             in_hbm = rows >= 0
@@ -122,6 +155,101 @@ class _Step:
             if r.selection[seq].policy != "exact":  # exact never reads digests: built on a switch
                 positions = torch.arange(start, start + n, device=r.device)
                 r.digests.update(seq, index, positions, k[off : off + n])
+
+
+class _DevicePlan:
+    """A decode step on the GPU, planned so that no layer waits on the host: every layer's block
+    locations, the new tokens' rows and the kernel's list lengths go to the device in one copy at
+    the step's start, and HBF selections stay on the device (the tables the kernel reads are
+    gathered there); the host learns the selections once, after the forward (`resolve`), for
+    promotion and the counters. Used when every chunk is one token and nothing moves during the
+    step (no archive to stage from); otherwise the host plans each layer (`_Step.layer`)."""
+
+    @staticmethod
+    def applies(step: _Step) -> bool:
+        r = step.runner
+        gpu = r.device.type == "cuda" or r.plan_on_device
+        return gpu and r.tiers.archive is None and all(n == 1 for n in step.query_lens)
+
+    def __init__(self, step: _Step) -> None:
+        self.step = step
+        r = step.runner
+        dev = r.device
+        bs, hkv = r.blocks.block_size, r.hbm.k.shape[0]
+        tables = [r.blocks.table(s) for s in step.seqs]
+        nbs = [t.num_blocks for t in tables]
+        width = max(nbs)
+        locs = np.zeros((r.blocks.num_layers, len(tables), width), dtype=np.int64)  # [L, B, W], 0 pads
+        for i, t in enumerate(tables):
+            hbm, ddr = t.hbm[:, : t.num_blocks], t.ddr[:, : t.num_blocks]
+            locs[:, i, : t.num_blocks] = np.where(hbm >= 0, hbm, -ddr - 1)
+        kv = np.asarray(step.kv_lens, dtype=np.int64)
+        tail = kv - (np.asarray(nbs) - 1) * bs
+        packed = torch.from_numpy(np.concatenate([locs.ravel(), step.rows.ravel(), np.asarray(nbs), tail]))
+        packed = packed.to(dev)  # the step's one copy to the device
+        n_locs, n_rows = locs.size, step.rows.size
+        self.locs = packed[:n_locs].view(locs.shape)
+        self.rows = packed[n_locs : n_locs + n_rows].view(step.rows.shape)
+        nblocks = packed[n_locs + n_rows : n_locs + n_rows + len(nbs)]
+        self.tail = packed[n_locs + n_rows + len(nbs) :].to(torch.int32)
+        self.full = (self.locs.to(torch.int32), nblocks.to(torch.int32)[:, None].expand(-1, hkv))
+        self.hkv = hkv
+        self.pending: list[tuple[int, int, torch.Tensor]] = []  # (batch index, layer, [Hkv, n] blocks)
+
+    def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
+        step, r = self.step, self.step.runner
+        tables, nblocks = self.full[0][index], self.full[1]  # [B, W], [B, Hkv]
+        picked: dict[int, torch.Tensor] = {}
+        kv_lens = list(step.kv_lens)
+        for i, seq in enumerate(step.seqs):
+            t = r.blocks.table(seq)
+            state = r.selection[seq]
+            if state.policy == "exact":
+                continue
+            digests = r.digests.get(seq, index, t.num_blocks)
+            sel = select(state, r.hbf, index, q[i], digests, t.num_blocks, r.blocks.block_size, scale)
+            if sel is None:
+                continue
+            blocks = sel if isinstance(sel, torch.Tensor) else torch.from_numpy(sel).to(q.device, non_blocking=True)
+            blocks = blocks.expand(self.hkv, -1) if blocks.dim() == 1 else blocks  # [Hkv, n]
+            picked[i] = blocks
+            self.pending.append((i, index, blocks))
+            kv_lens[i] -= (t.num_blocks - blocks.shape[1]) * r.blocks.block_size
+        heads = tables[:, None, :].expand(-1, self.hkv, -1)
+        if picked:
+            heads = heads.clone()
+            nblocks = nblocks.clone()
+            for i, blocks in picked.items():
+                heads[i, :, : blocks.shape[1]] = tables[i][blocks]
+                heads[i, :, blocks.shape[1] :] = 0
+                nblocks[i] = blocks.shape[1]
+        lists = (heads, nblocks, self.tail)
+        return LayerKV(
+            query_lens=step.query_lens,
+            kv_lens=tuple(kv_lens),
+            runs=tuple([] for _ in step.seqs),  # not planned on the host: attention reads `lists`
+            tables=lambda: tables,
+            lists=lists,
+        )
+
+    def resolve(self) -> None:
+        """After the forward: the selections to the host (one copy), for promotion and counters."""
+        step, r = self.step, self.step.runner
+        read: dict[tuple[int, int], np.ndarray] = {}
+        if self.pending:
+            flat = torch.cat([b.reshape(-1) for _, _, b in self.pending]).cpu().numpy()
+            ends = np.cumsum([b.numel() for _, _, b in self.pending])[:-1]
+            for (i, layer, _), blocks in zip(self.pending, np.split(flat, ends), strict=True):
+                union = np.unique(blocks)
+                step.selected.setdefault(step.seqs[i], []).append((layer, union))
+                read[(i, layer)] = union
+        for i, seq in enumerate(step.seqs):
+            t = r.blocks.table(seq)
+            for layer in range(r.blocks.num_layers):
+                where = t.locations(layer)
+                picked = read.get((i, layer))
+                seen = where if picked is None else where[picked]
+                r.tiers.count_reads(seq, len(seen), int((seen < 0).sum()))
 
 
 class _Rewrite(_Step):
@@ -177,6 +305,7 @@ class ModelRunner:
         self.selection: dict[SeqId, SelectionState] = {}
         self._stale_digests: set[SeqId] = set()  # adopted from the archive: digests to rebuild
         self.check_invariants = check_invariants
+        self.plan_on_device = False  # tests: the GPU's decode planning (`_DevicePlan`) on the CPU
 
     def cached_tokens(self, seq: SeqId) -> int:
         return self.blocks.table(seq).num_tokens
@@ -235,6 +364,8 @@ class ModelRunner:
                 if self.blocks.has(c.seq):
                     self.blocks.truncate(c.seq, c.start)
             raise
+        if step.plan is not None:
+            step.plan.resolve()
         if step.selected:
             self.tiers.promote(step.selected, step.protect, {s: self._keep(s) for s in step.seqs})
         for seq, n in zip(step.seqs, step.query_lens, strict=True):

@@ -3,11 +3,16 @@
 Quest's bound: for a query q, `sum_d max(q_d * min_d, q_d * max_d)` is >= q . k for every key k of
 the block, so ranking blocks by it never ranks a block below its true best key's score.
 
+A block's digest is kept per `DIGEST_TOKENS` tokens (two halves of a 32-token block) and its bound
+is the larger of its parts': the bound of a narrower range is tighter, so a block holding one
+relevant token stands out more (Quest found 16-token pages better than larger ones; on the
+retrieval benchmark this and per-KV-head selection together lifted 8K accuracy, docs/BENCHMARKS.md).
+
 Digests live on the compute device for every block of every session (they are what selection
-reads each step): per session a tensor [L, Hkv, capacity, 2, D] in the KV dtype, grown by
-doubling. Cost: 2 * head_dim * element size per block and KV head, i.e. 2 / block_size of the KV
-itself (1/16 at block_size 32): 3 KV heads x 64 dims x fp32 = 1.5 KiB per block of all heads,
-46 MiB for a 32K-token session of the embedded model (30 layers).
+reads each step): per session a tensor [L, Hkv, capacity * parts, 2, D] in the KV dtype, grown by
+doubling. Cost: 2 * head_dim * element size per part and KV head, i.e. 1 / DIGEST_TOKENS of the KV
+itself (1/16): 3 KV heads x 64 dims x fp32 x 2 parts = 3 KiB per 32-token block of all heads,
+92 MiB for a 32K-token session of the embedded model (30 layers).
 
 Owner: `DigestStore`, updated by the model runner as K rows are written (the partial last block's
 digest is kept current token by token).
@@ -18,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from h3d.kv.blocks import SeqId
+
+DIGEST_TOKENS = 16  # tokens per digest: a block of block_size tokens has block_size / 16 parts
 
 
 class DigestStore:
@@ -33,6 +40,8 @@ class DigestStore:
         self.shape = (num_layers, num_kv_heads)
         self.head_dim = head_dim
         self.block_size = block_size
+        self.parts = max(1, block_size // DIGEST_TOKENS)
+        self.part_tokens = block_size // self.parts
         self.dtype = dtype
         self.device = device
         self._digests: dict[SeqId, torch.Tensor] = {}  # [L, Hkv, cap, 2, D]
@@ -43,25 +52,27 @@ class DigestStore:
         d[..., 1, :] = torch.finfo(self.dtype).min  # running max
         return d
 
-    def ensure(self, seq: SeqId, num_blocks: int) -> torch.Tensor:
+    def ensure(self, seq: SeqId, num_parts: int) -> torch.Tensor:
         d = self._digests.get(seq)
-        if d is None or d.shape[2] < num_blocks:
-            grown = self._empty(max(num_blocks, 2 * (d.shape[2] if d is not None else 4)))
+        if d is None or d.shape[2] < num_parts:
+            grown = self._empty(max(num_parts, 2 * (d.shape[2] if d is not None else 4)))
             if d is not None:
                 grown[:, :, : d.shape[2]] = d
             self._digests[seq] = d = grown
         return d
 
     def get(self, seq: SeqId, layer: int, num_blocks: int) -> torch.Tensor:
-        """[Hkv, num_blocks, 2, D]: (min, max) of each block's keys."""
-        return self._digests[seq][layer, :, :num_blocks]
+        """[Hkv, num_blocks, parts, 2, D]: (min, max) of the keys of each part of each block."""
+        d = self._digests[seq][layer, :, : num_blocks * self.parts]
+        return d.view(d.shape[0], num_blocks, self.parts, 2, self.head_dim)
 
     def update(self, seq: SeqId, layer: int, positions: torch.Tensor, k: torch.Tensor) -> None:
         """Fold new keys into their blocks' digests. positions: [n] token positions; k: [n, Hkv, D]."""
         if not len(positions):
             return
-        d = self.ensure(seq, int(positions.max().item()) // self.block_size + 1)[layer]  # [Hkv, cap, 2, D]
-        blocks = (positions // self.block_size).to(self.device)  # [n]
+        last = int(positions.max().item()) // self.block_size + 1
+        d = self.ensure(seq, last * self.parts)[layer]  # [Hkv, cap, 2, D]
+        blocks = (positions // self.part_tokens).to(self.device)  # [n]: the part each key folds into
         idx = blocks[None, :, None].expand(k.shape[1], -1, self.head_dim)  # [Hkv, n, D]
         kt = k.transpose(0, 1).to(self.dtype)  # [Hkv, n, D]
         d[:, :, 0].scatter_reduce_(1, idx, kt, reduce="amin", include_self=True)
@@ -74,16 +85,23 @@ class DigestStore:
         return sum(d.numel() * d.element_size() for d in self._digests.values())
 
 
-def block_scores(q: torch.Tensor, digests: torch.Tensor) -> torch.Tensor:
-    """Quest upper bound per block, max over all query heads.
+def block_scores(q: torch.Tensor, digests: torch.Tensor, per_head: bool = False) -> torch.Tensor:
+    """Quest upper bound per block, max over all query heads (or over each KV head's group).
 
-    q: [H, D] (one token's queries); digests: [Hkv, nb, 2, D] -> [nb] fp32.
-    Each query head is scored against its KV head's digest (GQA groups of H / Hkv heads).
+    q: [H, D] (one token's queries); digests: [Hkv, nb, 2, D], or [Hkv, nb, parts, 2, D] (a block's
+    bound is its parts' largest) -> [nb] fp32 ([Hkv, nb] `per_head`). Each query head is scored
+    against its KV head's digest (GQA groups of H / Hkv heads).
     """
+    if digests.dim() == 5:
+        hkv, nb, parts = digests.shape[:3]
+        flat = block_scores(q, digests.reshape(hkv, nb * parts, 2, -1), per_head=True)  # [Hkv, nb * parts]
+        per_block = flat.view(hkv, nb, parts).amax(dim=2)
+        return per_block if per_head else per_block.amax(dim=0)
     h, d = q.shape
     hkv = digests.shape[0]
-    qg = q.float().view(hkv, h // hkv, 1, d)  # [Hkv, G, 1, D]
-    lo = digests[:, None, :, 0].float()  # [Hkv, 1, nb, D]
-    hi = digests[:, None, :, 1].float()
-    bound = torch.maximum(qg * lo, qg * hi).sum(-1)  # [Hkv, G, nb]
-    return bound.amax(dim=(0, 1))  # [nb]
+    # sum_d max(q_d lo_d, q_d hi_d) = hi . max(q, 0) + lo . min(q, 0): two small matrix products
+    # in the digests' dtype instead of an elementwise [Hkv, G, nb, D] tensor.
+    qg = q.to(digests.dtype).view(hkv, h // hkv, d).transpose(1, 2)  # [Hkv, D, G]
+    lo, hi = digests[:, :, 0], digests[:, :, 1]  # [Hkv, nb, D]
+    bound = (torch.bmm(hi, qg.clamp(min=0)) + torch.bmm(lo, qg.clamp(max=0))).float()  # [Hkv, nb, G]
+    return bound.amax(dim=2) if per_head else bound.amax(dim=(0, 2))  # [Hkv, nb] or [nb]

@@ -7,7 +7,9 @@
   blocks that draw the most attention mass from the chunk's last `PROBE_QUERIES` queries (the
   last chunk of the prompt has the final word), up to the token budget.
 - `attention_entropy` (default): sinks + recent + the top blocks by the digest bound
-  (`h3d.hbf.digests.block_scores`) up to `window_tokens`; every `resize_every` decode steps the
+  (`h3d.hbf.digests.block_scores`) up to `window_tokens`, chosen for each KV head on its own (its
+  group of query heads: heads attend to different places, and one shared top-k lets the heads
+  with the largest scores crowd out the others' blocks); every `resize_every` decode steps the
   entropy (nats) of the softmax of the block scores resizes the window: below
   `entropy_shrink_below` attention is peaked and the window shrinks, above `entropy_grow_above` it
   is spread and the window grows, within [`window_min_tokens`, `window_max_tokens`].
@@ -74,8 +76,10 @@ def select(
     num_blocks: int,
     block_size: int,
     scale: float,
-) -> np.ndarray | None:
-    """Blocks of `layer` to read for query q ([H, D]), ascending; None means all of them."""
+) -> np.ndarray | torch.Tensor | None:
+    """Blocks of `layer` to read for query q ([H, D]), ascending: [n] for every KV head (NumPy), or
+    [Hkv, n] one row per KV head (attention_entropy: a tensor on q's device, so that a GPU step
+    needs no copy to the host); None means all of them."""
     budget = max(1, state.window_tokens // block_size)
     if state.policy == "exact" or layer < cfg.dense_layers or num_blocks <= budget:
         return None
@@ -86,15 +90,16 @@ def select(
     if state.policy == "layerwise":
         extra = np.setdiff1d(state.anchors.get(layer, np.empty(0, dtype=np.int64)), base)[:room]
         return np.union1d(base, extra) if room > 0 else base
-    scores = block_scores(q, digests)  # [nb]
+    scores = block_scores(q, digests, per_head=True)  # [Hkv, nb]
     if layer == cfg.dense_layers:
-        _track_entropy(state, scores * scale)  # even with no room left: the window may grow
+        _track_entropy(state, scores.amax(dim=0) * scale)  # even with no room left: the window may grow
     if room <= 0:
         return base
+    where = torch.from_numpy(base).to(scores.device, non_blocking=True)  # no wait for the stream
     masked = scores.clone()
-    masked[torch.from_numpy(base).to(scores.device)] = float("-inf")
-    top = torch.topk(masked, min(room, num_blocks - len(base))).indices
-    return np.union1d(base, top.cpu().numpy())
+    masked[:, where] = float("-inf")
+    top = torch.topk(masked, min(room, num_blocks - len(base)), dim=-1).indices  # [Hkv, room]
+    return torch.cat([where.expand(len(top), -1), top], dim=1).sort(dim=1).values
 
 
 def _track_entropy(state: SelectionState, logits: torch.Tensor) -> None:

@@ -44,12 +44,20 @@ class LayerKV:
     Sequence i owns `query_lens[i]` consecutive rows of q; its keys are the first `kv_lens[i]`
     tokens of its blocks (the new tokens included). `runs[i]` lists its blocks as runs of slots;
     `tables()` builds the padded location table [B, W] (HBM slot, or -(DDR slot + 1)) for gathers.
+    A decode step whose selection differs per KV head has `head_locs[i]`, [Hkv, n] locations (each
+    row that head's blocks, ascending): its `runs[i]` and `tables()` row then list the union, and
+    `head_tables()` gives every sequence's per-head lists, [B, Hkv, W] (shared lists repeated).
     """
 
     query_lens: tuple[int, ...]
     kv_lens: tuple[int, ...]
     runs: tuple[Runs, ...]
     tables: Callable[[], torch.Tensor]
+    head_locs: tuple[np.ndarray | None, ...] = ()
+    head_tables: Callable[[], torch.Tensor] | None = None
+    # A decode step planned on the device: the kernel's (tables [B, Hkv, W], nblocks [B, Hkv],
+    # tails [B]) already there (`h3d.engine.runner._DevicePlan`); `runs` are then empty.
+    lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def gather_blocks(pools: tuple[torch.Tensor, ...], loc: torch.Tensor) -> torch.Tensor:
@@ -102,8 +110,29 @@ def prefill_attention(q: torch.Tensor, pools: Pools, table: torch.Tensor, kv_len
     return out.reshape(n, h, d).to(q.dtype)
 
 
+def _head_lists(q: torch.Tensor, pools: Pools, layer: LayerKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's lists for the paged kernel: tables [B, Hkv, W], nblocks [B, Hkv] and tails
+    [B] (int32, on q's device). Every listed block is full but the sequence's last, partial one."""
+    bs, hkv = pools.k[0].shape[2], pools.k[0].shape[0]
+    kv_lens = torch.tensor(layer.kv_lens, dtype=torch.int32)
+    nblocks = (kv_lens + bs - 1) // bs
+    tail = kv_lens - (nblocks - 1) * bs
+    if layer.head_tables is not None:
+        tables = layer.head_tables().to(torch.int32)
+    else:
+        shared = layer.tables().to(torch.int32)  # [B, W]: every KV head reads the same blocks
+        tables = shared[:, None, :].expand(shared.shape[0], hkv, shared.shape[1])
+    b = tables.shape[0]
+    return tables, nblocks[:, None].expand(b, hkv).to(q.device), tail.to(q.device)
+
+
 def reference_attention(q: torch.Tensor, pools: Pools, layer: LayerKV, scale: float) -> torch.Tensor:
     """Attention for every packed sequence, by gathering. q: [N, H, D] -> [N, H, D]."""
+    if layer.head_tables is not None or layer.lists is not None:  # per-KV-head lists
+        from h3d.kv.triton_decode import torch_paged_decode
+
+        lists = layer.lists if layer.lists is not None else _head_lists(q, pools, layer)
+        return torch_paged_decode(q, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), *lists, scale)
     tables = layer.tables()  # [B, W]
     if all(n == 1 for n in layer.query_lens):
         kv_lens = torch.tensor(layer.kv_lens, dtype=torch.int64, device=q.device)
@@ -151,6 +180,21 @@ def run_attention(q: torch.Tensor, pools: Pools, runs: Runs, kv_len: int, scale:
     return out.reshape(1, h, d).to(q.dtype)
 
 
+def head_attention(q: torch.Tensor, pools: Pools, locs: np.ndarray, kv_len: int, scale: float) -> torch.Tensor:
+    """One query over a different block list for each KV head (gathered: a selection is small).
+    q: [1, H, D]; locs: [Hkv, n] locations, ascending, the last the partial block -> [1, H, D]."""
+    _, h, d = q.shape
+    hkv = locs.shape[0]
+    loc = torch.from_numpy(np.ascontiguousarray(locs)).to(pools.k[0].device)
+    heads = torch.arange(hkv, device=loc.device)
+    # gather_blocks reads every head of each listed block: keep each list's own head.
+    k = gather_blocks(pools.k, loc)[heads, :kv_len, heads]  # [Hkv, T, D]
+    v = gather_blocks(pools.v, loc)[heads, :kv_len, heads]
+    qh = q.float().view(hkv, h // hkv, d) * scale  # [Hkv, G, D]
+    probs = torch.softmax(torch.bmm(qh, k.transpose(1, 2)), dim=-1)  # [Hkv, G, T]
+    return torch.bmm(probs, v).reshape(1, h, d).to(q.dtype)
+
+
 def _chunk_attention(q: torch.Tensor, pools: Pools, runs: Runs, kv_len: int, scale: float) -> torch.Tensor:
     """A prefill chunk (n > 1 queries): torch SDPA over the runs (views, or one copy if several).
 
@@ -162,6 +206,8 @@ def _chunk_attention(q: torch.Tensor, pools: Pools, runs: Runs, kv_len: int, sca
     keys, values = _segments(pools.k, runs), _segments(pools.v, runs)
     k = (keys[0] if len(keys) == 1 else torch.cat(keys, dim=1))[:, :kv_len]  # [Hkv, T, D]
     v = (values[0] if len(values) == 1 else torch.cat(values, dim=1))[:, :kv_len]  # [Hkv, T, D]
+    if q.is_cuda:
+        return causal_lower_right_attention(q, k, v, scale)
     kpos = torch.arange(kv_len, device=q.device)
     qpos = torch.arange(kv_len - n, kv_len, device=q.device)
     mask = kpos[None, :] <= qpos[:, None]  # [n, T]
@@ -176,12 +222,42 @@ def _chunk_attention(q: torch.Tensor, pools: Pools, runs: Runs, kv_len: int, sca
     return out[0].transpose(0, 1)
 
 
+def causal_lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A chunk's attention on CUDA. q: [n, H, D]; k, v: [Hkv, T, D] -> [n, H, D].
+
+    The chunk's queries are the sequence's last n tokens, so the causal mask is aligned to the
+    lower right; torch's `causal_lower_right` hands that to the flash or memory-efficient kernels,
+    which never build the [n, T] mask or the [H, n, T] scores (a boolean mask would send SDPA to
+    its math path: 128 GiB of fp32 scores per layer for 8,192 queries over 131,072 keys). K and V
+    are repeated over their group's query heads, as those kernels' GQA support varies."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    n, h, _ = q.shape
+    hkv, t, _ = k.shape
+    if h != hkv:
+        k, v = k.repeat_interleave(h // hkv, dim=0), v.repeat_interleave(h // hkv, dim=0)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.to(q.dtype)[None],
+        v.to(q.dtype)[None],
+        attn_mask=causal_lower_right(n, t),
+        scale=scale,
+    )  # [1, H, n, D]
+    return out[0].transpose(0, 1)
+
+
 def paged_attention(q: torch.Tensor, pools: Pools, layer: LayerKV, scale: float) -> torch.Tensor:
     """Attention for every packed sequence, reading runs in place. q: [N, H, D] -> [N, H, D]."""
+    if layer.lists is not None:  # a decode step planned on the device (its runs are not built)
+        return reference_attention(q, pools, layer, scale)
     outs = []
     start = 0
-    for n, kv_len, runs in zip(layer.query_lens, layer.kv_lens, layer.runs, strict=True):
-        outs.append(run_attention(q[start : start + n], pools, runs, kv_len, scale))
+    heads = layer.head_locs or (None,) * len(layer.runs)
+    for n, kv_len, runs, locs in zip(layer.query_lens, layer.kv_lens, layer.runs, heads, strict=True):
+        if locs is None:
+            outs.append(run_attention(q[start : start + n], pools, runs, kv_len, scale))
+        else:
+            outs.append(head_attention(q[start : start + n], pools, locs, kv_len, scale))
         start += n
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
@@ -210,26 +286,12 @@ class StepKV(Protocol):
 def kernel_attention(q: torch.Tensor, pools: Pools, layer: LayerKV, scale: float) -> torch.Tensor:
     """The GPU path: a decode step (one query per sequence) goes to the Triton paged kernel
     (`h3d.kv.triton_decode`), which reads each listed block where it is, HBM or pinned DDR, with
-    no gather; prefill chunks go through `paged_attention` (SDPA over the runs). On the CPU the
-    kernel runs only under Triton's interpreter (the tests' twin of the GPU path); otherwise its
-    torch fallback computes the same thing."""
+    no gather, one list per (sequence, KV head); prefill chunks go through `paged_attention` (SDPA
+    over the runs). On the CPU the kernel runs only under Triton's interpreter (the tests' twin of
+    the GPU path); otherwise its torch fallback computes the same thing."""
     from h3d.kv.triton_decode import paged_decode
 
     if not all(n == 1 for n in layer.query_lens):
         return paged_attention(q, pools, layer, scale)
-    bs = pools.k[0].shape[2]
-    hkv = pools.k[0].shape[0]
-    kv_lens = torch.tensor(layer.kv_lens, dtype=torch.int32)
-    nblocks = (kv_lens + bs - 1) // bs  # the listed blocks: full ones, then the partial last one
-    tail = (kv_lens - (nblocks - 1) * bs).to(q.device)
-    tables = layer.tables().to(torch.int32)  # [B, W]: every KV head reads the same blocks
-    b = tables.shape[0]
-    return paged_decode(
-        q,
-        (pools.k[0], pools.k[1]),
-        (pools.v[0], pools.v[1]),
-        tables[:, None, :].expand(b, hkv, tables.shape[1]),
-        nblocks[:, None].expand(b, hkv).to(q.device),
-        tail,
-        scale,
-    )
+    lists = layer.lists if layer.lists is not None else _head_lists(q, pools, layer)
+    return paged_decode(q, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), *lists, scale)
