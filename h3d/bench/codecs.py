@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from h3d.bench.cpu import _write
+from h3d.bench.report import write_section
 from h3d.bench.text import corpus
 from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
@@ -99,7 +99,7 @@ def main() -> None:
     if args.write:
         from pathlib import Path
 
-        _write(Path(args.write), f"{meta}\n\n{table}", MARK)
+        write_section(Path(args.write), f"{meta}\n\n{table}", MARK)
 
 
 if __name__ == "__main__":

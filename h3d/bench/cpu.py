@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from h3d.bench.report import write_section
 from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
 from h3d.engine.session import TokenDelta
@@ -127,19 +128,6 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _write(path: Path, section: str, mark: str = "bench-cpu") -> None:
-    """Replace the text between `<!-- mark:start -->` and `<!-- mark:end -->` (or append it)."""
-    start, end = f"<!-- {mark}:start -->", f"<!-- {mark}:end -->"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{start}\n{section}\n{end}"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -164,7 +152,7 @@ def main() -> None:
             f"of {args.decode_tokens}.\n\nCommand: `python -m h3d.bench.cpu --model MODEL "
             f"--contexts {' '.join(map(str, args.contexts))} --decode-tokens {args.decode_tokens}`"
         )
-        _write(args.write, f"{meta}\n\n{table}")
+        write_section(args.write, f"{meta}\n\n{table}", "bench-cpu")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from h3d.bench.report import write_section
 from h3d.config import EngineConfig
 from h3d.engine.runner import Chunk, ModelRunner
 from h3d.hbf.digests import block_scores
@@ -674,20 +675,6 @@ def section(data: dict[str, Any], commands: list[str]) -> str:
     return f"{meta}\n\nCommand: {', '.join(commands)}\n\n{table(data)}"
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace the text between `<!-- gpu-bench:start -->` and `<!-- gpu-bench:end -->` (or append
-    it), as the other benches do (`h3d.bench.cpu._write`)."""
-    start, end = f"<!-- {MARK}:start -->", f"<!-- {MARK}:end -->"
-    doc = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{start}\n{text}\n{end}"
-    if start in doc and end in doc:
-        head, rest = doc.split(start, 1)
-        doc = head + block + rest.split(end, 1)[1]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(doc)
-
-
 # ---- main ---------------------------------------------------------------------------------------
 
 
@@ -804,7 +791,7 @@ def main() -> None:
         data = measure(args)
         commands = [command(data)]
     if args.write:
-        write_section(args.write, section(data, commands))
+        write_section(args.write, section(data, commands), MARK)
     print(table(data), flush=True)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from h3d.bench.cpu import _write
+from h3d.bench.report import write_section
 from h3d.hbf.digests import block_scores
 from h3d.kv.blocks import BlockManager, SeqId
 from h3d.kv.pool import KVPool
@@ -99,7 +99,7 @@ def main() -> None:
             f"{args.steps} steps (the first 100 dropped). Goal: p99 <= 200 µs.\n\n"
             f"Command: `python -m h3d.bench.hbf_cost --tokens {args.tokens} --steps {args.steps}`"
         )
-        _write(Path(args.write), f"{meta}\n\n{table}", "hbf-cost")
+        write_section(Path(args.write), f"{meta}\n\n{table}", "hbf-cost")
 
 
 if __name__ == "__main__":

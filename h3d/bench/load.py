@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from h3d.bench.cpu import _write
+from h3d.bench.report import write_section
 from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
@@ -229,7 +229,7 @@ def main() -> None:
             f"{os.cpu_count()} CPUs.\n\nCommand: `python -m h3d.bench.load --model MODEL{' --tiny' * args.tiny} "
             f"--clients {args.clients} --requests {args.requests} --max-tokens {args.max_tokens}`"
         )
-        _write(Path(args.write), f"{meta}\n\n{table}", "load-tiny" if args.tiny else "load")
+        write_section(Path(args.write), f"{meta}\n\n{table}", "load-tiny" if args.tiny else "load")
 
 
 if __name__ == "__main__":

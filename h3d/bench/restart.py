@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from h3d.bench.cpu import _write
+from h3d.bench.report import write_section
 from h3d.bench.text import corpus
 
 
@@ -148,7 +148,7 @@ def main() -> None:
             f"Command: `python -m h3d.bench.restart --model MODEL --sessions {' '.join(map(str, args.sessions))} "
             f"--tokens {' '.join(map(str, args.tokens))}`"
         )
-        _write(Path(args.write), f"{meta}\n\n{table}", "restart")
+        write_section(Path(args.write), f"{meta}\n\n{table}", "restart")
 
 
 if __name__ == "__main__":

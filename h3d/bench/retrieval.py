@@ -26,7 +26,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3d.bench.cpu import _write
+from h3d.bench.report import write_section
 from h3d.bench.text import corpus
 from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
@@ -212,8 +212,8 @@ def main() -> None:
             f"--needles {args.needles} --depths {' '.join(map(str, args.depths))} "
             f"--budgets {' '.join(map(str, args.budgets))} --hbm-mb {args.hbm_mb}`"
         )
-        _write(Path(args.write), f"{meta}\n\n{out}", "retrieval")
-        _write(Path(args.write), f"{meta}\n\n{calib}", "calibration")
+        write_section(Path(args.write), f"{meta}\n\n{out}", "retrieval")
+        write_section(Path(args.write), f"{meta}\n\n{calib}", "calibration")
 
 
 if __name__ == "__main__":
