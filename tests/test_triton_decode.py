@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton (it reads the variable then)
 
@@ -204,7 +205,7 @@ def test_rejects_bad_shapes() -> None:
 @pytest.mark.parametrize("planned", [False, True], ids=["host-planned", "device-planned"])
 @pytest.mark.parametrize("policy", ["exact", "attention_entropy", "fixed"])
 def test_engine_decode_through_the_kernel_equals_the_reference(
-    checkpoint: Callable[[str], Path], policy: str, planned: bool
+    checkpoint: Callable[[str], Path], policy: str, planned: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The engine's decode steps through `kernel_attention` (as on CUDA) and the CPU fast path give
     the reference attention's logits: with blocks in HBM and DDR (a small HBM), with per-KV-head
@@ -213,7 +214,7 @@ def test_engine_decode_through_the_kernel_equals_the_reference(
     device) is run here too, against the host-planned reference."""
     from helpers import VOCAB_SIZE, make_engine, random_prompt, runner_logits
 
-    from h3d.engine.runner import Chunk
+    from h3d.engine.runner import Chunk, _DevicePlan
     from h3d.kv.attention import kernel_attention, paged_attention, reference_attention
     from h3d.kv.blocks import SeqId
 
@@ -229,14 +230,30 @@ def test_engine_decode_through_the_kernel_equals_the_reference(
     }
     prompts = [random_prompt(150, VOCAB_SIZE, seed=1), random_prompt(97, VOCAB_SIZE, seed=2)]
     logits = []
-    for fn in (kernel_attention, paged_attention, reference_attention):
-        engine = make_engine(checkpoint("llama_gqa4_tied"), **overrides)
+    plans: list[int] = []  # one entry per decode step planned on the device
+    init = _DevicePlan.__init__
+
+    def counting(plan: _DevicePlan, step: Any) -> None:
+        plans.append(1)
+        init(plan, step)
+
+    for n, fn in enumerate((kernel_attention, paged_attention, reference_attention)):
+        # With an archive too (the daemon always has one): nothing is archive-only here, so the
+        # device plan still applies.
+        archive = {"ssd_path": str(tmp_path / f"archive-{n}")} if planned else {}
+        engine = make_engine(checkpoint("llama_gqa4_tied"), **overrides, **archive)
         engine.model.use_attention(fn)
         engine.runner.plan_on_device = planned and fn is not reference_attention
+        plans.clear()
+        if engine.runner.plan_on_device:
+            monkeypatch.setattr(_DevicePlan, "__init__", counting)
         out = [runner_logits(engine, i, ids, [len(ids) - 6, 1, 1, 1, 1, 1, 1]) for i, ids in enumerate(prompts)]
         both = [Chunk(SeqId(i), (7,), len(ids), True) for i, ids in enumerate(prompts)]
         out.append(engine.runner.execute(both))  # a batch of two decode steps
         assert engine.tier_stats().ddr_hits > 0  # the kernel read blocks in DDR
+        if engine.runner.plan_on_device:
+            monkeypatch.undo()
+            assert len(plans) == 2 * 6 + 1  # every decode step was planned on the device
         logits.append(torch.cat(out))
         engine.close()
     torch.testing.assert_close(logits[0], logits[2], rtol=1e-4, atol=1e-4)  # the kernel

@@ -16,7 +16,7 @@ from h3d.config import EngineConfig
 from h3d.hbf.digests import DigestStore
 from h3d.hbf.policy import HbfConfig, SelectionState, after_step, probe_anchors, select
 from h3d.kv.attention import LayerKV, Pools, gather_blocks, kernel_attention
-from h3d.kv.blocks import BlockManager, SeqId, runs_of
+from h3d.kv.blocks import NONE, BlockManager, SeqId, runs_of
 from h3d.kv.pool import KVPool
 from h3d.model.llama import CausalLM
 from h3d.tiers.archive import Archive
@@ -163,13 +163,22 @@ class _DevicePlan:
     the step's start, and HBF selections stay on the device (the tables the kernel reads are
     gathered there); the host learns the selections once, after the forward (`resolve`), for
     promotion and the counters. Used when every chunk is one token and nothing moves during the
-    step (no archive to stage from); otherwise the host plans each layer (`_Step.layer`)."""
+    step: every block the batch may read is in HBM or DDR already (nothing to stage from the
+    archive); otherwise the host plans each layer (`_Step.layer`)."""
 
     @staticmethod
     def applies(step: _Step) -> bool:
         r = step.runner
-        gpu = r.device.type == "cuda" or r.plan_on_device
-        return gpu and r.tiers.archive is None and all(n == 1 for n in step.query_lens)
+        if not (r.device.type == "cuda" or r.plan_on_device) or not all(n == 1 for n in step.query_lens):
+            return False
+        if r.tiers.archive is None:
+            return True
+        for seq in step.seqs:
+            t = r.blocks.table(seq)
+            nb = t.num_blocks
+            if ((t.hbm[:, :nb] == NONE) & (t.ddr[:, :nb] == NONE)).any():
+                return False  # some block is in the archive only: each layer stages its own
+        return True
 
     def __init__(self, step: _Step) -> None:
         self.step = step
