@@ -363,6 +363,7 @@ def session_text(s: Any) -> str:
         ("created_at", when(s.created_at)),
         ("last_used_at", when(s.last_used_at)),
         ("busy", yes_no(s.busy)),
+        ("closed", yes_no(s.closed) + (" (its next request reopens it)" if s.closed else "")),
         ("pinned", pinned),
         ("sampling", sampling),
     ]
@@ -400,7 +401,7 @@ def cmd_session_list(c: Client, args: argparse.Namespace) -> int:
             f"{s.residency.hbm_blocks}/{s.residency.ddr_blocks}/{s.residency.ssd_blocks}",
             when(s.created_at),
             when(s.last_used_at),
-            " ".join(flag for flag, on in (("busy", s.busy), ("pinned", s.pinned)) if on) or "-",
+            " ".join(flag for flag, on in (("busy", s.busy), ("pinned", s.pinned), ("closed", s.closed)) if on) or "-",
         )
         for s in sessions
     ]

@@ -371,6 +371,7 @@ def test_evict_pin_policy_close(d: RunningDaemon) -> None:
     assert ok(d, "session", "close", sid).strip() == f"closed {sid}"
     shown = ok_json(d, "session", "show", sid)
     assert shown["closed"] is True and shown["residency"]["hbm_blocks"] == shown["residency"]["ddr_blocks"] == 0
+    assert "closed" in ok(d, "session", "list") and "reopens" in ok(d, "session", "show", sid)
     assert ok(d, "session", "close", sid, "--purge").strip() == f"purged {sid}"
     r = failed(d, 1, "session", "show", sid)
     assert "NOT_FOUND" in r.stderr

@@ -41,6 +41,19 @@ def _append(stub: object, sid: str, ids: list[int]) -> None:
         pass
 
 
+def _uninterrupted(ckpt: Path, prompts: list[list[int]], generations: int) -> list[list[list[int]]]:
+    """The reference: each prompt appended to a session of an in-process engine that never stops,
+    then `generations` greedy generations of 8 tokens, in order."""
+    engine = Engine(EngineConfig.build(model=str(ckpt)))
+    out = []
+    for ids in prompts:
+        sid = engine.create_session()
+        engine.append(sid, token_ids=ids)
+        out.append([list(engine.complete(sid, "", GREEDY).token_ids) for _ in range(generations)])
+    engine.close()
+    return out
+
+
 def test_sigterm_then_restart_continues_every_session_from_the_archive(
     checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
@@ -49,15 +62,7 @@ def test_sigterm_then_restart_continues_every_session_from_the_archive(
     exactly the uninterrupted engine's."""
     ckpt = checkpoint(MODEL)
     prompts = [random_prompt(3000, VOCAB_SIZE, seed=40 + i) for i in range(3)]
-    engine = Engine(EngineConfig.build(model=str(ckpt)))
-    expected = []
-    for ids in prompts:
-        sid = engine.create_session()
-        engine.append(sid, token_ids=ids)
-        first = engine.complete(sid, "", GREEDY).token_ids
-        second = engine.complete(sid, "", GREEDY).token_ids
-        expected.append((list(first), list(second)))
-    engine.close()
+    expected = _uninterrupted(ckpt, prompts, generations=2)
 
     data = tmp_path / "data"
     with running_daemon(ckpt, data, tcp=False) as d:
@@ -149,11 +154,7 @@ def test_idle_sessions_expire_after_session_ttl_s(checkpoint: Callable[[str], Pa
     Closing with purge deletes its log and its archived KV."""
     ckpt = checkpoint(MODEL)
     prompt = random_prompt(200, VOCAB_SIZE, seed=90)
-    engine = Engine(EngineConfig.build(model=str(ckpt)))
-    ref = engine.create_session()
-    engine.append(ref, token_ids=prompt)
-    want = [list(engine.complete(ref, "", GREEDY).token_ids) for _ in range(2)]
-    engine.close()
+    [want] = _uninterrupted(ckpt, [prompt], generations=2)
     data = tmp_path / "data"
     with running_daemon(ckpt, data, tcp=False, extra=["--session-ttl-s", "1"]) as d:
         h3, admin = d.h3(), d.admin()
@@ -192,13 +193,7 @@ def test_a_full_ssd_degrades_the_tier_and_the_daemon_keeps_answering(
     admin snapshot tries it at once: the test waits on no retry interval)."""
     ckpt = checkpoint(MODEL)
     prompts = [random_prompt(300, VOCAB_SIZE, seed=70 + i) for i in range(3)]
-    engine = Engine(EngineConfig.build(model=str(ckpt)))
-    expected = []
-    for ids in prompts:
-        sid = engine.create_session()
-        engine.append(sid, token_ids=ids)
-        expected.append(list(engine.complete(sid, "", GREEDY).token_ids))
-    engine.close()
+    expected = [first for [first] in _uninterrupted(ckpt, prompts, generations=1)]
 
     slot_mb = 32 * 2 * 2 * 16 * 4 / 2**20  # one layer's K+V of a 32-token block
     tiers = ["--hbm-mb", str(3 * slot_mb), "--ddr-mb", str(40 * slot_mb), "--ssd-retry-interval-s", "3600"]

@@ -230,6 +230,7 @@ def test_engine_decode_through_the_kernel_equals_the_reference(
     }
     prompts = [random_prompt(150, VOCAB_SIZE, seed=1), random_prompt(97, VOCAB_SIZE, seed=2)]
     logits = []
+    reads: list[tuple[int, int, int]] = []
     plans: list[int] = []  # one entry per decode step planned on the device
     init = _DevicePlan.__init__
 
@@ -255,6 +256,9 @@ def test_engine_decode_through_the_kernel_equals_the_reference(
             monkeypatch.undo()
             assert len(plans) == 2 * 6 + 1  # every decode step was planned on the device
         logits.append(torch.cat(out))
+        t = engine.tier_stats()
+        reads.append((t.hbm_hits, t.hbm_misses, t.ddr_hits))
         engine.close()
+    assert reads[0] == reads[1] == reads[2]  # the device plan counts the blocks read as the host does
     torch.testing.assert_close(logits[0], logits[2], rtol=1e-4, atol=1e-4)  # the kernel
     torch.testing.assert_close(logits[1], logits[2], rtol=1e-4, atol=1e-4)  # the CPU fast path

@@ -197,6 +197,7 @@ class _DevicePlan:
         packed = torch.from_numpy(np.concatenate([locs.ravel(), step.rows.ravel(), np.asarray(nbs), tail]))
         packed = packed.to(dev)  # the step's one copy to the device
         n_locs, n_rows = locs.size, step.rows.size
+        self.host_locs = locs
         self.locs = packed[:n_locs].view(locs.shape)
         self.rows = packed[n_locs : n_locs + n_rows].view(step.rows.shape)
         nblocks = packed[n_locs + n_rows : n_locs + n_rows + len(nbs)]
@@ -253,12 +254,14 @@ class _DevicePlan:
                 step.selected.setdefault(step.seqs[i], []).append((layer, union))
                 read[(i, layer)] = union
         for i, seq in enumerate(step.seqs):
-            t = r.blocks.table(seq)
-            for layer in range(r.blocks.num_layers):
-                where = t.locations(layer)
-                picked = read.get((i, layer))
-                seen = where if picked is None else where[picked]
-                r.tiers.count_reads(seq, len(seen), int((seen < 0).sum()))
+            nb = r.blocks.table(seq).num_blocks
+            where = self.host_locs[:, i, :nb]  # [L, nb]: nothing moved during the step
+            total, below = nb * len(where), int((where < 0).sum())  # every layer, all blocks read
+            for (j, layer), picked in read.items():
+                if j == i:  # a selection read fewer
+                    total -= nb - len(picked)
+                    below -= int((where[layer] < 0).sum()) - int((where[layer, picked] < 0).sum())
+            r.tiers.count_reads(seq, total, below)
 
 
 class _Rewrite(_Step):

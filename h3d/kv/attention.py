@@ -180,16 +180,25 @@ def run_attention(q: torch.Tensor, pools: Pools, runs: Runs, kv_len: int, scale:
     return out.reshape(1, h, d).to(q.dtype)
 
 
+def _gather_heads(pools: tuple[torch.Tensor, ...], loc: torch.Tensor) -> torch.Tensor:
+    """pools: (HBM, DDR) [Hkv, S, bs, D]; loc: [Hkv, n], one list per KV head -> [Hkv, n*bs, D]
+    (fp32): each head's own blocks only (`gather_blocks` would read every head of each block)."""
+    hbm, ddr = pools
+    heads = torch.arange(loc.shape[0], device=loc.device)[:, None]
+    from_hbm = hbm[heads, loc.clamp(min=0)].float()  # [Hkv, n, bs, D]
+    from_ddr = ddr[heads.to(ddr.device), (-loc - 1).clamp(min=0).to(ddr.device)].float().to(hbm.device)
+    g = torch.where((loc >= 0)[..., None, None], from_hbm, from_ddr)
+    return g.reshape(loc.shape[0], -1, hbm.shape[-1])
+
+
 def head_attention(q: torch.Tensor, pools: Pools, locs: np.ndarray, kv_len: int, scale: float) -> torch.Tensor:
     """One query over a different block list for each KV head (gathered: a selection is small).
     q: [1, H, D]; locs: [Hkv, n] locations, ascending, the last the partial block -> [1, H, D]."""
     _, h, d = q.shape
     hkv = locs.shape[0]
     loc = torch.from_numpy(np.ascontiguousarray(locs)).to(pools.k[0].device)
-    heads = torch.arange(hkv, device=loc.device)
-    # gather_blocks reads every head of each listed block: keep each list's own head.
-    k = gather_blocks(pools.k, loc)[heads, :kv_len, heads]  # [Hkv, T, D]
-    v = gather_blocks(pools.v, loc)[heads, :kv_len, heads]
+    k = _gather_heads(pools.k, loc)[:, :kv_len]  # [Hkv, T, D]
+    v = _gather_heads(pools.v, loc)[:, :kv_len]
     qh = q.float().view(hkv, h // hkv, d) * scale  # [Hkv, G, D]
     probs = torch.softmax(torch.bmm(qh, k.transpose(1, 2)), dim=-1)  # [Hkv, G, T]
     return torch.bmm(probs, v).reshape(1, h, d).to(q.dtype)

@@ -35,18 +35,17 @@ Split heuristic (`block_split=None`), from shapes only (no device sync, so CUDA-
 at most `4 * SMs` programs; `splits = (4 * SMs) // (B * Hkv)` (at least 1, and no more than one per
 `CHUNK` blocks of the table width `W`); `block_split = cdiv(W, splits)` rounded up to a multiple of
 `CHUNK`. A wide batch (B * Hkv >= 4 * SMs) gets one split and no merge; one long sequence gets many.
-Measured on an H200 (132 SMs; bf16, D 128, bs 16, all blocks in HBM), sweeping `block_split`: the
-best is about 512 programs, 3.7 to 4.0 TB/s; slightly more than 4 per SM (544, 576, 768) falls to
-3.0 to 3.4 (a partial last wave), 2 per SM gives 3.4 to 3.6, under 1 per SM 1.2 to 2.2.
+The cap of about 4 programs per SM came from a one-off sweep of `block_split` on an H200 (its
+script was not kept; `python -m h3d.bench.gpu` times the kernel inside whole decode steps).
 
 The DDR slab: on CUDA it is a pinned host tensor, passed to the kernel as is. Triton's launcher
 resolves each pointer argument with `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER)`,
 which succeeds for pinned (cudaHostAlloc'd) memory and, under unified addressing, gives the same
 address: the kernel then reads those rows over PCIe (zero-copy). Pageable host memory is refused
 here with a clear error (the GPU cannot address it). Checked on an H200 (torch 2.11, Triton 3.6):
-outputs within tolerance of the float64 oracle with pinned DDR slabs; lists all in DDR read at
-about 51 GB/s (PCIe-bound), 10 % in DDR gives about 490 GB/s overall; a CUDA graph of a call
-replays to the same output.
+outputs within tolerance of the float64 oracle with pinned DDR slabs, and a CUDA graph of a call
+replays to the same output; in `python -m h3d.bench.gpu`, `exact_25pct` (75 % of the blocks read
+from pinned DDR) generates exactly `exact_full`'s tokens.
 
 Fallback: the Triton kernels run on CUDA tensors, or on CPU tensors when `TRITON_INTERPRET=1`
 (Triton's interpreter). Otherwise (CPU without the interpreter, or no Triton installed)
