@@ -34,7 +34,7 @@ from h3d.tiers.stats import SessionCounters, TierCounters, TierStats
 
 Pair = tuple[SeqId, int]  # (sequence, layer)
 HOT_DECAY = 0.99  # per step: a use counts ~1/e after 100 steps
-LOG_DECAY = float(np.log(HOT_DECAY))
+RESCALE_STEPS = 4096  # HOT_DECAY ** -4096 ~ 1e18: far from float32's limit even summed over 100 uses
 LATENCY_WINDOW = 4096
 
 
@@ -54,6 +54,7 @@ class TierManager:
         self._step = 0
         self._spilling: dict[int, list[tuple[SeqId, int, np.ndarray]]] = {}  # transfer id -> blocks
         self._hotness: dict[SeqId, np.ndarray] = {}  # see _rank
+        self._hot_base = 0  # the step the ranks are scaled to (see _use_weight)
         self._slot_layers: np.ndarray | None = None
         self._slot_rows_cache: tuple[int, np.ndarray] | None = None
         self.latencies_us: list[float] = []  # host-side HBF planning per step (promote)
@@ -300,17 +301,26 @@ class TierManager:
         (`hbf_latency_us`), not the copies."""
         t0 = time.perf_counter()
         copy_s = 0.0
+        weight = self._use_weight()
         for seq, picks in selected.items():
             if not picks:
                 continue
-            layers = np.repeat(np.array([layer for layer, _ in picks]), [len(sel) for _, sel in picks])
-            blocks = np.concatenate([sel for _, sel in picks]).astype(np.int64, copy=False)
-            copy_s += self._promote_seq(seq, layers, blocks, protect, keep[seq])
+            sels = [sel for _, sel in picks]
+            lens = np.fromiter(map(len, sels), np.int64, len(sels))
+            layers = np.repeat(np.fromiter((layer for layer, _ in picks), np.int64, len(picks)), lens)
+            blocks = np.concatenate(sels).astype(np.int64, copy=False)
+            copy_s += self._promote_seq(seq, layers, blocks, protect, keep[seq], weight)
         self.latencies_us.append((time.perf_counter() - t0 - copy_s) * 1e6)
         del self.latencies_us[:-LATENCY_WINDOW]
 
     def _promote_seq(
-        self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray, protect: dict[SeqId, int], keep: np.ndarray
+        self,
+        seq: SeqId,
+        layers: np.ndarray,
+        blocks: np.ndarray,
+        protect: dict[SeqId, int],
+        keep: np.ndarray,
+        weight: float,
     ) -> float:
         """Promote the selected (layer, block) pairs of one session (`layers` sorted); returns the
         seconds spent copying bytes."""
@@ -319,50 +329,55 @@ class TierManager:
         width = t.hbm.shape[1]
         rank = self._rank(seq, width).ravel()  # a view: writes land in the [L, width] array
         at = layers * width + blocks  # flat (layer, block) positions in the [L, width] tables
-        # A use adds 1 to the block's decayed count c: rank = log(c) - step * log(decay), so that
-        # log(c now) = rank + now * log(decay) orders blocks the same at any `now`.
-        now = self._step * LOG_DECAY
-        used = np.log1p(np.exp(rank[at] + now)) - now
-        rank[at] = used
+        np.add.at(rank, at, np.float32(weight))  # a use (see _rank); same dtype: the fast path
         # Only full blocks get a second copy: the partial one keeps its single home for writes.
-        in_hbm = t.hbm.ravel()[at]  # [n] slot or NONE
-        want = (in_hbm == NONE) & (blocks < t.num_tokens // b.block_size)
-        if not want.any():
-            return 0.0
+        in_hbm = t.hbm.ravel().take(at)  # [n] slot or NONE
+        want = in_hbm < 0
+        want &= blocks < t.num_tokens // b.block_size
         idx = np.flatnonzero(want)
+        if not len(idx):
+            return 0.0
         m_layers, m_blocks, m_at = layers.take(idx), blocks.take(idx), at.take(idx)
         need = np.bincount(m_layers, minlength=b.num_layers)  # [L] missing per layer
         free = b.hbm_alloc.free
         short = need - free
         copy_s = 0.0
-        got = np.zeros(b.num_layers, dtype=np.int64)  # slots freed per layer by eviction
-        v_slots = np.empty(0, dtype=np.int64)
-        starts = np.cumsum(need) - need
-        if (short > 0).any():
-            # Worth of a layer's promotion: the least rank among its missing blocks.
-            worth = np.full(b.num_layers, np.inf)
+        if not (short > 0).any():  # room for all: no eviction
+            slots = b.add_hbm_many(seq, m_layers, m_blocks)
+        else:
+            # Worth of a layer's promotion: the least rank among its missing blocks (a victim must
+            # be worth less); -inf where the layer needs no victim.
+            starts = np.cumsum(need) - need
             has = need > 0
-            worth[has] = np.minimum.reduceat(used.take(idx), starts[has])
-            v_layers, v_blocks, v_slots, copy_s = self._evict_cold(
-                seq, np.maximum(short, 0), worth, in_hbm[in_hbm != NONE], protect, keep
-            )
+            worth = np.full(b.num_layers, -np.inf, dtype=np.float32)
+            worth[has] = np.nextafter(np.minimum.reduceat(rank.take(m_at), starts[has]), -np.inf)
+            worth[short <= 0] = -np.inf
+            v_layers, v_blocks, v_slots, copy_s = self._evict_cold(seq, short, worth, in_hbm, protect, keep)
             self.counters.hbm_evict_count += len(v_slots)
-            got = np.bincount(v_layers, minlength=b.num_layers)
-        # A layer's r-th missing block takes its r-th victim's slot, then a free slot, while any is left.
-        within = np.arange(len(m_layers)) - starts[m_layers]
-        reuse = within < got[m_layers]  # as many per layer as it has victims, in the same order
-        fresh = ~reuse & (within < (got + free)[m_layers])
-        slots = np.empty(len(m_layers), dtype=np.int64)
-        if len(v_slots):
-            b.move_hbm_many(seq, v_layers, v_blocks, m_blocks[reuse], v_slots)
-            slots[reuse] = v_slots
-        if fresh.any():
-            slots[fresh] = b.add_hbm_many(seq, m_layers[fresh], m_blocks[fresh])
-        placed = reuse | fresh
-        if placed.any():
-            src = t.ddr.ravel()[m_at[placed]]
+            if len(v_slots) == len(m_layers):
+                # A victim for every missing block (each layer got as many as it needs, in layer
+                # order): the r-th missing block takes the r-th victim's slot.
+                b.move_hbm_many(seq, v_layers, v_blocks, m_blocks, v_slots)
+                slots = v_slots
+            else:
+                # A layer's r-th missing block takes its r-th victim's slot, then a free slot, while
+                # any is left.
+                got = np.bincount(v_layers, minlength=b.num_layers)
+                within = np.arange(len(m_layers)) - starts[m_layers]
+                reuse = within < got[m_layers]
+                fresh = ~reuse & (within < (got + free)[m_layers])
+                slots = np.empty(len(m_layers), dtype=np.int64)
+                if len(v_slots):
+                    b.move_hbm_many(seq, v_layers, v_blocks, m_blocks[reuse], v_slots)
+                    slots[reuse] = v_slots
+                if fresh.any():
+                    slots[fresh] = b.add_hbm_many(seq, m_layers[fresh], m_blocks[fresh])
+                placed = reuse | fresh
+                slots, m_at = slots[placed], m_at[placed]
+        if len(slots):
+            src = t.ddr.ravel().take(m_at)
             c0 = time.perf_counter()
-            self.mover.ddr_to_hbm(src, slots[placed])
+            self.mover.ddr_to_hbm(src, slots)
             copy_s += time.perf_counter() - c0
         return copy_s
 
@@ -373,9 +388,11 @@ class TierManager:
         return self._slot_layers
 
     def _slot_rows(self, width: int) -> np.ndarray:
-        """For each HBM slot, where its layer's row starts in a flattened [L, width] table."""
+        """For each HBM slot (the null slot's row is 0), where its layer's row starts in a flattened
+        [L, width] table: [num_slots]."""
         if self._slot_rows_cache is None or self._slot_rows_cache[0] != width:
-            self._slot_rows_cache = (width, self._slot_layer(self.blocks.slots_per_layer) * width)
+            rows = np.concatenate(([0], self._slot_layer(self.blocks.slots_per_layer) * width))
+            self._slot_rows_cache = (width, rows)
         return self._slot_rows_cache[1]
 
     def _row_starts(self, spl: int) -> np.ndarray:
@@ -384,15 +401,26 @@ class TierManager:
 
     def _rank(self, seq: SeqId, width: int) -> np.ndarray:
         """Each block's value for HBM, [L, width]: its count of uses decayed by HOT_DECAY per step
-        (recency + hotness over ~100 steps), kept as `log(count) - last_use * log(HOT_DECAY)` so that
-        comparing blocks needs no update of the unused ones (-inf: never used)."""
+        (recency + hotness over ~100 steps), kept scaled by HOT_DECAY ** -(now - base) so that a use
+        adds one number (`_use_weight`) and the unused blocks need no update (0: never used)."""
         rank = self._hotness.get(seq)
         if rank is None or rank.shape[1] < width:
-            grown = np.full((self.blocks.num_layers, width), -np.inf)
+            grown = np.zeros((self.blocks.num_layers, width), dtype=np.float32)
             if rank is not None:
                 grown[:, : rank.shape[1]] = rank
             self._hotness[seq] = rank = grown
         return rank
+
+    def _use_weight(self) -> float:
+        """What a use adds to a block's rank this step: HOT_DECAY ** -(step - base). Every
+        RESCALE_STEPS the ranks are multiplied back down (float32 holds ~8,000 steps of growth)."""
+        age = self._step - self._hot_base
+        if age >= RESCALE_STEPS:
+            shrink = np.float32(HOT_DECAY**age)
+            for rank in self._hotness.values():
+                rank *= shrink
+            self._hot_base, age = self._step, 0
+        return float(HOT_DECAY**-age)
 
     def _evict_cold(
         self,
@@ -404,53 +432,62 @@ class TierManager:
         keep: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
         """Choose up to `count[l]` of the session's HBM blocks of each layer l with the lowest value,
-        only those worth less than `worth[l]` (so a selection larger than HBM does not churn it).
-        Never the selection (`sel_slots`: its blocks in HBM), `keep`, blocks from `protect[seq]` on or
-        the partial block. Victims without a DDR copy get one now (as many as DDR has room for); the
-        caller hands their slots over (`BlockManager.move_hbm_many`). Returns the victims' layers
-        (sorted), blocks and HBM slots, and the seconds spent copying."""
+        only those worth at most `worth[l]` (so a selection larger than HBM does not churn it).
+        Never the selection (`sel_slots`: its blocks' HBM slots, NONE where not in HBM), `keep`,
+        blocks from `protect[seq]` on or the partial block. Victims without a DDR copy get one now
+        (as many as DDR has room for); the caller hands their slots over
+        (`BlockManager.move_hbm_many`). Returns the victims' layers (sorted), blocks and HBM slots,
+        and the seconds spent copying."""
         b = self.blocks
         t = b.table(seq)
         limit = min(t.num_tokens // b.block_size, protect.get(seq, t.num_blocks))
         none = np.empty(0, dtype=np.int64)
         if limit <= 0:
             return none, none, none, 0.0
-        # Slot space: the HBM pool's layer regions as the rows of [L, slots_per_layer].
+        # Slot space: value[s] for each HBM slot s, and one spare entry at the end that NONE (-1)
+        # indexes, so that lists with NONE in them mask without a filter.
         spl, rank = b.slots_per_layer, self._hotness[seq]
-        held = b.hbm_block[1:]  # block in each slot
-        layer_of = self._slot_layer(spl)
-        ok = (b.hbm_owner[1:] == seq) & (held < limit)
+        held = b.hbm_block  # block in each slot
+        value = np.empty(len(held) + 1, dtype=np.float32)
         # (A slot not ours may hold another session's block index: `clip` keeps its read in bounds.)
-        value = np.where(ok, rank.take(self._slot_rows(rank.shape[1]) + held, mode="clip"), np.inf)
-        value[sel_slots - 1] = np.inf
-        keep_slots = t.hbm[:, keep].ravel()
-        value[keep_slots[keep_slots != NONE] - 1] = np.inf
-        value = value.reshape(b.num_layers, spl)
+        np.take(rank, self._slot_rows(rank.shape[1]) + held, mode="clip", out=value[:-1])
+        bad = held >= limit
+        bad |= b.hbm_owner != seq
+        value[:-1][bad] = np.inf
+        value[sel_slots] = np.inf
+        value[t.hbm[:, keep].ravel()] = np.inf
+        grid = value[1:-1].reshape(b.num_layers, spl)  # the layer regions as rows
         # Each layer's count[l]-th lowest value bounds its victims (a sort of rows is cheaper than
         # an argpartition here); ties go to the lowest slot, and no layer gives more than count[l].
-        ranked = np.sort(value, axis=1).ravel()
-        nth = ranked[self._row_starts(spl) + np.minimum(np.maximum(count - 1, 0), spl - 1)]
-        bound = np.where(count > 0, np.minimum(nth, np.nextafter(worth, -np.inf)), -np.inf)
-        take = value <= bound[:, None]
-        if (take.sum(axis=1) > count).any():  # ties at the bound: all below it, then the lowest slots
-            tie = value == bound[:, None]
+        ranked = np.sort(grid, axis=1).ravel()
+        starts = self._row_starts(spl)
+        nth = ranked[starts + np.minimum(np.maximum(count - 1, 0), spl - 1)]
+        bound = np.minimum(nth, worth)  # worth: -inf where count <= 0
+        take = grid <= bound[:, None]
+        # More than count[l] at most the bound only if the bound is the count-th value and the next
+        # one ties with it: then all below it, and the lowest slots of the tie.
+        after = ranked[starts + np.minimum(count, spl - 1)]
+        if ((bound == nth) & (after == nth) & (count < spl)).any():
+            tie = grid == bound[:, None]
             room = count - (take & ~tie).sum(axis=1)
             take &= ~tie | (np.cumsum(tie, axis=1, dtype=np.int32) <= room[:, None])
         victims = np.flatnonzero(take)  # slot - 1, grouped by layer in ascending order
         if not len(victims):
             return none, none, none, 0.0
-        v_layers, v_blocks = layer_of[victims], held[victims]
-        ddr = t.ddr.ravel()[v_layers * t.ddr.shape[1] + v_blocks]
-        copy = ddr == NONE
-        if copy.any() and copy.sum() > b.ddr_free:
+        v_layers, v_blocks = self._slot_layer(spl).take(victims), held.take(victims + 1)
+        ddr = t.ddr.ravel().take(v_layers * t.ddr.shape[1] + v_blocks)
+        copy = ddr < 0
+        n_copy = np.count_nonzero(copy)
+        if n_copy > b.ddr_free:
             # No DDR room for every victim's copy: evict those with one, and as many others as fit,
             # the least valuable first (layer by layer).
-            order = np.lexsort((value.ravel()[victims], v_layers))
+            order = np.lexsort((grid.ravel()[victims], v_layers))
             victims, v_layers, v_blocks, copy = victims[order], v_layers[order], v_blocks[order], copy[order]
             fits = ~copy | (np.cumsum(copy) <= b.ddr_free)
             victims, v_layers, v_blocks, copy = victims[fits], v_layers[fits], v_blocks[fits], copy[fits]
+            n_copy = np.count_nonzero(copy)
         copy_s = 0.0
-        if copy.any():
+        if n_copy:
             c_layers, c_blocks = v_layers[copy], v_blocks[copy]
             slots = b.add_ddr_many(seq, c_layers, c_blocks)
             c0 = time.perf_counter()
