@@ -163,3 +163,21 @@ def test_bf16_smoke(name: str, checkpoint: Callable[[str], Path], reference: Cal
         clear = torch.tensor(top2_margins(want)) > 0.3
         agree = (got.argmax(-1) == want.argmax(-1))[clear].float().mean().item()
         assert agree >= 0.98
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_rms_norm_is_within_one_rounding_of_transformers_form(dtype: torch.dtype) -> None:
+    """The GPU's fused RMSNorm (fp32 inside, one rounding) and transformers' form (normalize in
+    fp32, round, times the weight, round) differ by at most about one ulp of the output."""
+    from h3d.model.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(256, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(256, generator=g) * 2)
+    norm = norm.to(dtype)
+    x = (torch.randn(7, 256, generator=g) * 3).to(dtype)
+    hf, fused = norm(x).float(), norm.fused(x).float()
+    ulp = torch.finfo(dtype).eps * hf.abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((fused - hf).abs() <= 2 * ulp).all()
+    assert not torch.equal(fused, torch.zeros_like(fused))

@@ -262,3 +262,76 @@ def test_engine_decode_through_the_kernel_equals_the_reference(
     assert reads[0] == reads[1] == reads[2]  # the device plan counts the blocks read as the host does
     torch.testing.assert_close(logits[0], logits[2], rtol=1e-4, atol=1e-4)  # the kernel
     torch.testing.assert_close(logits[1], logits[2], rtol=1e-4, atol=1e-4)  # the CPU fast path
+
+
+def test_decode_graph_buckets_equal_the_eager_path(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """`exact` decode steps through `DecodeGraphs` (the CUDA graph path's static buffers, padding
+    and table caching, run eagerly on the CPU) give the reference's logits and counters: three
+    sessions batched (padded to 4), one alone, blocks in HBM and DDR, tables crossing a width
+    bucket (16 -> 20 blocks) while decoding."""
+    from helpers import VOCAB_SIZE, make_engine, random_prompt
+
+    from h3d.engine.graphs import batch_bucket, width_bucket
+    from h3d.engine.runner import Chunk
+    from h3d.kv.attention import kernel_attention, reference_attention
+    from h3d.kv.blocks import SeqId
+
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 33)] == [1, 2, 4, 8, 64]
+    assert [width_bucket(n) for n in (1, 16, 17, 33, 1000, 1024, 1025)] == [16, 16, 20, 40, 1024, 1024, 1280]
+    slot = 2 * 16 * 2 * 16 * 4  # llama_gqa4_tied: one layer's K+V of a 16-token block
+    prompts = [random_prompt(n, VOCAB_SIZE, seed=n) for n in (250, 97, 180)]
+    results = []
+    for graphs in (True, False):
+        engine = make_engine(
+            checkpoint("llama_gqa4_tied"), policy="exact", block_size=16, hbm_mb=40 * slot / 2**20,
+            ssd_path=str(tmp_path / f"archive-{graphs}"),
+        )  # fmt: skip
+        engine.model.use_attention(kernel_attention if graphs else reference_attention)
+        runner = engine.runner
+        runner.graphs.enabled = graphs
+        out = []
+        for i, ids in enumerate(prompts):
+            runner.open(SeqId(i))
+            runner.execute([Chunk(SeqId(i), tuple(ids), 0, False)])
+        pos = [len(ids) for ids in prompts]
+        for step in range(12):
+            batch = [0, 1, 2] if step % 3 else [0]  # 3 sessions (a padded bucket), or one
+            chunks = [Chunk(SeqId(i), ((step * 7 + i) % VOCAB_SIZE,), pos[i], True) for i in batch]
+            out.append(runner.execute(chunks))
+            for i in batch:
+                pos[i] += 1
+        t = engine.tier_stats()
+        assert t.ddr_hits > 0  # some blocks were read from DDR
+        results.append((torch.cat(out), (t.hbm_hits, t.hbm_misses, t.ddr_hits), runner.graphs.replays))
+        engine.close()
+    (graphed, reads, replays), (eager, eager_reads, _) = results
+    assert replays == 12  # every decode step went through a bucket
+    assert reads == eager_reads
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("triton", [True, False], ids=["kernel", "torch"])
+def test_paged_write_stores_each_row_in_its_tier(
+    dtype: torch.dtype, triton: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`paged_write` puts token n's K/V of every KV head at its row: HBM rows >= 0, DDR rows
+    -(row + 1); nothing else changes. K and V with different strides (slices of one projection)."""
+    g = torch.Generator().manual_seed(3)
+    hkv, bs, d = 2, 16, 64
+    pools = [torch.zeros(hkv, slots, bs, d, dtype=dtype) for slots in (5, 5, 7, 7)]  # HBM K, V, DDR K, V
+    hk, hv, dk, dv = pools
+    before = [p.clone() for p in pools]
+    qkv = torch.randn(4, 3 * hkv, d, generator=g).to(dtype).float()  # exact in `dtype`: the cast cannot round
+    k, v = qkv[:, hkv : 2 * hkv], qkv[:, 2 * hkv :]  # non-contiguous views, as in the model
+    rows = torch.tensor([3, -1, 5 * bs - 1, -(7 * bs)], dtype=torch.int64)  # HBM, DDR row 0, last HBM, last DDR
+    if not triton:
+        monkeypatch.setattr(T, "_triton_installed", lambda: False)
+    T.paged_write(k, v, (hk, dk), (hv, dv), rows)
+    want = [p.clone() for p in before]
+    for n, r in enumerate(rows.tolist()):
+        pk, pv, row = (want[0], want[1], r) if r >= 0 else (want[2], want[3], -r - 1)
+        pk.view(hkv, -1, d)[:, row] = k[n].to(dtype)
+        pv.view(hkv, -1, d)[:, row] = v[n].to(dtype)
+    for got, exp in zip(pools, want, strict=True):
+        torch.testing.assert_close(got, exp, rtol=0, atol=0)

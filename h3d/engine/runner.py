@@ -13,11 +13,13 @@ import numpy as np
 import torch
 
 from h3d.config import EngineConfig
+from h3d.engine.graphs import DecodeGraphs
 from h3d.hbf.digests import DigestStore
 from h3d.hbf.policy import HbfConfig, SelectionState, after_step, probe_anchors, select
 from h3d.kv.attention import LayerKV, Pools, gather_blocks, kernel_attention
 from h3d.kv.blocks import NONE, BlockManager, SeqId, runs_of
 from h3d.kv.pool import KVPool
+from h3d.kv.triton_decode import paged_write
 from h3d.model.llama import CausalLM
 from h3d.tiers.archive import Archive
 from h3d.tiers.manager import TierManager
@@ -43,6 +45,7 @@ class _Step:
         rows: np.ndarray,
         seq_ends: torch.Tensor,
         protect: dict[SeqId, int],
+        graphed: bool = False,
     ) -> None:
         self.runner = runner
         self.pools = runner.pools
@@ -57,7 +60,9 @@ class _Step:
         self.has_ddr_rows = bool((rows < 0).any())
         # seq -> [(layer, blocks read)] in layer order: what HBF selected this step
         self.selected: dict[SeqId, list[tuple[int, np.ndarray]]] = {}
-        self.plan = _DevicePlan(self) if _DevicePlan.applies(self) else None
+        # Replayed as a CUDA graph (`DecodeGraphs`): this object then only carries the bookkeeping.
+        self.graphed = graphed
+        self.plan = _DevicePlan(self) if not graphed and _DevicePlan.applies(self) else None
 
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
         if self.plan is not None:
@@ -137,8 +142,9 @@ class _Step:
     def write(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         r = self.runner
         rows = self.rows[index]
-        if self.plan is not None and not self.has_ddr_rows:
-            r.hbm.write(self.plan.rows[index], k, v)
+        if self.plan is not None:  # rows already on the device; DDR rows written in place
+            pools = self.pools
+            paged_write(k, v, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), self.plan.rows[index])
         elif not self.has_ddr_rows:
             r.hbm.write(torch.from_numpy(rows).to(r.device), k, v)
         else:
@@ -318,6 +324,7 @@ class ModelRunner:
         self._stale_digests: set[SeqId] = set()  # adopted from the archive: digests to rebuild
         self.check_invariants = check_invariants
         self.plan_on_device = False  # tests: the GPU's decode planning (`_DevicePlan`) on the CPU
+        self.graphs = DecodeGraphs(self)  # exact decode steps as CUDA graphs (tests: `.enabled` on the CPU)
 
     def cached_tokens(self, seq: SeqId) -> int:
         return self.blocks.table(seq).num_tokens
@@ -337,7 +344,9 @@ class ModelRunner:
             out[i, : len(x)] = x
         return torch.from_numpy(out).to(self.device)
 
-    def _prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, _Step]:
+    def _prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor | None, torch.Tensor | None, _Step]:
+        """Append the chunks' tokens to their tables; the forward's ids and positions (None for a
+        step replayed as a CUDA graph, which has its own buffers) and its view of the cache."""
         seqs = [c.seq for c in chunks]
         self.tiers.begin_step(seqs)
         protect = {c.seq: c.start // self.blocks.block_size for c in chunks}
@@ -353,8 +362,11 @@ class ModelRunner:
             positions.append(np.arange(c.start, end, dtype=np.int64))
             seq_ends.append(np.full(len(c.token_ids), end, dtype=np.int64))
         dev = self.device
+        all_rows = np.concatenate(rows, axis=1)
+        if self.graphs.applies(seqs, [len(c.token_ids) for c in chunks], all_rows):
+            return None, None, _Step(self, chunks, all_rows, torch.empty(0), protect, graphed=True)
         ends = torch.from_numpy(np.concatenate(seq_ends)).to(dev)
-        step = _Step(self, chunks, np.concatenate(rows, axis=1), ends, protect)
+        step = _Step(self, chunks, all_rows, ends, protect)
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=dev)
         return ids, torch.from_numpy(np.concatenate(positions)).to(dev), step
 
@@ -368,7 +380,11 @@ class ModelRunner:
                 self._stale_digests.discard(c.seq)
         try:
             ids, positions, step = self._prepare(chunks)
-            hidden = self.model(ids, positions, step)  # [N, hidden]
+            if step.graphed:
+                hidden = self.graphs.run(step.seqs, [c.token_ids[0] for c in chunks], step.rows)
+            else:
+                assert ids is not None and positions is not None
+                hidden = self.model(ids, positions, step)  # [N, hidden]
         except BaseException:
             # A step that failed midway (no room, a corrupt archive record) leaves no half-written
             # tokens behind: the cache of each sequence ends where its chunk started.

@@ -105,6 +105,7 @@ def _kernels() -> SimpleNamespace:
     return SimpleNamespace(
         split=triton.jit(_split_kernel),
         merge=triton.jit(_merge_kernel),
+        write=triton.jit(_write_kernel),
         interpret=interpret,
         dtypes={torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16},
     )
@@ -162,6 +163,41 @@ def paged_decode(
     if _triton_installed() and (q.device.type == "cuda" or _interpreting()):
         return _triton_paged_decode(q, k_pools, v_pools, tables, nblocks, tail, scale, block_split)
     return torch_paged_decode(q, k_pools, v_pools, tables, nblocks, tail, scale)
+
+
+def paged_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pools: tuple[torch.Tensor, torch.Tensor],
+    v_pools: tuple[torch.Tensor, torch.Tensor],
+    rows: torch.Tensor,
+) -> None:
+    """Store new tokens' K/V where their blocks live, in one launch: k, v [N, Hkv, D]; rows [N]
+    int64 on k's device, a pool row (slot * bs + offset) of HBM (>= 0) or -(DDR row + 1) of the
+    pinned DDR slab, written in place over PCIe (so that a step captured in a CUDA graph needs no
+    host copy). Without Triton (the CPU), two `index_copy_`s."""
+    if _triton_installed() and (k.device.type == "cuda" or _interpreting()):
+        kernels = _kernels()
+        n, hkv, d = k.shape
+        hbm_k, ddr_k = (_addressable(p, k.device) for p in k_pools)
+        hbm_v, ddr_v = (_addressable(p, k.device) for p in v_pools)
+        if hbm_k.stride() != hbm_v.stride() or ddr_k.stride() != ddr_v.stride():
+            raise ValueError("paged_write: the K and V slabs of a tier must share their layout")
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise ValueError("paged_write: k and v rows must be contiguous")
+        kernels.write[(n, hkv)](
+            k, v, hbm_k, hbm_v, ddr_k, ddr_v, rows,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), hbm_k.stride(0), ddr_k.stride(0),
+            D=d, D_PAD=triton.next_power_of_2(d), num_warps=1,
+        )  # fmt: skip
+        return
+    in_hbm = rows >= 0
+    for pools, x in ((k_pools, k), (v_pools, v)):
+        for pool, sel, r in ((pools[0], in_hbm, rows), (pools[1], ~in_hbm, -rows - 1)):
+            idx = torch.nonzero(sel).flatten()
+            if len(idx):
+                flat = pool.view(pool.shape[0], -1, pool.shape[-1])
+                flat.index_copy_(1, r[idx].to(pool.device), x[idx].transpose(0, 1).to(pool.device, pool.dtype))
 
 
 def _check(
@@ -423,3 +459,26 @@ def _merge_kernel(  # type: ignore[no-untyped-def]
     total = tl.sum(wgt, 0)
     merged = tl.sum(wgt[:, None] * o, 0) / tl.where(total > 0, total, 1.0)  # [D]
     tl.store(out_ptr + row * D + cols, merged.to(out_ptr.dtype.element_ty))
+
+
+def _write_kernel(  # type: ignore[no-untyped-def]
+    k, v, hbm_k, hbm_v, ddr_k, ddr_v, rows,
+    k_stride_n, k_stride_h, v_stride_n, v_stride_h, hbm_stride_h, ddr_stride_h,
+    D: tl.constexpr, D_PAD: tl.constexpr,
+):  # fmt: skip
+    """Program (n, kh): token n's K and V of KV head kh to its row, in HBM or in pinned DDR.
+    Offsets in int64: a head's slab alone can pass 2**31 elements (128K tokens of an 8B model)."""
+    n = tl.program_id(0).to(tl.int64)
+    kh = tl.program_id(1).to(tl.int64)
+    row = tl.load(rows + n)
+    d = tl.arange(0, D_PAD)
+    inside = d < D
+    kx = tl.load(k + n * k_stride_n + kh * k_stride_h + d, mask=inside)
+    vx = tl.load(v + n * v_stride_n + kh * v_stride_h + d, mask=inside)
+    in_hbm = row >= 0
+    hbm_at = kh * hbm_stride_h + tl.where(in_hbm, row, 0) * D + d
+    ddr_at = kh * ddr_stride_h + tl.where(in_hbm, 0, -row - 1) * D + d
+    tl.store(hbm_k + hbm_at, kx.to(hbm_k.dtype.element_ty), mask=inside & in_hbm)
+    tl.store(hbm_v + hbm_at, vx.to(hbm_v.dtype.element_ty), mask=inside & in_hbm)
+    tl.store(ddr_k + ddr_at, kx.to(ddr_k.dtype.element_ty), mask=inside & ~in_hbm)
+    tl.store(ddr_v + ddr_at, vx.to(ddr_v.dtype.element_ty), mask=inside & ~in_hbm)

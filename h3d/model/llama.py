@@ -42,9 +42,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype != torch.float32:
+            return self.fused(x)
         # x * rsqrt(mean(x^2) + eps) in fp32, cast back before the weight, as in transformers.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The GPU's form for bf16/fp16: one fused kernel (fp32 inside, one rounding at the end)
+        instead of four, within about one ulp of transformers' two roundings; a decode step of a
+        32-layer model runs 65 norms."""
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
