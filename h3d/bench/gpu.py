@@ -12,7 +12,9 @@ forward for transformers), 4 warm-up decode steps, then `--steps` greedy steps t
 (synchronized): decode is their median.
 
 - `floor`: (weight bytes + KV bytes of T) / HBM copy bandwidth, the least a full-KV step costs.
-- `exact_full`: policy exact, every block in HBM.
+- `exact_full`: policy exact, every block in HBM; decode steps replayed as CUDA graphs
+  (`h3d.engine.graphs`). `exact_full_eager`, `exact_25pct_eager`: the same without graphs (each
+  kernel launched from Python), side by side in the same run.
 - `exact_25pct`: policy exact, HBM holds 25 % of T's blocks, the rest is read in place from pinned
   DDR by the kernel over PCIe (`pcie_floor_ms`: those bytes over the measured H2D bandwidth).
 - `attention_entropy_3GiB`: HBF policy attention_entropy (window 2048 tokens, 2 dense layers),
@@ -66,7 +68,7 @@ from h3d.tiers.stats import TierCounters
 
 BLOCK = 32
 WARMUP = 4
-H3D_MODES = ("exact_full", "exact_25pct", "attention_entropy_3GiB")
+H3D_MODES = ("exact_full", "exact_full_eager", "exact_25pct", "exact_25pct_eager", "attention_entropy_3GiB")
 HF_MODES = ("hf_dynamic", "hf_offloaded")
 MODES = ("floor", *H3D_MODES, *HF_MODES)
 MARK = "gpu-bench"
@@ -118,7 +120,9 @@ class Bench:
     weight_bytes: int
     deadline: float
     data: dict[str, Any]
-    exact_tokens: dict[int, list[int]] = field(default_factory=dict)  # T -> exact_full's generated tokens
+    # T -> exact_full's (logits, greedy token) per decode step
+    exact_logits: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)
+    exact_first: dict[int, int] = field(default_factory=dict)  # T -> exact_full's first token (from prefill)
     chunks: dict[int, int] = field(default_factory=dict)  # T -> the prefill chunk that fit in memory
     hf: torch.nn.Module | None = None
 
@@ -311,6 +315,7 @@ def plan(
     cfg, nl = b.cfg, b.cfg.num_layers
     nb_ctx = -(-tokens // BLOCK)
     nb = sessions * -(-(tokens + WARMUP + steps + 1) // BLOCK)  # every block the run writes
+    mode = mode.removesuffix("_eager")
     if mode == "exact_full":
         return nb + 2, 4 * nl, replace(EngineConfig(), policy="exact").hbf
     if mode == "exact_25pct":
@@ -319,8 +324,10 @@ def plan(
     budget = hbm_bytes or b.sizes.entropy_hbm_bytes
     slots = KVPool.slots_for_budget(budget / 2**20, BLOCK, cfg.num_kv_heads, cfg.head_dim, b.sizes.dtype)
     hbm = max(1, min(slots // nl, nb + 2))
-    # DDR: every block HBM does not hold, plus room for copies of half of HBM's (HBF's victims keep one).
-    ddr = max(nb - hbm, 0) * nl + math.ceil(min(hbm, nb) * nl / 2) + 4 * nl * sessions
+    # DDR: every block HBM does not hold, plus room for copies of half of HBM's (HBF's victims keep
+    # one); an eighth with many sessions, whose DDR (pinned) must fit in the host's memory.
+    share = 2 if sessions == 1 else 8
+    ddr = max(nb - hbm, 0) * nl + math.ceil(min(hbm, nb) * nl / share) + 4 * nl * sessions
     hbf = replace(EngineConfig(), policy="attention_entropy", **b.sizes.hbf).hbf
     return hbm, ddr, hbf
 
@@ -367,36 +374,87 @@ def _h3d_once(b: Bench, mode: str, ids: list[int], chunk: int, steps: int) -> di
     hbm, ddr, hbf = plan(b, mode, t, steps)
     peak = Peak(b.device)
     runner = ModelRunner(b.model, hbm, ddr, BLOCK, archive=None, high_watermark=0.85, hbf=hbf)
+    runner.graphs.enabled = runner.graphs.enabled and not mode.endswith("_eager")
     seq = SeqId(1)
     runner.open(seq)
     prefill_s, tok = prefill(b, runner, seq, ids, chunk)
     pos = t
 
+    # Every mode after exact_full is fed exact_full's tokens (teacher forcing) and its logits are
+    # compared with exact_full's at each step: the fast paths' check on the card.
+    ref = b.exact_logits.get(t) if mode != "exact_full" else None
+    if mode == "exact_full":
+        b.exact_first[t] = tok
+    elif ref is not None:
+        tok = b.exact_first[t]  # the same first input, whatever this mode's prefill picked
+    mine: list[torch.Tensor] = []
+    agree: list[bool] = []
+
     def step(tok: int) -> int:
         nonlocal pos
-        logits = runner.execute([Chunk(seq, (tok,), pos, True)])
+        logits = runner.execute([Chunk(seq, (tok,), pos, True)])[0]
+        i = pos - t
         pos += 1
-        return int(logits[0].argmax())
+        nxt = int(logits.argmax())
+        if ref is None:
+            mine.append(logits)
+            return nxt
+        if i < len(ref):
+            diff = (logits - ref[i][0]).abs().max()
+            mine.append(diff)
+            agree.append(nxt == ref[i][1])
+            return ref[i][1]
+        return nxt
 
     _, warm, tok = run_steps(b, step, tok, WARMUP, stop=False)
     before = replace(runner.tiers.counters), len(runner.tiers.latencies_us)
-    times, timed, _ = run_steps(b, step, tok, steps, stop=True)
+    replays = runner.graphs.replays
+    times, timed, tok = run_steps(b, step, tok, steps, stop=True)
     slot = runner.hbm.slot_bytes
     out: dict[str, Any] = {"prefill_s": round(prefill_s, 3), **decode_fields(times)}
+    out["graph_steps"] = runner.graphs.replays - replays
+    if mode in (b.args.profile or []) and steps == b.args.steps:
+        profile(b, mode, t, step, tok)
     out.update(peak_gpu_gb_beyond_weights=peak.gb(), **tier_fields(runner, *before, len(times)))
     out.update(hbm_budget_gb=round(hbm * b.cfg.num_layers * slot / 1e9, 3), ddr_gb=round(ddr * slot / 1e9, 3))
     out["prefill_chunk"] = chunk
     generated = warm + timed
     if mode == "exact_full" and steps == b.args.steps:
-        b.exact_tokens[t] = generated
-    elif t in b.exact_tokens:  # greedy tokens equal to exact_full's, up to the first that differs
-        ref = b.exact_tokens[t]
-        same = next((i for i, (x, y) in enumerate(zip(generated, ref, strict=False)) if x != y), len(generated))
-        out["tokens_agree_exact_full"] = round(same / max(1, min(len(generated), len(ref))), 3)
+        b.exact_logits[t] = list(zip(mine, generated, strict=False))
+    elif ref is not None and agree:
+        scale = max(float(x.abs().max()) for x, _ in ref[: len(mine)])
+        out["argmax_agree_exact_full"] = round(sum(agree) / len(agree), 3)
+        out["logits_max_diff_exact_full"] = round(max(float(d) for d in mine), 4)
+        out["logits_max_abs_exact_full"] = round(scale, 3)
     if mode == "exact_25pct" and b.data["ceilings"]["h2d_gbps"]:
         below = t * b.cfg.kv_bytes_per_token * b.model.lm_head.weight_t.element_size() - hbm * b.cfg.num_layers * slot
         out["pcie_floor_ms"] = round(max(below, 0) / (b.data["ceilings"]["h2d_gbps"] * 1e9) * 1e3, 2)
     return out
+
+
+def profile(b: Bench, mode: str, t: int, step: Callable[[int], int], tok: int) -> None:
+    """8 more decode steps under torch.profiler: the ops by device time and by host time, to a
+    text file beside the JSON (`--profile MODE`)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device.type == "cuda" else [])
+    b.sync()
+    t0 = time.perf_counter()
+    with torch_profile(activities=acts) as prof:
+        for _ in range(8):
+            tok = step(tok)
+        b.sync()
+    wall = (time.perf_counter() - t0) / 8 * 1e3
+    avg = prof.key_averages()
+    dev_key = "self_device_time_total" if b.device.type == "cuda" else "self_cpu_time_total"
+    text = [f"{mode} at {t} tokens: 8 decode steps, {wall:.2f} ms/step under the profiler", ""]
+    text += ["By device time:", avg.table(sort_by=dev_key, row_limit=25), ""]
+    text += ["By host time:", avg.table(sort_by="self_cpu_time_total", row_limit=25)]
+    out = (b.args.out or Path("bench/results/profile.json")).with_suffix(f".{mode}.{t}.prof.txt")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(text))
+    log(f"profile of {mode} at {t}: {out}")
 
 
 def warm_up(b: Bench) -> None:
@@ -586,7 +644,12 @@ def _notes(f: dict[str, Any]) -> str:
         notes.append(f"PCIe floor {_num(f['pcie_floor_ms'])} ms")
     if f.get("hbf_latency_us_p50") is not None:
         notes.append(f"HBF planning p50 {_num(f['hbf_latency_us_p50'])} µs")
-    if "tokens_agree_exact_full" in f:
+    if "argmax_agree_exact_full" in f:
+        notes.append(
+            f"fed exact_full's tokens: same argmax {f['argmax_agree_exact_full']:.0%}, logits within "
+            f"{f['logits_max_diff_exact_full']} (of {f['logits_max_abs_exact_full']})"
+        )
+    elif "tokens_agree_exact_full" in f:  # runs saved before teacher forcing
         notes.append(f"tokens = exact_full's: {f['tokens_agree_exact_full']:.0%}")
     if "prefill_chunk_halved_from" in f:
         notes.append(f"prefill OOM at chunk {f['prefill_chunk_halved_from']}, ran at {f['prefill_chunk']}")
@@ -692,6 +755,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--many-hbm-gb", type=float, default=None, help="HBM for their KV (default 40)")
     p.add_argument("--max-seconds", type=float, default=540.0, help="skip the modes left after this")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", nargs="+", choices=H3D_MODES, default=None, help="profile 8 steps of these modes")
     p.add_argument("--out", type=Path, default=None, help="JSON (default bench/results/DATE-h200.json)")
     p.add_argument("--write", type=Path, default=None, help="update this markdown file's gpu-bench section")
     p.add_argument("--from-json", type=Path, nargs="+", default=None, help="render saved runs, measure nothing")
