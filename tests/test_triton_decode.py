@@ -335,3 +335,52 @@ def test_paged_write_stores_each_row_in_its_tier(
         pv.view(hkv, -1, d)[:, row] = v[n].to(dtype)
     for got, exp in zip(pools, want, strict=True):
         torch.testing.assert_close(got, exp, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_kernel_equals_the_torch_ops(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused residual add + RMSNorm kernel gives the plain ops' sum exactly and their norm
+    within a rounding of the dtype (hidden 200: a padded, masked row)."""
+    g = torch.Generator().manual_seed(5)
+    x, res = (torch.randn(3, 200, generator=g).to(dtype) for _ in range(2))
+    w = (torch.rand(200, generator=g) + 0.5).to(dtype)
+    got_sum, got_norm = T.add_rms_norm(x, res, w, 1e-5)
+    monkeypatch.setattr(T, "_triton_installed", lambda: False)
+    want_sum, want_norm = T.add_rms_norm(x, res, w, 1e-5)
+    tol = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps
+    torch.testing.assert_close(got_sum, want_sum, rtol=tol, atol=0.0)
+    torch.testing.assert_close(got_norm.float(), want_norm.float(), rtol=2 * tol + 1e-6, atol=1e-6)
+    assert want_norm.abs().max() > 0.5
+
+
+def test_model_with_fused_norms_equals_the_plain_model(checkpoint: Callable[[str], Path]) -> None:
+    """The decoder with its fused kernels (residual add + RMSNorm, RoPE: the GPU's default, here
+    under the interpreter) gives the plain decoder's logits, prefill and decode."""
+    from helpers import VOCAB_SIZE, make_engine, random_prompt, runner_logits
+
+    ids = random_prompt(40, VOCAB_SIZE, seed=4)
+    out = []
+    for fused in (True, False):
+        engine = make_engine(checkpoint("llama_gqa4_tied"), policy="exact", block_size=16)
+        engine.model.use_fused(fused)
+        out.append(runner_logits(engine, 0, ids, [30, 1, 1, 1, 1, 1, 1, 1, 1, 1]))
+        engine.close()
+    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_kernel_equals_the_torch_ops(dtype: torch.dtype) -> None:
+    """RoPE in one launch equals `apply_rotary` (q and k heads side by side, a strided view)."""
+    from h3d.model.rope import apply_rotary
+
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(5, 12, 64, generator=g).to(dtype)
+    x = qkv[:, :10]  # rows of 10 heads out of 12: strided like the model's q/k slice
+    angle = torch.rand(5, 32, generator=g) * 6
+    cos, sin = (torch.cat((f(angle), f(angle)), dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    # fp32: equal; bf16: within one rounding (Triton 3.6's interpreter rounds its bf16 casts
+    # differently from torch; the GPU rounds to nearest even, as torch does).
+    tol = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps
+    got, want = T.rotary(x, cos, sin), apply_rotary(x, cos, sin)
+    torch.testing.assert_close(got, want, rtol=tol, atol=4 * tol)
+    assert want.abs().max() > 1.0

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3d.kv.attention import AttentionFn, StepKV, paged_attention
+from h3d.kv.triton_decode import add_rms_norm, rotary
 from h3d.model.config import ModelConfig
 from h3d.model.rope import RotaryEmbedding, apply_rotary
 
@@ -68,13 +69,15 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5
         self.attention: AttentionFn = paged_attention
+        self.fused: bool | None = None  # RoPE in one Triton launch; None: on CUDA (`CausalLM.use_fused`)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: StepKV) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # [N, q + 2kv]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads side by side: one rotation for both.
-        qk = apply_rotary(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = rotary(qk, cos, sin) if (qk.is_cuda if self.fused is None else self.fused) else apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [N, H, D], [N, Hkv, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
         kv.write(self.layer, k, v)
@@ -126,14 +129,37 @@ class CausalLM(nn.Module):
         # Tied or not, the head keeps its own transposed copy (see Linear).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
+        # Residual adds fused with the norms after them (a Triton kernel); None: on CUDA only.
+        # Tests turn it on on the CPU, under Triton's interpreter (`use_fused`).
+        self.fuse_norms: bool | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: StepKV) -> torch.Tensor:
         """input_ids, positions: [N] -> hidden: [N, hidden] (K/V of the N tokens written to `kv`)."""
         x = self.model.embed_tokens(input_ids)  # [N, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype, kv.seq_ends)  # [N, D]
+        if not (x.is_cuda if self.fuse_norms is None else self.fuse_norms):
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, kv)
+            return self.model.norm(x)
+        # Each residual add and the norm after it in one launch (`add_rms_norm`): the same
+        # arithmetic as DecoderLayer.forward, a decode step's ~130 small kernels fewer.
+        layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn(h, cos, sin, kv)
+            x, h = add_rms_norm(attn, x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+            out = layer.mlp(h)
+            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, h = add_rms_norm(out, x, after.weight, after.eps)
+        return h
+
+    def use_fused(self, on: bool | None) -> None:
+        """The decode step's fused Triton kernels (residual add + RMSNorm, RoPE): True, False, or
+        None for "on CUDA only" (the default; the CPU runs them only under Triton's interpreter)."""
+        self.fuse_norms = on
         for layer in self.model.layers:
-            x = layer(x, cos, sin, kv)
-        return self.model.norm(x)
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.fused = on
 
     def use_attention(self, fn: AttentionFn) -> None:
         """Switch every layer's attention implementation (tests compare fast paths with the reference)."""
