@@ -53,6 +53,7 @@ class EngineConfig:
     sink_blocks: int = 1
     recent_tokens: int = 256
     dense_layers: int = 2
+    digest_tokens: int = 8  # tokens per key digest (min/max); digests cost 1/digest_tokens of the KV
     # Calibrated on the retrieval benchmark (docs/BENCHMARKS.md); the seed had 0.8 / 1.5.
     entropy_shrink_below: float = 1.3
     entropy_grow_above: float = 2.5
@@ -73,6 +74,7 @@ class EngineConfig:
             sink_blocks=self.sink_blocks,
             recent_tokens=self.recent_tokens,
             dense_layers=self.dense_layers,
+            digest_tokens=self.digest_tokens,
             entropy_shrink_below=self.entropy_shrink_below,
             entropy_grow_above=self.entropy_grow_above,
         )
@@ -106,6 +108,12 @@ class EngineConfig:
             raise ConfigError("window_tokens: must lie within [window_min_tokens, window_max_tokens]")
         if self.sink_blocks < 0 or self.dense_layers < 0:
             raise ConfigError("sink_blocks, dense_layers: must be >= 0")
+        _positive("digest_tokens", self.digest_tokens)
+        if self.digest_tokens < self.block_size and self.block_size % self.digest_tokens:
+            raise ConfigError(
+                f"digest_tokens: must divide block_size ({self.block_size}) or cover a whole block, "
+                f"got {self.digest_tokens}"
+            )
         if self.entropy_shrink_below > self.entropy_grow_above:
             raise ConfigError("entropy_shrink_below: must be <= entropy_grow_above")
         if any(layer < 0 for layer in self.quantize_skip_layers):

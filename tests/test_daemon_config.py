@@ -123,3 +123,15 @@ def test_dashboard_queries_only_exported_metrics() -> None:
     used = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"\bh3d_[a-z_]+", t["expr"])}
     used = {re.sub(r"_(bucket|sum|count)$", "", m) for m in used}
     assert used and used <= exported, used - exported
+
+
+def test_digest_tokens_must_divide_the_block() -> None:
+    """digest_tokens splits each block into equal parts (or covers it whole); anything else is refused by name."""
+    from h3d.config import ConfigError, EngineConfig
+
+    assert EngineConfig.build(model="m", block_size=32, digest_tokens=8).hbf.digest_tokens == 8
+    assert EngineConfig.build(model="m", block_size=16, digest_tokens=32).digest_tokens == 32
+    with pytest.raises(ConfigError, match="digest_tokens"):
+        EngineConfig.build(model="m", block_size=32, digest_tokens=12)
+    with pytest.raises(ConfigError, match="digest_tokens"):
+        EngineConfig.build(model="m", block_size=32, digest_tokens=0)

@@ -103,7 +103,7 @@ class Sizes:
         if tiny:
             hbf = dict(window_tokens=256, window_min_tokens=128, window_max_tokens=512, recent_tokens=64)
             return Sizes(model, torch.float32, (512, 1024), 256, 64, 3 << 18, hbf, 512, 0.001, 64 << 20, 0)
-        hbf = dict(window_tokens=2048)
+        hbf = dict(window_tokens=2048, digest_tokens=16)  # docs/BENCHMARKS.md's figures: 16-token digests
         return Sizes(model, torch.bfloat16, (32768, 131072), 8192, 1024, 3 << 30, hbf, 32768, 40.0, 4 << 30, 1 << 30)
 
 

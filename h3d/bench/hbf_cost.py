@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from h3d.bench.report import write_section
-from h3d.hbf.digests import block_scores
+from h3d.hbf.digests import DIGEST_TOKENS, block_scores
 from h3d.kv.blocks import BlockManager, SeqId
 from h3d.kv.pool import KVPool
 from h3d.tiers.manager import TierManager
@@ -64,7 +64,8 @@ def planning(tokens: int, steps: int, seed: int = 0) -> list[float]:
 
 def scoring_us(tokens: int, repeats: int = 50) -> float:
     nb = tokens // BS
-    digests = torch.randn(KV_HEADS, nb, 2, HEAD_DIM).sort(dim=2).values
+    parts = BS // DIGEST_TOKENS  # the default digests: 4 parts of 8 tokens per block
+    digests = torch.randn(KV_HEADS, nb, parts, 2, HEAD_DIM).sort(dim=3).values
     q = torch.randn(HEADS, HEAD_DIM)
     times = []
     for _ in range(repeats):

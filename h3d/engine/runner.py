@@ -77,7 +77,7 @@ class _Step:
             t = r.blocks.table(seq)
             sel = None
             state = r.selection[seq]
-            if self.query_lens[i] > 1 and state.policy == "layerwise":
+            if self.query_lens[i] > 1 and state.policy in ("layerwise", "attention_entropy"):
                 loc = torch.from_numpy(t.locations(index)).to(r.device)
                 keys = gather_blocks(self.pools.k, loc)[: self.kv_lens[i]]  # [T, Hkv, D]
                 rows = slice(self.offsets[i], self.offsets[i] + self.query_lens[i])
@@ -318,8 +318,10 @@ class ModelRunner:
         )
         self.pools = Pools(k=(self.hbm.k, self.ddr.k), v=(self.hbm.v, self.ddr.v))
         self.tiers = TierManager(self.blocks, self.hbm, self.ddr, archive, high_watermark)
-        self.digests = DigestStore(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype, self.device)
         self.hbf = hbf or replace(EngineConfig(), policy="exact").hbf
+        self.digests = DigestStore(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype, self.device, self.hbf.digest_tokens
+        )
         self.selection: dict[SeqId, SelectionState] = {}
         self._stale_digests: set[SeqId] = set()  # adopted from the archive: digests to rebuild
         self.check_invariants = check_invariants

@@ -3,16 +3,18 @@
 Quest's bound: for a query q, `sum_d max(q_d * min_d, q_d * max_d)` is >= q . k for every key k of
 the block, so ranking blocks by it never ranks a block below its true best key's score.
 
-A block's digest is kept per `DIGEST_TOKENS` tokens (two halves of a 32-token block) and its bound
-is the larger of its parts': the bound of a narrower range is tighter, so a block holding one
-relevant token stands out more (Quest found 16-token pages better than larger ones; on the
-retrieval benchmark this and per-KV-head selection together lifted 8K accuracy, docs/BENCHMARKS.md).
+A block's digest is kept per `digest_tokens` tokens (config key, default `DIGEST_TOKENS` = 8: four
+parts of a 32-token block) and its bound is the larger of its parts': the bound of a narrower range
+is tighter, so a block holding one relevant token stands out more (Quest found 16-token pages
+better than larger ones; on the 8K retrieval benchmark 16-token parts found 14 of exact's 17
+needles and 8-token parts all 17, docs/BENCHMARKS.md).
 
 Digests live on the compute device for every block of every session (they are what selection
 reads each step): per session a tensor [L, Hkv, capacity * parts, 2, D] in the KV dtype, grown by
-doubling. Cost: 2 * head_dim * element size per part and KV head, i.e. 1 / DIGEST_TOKENS of the KV
-itself (1/16): 3 KV heads x 64 dims x fp32 x 2 parts = 3 KiB per 32-token block of all heads,
-92 MiB for a 32K-token session of the embedded model (30 layers).
+doubling. Cost: 2 * head_dim * element size per part and KV head, i.e. 1 / digest_tokens of the
+KV itself (1/8 by default): 3 KV heads x 64 dims x fp32 x 4 parts = 6 KiB per 32-token block of
+all heads, 184 MiB for a 32K-token session of the embedded model (30 layers); 1/16 with
+`digest_tokens = 16`.
 
 Owner: `DigestStore`, updated by the model runner as K rows are written (the partial last block's
 digest is kept current token by token).
@@ -24,7 +26,7 @@ import torch
 
 from h3d.kv.blocks import SeqId
 
-DIGEST_TOKENS = 16  # tokens per digest: a block of block_size tokens has block_size / 16 parts
+DIGEST_TOKENS = 8  # tokens per digest by default: a block of block_size tokens has block_size / 8 parts
 
 
 class DigestStore:
@@ -36,11 +38,12 @@ class DigestStore:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        part_tokens: int = DIGEST_TOKENS,
     ) -> None:
         self.shape = (num_layers, num_kv_heads)
         self.head_dim = head_dim
         self.block_size = block_size
-        self.parts = max(1, block_size // DIGEST_TOKENS)
+        self.parts = max(1, block_size // part_tokens)
         self.part_tokens = block_size // self.parts
         self.dtype = dtype
         self.device = device

@@ -45,6 +45,7 @@ class HbfConfig:
     dense_layers: int
     entropy_shrink_below: float
     entropy_grow_above: float
+    digest_tokens: int = 8
     resize_every: int = 16
 
 
