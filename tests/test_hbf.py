@@ -129,7 +129,9 @@ def test_selection_reads_a_subset_and_hotness_never_evicts_protected_blocks(chec
         original(selected, protect, keep)
         after = runner.blocks.table(seq).hbm
         limit = protect.get(seq, t.num_blocks)
-        for layer, sel in selected.get(seq, []):
+        keys = selected.get(seq, np.empty(0, dtype=np.int64))
+        for layer in range(t.hbm.shape[0]):
+            sel = np.unique(keys[keys // t.capacity == layer] % t.capacity)
             kept = np.union1d(sel, keep[seq])
             kept = kept[kept < limit]
             gone = kept[(before[layer, kept] != NONE) & (after[layer, kept] == NONE)]
@@ -270,7 +272,9 @@ def _promotion_against_oracle(seed: int, steps: int, ddr_spare: int) -> None:
         )  # fmt: skip
         before = tiers.counters.hbm_evict_count
         tiers.begin_step([seq])
-        tiers.promote({seq: picks}, {seq: limit}, {seq: keep})
+        keys = [sel + layer * t.capacity for layer, sel in picks]  # (layer, block) keys, some twice
+        keys += [sel[: len(sel) // 2] + layer * t.capacity for layer, sel in picks]
+        tiers.promote({seq: np.concatenate(keys) if keys else np.empty(0, dtype=np.int64)}, {seq: limit}, {seq: keep})
         t = blocks.table(seq)
         got = [set(np.flatnonzero(row != NONE).tolist()) for row in t.hbm]
         assert got == expect

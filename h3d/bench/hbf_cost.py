@@ -7,7 +7,8 @@ block_size 32): one session of `--tokens` tokens, an HBM budget of 1/6 of its bl
 the rest in DDR. Each step selects, per layer and per KV head, the sink, the recent window and 55
 more blocks (a 2,048-token window per head) that drift slowly (90 % kept from the previous step,
 as real selections do), and runs the tier manager's promotion/eviction of the heads' union
-(`TierManager.promote`): `hbf_latency_us` is that planning, the copies excluded. The pools are 1
+(`TierManager.promote`): `hbf_latency_us` is that planning (the union of the heads' lists
+included), the copies excluded. The pools are 1
 element wide: planning never touches bytes. Scoring (digest bound over all blocks per KV head +
 top-k per head) is timed separately on real-sized digests.
 """
@@ -46,19 +47,18 @@ def planning(tokens: int, steps: int, seed: int = 0) -> list[float]:
     base = np.union1d([0], np.arange(nb - 8, nb))
     # attention_entropy's selection: 55 top blocks per KV head beside the 9 base ones (a 2048-token
     # window); each head's picks drift 10 % per step. The tiers keep the union of the heads' picks.
-    picks = [[rng.choice(nb - 9, 55, replace=False) + 1 for _ in range(KV_HEADS)] for _ in range(LAYERS)]
+    picks = rng.integers(1, nb - 9, (LAYERS, KV_HEADS, 55))  # [L, Hkv, 55]
+    width = blocks.table(seq).capacity
+    rows = np.arange(LAYERS)[:, None, None] * width
     keep = {seq: base}
     protect = {seq: nb - 1}
     for _ in range(steps):
-        chosen = []
-        for layer in range(LAYERS):
-            for head in picks[layer]:
-                drift = rng.random(55) < 0.1
-                head[drift] = rng.integers(1, nb - 9, int(drift.sum()))
-            chosen.append((layer, np.unique(np.concatenate([base, *picks[layer]]))))
-        selected = {seq: chosen}
+        drift = rng.random(picks.shape) < 0.1
+        picks[drift] = rng.integers(1, nb - 9, int(drift.sum()))
+        # What the device hands the host: every head's list, base included, as (layer, block) keys.
+        keys = np.concatenate([(picks + rows).ravel(), (base[None, :] + rows[:, 0]).ravel()])
         tiers.begin_step([seq])
-        tiers.promote(selected, protect, keep)
+        tiers.promote({seq: keys}, protect, keep)
     return tiers.latencies_us[100:]  # after warm-up (the first steps fill HBM)
 
 

@@ -58,8 +58,8 @@ class _Step:
         self.protect = protect  # seq -> first block written this step (never moved during it)
         self.rows = rows  # [L, N]: >= 0 HBM pool row, else -(DDR row + 1)
         self.has_ddr_rows = bool((rows < 0).any())
-        # seq -> [(layer, blocks read)] in layer order: what HBF selected this step
-        self.selected: dict[SeqId, list[tuple[int, np.ndarray]]] = {}
+        # seq -> what HBF selections read this step, as (layer, block) keys (`BlockTable.capacity`)
+        self.selected: dict[SeqId, list[np.ndarray]] = {}
         # Replayed as a CUDA graph (`DecodeGraphs`): this object then only carries the bookkeeping.
         self.graphed = graphed
         self.plan = _DevicePlan(self) if not graphed and _DevicePlan.applies(self) else None
@@ -100,9 +100,11 @@ class _Step:
                 seq_runs = r.blocks.runs(seq, index)
                 kv_lens.append(self.kv_lens[i])
                 heads.append(None)
+                # (A selection's reads are counted with its promotion, `TierManager.promote`.)
+                r.tiers.count_reads(seq, sum(c for _, _, c in seq_runs), sum(c for tier, _, c in seq_runs if tier))
             else:
                 union = sel if sel.ndim == 1 else np.unique(sel)  # what must be readable (and promoted)
-                self.selected.setdefault(seq, []).append((index, union))
+                self.selected.setdefault(seq, []).append(union + index * t.capacity)
                 where = t.locations(index)
                 seq_runs = runs_of(where[union])
                 kv_lens.append(self.kv_lens[i] - (t.num_blocks - sel.shape[-1]) * r.blocks.block_size)
@@ -110,7 +112,6 @@ class _Step:
                 sel = union
             runs.append(seq_runs)
             locs.append(sel)
-            r.tiers.count_reads(seq, sum(c for _, _, c in seq_runs), sum(c for tier, _, c in seq_runs if tier))
         seqs = self.seqs
 
         def tables() -> torch.Tensor:
@@ -249,25 +250,31 @@ class _DevicePlan:
         )
 
     def resolve(self) -> None:
-        """After the forward: the selections to the host (one copy), for promotion and counters."""
+        """After the forward: the selections to the host (one copy), as (layer, block) keys for
+        promotion (which counts their reads); the reads of the layers that selected nothing
+        (every block) are counted here."""
         step, r = self.step, self.step.runner
-        read: dict[tuple[int, int], np.ndarray] = {}
+        selecting = np.zeros((len(step.seqs), r.blocks.num_layers), dtype=bool)  # [B, L]
         if self.pending:
             flat = torch.cat([b.reshape(-1) for _, _, b in self.pending]).cpu().numpy()
-            ends = np.cumsum([b.numel() for _, _, b in self.pending])[:-1]
-            for (i, layer, _), blocks in zip(self.pending, np.split(flat, ends), strict=True):
-                union = np.unique(blocks)
-                step.selected.setdefault(step.seqs[i], []).append((layer, union))
-                read[(i, layer)] = union
+            owner = np.fromiter((i for i, _, _ in self.pending), np.int64, len(self.pending))
+            layer = np.fromiter((layer for _, layer, _ in self.pending), np.int64, len(self.pending))
+            sizes = np.fromiter((b.numel() for _, _, b in self.pending), np.int64, len(self.pending))
+            width = np.fromiter((r.blocks.table(s).capacity for s in step.seqs), np.int64, len(step.seqs))
+            keys = flat + np.repeat(layer * width[owner], sizes)
+            selecting[owner, layer] = True
+            if len(step.seqs) == 1:
+                step.selected[step.seqs[0]] = [keys]
+            else:
+                of = np.repeat(owner, sizes)
+                for i, seq in enumerate(step.seqs):
+                    mine = keys[of == i]
+                    if len(mine):
+                        step.selected[seq] = [mine]
         for i, seq in enumerate(step.seqs):
             nb = r.blocks.table(seq).num_blocks
-            where = self.host_locs[:, i, :nb]  # [L, nb]: nothing moved during the step
-            total, below = nb * len(where), int((where < 0).sum())  # every layer, all blocks read
-            for (j, layer), picked in read.items():
-                if j == i:  # a selection read fewer
-                    total -= nb - len(picked)
-                    below -= int((where[layer] < 0).sum()) - int((where[layer, picked] < 0).sum())
-            r.tiers.count_reads(seq, total, below)
+            where = self.host_locs[~selecting[i], i, :nb]  # [layers, nb]: nothing moved during the step
+            r.tiers.count_reads(seq, where.size, int((where < 0).sum()))
 
 
 class _Rewrite(_Step):
@@ -397,7 +404,8 @@ class ModelRunner:
         if step.plan is not None:
             step.plan.resolve()
         if step.selected:
-            self.tiers.promote(step.selected, step.protect, {s: self._keep(s) for s in step.seqs})
+            selected = {s: np.concatenate(keys) for s, keys in step.selected.items()}
+            self.tiers.promote(selected, step.protect, {s: self._keep(s) for s in step.seqs})
         for seq, n in zip(step.seqs, step.query_lens, strict=True):
             if n == 1:
                 after_step(self.selection[seq], self.hbf)

@@ -202,6 +202,12 @@ class BlockTable:
     version: int = 0
     runs_cache: dict[int, tuple[int, Runs]] | None = None  # layer -> (version, runs)
 
+    @property
+    def capacity(self) -> int:
+        """Blocks per layer the table has room for; a (layer, block) pair's key is
+        `layer * capacity + block` (`TierManager.promote`)."""
+        return self.hbm.shape[1]
+
     def locations(self, layer: int) -> np.ndarray:
         """Where attention reads each block of `layer`: [num_blocks] (see module docstring)."""
         hbm = self.hbm[layer, : self.num_blocks]

@@ -55,8 +55,8 @@ class TierManager:
         self._spilling: dict[int, list[tuple[SeqId, int, np.ndarray]]] = {}  # transfer id -> blocks
         self._hotness: dict[SeqId, np.ndarray] = {}  # see _rank
         self._hot_base = 0  # the step the ranks are scaled to (see _use_weight)
-        self._slot_layers: np.ndarray | None = None
-        self._slot_rows_cache: tuple[int, np.ndarray] | None = None
+        self._marks: np.ndarray | None = None  # see _union
+        self._slot_ok: np.ndarray | None = None  # see _evict_cold
         self.latencies_us: list[float] = []  # host-side HBF planning per step (promote)
         self.per_session: dict[SeqId, SessionCounters] = {}
         self.pinned: set[SeqId] = set()  # never demoted from HBM while idle
@@ -289,120 +289,117 @@ class TierManager:
 
     def promote(
         self,
-        selected: dict[SeqId, list[tuple[int, np.ndarray]]],
+        selected: dict[SeqId, np.ndarray],
         protect: dict[SeqId, int],
         keep: dict[SeqId, np.ndarray],
     ) -> None:
         """HBF, between steps: bring the blocks just read from DDR into HBM for the next step (the
         selection is the prefetch guess), evicting the least valuable HBM blocks of each layer by
         recency + hotness; never the sinks, the recent window, blocks written this step or the
-        selection itself. `selected` holds each session's (layer, blocks read) in layer order.
-        All layers at once, as (layer, block) pairs: no per-layer loop. Times the decisions
-        (`hbf_latency_us`), not the copies."""
+        selection itself. `selected[seq]` holds the (layer, block) pairs the step's selections
+        read, as keys `layer * table.capacity + block` (`pair_keys`), in any order and repeated
+        where several KV heads read a block; their reads are counted here (`count_reads`). All
+        layers at once: no per-layer or per-block loop. Times the decisions (`hbf_latency_us`):
+        the union of the heads' picks, the counts, the choice of victims and the table updates,
+        not the copies."""
         t0 = time.perf_counter()
         copy_s = 0.0
-        weight = self._use_weight()
-        for seq, picks in selected.items():
-            if not picks:
-                continue
-            sels = [sel for _, sel in picks]
-            lens = np.fromiter(map(len, sels), np.int64, len(sels))
-            layers = np.repeat(np.fromiter((layer for layer, _ in picks), np.int64, len(picks)), lens)
-            blocks = np.concatenate(sels).astype(np.int64, copy=False)
-            copy_s += self._promote_seq(seq, layers, blocks, protect, keep[seq], weight)
+        weight = np.float32(self._use_weight())
+        for seq, keys in selected.items():
+            if len(keys):
+                copy_s += self._promote_seq(seq, keys, protect, keep[seq], weight)
         self.latencies_us.append((time.perf_counter() - t0 - copy_s) * 1e6)
-        del self.latencies_us[:-LATENCY_WINDOW]
+        if len(self.latencies_us) > 2 * LATENCY_WINDOW:
+            del self.latencies_us[:-LATENCY_WINDOW]
+
+    def _union(self, keys: np.ndarray, size: int) -> np.ndarray:
+        """The distinct keys, ascending (a mark per key in a reused [size] buffer: no sort)."""
+        if self._marks is None or len(self._marks) < size:
+            self._marks = np.zeros(max(size, 2 * len(self._marks) if self._marks is not None else 0), dtype=bool)
+        marks = self._marks
+        marks[keys] = True
+        at = np.flatnonzero(marks[:size])
+        marks[at] = False  # the buffer is all False again
+        return at
 
     def _promote_seq(
-        self,
-        seq: SeqId,
-        layers: np.ndarray,
-        blocks: np.ndarray,
-        protect: dict[SeqId, int],
-        keep: np.ndarray,
-        weight: float,
+        self, seq: SeqId, keys: np.ndarray, protect: dict[SeqId, int], keep: np.ndarray, weight: np.float32
     ) -> float:
-        """Promote the selected (layer, block) pairs of one session (`layers` sorted); returns the
-        seconds spent copying bytes."""
+        """Count and promote one session's selected pairs; returns the seconds spent copying bytes."""
         b = self.blocks
         t = b.table(seq)
-        width = t.hbm.shape[1]
+        width = t.capacity
+        at = self._union(keys, b.num_layers * width)  # [n] distinct pairs, by layer then block
         rank = self._rank(seq, width).ravel()  # a view: writes land in the [L, width] array
-        at = layers * width + blocks  # flat (layer, block) positions in the [L, width] tables
-        np.add.at(rank, at, np.float32(weight))  # a use (see _rank); same dtype: the fast path
-        # Only full blocks get a second copy: the partial one keeps its single home for writes.
+        rank[at] += weight  # a use (see _rank); `at` is distinct: one add each
         in_hbm = t.hbm.ravel().take(at)  # [n] slot or NONE
-        want = in_hbm < 0
-        want &= blocks < t.num_tokens // b.block_size
-        idx = np.flatnonzero(want)
-        if not len(idx):
+        miss = np.flatnonzero(in_hbm < 0)
+        self.count_reads(seq, len(at), len(miss))
+        if not len(miss):
             return 0.0
-        m_layers, m_blocks, m_at = layers.take(idx), blocks.take(idx), at.take(idx)
+        m_at = at.take(miss)
+        m_layers = m_at // width
+        # Only full blocks get a second copy (the partial one keeps its single home for writes),
+        # and only from DDR (a block read from DDR may have been archived and dropped since).
+        src = t.ddr.ravel().take(m_at)
+        ok = (m_at - m_layers * width < t.num_tokens // b.block_size) & (src >= 0)
+        if not ok.all():
+            m_at, m_layers, src = m_at[ok], m_layers[ok], src[ok]
         need = np.bincount(m_layers, minlength=b.num_layers)  # [L] missing per layer
         free = b.hbm_alloc.free
         short = need - free
-        copy_s = 0.0
         if not (short > 0).any():  # room for all: no eviction
-            slots = b.add_hbm_many(seq, m_layers, m_blocks)
-        else:
-            # Worth of a layer's promotion: the least rank among its missing blocks (a victim must
-            # be worth less); -inf where the layer needs no victim.
-            starts = np.cumsum(need) - need
-            has = need > 0
-            worth = np.full(b.num_layers, -np.inf, dtype=np.float32)
-            worth[has] = np.nextafter(np.minimum.reduceat(rank.take(m_at), starts[has]), -np.inf)
-            worth[short <= 0] = -np.inf
-            v_layers, v_blocks, v_slots, copy_s = self._evict_cold(seq, short, worth, in_hbm, protect, keep)
-            self.counters.hbm_evict_count += len(v_slots)
-            if len(v_slots) == len(m_layers):
-                # A victim for every missing block (each layer got as many as it needs, in layer
-                # order): the r-th missing block takes the r-th victim's slot.
-                b.move_hbm_many(seq, v_layers, v_blocks, m_blocks, v_slots)
-                slots = v_slots
-            else:
-                # A layer's r-th missing block takes its r-th victim's slot, then a free slot, while
-                # any is left.
-                got = np.bincount(v_layers, minlength=b.num_layers)
-                within = np.arange(len(m_layers)) - starts[m_layers]
-                reuse = within < got[m_layers]
-                fresh = ~reuse & (within < (got + free)[m_layers])
-                slots = np.empty(len(m_layers), dtype=np.int64)
-                if len(v_slots):
-                    b.move_hbm_many(seq, v_layers, v_blocks, m_blocks[reuse], v_slots)
-                    slots[reuse] = v_slots
-                if fresh.any():
-                    slots[fresh] = b.add_hbm_many(seq, m_layers[fresh], m_blocks[fresh])
-                placed = reuse | fresh
-                slots, m_at = slots[placed], m_at[placed]
-        if len(slots):
-            src = t.ddr.ravel().take(m_at)
-            c0 = time.perf_counter()
-            self.mover.ddr_to_hbm(src, slots)
-            copy_s += time.perf_counter() - c0
-        return copy_s
+            slots = b.add_hbm_many(seq, m_layers, m_at - m_layers * width)
+            return self._copy_up(src, slots)
+        # Worth of a layer's promotion: the least rank among its missing blocks (a victim must be
+        # worth less); -inf where the layer needs no victim.
+        starts = np.cumsum(need) - need
+        has = need > 0
+        worth = np.full(b.num_layers, -np.inf, dtype=np.float32)
+        worth[has] = np.nextafter(np.minimum.reduceat(rank.take(m_at), starts[has]), np.float32(-np.inf))
+        worth[short <= 0] = -np.inf
+        v_layers, v_blocks, v_slots, copy_s = self._evict_cold(seq, short, worth, in_hbm, protect, keep)
+        self.counters.hbm_evict_count += len(v_slots)
+        m_blocks = m_at - m_layers * width
+        if len(v_slots) == len(m_layers):
+            # A victim for every missing block (each layer got as many as it needs, in layer
+            # order): the r-th missing block takes the r-th victim's slot.
+            b.move_hbm_many(seq, v_layers, v_blocks, m_blocks, v_slots)
+            return copy_s + self._copy_up(src, v_slots)
+        # A layer's r-th missing block takes its r-th victim's slot, then a free slot, while any
+        # is left.
+        got = np.bincount(v_layers, minlength=b.num_layers)
+        within = np.arange(len(m_layers)) - starts[m_layers]
+        reuse = within < got[m_layers]
+        fresh = ~reuse & (within < (got + free)[m_layers])
+        slots = np.empty(len(m_layers), dtype=np.int64)
+        if len(v_slots):
+            b.move_hbm_many(seq, v_layers, v_blocks, m_blocks[reuse], v_slots)
+            slots[reuse] = v_slots
+        if fresh.any():
+            slots[fresh] = b.add_hbm_many(seq, m_layers[fresh], m_blocks[fresh])
+        placed = reuse | fresh
+        return copy_s + self._copy_up(src[placed], slots[placed])
 
-    def _slot_layer(self, spl: int) -> np.ndarray:
-        """The layer of each HBM slot (the null slot excluded): [L * slots_per_layer]."""
-        if self._slot_layers is None:
-            self._slot_layers = np.repeat(np.arange(self.blocks.num_layers, dtype=np.int64), spl)
-        return self._slot_layers
+    def _copy_up(self, src: np.ndarray, slots: np.ndarray) -> float:
+        """DDR slots -> HBM slots (the promoted blocks' bytes); returns the seconds it took."""
+        if not len(slots):
+            return 0.0
+        c0 = time.perf_counter()
+        self.mover.ddr_to_hbm(src, slots)
+        return time.perf_counter() - c0
 
-    def _slot_rows(self, width: int) -> np.ndarray:
-        """For each HBM slot (the null slot's row is 0), where its layer's row starts in a flattened
-        [L, width] table: [num_slots]."""
-        if self._slot_rows_cache is None or self._slot_rows_cache[0] != width:
-            rows = np.concatenate(([0], self._slot_layer(self.blocks.slots_per_layer) * width))
-            self._slot_rows_cache = (width, rows)
-        return self._slot_rows_cache[1]
-
-    def _row_starts(self, spl: int) -> np.ndarray:
-        """Where each layer's row starts in the flattened [L, slots_per_layer]: [L]."""
-        return np.arange(self.blocks.num_layers, dtype=np.int64) * spl
+    def _slot_mask(self, size: int) -> np.ndarray:
+        """A reused bool buffer of `size` + 1 entries (see `_evict_cold`)."""
+        if self._slot_ok is None or len(self._slot_ok) != size + 1:
+            self._slot_ok = np.zeros(size + 1, dtype=bool)
+        return self._slot_ok
 
     def _rank(self, seq: SeqId, width: int) -> np.ndarray:
         """Each block's value for HBM, [L, width]: its count of uses decayed by HOT_DECAY per step
         (recency + hotness over ~100 steps), kept scaled by HOT_DECAY ** -(now - base) so that a use
-        adds one number (`_use_weight`) and the unused blocks need no update (0: never used)."""
+        adds one number (`_use_weight`) and the unused blocks need no update (0: never used). The
+        partial last block is ranked too, but never promoted or evicted."""
         rank = self._hotness.get(seq)
         if rank is None or rank.shape[1] < width:
             grown = np.zeros((self.blocks.num_layers, width), dtype=np.float32)
@@ -434,66 +431,56 @@ class TierManager:
         """Choose up to `count[l]` of the session's HBM blocks of each layer l with the lowest value,
         only those worth at most `worth[l]` (so a selection larger than HBM does not churn it).
         Never the selection (`sel_slots`: its blocks' HBM slots, NONE where not in HBM), `keep`,
-        blocks from `protect[seq]` on or the partial block. Victims without a DDR copy get one now
-        (as many as DDR has room for); the caller hands their slots over
-        (`BlockManager.move_hbm_many`). Returns the victims' layers (sorted), blocks and HBM slots,
-        and the seconds spent copying."""
+        blocks from `protect[seq]` on or the partial block; ties go to the lowest slot. Victims
+        without a DDR copy get one now (as many as DDR has room for); the caller hands their slots
+        over (`BlockManager.move_hbm_many`). Returns the victims' layers (sorted), blocks and HBM
+        slots, and the seconds spent copying."""
         b = self.blocks
         t = b.table(seq)
         limit = min(t.num_tokens // b.block_size, protect.get(seq, t.num_blocks))
         none = np.empty(0, dtype=np.int64)
         if limit <= 0:
             return none, none, none, 0.0
-        # Slot space: value[s] for each HBM slot s, and one spare entry at the end that NONE (-1)
-        # indexes, so that lists with NONE in them mask without a filter.
-        spl, rank = b.slots_per_layer, self._hotness[seq]
+        # Slot space: whether each HBM slot's block may be given up, with one spare entry at the
+        # end that NONE (-1) indexes, so that lists with NONE in them mask without a filter.
         held = b.hbm_block  # block in each slot
-        value = np.empty(len(held) + 1, dtype=np.float32)
-        # (A slot not ours may hold another session's block index: `clip` keeps its read in bounds.)
-        np.take(rank, self._slot_rows(rank.shape[1]) + held, mode="clip", out=value[:-1])
-        bad = held >= limit
-        bad |= b.hbm_owner != seq
-        value[:-1][bad] = np.inf
-        value[sel_slots] = np.inf
-        value[t.hbm[:, keep].ravel()] = np.inf
-        grid = value[1:-1].reshape(b.num_layers, spl)  # the layer regions as rows
-        # Each layer's count[l]-th lowest value bounds its victims (a sort of rows is cheaper than
-        # an argpartition here); ties go to the lowest slot, and no layer gives more than count[l].
-        ranked = np.sort(grid, axis=1).ravel()
-        starts = self._row_starts(spl)
-        nth = ranked[starts + np.minimum(np.maximum(count - 1, 0), spl - 1)]
-        bound = np.minimum(nth, worth)  # worth: -inf where count <= 0
-        take = grid <= bound[:, None]
-        # More than count[l] at most the bound only if the bound is the count-th value and the next
-        # one ties with it: then all below it, and the lowest slots of the tie.
-        after = ranked[starts + np.minimum(count, spl - 1)]
-        if ((bound == nth) & (after == nth) & (count < spl)).any():
-            tie = grid == bound[:, None]
-            room = count - (take & ~tie).sum(axis=1)
-            take &= ~tie | (np.cumsum(tie, axis=1, dtype=np.int32) <= room[:, None])
-        victims = np.flatnonzero(take)  # slot - 1, grouped by layer in ascending order
-        if not len(victims):
+        ok = self._slot_mask(len(held))
+        np.equal(b.hbm_owner, seq, out=ok[:-1])
+        ok[:-1] &= held < limit
+        ok[sel_slots] = False
+        ok[t.hbm[:, keep].ravel()] = False
+        cand = np.flatnonzero(ok[1:-1]) + 1  # [c] slots, ascending: grouped by layer
+        rank = self._hotness[seq]
+        c_layers = (cand - 1) // b.slots_per_layer
+        value = rank.ravel().take(c_layers * rank.shape[1] + held.take(cand))
+        # Only blocks worth less than their layer's promotion (usually few: the sort stays small);
+        # within each layer the lowest values first (lexsort is stable: ties keep the lower slot),
+        # at most count[l] of them.
+        cheap = np.flatnonzero(value <= worth.take(c_layers))
+        if not len(cheap):
             return none, none, none, 0.0
-        v_layers, v_blocks = self._slot_layer(spl).take(victims), held.take(victims + 1)
-        ddr = t.ddr.ravel().take(v_layers * t.ddr.shape[1] + v_blocks)
-        copy = ddr < 0
+        c_layers, cand, value = c_layers.take(cheap), cand.take(cheap), value.take(cheap)
+        order = np.lexsort((value, c_layers))
+        c_layers, cand = c_layers.take(order), cand.take(order)
+        per = np.bincount(c_layers, minlength=b.num_layers)
+        take = np.flatnonzero(np.arange(len(cand)) - (np.cumsum(per) - per).take(c_layers) < count.take(c_layers))
+        victims, v_layers = cand.take(take), c_layers.take(take)
+        v_blocks = held.take(victims)
+        copy = t.ddr.ravel().take(v_layers * t.ddr.shape[1] + v_blocks) < 0
         n_copy = np.count_nonzero(copy)
         if n_copy > b.ddr_free:
             # No DDR room for every victim's copy: evict those with one, and as many others as fit,
-            # the least valuable first (layer by layer).
-            order = np.lexsort((grid.ravel()[victims], v_layers))
-            victims, v_layers, v_blocks, copy = victims[order], v_layers[order], v_blocks[order], copy[order]
+            # the least valuable first (layer by layer: the victims' order).
             fits = ~copy | (np.cumsum(copy) <= b.ddr_free)
             victims, v_layers, v_blocks, copy = victims[fits], v_layers[fits], v_blocks[fits], copy[fits]
             n_copy = np.count_nonzero(copy)
         copy_s = 0.0
         if n_copy:
-            c_layers, c_blocks = v_layers[copy], v_blocks[copy]
-            slots = b.add_ddr_many(seq, c_layers, c_blocks)
+            slots = b.add_ddr_many(seq, v_layers[copy], v_blocks[copy])
             c0 = time.perf_counter()
-            self.mover.hbm_to_ddr(victims[copy] + 1, slots)
+            self.mover.hbm_to_ddr(victims[copy], slots)
             copy_s = time.perf_counter() - c0
-        return v_layers, v_blocks, victims + 1, copy_s
+        return v_layers, v_blocks, victims, copy_s
 
     def end_step(self, batch: list[SeqId]) -> None:
         """Spill DDR past the high watermark (asynchronously); track peak HBM."""
