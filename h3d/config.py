@@ -54,6 +54,7 @@ class EngineConfig:
     recent_tokens: int = 256
     dense_layers: int = 2
     digest_tokens: int = 8  # tokens per key digest (min/max); digests cost 1/digest_tokens of the KV
+    anchor_share: float = 0.5  # attention_entropy: share of the window past sinks + recent for prompt anchors
     # Calibrated on the retrieval benchmark (docs/BENCHMARKS.md); the seed had 0.8 / 1.5.
     entropy_shrink_below: float = 1.3
     entropy_grow_above: float = 2.5
@@ -75,6 +76,7 @@ class EngineConfig:
             recent_tokens=self.recent_tokens,
             dense_layers=self.dense_layers,
             digest_tokens=self.digest_tokens,
+            anchor_share=self.anchor_share,
             entropy_shrink_below=self.entropy_shrink_below,
             entropy_grow_above=self.entropy_grow_above,
         )
@@ -114,6 +116,8 @@ class EngineConfig:
                 f"digest_tokens: must divide block_size ({self.block_size}) or cover a whole block, "
                 f"got {self.digest_tokens}"
             )
+        if not 0 <= self.anchor_share <= 1:
+            raise ConfigError(f"anchor_share: must be in [0, 1], got {self.anchor_share}")
         if self.entropy_shrink_below > self.entropy_grow_above:
             raise ConfigError("entropy_shrink_below: must be <= entropy_grow_above")
         if any(layer < 0 for layer in self.quantize_skip_layers):

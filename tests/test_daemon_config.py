@@ -135,3 +135,13 @@ def test_digest_tokens_must_divide_the_block() -> None:
         EngineConfig.build(model="m", block_size=32, digest_tokens=12)
     with pytest.raises(ConfigError, match="digest_tokens"):
         EngineConfig.build(model="m", block_size=32, digest_tokens=0)
+
+
+def test_anchor_share_is_a_fraction() -> None:
+    """anchor_share reaches the HBF config; outside [0, 1] it is refused by name."""
+    from h3d.config import ConfigError, EngineConfig
+
+    assert EngineConfig.build(model="m", anchor_share=0.0).hbf.anchor_share == 0.0
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match="anchor_share"):
+            EngineConfig.build(model="m", anchor_share=bad)

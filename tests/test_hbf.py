@@ -91,6 +91,59 @@ def test_attention_entropy_selects_each_kv_heads_top_blocks() -> None:
     assert sel is not None and sel.tolist() == [[0, 4, 9, 11], [0, 3, 7, 11]]
 
 
+def test_attention_entropy_reads_each_heads_prompt_anchors_first() -> None:
+    """Up to anchor_share of the room past sinks and recent goes to the head's prompt anchors, best
+    first, even where the digest bound ranks them last; the bound fills the rest (and everything
+    with anchor_share 0)."""
+    cfg = replace(EngineConfig(), window_tokens=6 * BS, sink_blocks=1, recent_tokens=BS, dense_layers=0).hbf
+    state = SelectionState("attention_entropy", cfg.window_tokens)
+    nb, d = 20, 16
+    digests = torch.zeros(2, nb, 2, d)
+    digests[:, :, :, 0] = torch.arange(nb, dtype=torch.float32)[None, :, None]  # the bound ranks by index
+    q = torch.zeros(4, d)
+    q[:, 0] = 1.0
+    state.head_anchors[0] = torch.tensor([[2, 5, 3, 9], [6, 1, 4, 8]])  # [Hkv, n], best first
+    sel = select(state, cfg, 0, q, digests, nb, BS, 0.25)
+    room = 6 - 2  # the sink and the partial block take 2 of the window's 6 blocks
+    assert int(room * cfg.anchor_share) == 2 and sel is not None
+    assert sel.tolist() == [sorted([0, 19, 2, 5, 18, 17]), sorted([0, 19, 6, 1, 18, 17])]
+    none = select(state, replace(cfg, anchor_share=0.0), 0, q, digests, nb, BS, 0.25)
+    assert none is not None and none.tolist() == [[0, 15, 16, 17, 18, 19]] * 2
+
+
+def test_prompt_anchors_are_probed_at_the_prompts_last_chunk(
+    checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """attention_entropy probes once per sparse layer, at the chunk that ends the prompt; each KV
+    head's anchors lie outside sinks and the recent window, best first, at most the largest window."""
+    import h3d.engine.runner as runner_module
+    from h3d.hbf.policy import probe_anchors
+
+    ckpt = checkpoint("llama_gqa4_tied")
+    engine = make_engine(
+        ckpt, policy="attention_entropy", window_tokens=128, window_min_tokens=128, window_max_tokens=256,
+        recent_tokens=32, dense_layers=1, prefill_chunk_tokens=128,
+    )  # fmt: skip
+    calls: list[tuple[int, int]] = []  # (layer, queries)
+
+    def spy(state, cfg, layer, q, k, block_size, scale):  # type: ignore[no-untyped-def]
+        calls.append((layer, q.shape[0]))
+        probe_anchors(state, cfg, layer, q, k, block_size, scale)
+
+    monkeypatch.setattr(runner_module, "probe_anchors", spy)
+    s = engine.create_session()
+    engine.append(s, token_ids=random_prompt(600, 512, seed=5))  # 599 tokens fed: 5 chunks
+    assert [layer for layer, _ in calls] == [0, 1, 2]  # one chunk probed: the last (layer 0 returns early)
+    assert calls[0][1] == 599 - 4 * 128
+    seq = engine.session(s).seq
+    state = engine.runner.selection[seq]
+    nb = engine.runner.blocks.table(seq).num_blocks
+    assert set(state.head_anchors) == {1, 2}
+    for anchors in state.head_anchors.values():
+        assert anchors.shape == (2, min(256 // BS - 3, nb - 3))  # two KV heads; base: 1 sink + 2 recent
+        assert not set(anchors.flatten().tolist()) & {0, nb - 2, nb - 1}
+
+
 @pytest.mark.parametrize("policy", ["fixed", "attention_entropy", "layerwise"])
 def test_budget_at_least_the_context_gives_exact_tokens(policy: str, checkpoint: Callable[[str], Path]) -> None:
     ckpt = checkpoint("llama_gqa4_tied")

@@ -341,7 +341,7 @@ def prefill(b: Bench, runner: ModelRunner, seq: SeqId, ids: list[int], chunk: in
     for i, a in enumerate(starts):
         e = min(a + chunk, len(ids))
         try:
-            logits = runner.execute([Chunk(seq, tuple(ids[a:e]), a, want_logits=e == len(ids))])
+            logits = runner.execute([Chunk(seq, tuple(ids[a:e]), a, want_logits=e == len(ids), final=e == len(ids))])
         except torch.OutOfMemoryError as exc:
             raise PrefillOOM(f"at {a} tokens, chunk {chunk}: {exc}") from None
         if len(starts) >= 8 and (i + 1) % (len(starts) // 4) == 0:

@@ -6,8 +6,9 @@
 Each prompt is real English text (h3d.bench.text) cut to the context length, with one needle
 sentence ("The access code for the <place> archive is <5 digits>.") inserted at a depth, then the
 question and the start of the answer. The prompt is prefilled once (prefill is exact under every
-policy; `layerwise` records its anchors then), and each policy x budget generates 8 greedy tokens
-from it, the session rewound in between. A run is correct when the digits appear in the answer.
+policy; `layerwise` and `attention_entropy` record their prompt anchors then), and each policy x
+budget generates 8 greedy tokens from it, the session rewound in between. A run is correct when
+the digits appear in the answer.
 
 Calibration of `attention_entropy`'s resize thresholds: for every prompt the bench also records
 the entropy (nats) that the policy computes at each decode step (softmax of the digest bounds of the
@@ -78,7 +79,11 @@ def prompts(engine: Engine, context: int, needles: int, depths: list[float], see
 
 
 def run(args: argparse.Namespace, probes: list[Probe]) -> dict[tuple[int, str, int], Tally]:
-    engine = Engine(EngineConfig.build(model=args.model, policy="layerwise", hbm_mb=args.hbm_mb, ddr_mb=4096))
+    engine = Engine(
+        EngineConfig.build(
+            model=args.model, policy="layerwise", hbm_mb=args.hbm_mb, ddr_mb=4096, anchor_share=args.anchor_share
+        )
+    )
     params = SamplingParams(max_tokens=8, temperature=0.0)
     results: dict[tuple[int, str, int], Tally] = {}
     for context in args.contexts:
@@ -93,16 +98,24 @@ def run(args: argparse.Namespace, probes: list[Probe]) -> dict[tuple[int, str, i
                 state = engine.runner.selection[seq]
                 state.window_tokens = budget
                 state.entropies.clear()
+                # Count this run's steps from 0: with the earlier runs' steps, `resize_every` could be
+                # reached during it (after exact's 8 steps, at its 8th), resizing and clearing the
+                # entropies that the calibration reads.
+                state.steps = 0
                 before = engine.tier_stats()
                 done = engine.complete(session, "", params)
                 if policy == "attention_entropy":
                     probe.found[budget] = code in done.text
                     if budget == max(args.budgets) and state.entropies:
-                        probe.entropy = sum(state.entropies) / len(state.entropies)
+                        probe.entropy = float(sum(state.entropies)) / len(state.entropies)
                 after = engine.tier_stats()
                 tally = results.setdefault((context, policy, budget), Tally())
                 tally.total += 1
                 tally.correct += int(code in done.text)
+                if getattr(args, "show", False):
+                    print(
+                        f"  {policy} {budget}: {'found' if code in done.text else 'missed'} {done.text!r}", flush=True
+                    )
                 needed = (after.hbm_hits + after.hbm_misses) - (before.hbm_hits + before.hbm_misses)
                 tally.hits += (after.hbm_hits - before.hbm_hits) / needed if needed else 1.0
                 tally.ddr_evicts += after.ddr_evict_count - before.ddr_evict_count
@@ -192,8 +205,10 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--policies", nargs="+", choices=SPARSE, default=list(SPARSE))
     parser.add_argument("--hbm-mb", type=float, default=64.0, help="HBM budget of the runs (hit rates)")
+    parser.add_argument("--anchor-share", type=float, default=None, help="attention_entropy's anchor_share")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--write", default=None)
+    parser.add_argument("--show", action="store_true", help="print each run's answer (found or missed)")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of accuracy vs budget here")
     args = parser.parse_args()
     probes: list[Probe] = []
@@ -210,7 +225,9 @@ def main() -> None:
             f"Measured {dt.date.today().isoformat()} on the 2-core CPU host, embedded model (fp32), greedy.\n\n"
             f"Command: `python -m h3d.bench.retrieval --model MODEL --contexts {' '.join(map(str, args.contexts))} "
             f"--needles {args.needles} --depths {' '.join(map(str, args.depths))} "
-            f"--budgets {' '.join(map(str, args.budgets))} --hbm-mb {args.hbm_mb}`"
+            f"--budgets {' '.join(map(str, args.budgets))} --hbm-mb {args.hbm_mb}"
+            + (f" --anchor-share {args.anchor_share}" if args.anchor_share is not None else "")
+            + "`"
         )
         write_section(Path(args.write), f"{meta}\n\n{out}", "retrieval")
         write_section(Path(args.write), f"{meta}\n\n{calib}", "calibration")

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from h3d.config import POLICIES, EngineConfig
@@ -140,7 +141,15 @@ class Engine:
         sampling["stop"], sampling["stop_token_ids"] = list(sampling["stop"]), list(sampling["stop_token_ids"])
         hbf = None
         if state is not None:
-            hbf = {"window_tokens": state.window_tokens, "steps": state.steps, "entropies": list(state.entropies)}
+            hbf = {
+                "window_tokens": state.window_tokens,
+                "steps": state.steps,
+                "entropies": [float(x) for x in state.entropies],
+                # The prompt's anchors (probed at its last chunk): selection reads them, so a
+                # restarted session selects as it would have.
+                "anchors": {str(layer): a.tolist() for layer, a in state.anchors.items()},
+                "head_anchors": {str(layer): a.tolist() for layer, a in state.head_anchors.items()},
+            }
         return {
             "policy": session.policy,
             "owner": session.owner,
@@ -178,6 +187,11 @@ class Engine:
             state.window_tokens = int(hbf.get("window_tokens", state.window_tokens))
             state.steps = int(hbf.get("steps", 0))
             state.entropies[:] = [float(x) for x in hbf.get("entropies", [])]
+            state.anchors = {int(k): np.asarray(v, dtype=np.int64) for k, v in hbf.get("anchors", {}).items()}
+            state.head_anchors = {
+                int(k): torch.tensor(v, dtype=torch.int64, device=self.runner.device)
+                for k, v in hbf.get("head_anchors", {}).items()
+            }
             want = max(len(session.tokens) - 1, 0)  # the last token is fed by the next request
             adopted = self.runner.adopt(session.seq, want)
             bs = self.runner.blocks.block_size
@@ -452,6 +466,11 @@ class Engine:
             if self.counters.steps % 64 == 0:
                 self._enforce_ssd_capacity()
             self.counters.prefill_tokens += sum(len(c.token_ids) for c in chunks if len(c.token_ids) > 1)
+            if self.journal is not None:
+                for chunk, req in zip(chunks, reqs, strict=True):
+                    probed = self.runner.selection[chunk.seq].policy in ("layerwise", "attention_entropy")
+                    if chunk.final and len(chunk.token_ids) > 1 and probed:
+                        self.journal.set_meta(req.session.id, self._meta(req.session))  # its new anchors
             events += self._commit(chunks, reqs, logits)
         return events
 
@@ -527,6 +546,7 @@ class Engine:
                 token_ids=tuple(req.session.tokens[cached : cached + take]),
                 start=cached,
                 want_logits=req.generate and take == pending,
+                final=take == pending,
             )
             if not self.runner.can_fit([*chunks, chunk]):
                 if not chunks:

@@ -27,12 +27,15 @@ from h3d.tiers.manager import TierManager
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """`token_ids` of `seq` to feed now, the first at position `start` (= its cached length)."""
+    """`token_ids` of `seq` to feed now, the first at position `start` (= its cached length).
+    `final`: the chunk ends what the session has been given so far (its prompt's end: HBF's
+    prefill probes read its last queries, `h3d.hbf.policy.probe_anchors`)."""
 
     seq: SeqId
     token_ids: tuple[int, ...]
     start: int
     want_logits: bool
+    final: bool = True
 
 
 class _Step:
@@ -53,6 +56,7 @@ class _Step:
         self.seqs = [c.seq for c in chunks]
         self.starts = [c.start for c in chunks]
         self.query_lens = tuple(len(c.token_ids) for c in chunks)
+        self.probes = tuple(c.final and len(c.token_ids) > 1 for c in chunks)  # prompt ends: probed
         self.offsets = np.concatenate(([0], np.cumsum(self.query_lens)[:-1])).tolist()
         self.kv_lens = tuple(c.start + len(c.token_ids) for c in chunks)
         self.protect = protect  # seq -> first block written this step (never moved during it)
@@ -77,7 +81,7 @@ class _Step:
             t = r.blocks.table(seq)
             sel = None
             state = r.selection[seq]
-            if self.query_lens[i] > 1 and state.policy in ("layerwise", "attention_entropy"):
+            if self.probes[i] and state.policy in ("layerwise", "attention_entropy"):
                 loc = torch.from_numpy(t.locations(index)).to(r.device)
                 keys = gather_blocks(self.pools.k, loc)[: self.kv_lens[i]]  # [T, Hkv, D]
                 rows = slice(self.offsets[i], self.offsets[i] + self.query_lens[i])

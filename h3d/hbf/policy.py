@@ -3,16 +3,23 @@
 - `exact`: every block (lossless; the oracle).
 - `fixed`: `sink_blocks` first blocks + the blocks of the last `recent_tokens` tokens
   (StreamingLLM-like; loses whatever falls between them).
-- `layerwise`: sinks + recent + per-layer anchors found during prefill: at each prefill chunk, the
-  blocks that draw the most attention mass from the chunk's last `PROBE_QUERIES` queries (the
-  last chunk of the prompt has the final word), up to the token budget.
+- `layerwise`: sinks + recent + per-layer anchors found during prefill: at the prompt's last
+  prefill chunk, the blocks that draw the most attention mass from its last `PROBE_QUERIES`
+  queries, up to the token budget.
 - `attention_entropy` (default): sinks + recent + the top blocks by the digest bound
   (`h3d.hbf.digests.block_scores`) up to `window_tokens`, chosen for each KV head on its own (its
   group of query heads: heads attend to different places, and one shared top-k lets the heads
-  with the largest scores crowd out the others' blocks); every `resize_every` decode steps the
-  entropy (nats) of the softmax of the block scores resizes the window: below
-  `entropy_shrink_below` attention is peaked and the window shrinks, above `entropy_grow_above` it
-  is spread and the window grows, within [`window_min_tokens`, `window_max_tokens`].
+  with the largest scores crowd out the others' blocks). Up to `anchor_share` of the room past
+  sinks and recent goes first to the head's prompt anchors: the blocks that drew the most mass of
+  that KV head's queries over the prompt's last `PROBE_QUERIES` tokens (the question: SnapKV's
+  observation window), recorded at the prompt's last prefill chunk as `layerwise` records its own.
+  The digest bound is an upper bound, loose on blocks whose keys spread widely; the prompt's own
+  attention finds the blocks a question is about, and the bound keeps the rest of the room for
+  what decoding asks (on the 8K retrieval benchmark the anchors found more needles at 512 and
+  1,024 tokens, docs/BENCHMARKS.md). Every `resize_every` decode steps the entropy (nats) of the
+  softmax of the block scores resizes the window: below `entropy_shrink_below` attention is
+  peaked and the window shrinks, above `entropy_grow_above` it is spread and the window grows,
+  within [`window_min_tokens`, `window_max_tokens`].
 The first `dense_layers` layers always read every block, as Quest does. Prefill is always exact.
 
 Selection runs where the digests are (the compute device): scores and top-k are tensor ops, and
@@ -46,6 +53,7 @@ class HbfConfig:
     entropy_shrink_below: float
     entropy_grow_above: float
     digest_tokens: int = 8
+    anchor_share: float = 0.5
     resize_every: int = 16
 
 
@@ -57,7 +65,11 @@ class SelectionState:
     window_tokens: int
     steps: int = 0
     anchors: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> block indices
-    entropies: list[float] = field(default_factory=list)
+    # attention_entropy: layer -> [Hkv, n] block indices, best first (on the compute device)
+    head_anchors: dict[int, torch.Tensor] = field(default_factory=dict)
+    # attention_entropy: each decode step's entropy (nats), as a 0-dim tensor where it was computed
+    # (read once per resize, so that a GPU step never waits for it) or a float
+    entropies: list[float | torch.Tensor] = field(default_factory=list)
 
 
 def _base(num_blocks: int, cfg: HbfConfig, block_size: int) -> np.ndarray:
@@ -98,6 +110,10 @@ def select(
         return base
     where = torch.from_numpy(base).to(scores.device, non_blocking=True)  # no wait for the stream
     masked = scores.clone()
+    anchors = state.head_anchors.get(layer)
+    take = min(int(room * cfg.anchor_share), anchors.shape[1]) if anchors is not None else 0
+    if anchors is not None and take:  # the prompt's anchors first (past a rewind some may lie past the end)
+        masked.scatter_(1, anchors[:, :take].clamp(max=num_blocks - 1), float("inf"))
     masked[:, where] = float("-inf")
     top = torch.topk(masked, min(room, num_blocks - len(base)), dim=-1).indices  # [Hkv, room]
     return torch.cat([where.expand(len(top), -1), top], dim=1).sort(dim=1).values
@@ -105,7 +121,7 @@ def select(
 
 def _track_entropy(state: SelectionState, logits: torch.Tensor) -> None:
     p = torch.softmax(logits.float(), dim=-1)
-    state.entropies.append(float(-(p * torch.log(p.clamp_min(1e-30))).sum()))
+    state.entropies.append(-(p * torch.log(p.clamp_min(1e-30))).sum())  # stays on the device
 
 
 def after_step(state: SelectionState, cfg: HbfConfig) -> None:
@@ -113,7 +129,7 @@ def after_step(state: SelectionState, cfg: HbfConfig) -> None:
     state.steps += 1
     if state.policy != "attention_entropy" or state.steps % cfg.resize_every or not state.entropies:
         return
-    h = sum(state.entropies) / len(state.entropies)
+    h = float(sum(state.entropies)) / len(state.entropies)  # the one read of the device's values
     state.entropies.clear()
     if h < cfg.entropy_shrink_below:
         state.window_tokens = max(cfg.window_min_tokens, state.window_tokens * 3 // 4)
@@ -124,28 +140,34 @@ def after_step(state: SelectionState, cfg: HbfConfig) -> None:
 def probe_anchors(
     state: SelectionState, cfg: HbfConfig, layer: int, q: torch.Tensor, k: torch.Tensor, block_size: int, scale: float
 ) -> None:
-    """Layerwise: record `layer`'s anchors from a prefill chunk.
+    """Record `layer`'s anchors from the chunk that ends a prompt (`layerwise`, `attention_entropy`).
 
     q: [n, H, D], the chunk's queries (its last tokens of the sequence); k: [T, Hkv, D], every key
-    of the layer so far (the chunk's included). The mass each block draws from the last queries,
-    summed over heads and queries, ranks the blocks; the best ones outside sinks and the recent
-    window fill the token budget.
+    of the layer so far (the chunk's included), in any dtype (scored in fp32, a KV head at a
+    time). The mass each block draws from the last queries ranks the blocks, outside sinks and the
+    recent window. Summed over heads and queries, the best ones that fill the token budget are
+    `layerwise`'s `state.anchors`; per KV head (its group's queries), the best ones that could fill
+    the largest window, best first, are `attention_entropy`'s `state.head_anchors` (both kept, so
+    that a session may switch). A later prompt's anchors replace these.
     """
-    if state.policy != "layerwise" or layer < cfg.dense_layers:
+    if state.policy not in ("layerwise", "attention_entropy") or layer < cfg.dense_layers:
         return
     m = min(PROBE_QUERIES, q.shape[0])
     t, hkv, d = k.shape
     qm = q[-m:].float().view(m, hkv, -1, d)  # [m, Hkv, G, D]
-    scores = torch.einsum("mkgd,tkd->kgmt", qm, k.float()) * scale  # [Hkv, G, m, T]
     qpos = torch.arange(t - m, t, device=q.device)
-    scores.masked_fill_(torch.arange(t, device=q.device)[None, :] > qpos[:, None], float("-inf"))
-    mass = torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))  # [T]
+    late = torch.arange(t, device=q.device)[None, :] > qpos[:, None]  # [m, T]: keys after each query
     nb = -(-t // block_size)
-    per_block = torch.zeros(nb * block_size, device=q.device)
-    per_block[:t] = mass
-    per_block = per_block.view(nb, block_size).sum(-1)  # [nb]
+    per_block = torch.zeros(hkv, nb * block_size, device=q.device)
+    for h in range(hkv):  # a KV head at a time: [G, m, T] scores (a long prompt's would be large)
+        scores = torch.einsum("mgd,td->gmt", qm[:, h], k[:, h].float()) * scale  # [G, m, T]
+        scores.masked_fill_(late, float("-inf"))
+        per_block[h, :t] = torch.softmax(scores, dim=-1).sum(dim=(0, 1))  # mass per key
+    per_block = per_block.view(hkv, nb, block_size).sum(-1)  # [Hkv, nb]
     base = _base(nb, cfg, block_size)
-    per_block[torch.from_numpy(base).to(per_block.device)] = float("-inf")
+    per_block[:, torch.from_numpy(base).to(per_block.device)] = float("-inf")
+    most = max(0, cfg.window_max_tokens // block_size - len(base))
+    state.head_anchors[layer] = torch.topk(per_block, min(most, nb - len(base)), dim=-1).indices
     room = max(0, state.window_tokens // block_size - len(base))
-    top = torch.topk(per_block, min(room, nb - len(base))).indices
+    top = torch.topk(per_block.sum(0), min(room, nb - len(base))).indices
     state.anchors[layer] = np.sort(top.cpu().numpy())
