@@ -351,3 +351,76 @@ def test_the_cuda_chunk_path_equals_the_masked_one(n: int, t: int, heads: tuple[
         q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=0.2, enable_gqa=True
     )[0].transpose(0, 1)
     torch.testing.assert_close(A.causal_lower_right_attention(q, k, v, 0.2), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("layout", "tiers"), PLACEMENTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", GQA, ids=["gqa1", "gqa4"])
+def test_chunks_attend_to_their_own_kv_as_written(
+    heads: tuple[int, int], dtype: torch.dtype, layout: str, tiers: str
+) -> None:
+    """With `fresh` (the forward's new K/V), a prefill chunk reads only the blocks before it from
+    the pools: the new tokens' rows are poisoned after the oracle has read them, and the result
+    still equals the oracle. Chunks that start their sequence take `causal_attention`; the others
+    (some starting mid-block) read their earlier tokens' blocks in place."""
+    h, hkv = heads
+    bs = 16
+    g = torch.Generator().manual_seed(h + len(layout) + 7 * len(tiers))
+    kv_lens = [1, 29, 301, 45, 2 * bs, 50]
+    query_lens = [1, 29, 1, 12, 5, 50]  # decode, whole, decode, mid-block chunk, block-aligned chunk, whole
+    tables = [_place(t, tiers, g) for t in _slot_tables(kv_lens, bs, layout, g)]
+    p = TwoPools(bs, hkv, dtype, g)
+    p.fill(tables, kv_lens)
+    q = (2.0 * torch.randn(sum(query_lens), h, HEAD_DIM, generator=g)).to(dtype)
+    want = _oracle_batch(q, p, tables, query_lens, kv_lens)
+    fresh_k, fresh_v, runs = [], [], []
+    for table, n, kv in zip(tables, query_lens, kv_lens, strict=True):
+        new = [p.token(table, t) for t in range(kv - n, kv)]
+        fresh_k.append(torch.stack([k for k, _ in new]))  # [n, Hkv, D]
+        fresh_v.append(torch.stack([v for _, v in new]))
+        if n == 1:
+            runs.append(_runs(table))  # a decode step reads every block, its new token's too
+            continue
+        runs.append(_runs(table[: -(-(kv - n) // bs)]))  # the blocks before the chunk
+        for t in range(kv - n, kv):  # poison the chunk's own rows: they must not be read
+            loc, off = table[t // bs], t % bs
+            pool = p.pool[HBM if loc >= 0 else DDR]
+            slot = loc if loc >= 0 else -loc - 1
+            pool.k[:, slot, off] = float("nan")
+            pool.v[:, slot, off] = float("nan")
+    layer_kv = A.LayerKV(
+        query_lens=tuple(query_lens),
+        kv_lens=tuple(kv_lens),
+        runs=tuple(runs),
+        tables=lambda: _padded(tables),
+        fresh=(torch.cat(fresh_k), torch.cat(fresh_v)),
+    )
+    got = A.paged_attention(q, p.pools, layer_kv, SCALE)
+    assert got.dtype == dtype
+    assert_close_to_oracle(got, want)
+
+
+@pytest.mark.parametrize(
+    ("n", "heads", "group_bytes"), [(1, (4, 4), None), (37, (8, 2), None), (64, (8, 2), 1), (50, (6, 3), 5000)]
+)
+def test_causal_attention_in_head_groups_into_its_queries_buffer(
+    n: int, heads: tuple[int, int], group_bytes: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`causal_attention` (a chunk that starts its sequence: is_causal, no mask) equals the masked
+    SDPA, in one call or one KV head group at a time (GROUP_BYTES small), and written into q's own
+    buffer (out=q) as the long-prompt path does."""
+    if group_bytes is not None:
+        monkeypatch.setattr(A, "GROUP_BYTES", group_bytes)
+    g = torch.Generator().manual_seed(n)
+    h, hkv = heads
+    q = torch.randn(n, h, 32, generator=g)
+    k, v = torch.randn(n, hkv, 32, generator=g), torch.randn(n, hkv, 32, generator=g)
+    mask = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=0.2,
+        enable_gqa=True,
+    )[0].transpose(0, 1)  # fmt: skip
+    torch.testing.assert_close(A.causal_attention(q, k, v, 0.2), want, rtol=1e-5, atol=1e-5)
+    buf = q.clone()
+    assert A.causal_attention(buf, k, v, 0.2, out=buf) is buf
+    torch.testing.assert_close(buf, want, rtol=1e-5, atol=1e-5)

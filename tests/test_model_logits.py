@@ -72,6 +72,27 @@ def test_teacher_forced_logits_match_transformers(
     assert engine.runner.cached_tokens(1) == PROMPT_LEN
 
 
+@pytest.mark.parametrize("one_launch_writes", [False, True])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_a_long_chunk_in_slices_matches_transformers(
+    name: str, one_launch_writes: bool, checkpoint: Callable[[str], Path], reference: Callable[..., torch.Tensor]
+) -> None:
+    """The whole prompt in one chunk, run layer by layer in slices of 32 tokens
+    (`DecoderLayer.forward_rows`: attention once over the chunk's own K/V, `causal_attention`),
+    with most blocks placed in DDR; and with K/V written in one launch as on CUDA (`paged_write`)."""
+    engine = make_engine(checkpoint(name), max_context_tokens=1024)
+    slot = engine.runner.hbm.slot_bytes * engine.model.config.num_layers
+    engine = make_engine(checkpoint(name), max_context_tokens=1024, hbm_mb=6 * slot / 2**20)
+    assert engine.runner.blocks.slots_per_layer == 6  # 6 of the prompt's 19 blocks in HBM
+    engine.model.rows = 32
+    engine.runner.plan_on_device = one_launch_writes
+    ids = random_prompt(PROMPT_LEN, engine.model.config.vocab_size, seed=123)
+    got = runner_logits(engine, 1, ids, [PROMPT_LEN])
+    delta = (got - reference(name, "one_chunk")).abs().max().item()
+    assert delta <= TOL, f"{name}: max |Δ logits| = {delta:.3g} > {TOL}"
+    assert engine.runner.tiers.residency(1)[1] > 0  # blocks were written to DDR
+
+
 def test_dynamic_rope_reference_depends_on_chunking(reference: Callable[..., torch.Tensor]) -> None:
     """Past max_position_embeddings, dynamic NTK makes chunked and one-forward logits differ."""
     one = reference("dynamic_rope", "one_chunk")

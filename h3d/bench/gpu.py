@@ -7,9 +7,9 @@
 
 Random bf16 weights (std 0.02, norms 1), random prompt ids, batch 1, block_size 32. First the
 ceilings: HBM copy bandwidth (bytes read + written) and pinned host->device bandwidth. Then, per
-context T, each mode on a fresh runner (or cache): prefill T tokens (TTFT, chunked for h3d, one
-forward for transformers), 4 warm-up decode steps, then `--steps` greedy steps timed one by one
-(synchronized): decode is their median.
+context T, each mode on a fresh runner (or cache): prefill T tokens (TTFT; one forward for both,
+h3d's layer by layer in slices of tokens, `DecoderLayer.forward_rows`), 4 warm-up decode steps,
+then `--steps` greedy steps timed one by one (synchronized): decode is their median.
 
 - `floor`: (weight bytes + KV bytes of T) / HBM copy bandwidth, the least a full-KV step costs.
 - `exact_full`: policy exact, every block in HBM; decode steps replayed as CUDA graphs
@@ -18,7 +18,8 @@ forward for transformers), 4 warm-up decode steps, then `--steps` greedy steps t
 - `exact_25pct`: policy exact, HBM holds 25 % of T's blocks, the rest is read in place from pinned
   DDR by the kernel over PCIe (`pcie_floor_ms`: those bytes over the measured H2D bandwidth).
 - `attention_entropy_3GiB`: HBF policy attention_entropy (window 2048 tokens, 2 dense layers),
-  3 GiB of HBM for KV, the rest in DDR; `hbf_latency_us_p50` is the host-side planning per step.
+  3 GiB of HBM for KV, the digests included (the pool gets what they leave), the rest in DDR;
+  `hbf_latency_us_p50` is the host-side planning per step.
 - `hf_dynamic`, `hf_offloaded`: transformers' LlamaForCausalLM (sdpa) with a DynamicCache, and with
   the offloaded one (`DynamicCache(offloading=True)`, else `OffloadedCache`).
 - `--many-sessions N`: N sessions of `--many-context` tokens decoding in one batch (attention_entropy,
@@ -102,9 +103,10 @@ class Sizes:
         model["tie_word_embeddings"] = False
         if tiny:
             hbf = dict(window_tokens=256, window_min_tokens=128, window_max_tokens=512, recent_tokens=64)
-            return Sizes(model, torch.float32, (512, 1024), 256, 64, 3 << 18, hbf, 512, 0.001, 64 << 20, 0)
+            return Sizes(model, torch.float32, (512, 1024), 1024, 64, 3 << 18, hbf, 512, 0.001, 64 << 20, 0)
         hbf = dict(window_tokens=2048, digest_tokens=16)  # docs/BENCHMARKS.md's figures: 16-token digests
-        return Sizes(model, torch.bfloat16, (32768, 131072), 8192, 1024, 3 << 30, hbf, 32768, 40.0, 4 << 30, 1 << 30)
+        # prefill: the whole prompt in one chunk (layer by layer, in slices: `DecoderLayer.forward_rows`)
+        return Sizes(model, torch.bfloat16, (32768, 131072), 131072, 1024, 3 << 30, hbf, 32768, 40.0, 4 << 30, 1 << 30)
 
 
 @dataclass(slots=True)
@@ -123,6 +125,8 @@ class Bench:
     # T -> exact_full's (logits, greedy token) per decode step
     exact_logits: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)
     exact_first: dict[int, int] = field(default_factory=dict)  # T -> exact_full's first token (from prefill)
+    exact_prefill: dict[int, torch.Tensor] = field(default_factory=dict)  # T -> exact_full's prefill logits
+    last_logits: torch.Tensor | None = None  # the last prefill's last-token logits
     chunks: dict[int, int] = field(default_factory=dict)  # T -> the prefill chunk that fit in memory
     hf: torch.nn.Module | None = None
 
@@ -321,19 +325,24 @@ def plan(
     if mode == "exact_25pct":
         hbm = max(1, math.ceil(nb_ctx / 4))
         return hbm, (nb - hbm) * nl + 4 * nl, replace(EngineConfig(), policy="exact").hbf
-    budget = hbm_bytes or b.sizes.entropy_hbm_bytes
+    # The budget holds the digests too (they stay in HBM): the pool gets what they leave.
+    hbf = replace(EngineConfig(), policy="attention_entropy", **b.sizes.hbf).hbf
+    parts = max(1, BLOCK // hbf.digest_tokens)
+    elem = torch.empty((), dtype=b.sizes.dtype).element_size()
+    digest_bytes = nb * parts * nl * cfg.num_kv_heads * 2 * cfg.head_dim * elem
+    budget = (hbm_bytes or b.sizes.entropy_hbm_bytes) - digest_bytes
     slots = KVPool.slots_for_budget(budget / 2**20, BLOCK, cfg.num_kv_heads, cfg.head_dim, b.sizes.dtype)
     hbm = max(1, min(slots // nl, nb + 2))
     # DDR: every block HBM does not hold, plus room for copies of half of HBM's (HBF's victims keep
     # one); an eighth with many sessions, whose DDR (pinned) must fit in the host's memory.
     share = 2 if sessions == 1 else 8
     ddr = max(nb - hbm, 0) * nl + math.ceil(min(hbm, nb) * nl / share) + 4 * nl * sessions
-    hbf = replace(EngineConfig(), policy="attention_entropy", **b.sizes.hbf).hbf
     return hbm, ddr, hbf
 
 
 def prefill(b: Bench, runner: ModelRunner, seq: SeqId, ids: list[int], chunk: int) -> tuple[float, int]:
-    """All of `ids` into `seq`'s cache, chunk by chunk; returns (seconds, greedy next token)."""
+    """All of `ids` into `seq`'s cache, chunk by chunk; returns (seconds, greedy next token). The
+    last token's logits stay in `b.last_logits`."""
     b.sync()
     t0 = time.perf_counter()
     logits = torch.empty(0)
@@ -348,6 +357,7 @@ def prefill(b: Bench, runner: ModelRunner, seq: SeqId, ids: list[int], chunk: in
             log(f"  prefill {e} of {len(ids)} tokens, {time.perf_counter() - t0:.1f} s")
     tok = int(logits[0].argmax())
     b.sync()
+    b.last_logits = logits[0]
     return time.perf_counter() - t0, tok
 
 
@@ -377,6 +387,8 @@ def _h3d_once(b: Bench, mode: str, ids: list[int], chunk: int, steps: int) -> di
     runner.graphs.enabled = runner.graphs.enabled and not mode.endswith("_eager")
     seq = SeqId(1)
     runner.open(seq)
+    if hbf.policy != "exact":
+        runner.digests.reserve(seq, -(-(t + WARMUP + steps + 1) // BLOCK))  # the budget counted them all
     prefill_s, tok = prefill(b, runner, seq, ids, chunk)
     pos = t
 
@@ -385,6 +397,8 @@ def _h3d_once(b: Bench, mode: str, ids: list[int], chunk: int, steps: int) -> di
     ref = b.exact_logits.get(t) if mode != "exact_full" else None
     if mode == "exact_full":
         b.exact_first[t] = tok
+        assert b.last_logits is not None
+        b.exact_prefill[t] = b.last_logits
     elif ref is not None:
         tok = b.exact_first[t]  # the same first input, whatever this mode's prefill picked
     mine: list[torch.Tensor] = []
@@ -430,6 +444,25 @@ def _h3d_once(b: Bench, mode: str, ids: list[int], chunk: int, steps: int) -> di
         below = t * b.cfg.kv_bytes_per_token * b.model.lm_head.weight_t.element_size() - hbm * b.cfg.num_layers * slot
         out["pcie_floor_ms"] = round(max(below, 0) / (b.data["ceilings"]["h2d_gbps"] * 1e9) * 1e3, 2)
     return out
+
+
+def prefill_check(b: Bench, ids: list[int], chunk: int) -> dict[str, Any]:
+    """The same prompt prefilled again in chunks of `chunk` (each chunk's attention reading the
+    earlier blocks from the pool), against exact_full's one-chunk prefill: the last token's logits
+    compared, and both times (side by side in one run)."""
+    hbm, ddr, hbf = plan(b, "exact_full", len(ids), 0)
+    runner = ModelRunner(b.model, hbm, ddr, BLOCK, archive=None, high_watermark=0.85, hbf=hbf)
+    runner.open(SeqId(1))
+    seconds, _ = prefill(b, runner, SeqId(1), ids, chunk)
+    assert b.last_logits is not None
+    one = b.exact_prefill[len(ids)]
+    return {
+        "chunk": chunk,
+        "prefill_s_chunked": round(seconds, 3),
+        "logits_max_diff": round(float((b.last_logits - one).abs().max()), 4),
+        "logits_max_abs": round(float(one.abs().max()), 3),
+        "same_argmax": bool(b.last_logits.argmax() == one.argmax()),
+    }
 
 
 def profile(b: Bench, mode: str, t: int, step: Callable[[int], int], tok: int) -> None:
@@ -540,6 +573,7 @@ def run_many(b: Bench, n: int, context: int, hbm_gb: float) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(b.args.seed + 7)
     for seq in seqs:
         runner.open(seq)
+        runner.digests.reserve(seq, -(-(context + WARMUP + b.args.steps + 1) // BLOCK))
         ids = torch.randint(0, b.cfg.vocab_size, (context,), generator=gen).tolist()
         s, tok = prefill(b, runner, seq, ids, b.args.prefill_chunk or b.sizes.prefill_chunk)
         prefill_s += s
@@ -614,6 +648,9 @@ def run_context(b: Bench, t: int, modes: list[str]) -> None:
         t0 = time.monotonic()
         fields = run_mode(b, mode, ids)
         _free()
+        if mode == "exact_full" and t == min(b.args.contexts) and t in b.exact_prefill:
+            fields["prefill_vs_chunked"] = prefill_check(b, ids, max(b.sizes.min_prefill_chunk, t // 4))
+            _free()
         b.record(mode, t, fields)
         log(f"T={t} {mode}: {_summary(fields)} ({time.monotonic() - t0:.1f} s)")
     b.hf = None  # never two models' caches at once across contexts: rebuilt for the next one
@@ -653,6 +690,12 @@ def _notes(f: dict[str, Any]) -> str:
         notes.append(f"tokens = exact_full's: {f['tokens_agree_exact_full']:.0%}")
     if "prefill_chunk_halved_from" in f:
         notes.append(f"prefill OOM at chunk {f['prefill_chunk_halved_from']}, ran at {f['prefill_chunk']}")
+    if "prefill_vs_chunked" in f:
+        c = f["prefill_vs_chunked"]
+        notes.append(
+            f"prefill in {c['chunk']}-token chunks: {_num(c['prefill_s_chunked'])} s, last logits within "
+            f"{c['logits_max_diff']} (of {c['logits_max_abs']}), same argmax: {'yes' if c['same_argmax'] else 'no'}"
+        )
     return "; ".join(notes)
 
 
@@ -764,37 +807,46 @@ def parse_args() -> argparse.Namespace:
 
 def selection_cost(b: Bench, context: int, repeats: int = 200) -> dict[str, Any]:
     """attention_entropy's device-side selection for one decode step of one sequence: per sparse
-    layer, the digest bound of every block for each KV head (`block_scores`) and the per-head
-    top-k of a 2,048-token window, timed alone (median over `repeats`; CUDA events on a GPU)."""
+    layer, the digest bound of every block for each KV head (`block_scores`, over the digests'
+    parts) and the per-head top-k of a 2,048-token window. Timed per layer as launched from Python
+    (CUDA events; the median over `repeats`), and on a GPU also for a whole step's sparse layers
+    replayed as one CUDA graph: the device's own time, without launch gaps."""
     cfg = b.cfg
     nb = context // BLOCK
+    parts = max(1, BLOCK // int(b.sizes.hbf.get("digest_tokens", EngineConfig().digest_tokens)))
     g = torch.Generator(device=b.device).manual_seed(0)
-    digests = torch.randn(cfg.num_kv_heads, nb, 2, cfg.head_dim, generator=g, device=b.device)
-    digests = digests.sort(dim=2).values.to(b.sizes.dtype)
+    digests = torch.randn(cfg.num_kv_heads, nb, parts, 2, cfg.head_dim, generator=g, device=b.device)
+    digests = digests.sort(dim=3).values.to(b.sizes.dtype)  # [Hkv, nb, parts, (min, max), D]
     q = torch.randn(cfg.num_heads, cfg.head_dim, generator=g, device=b.device).to(b.sizes.dtype)
     k = min(2048 // BLOCK, nb)
+    sparse = cfg.num_layers - EngineConfig().dense_layers
 
     def once() -> None:
         torch.topk(block_scores(q, digests, per_head=True), k, dim=-1)
 
-    for _ in range(10):
-        once()
-    times = []
-    for _ in range(repeats):
-        if b.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            once()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            once()
-            times.append((time.perf_counter() - t0) * 1e6)
-    per_layer = float(np.median(times))
-    sparse = cfg.num_layers - EngineConfig().dense_layers
-    return {"selection_us_per_layer": round(per_layer, 1), "selection_ms_per_step": round(per_layer * sparse / 1e3, 3)}
+    per_layer = _median_s(once, repeats, b.device.type == "cuda", warm=10) * 1e6
+    out: dict[str, Any] = {
+        "selection_us_per_layer": round(per_layer, 1),
+        "selection_ms_per_step": round(per_layer * sparse / 1e3, 3),
+        "digest_parts": parts,
+    }
+    if b.device.type == "cuda":
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    once()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(sparse):
+                    once()
+            step = _median_s(graph.replay, 50, True) * 1e3
+            out["selection_ms_per_step_graph"] = round(step, 3)
+        except RuntimeError as exc:  # capture refused: the eager figures stand alone
+            out["selection_graph_error"] = str(exc)[:200]
+    return out
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -805,7 +857,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         sys.exit("no CUDA device here: --tiny runs the same path on the CPU")
     if device.type == "cpu":
         torch.set_num_threads(1)  # CPU numbers only check the path; one thread does not thrash a shared host
-    contexts = args.contexts or list(sizes.contexts)
+    contexts = args.contexts = args.contexts or list(sizes.contexts)
     many_context = args.many_context or sizes.many_context
     longest = max([*contexts, many_context if args.many_sessions else 0])
     raw = {**sizes.model, "max_position_embeddings": longest + WARMUP + args.steps + 1024}
@@ -828,6 +880,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             cost = selection_cost(b, t)
             step = entry["decode_ms_per_tok"]
             entry.update(cost, selection_share_of_step=round(cost["selection_ms_per_step"] / step, 4) if step else None)
+            if step and "selection_ms_per_step_graph" in cost:
+                entry["selection_share_of_step_graph"] = round(cost["selection_ms_per_step_graph"] / step, 4)
             _save(args.out, data)
             log(f"T={t} selection on the device: {cost}")
     if args.many_sessions:

@@ -17,7 +17,7 @@ from h3d.engine.graphs import DecodeGraphs
 from h3d.hbf.digests import DigestStore
 from h3d.hbf.policy import HbfConfig, SelectionState, after_step, probe_anchors, select
 from h3d.kv.attention import LayerKV, Pools, gather_blocks, kernel_attention
-from h3d.kv.blocks import NONE, BlockManager, SeqId, runs_of
+from h3d.kv.blocks import NONE, BlockManager, SeqId, first_blocks, runs_of
 from h3d.kv.pool import KVPool
 from h3d.kv.triton_decode import paged_write
 from h3d.model.llama import CausalLM
@@ -67,6 +67,8 @@ class _Step:
         # Replayed as a CUDA graph (`DecodeGraphs`): this object then only carries the bookkeeping.
         self.graphed = graphed
         self.plan = _DevicePlan(self) if not graphed and _DevicePlan.applies(self) else None
+        self._fresh: tuple[int, torch.Tensor, torch.Tensor] = (-1, torch.empty(0), torch.empty(0))  # last write
+        self._device_rows: torch.Tensor | None = None
 
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
         if self.plan is not None:
@@ -82,10 +84,7 @@ class _Step:
             sel = None
             state = r.selection[seq]
             if self.probes[i] and state.policy in ("layerwise", "attention_entropy"):
-                loc = torch.from_numpy(t.locations(index)).to(r.device)
-                keys = gather_blocks(self.pools.k, loc)[: self.kv_lens[i]]  # [T, Hkv, D]
-                rows = slice(self.offsets[i], self.offsets[i] + self.query_lens[i])
-                probe_anchors(state, r.hbf, index, q[rows], keys, r.blocks.block_size, scale)
+                self._probe(i, index, q, scale)
             if self.query_lens[i] == 1 and state.policy != "exact":
                 digests = r.digests.get(seq, index, t.num_blocks)
                 sel = select(
@@ -102,6 +101,8 @@ class _Step:
                 sel = sel.cpu().numpy()
             if sel is None:
                 seq_runs = r.blocks.runs(seq, index)
+                if self.query_lens[i] > 1:  # a chunk attends to its own K/V as written (`fresh`)
+                    seq_runs = first_blocks(seq_runs, -(-self.starts[i] // r.blocks.block_size))
                 kv_lens.append(self.kv_lens[i])
                 heads.append(None)
                 # (A selection's reads are counted with its promotion, `TierManager.promote`.)
@@ -122,8 +123,11 @@ class _Step:
             full = [r.blocks.table(s).locations(index) for s in seqs]
             return r.padded_locations([f if sel is None else f[sel] for f, sel in zip(full, locs, strict=True)])
 
+        fresh = self._fresh[1:] if self._fresh[0] == index and any(n > 1 for n in self.query_lens) else None
         if all(h is None for h in heads):
-            return LayerKV(query_lens=self.query_lens, kv_lens=tuple(kv_lens), runs=tuple(runs), tables=tables)
+            return LayerKV(
+                query_lens=self.query_lens, kv_lens=tuple(kv_lens), runs=tuple(runs), tables=tables, fresh=fresh
+            )
         hkv = r.hbm.k.shape[0]
 
         def head_tables() -> torch.Tensor:
@@ -142,14 +146,34 @@ class _Step:
             tables=tables,
             head_locs=tuple(heads),
             head_tables=head_tables,
+            fresh=fresh,
         )
+
+    def _probe(self, i: int, index: int, q: torch.Tensor, scale: float) -> None:
+        """HBF's prompt probe (`probe_anchors`) of chunk i, which ends its prompt: its last queries
+        against every key so far, the chunk's own taken as written (`fresh`), the earlier ones
+        gathered from their blocks."""
+        r = self.runner
+        seq, start, n, off = self.seqs[i], self.starts[i], self.query_lens[i], self.offsets[i]
+        k = self._fresh[1][off : off + n]  # [n, Hkv, D]
+        if start:
+            loc = r.blocks.table(seq).locations(index)[: -(-start // r.blocks.block_size)]
+            prior = gather_blocks(self.pools.k, torch.from_numpy(loc).to(r.device))[:start]  # [start, Hkv, D]
+            k = torch.cat([prior.to(k.dtype), k])
+        probe_anchors(r.selection[seq], r.hbf, index, q[off : off + n], k, r.blocks.block_size, scale)
 
     def write(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         r = self.runner
+        self._fresh = (index, k, v)
         rows = self.rows[index]
+        pools = self.pools
         if self.plan is not None:  # rows already on the device; DDR rows written in place
-            pools = self.pools
             paged_write(k, v, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), self.plan.rows[index])
+        elif r.device.type == "cuda" or r.plan_on_device:  # every row in one launch, DDR's over PCIe in place
+            if self._device_rows is None:
+                rows_all = np.ascontiguousarray(self.rows)  # (an append's rows may come in column order)
+                self._device_rows = torch.from_numpy(rows_all).to(r.device)  # all layers: one copy a step
+            paged_write(k, v, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), self._device_rows[index])
         elif not self.has_ddr_rows:
             r.hbm.write(torch.from_numpy(rows).to(r.device), k, v)
         else:
@@ -336,7 +360,9 @@ class ModelRunner:
         self.selection: dict[SeqId, SelectionState] = {}
         self._stale_digests: set[SeqId] = set()  # adopted from the archive: digests to rebuild
         self.check_invariants = check_invariants
-        self.plan_on_device = False  # tests: the GPU's decode planning (`_DevicePlan`) on the CPU
+        # Tests: the GPU's step paths on the CPU (decode planned on the device, `_DevicePlan`; K/V
+        # written in one launch, `paged_write`).
+        self.plan_on_device = False
         self.graphs = DecodeGraphs(self)  # exact decode steps as CUDA graphs (tests: `.enabled` on the CPU)
 
     def cached_tokens(self, seq: SeqId) -> int:

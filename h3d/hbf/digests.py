@@ -11,7 +11,7 @@ needles and 8-token parts all 17, docs/BENCHMARKS.md).
 
 Digests live on the compute device for every block of every session (they are what selection
 reads each step): per session a tensor [L, Hkv, capacity * parts, 2, D] in the KV dtype, grown by
-doubling. Cost: 2 * head_dim * element size per part and KV head, i.e. 1 / digest_tokens of the
+a quarter. Cost: 2 * head_dim * element size per part and KV head, i.e. 1 / digest_tokens of the
 KV itself (1/8 by default): 3 KV heads x 64 dims x fp32 x 4 parts = 6 KiB per 32-token block of
 all heads, 184 MiB for a 32K-token session of the embedded model (30 layers); 1/16 with
 `digest_tokens = 16`.
@@ -58,11 +58,18 @@ class DigestStore:
     def ensure(self, seq: SeqId, num_parts: int) -> torch.Tensor:
         d = self._digests.get(seq)
         if d is None or d.shape[2] < num_parts:
-            grown = self._empty(max(num_parts, 2 * (d.shape[2] if d is not None else 4)))
+            # Grown by a quarter (not doubled): a long prompt's digests are large, and doubling them
+            # at its first decode step would take twice their memory at once.
+            grown = self._empty(max(num_parts, 5 * (d.shape[2] if d is not None else 4) // 4))
             if d is not None:
                 grown[:, :, : d.shape[2]] = d
             self._digests[seq] = d = grown
         return d
+
+    def reserve(self, seq: SeqId, num_blocks: int) -> None:
+        """Room for `num_blocks` blocks of `seq` now (a session whose length is known: no growth,
+        and no copy of the old digests beside the new ones, later)."""
+        self.ensure(seq, num_blocks * self.parts)
 
     def get(self, seq: SeqId, layer: int, num_blocks: int) -> torch.Tensor:
         """[Hkv, num_blocks, parts, 2, D]: (min, max) of the keys of each part of each block."""

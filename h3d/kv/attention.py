@@ -47,6 +47,11 @@ class LayerKV:
     A decode step whose selection differs per KV head has `head_locs[i]`, [Hkv, n] locations (each
     row that head's blocks, ascending): its `runs[i]` and `tables()` row then list the union, and
     `head_tables()` gives every sequence's per-head lists, [B, Hkv, W] (shared lists repeated).
+
+    `fresh`, when set, holds the forward's new K and V ([N, Hkv, D] each, packed like q): a
+    prefill chunk (more than one query) then attends to its own tokens from there, and its
+    `runs[i]` list only the blocks before the chunk (their first kv_len - n tokens are read), so
+    that a chunk never reads back what it has just written (over PCIe, for blocks placed in DDR).
     """
 
     query_lens: tuple[int, ...]
@@ -58,6 +63,7 @@ class LayerKV:
     # A decode step planned on the device: the kernel's (tables [B, Hkv, W], nblocks [B, Hkv],
     # tails [B]) already there (`h3d.engine.runner._DevicePlan`); `runs` are then empty.
     lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def gather_blocks(pools: tuple[torch.Tensor, ...], loc: torch.Tensor) -> torch.Tensor:
@@ -126,8 +132,11 @@ def _head_lists(q: torch.Tensor, pools: Pools, layer: LayerKV) -> tuple[torch.Te
     return tables, nblocks[:, None].expand(b, hkv).to(q.device), tail.to(q.device)
 
 
-def reference_attention(q: torch.Tensor, pools: Pools, layer: LayerKV, scale: float) -> torch.Tensor:
-    """Attention for every packed sequence, by gathering. q: [N, H, D] -> [N, H, D]."""
+def reference_attention(
+    q: torch.Tensor, pools: Pools, layer: LayerKV, scale: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention for every packed sequence, by gathering every block it reads from the pools (the
+    new tokens' too: `fresh` and `out` are not used). q: [N, H, D] -> [N, H, D]."""
     if layer.head_tables is not None or layer.lists is not None:  # per-KV-head lists
         from h3d.kv.triton_decode import torch_paged_decode
 
@@ -157,11 +166,21 @@ def _segments(pools: tuple[torch.Tensor, ...], runs: Runs) -> list[torch.Tensor]
     return [pools[t][:, s : s + c].view(hkv, c * bs, d).to(device, non_blocking=True) for t, s, c in runs]
 
 
-def run_attention(q: torch.Tensor, pools: Pools, runs: Runs, kv_len: int, scale: float) -> torch.Tensor:
-    """One sequence's last n queries over its blocks read in place. q: [n, H, D] -> [n, H, D]."""
+def run_attention(
+    q: torch.Tensor,
+    pools: Pools,
+    runs: Runs,
+    kv_len: int,
+    scale: float,
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One sequence's last n queries over its blocks read in place. q: [n, H, D] -> [n, H, D].
+    A chunk (n > 1) with `fresh` (its own K/V, [n, Hkv, D] each) reads only its first kv_len - n
+    keys from `runs`; `out` may receive the result (see `causal_attention`)."""
     n, h, d = q.shape
     if n > 1:
-        return _chunk_attention(q, pools, runs, kv_len, scale)
+        return _chunk_attention(q, pools, runs, kv_len, scale, fresh, out)
     # One query: every KV head's group of queries in one bmm per run, keys read in place.
     hkv = pools.k[0].shape[0]
     qh = q.float().view(hkv, h // hkv, d) * scale  # [Hkv, G, D]
@@ -169,15 +188,15 @@ def run_attention(q: torch.Tensor, pools: Pools, runs: Runs, kv_len: int, scale:
     scores = torch.cat([torch.bmm(qh, k.transpose(1, 2).float()) for k in keys], dim=-1)  # [Hkv, G, T]
     # The tail of the last block past kv_len is unwritten: dropped, not masked.
     probs = torch.softmax(scores[..., :kv_len], dim=-1)
-    out: torch.Tensor | None = None
+    acc: torch.Tensor | None = None
     offset = 0
     for v in _segments(pools.v, runs):
         t = min(v.shape[1], kv_len - offset)
         part = torch.bmm(probs[..., offset : offset + t], v[:, :t].float())  # [Hkv, G, D]
-        out = part if out is None else out + part
+        acc = part if acc is None else acc + part
         offset += t
-    assert out is not None
-    return out.reshape(1, h, d).to(q.dtype)
+    assert acc is not None
+    return acc.reshape(1, h, d).to(q.dtype)
 
 
 def _gather_heads(pools: tuple[torch.Tensor, ...], loc: torch.Tensor) -> torch.Tensor:
@@ -204,23 +223,39 @@ def head_attention(q: torch.Tensor, pools: Pools, locs: np.ndarray, kv_len: int,
     return torch.bmm(probs, v).reshape(1, h, d).to(q.dtype)
 
 
-def _chunk_attention(q: torch.Tensor, pools: Pools, runs: Runs, kv_len: int, scale: float) -> torch.Tensor:
-    """A prefill chunk (n > 1 queries): torch SDPA over the runs (views, or one copy if several).
+def _chunk_attention(
+    q: torch.Tensor,
+    pools: Pools,
+    runs: Runs,
+    kv_len: int,
+    scale: float,
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A prefill chunk (n > 1 queries): torch SDPA over the runs (views, or one copy if several),
+    and over the chunk's own K/V where `fresh` holds them.
 
-    SDPA's CPU kernel accumulates in fp32 and reads the keys once per query tile, about 3x faster
-    than materializing the [n, T] scores here; the unwritten tail of the last block is sliced off
-    and the boolean mask is causal.
+    A chunk that starts its sequence with its K/V at hand needs no mask at all (`causal_attention`).
+    Otherwise SDPA's CPU kernel accumulates in fp32 and reads the keys once per query tile, about 3x
+    faster than materializing the [n, T] scores here; the unwritten tail of the last block is
+    sliced off and the boolean mask is causal.
     """
     n = q.shape[0]
+    prior = kv_len - n if fresh is not None else kv_len  # keys read from the pools
+    if fresh is not None and prior == 0:
+        return causal_attention(q, fresh[0], fresh[1], scale, out)
     keys, values = _segments(pools.k, runs), _segments(pools.v, runs)
-    k = (keys[0] if len(keys) == 1 else torch.cat(keys, dim=1))[:, :kv_len]  # [Hkv, T, D]
-    v = (values[0] if len(values) == 1 else torch.cat(values, dim=1))[:, :kv_len]  # [Hkv, T, D]
+    k = (keys[0] if len(keys) == 1 else torch.cat(keys, dim=1))[:, :prior]  # [Hkv, T, D]
+    v = (values[0] if len(values) == 1 else torch.cat(values, dim=1))[:, :prior]  # [Hkv, T, D]
+    if fresh is not None:
+        k = torch.cat([k.to(fresh[0].dtype), fresh[0].transpose(0, 1)], dim=1)
+        v = torch.cat([v.to(fresh[1].dtype), fresh[1].transpose(0, 1)], dim=1)
     if q.is_cuda:
         return causal_lower_right_attention(q, k, v, scale)
     kpos = torch.arange(kv_len, device=q.device)
     qpos = torch.arange(kv_len - n, kv_len, device=q.device)
     mask = kpos[None, :] <= qpos[:, None]  # [n, T]
-    out = F.scaled_dot_product_attention(
+    res = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],  # [1, H, n, D]
         k.to(q.dtype)[None],  # [1, Hkv, T, D]
         v.to(q.dtype)[None],
@@ -228,7 +263,47 @@ def _chunk_attention(q: torch.Tensor, pools: Pools, runs: Runs, kv_len: int, sca
         scale=scale,
         enable_gqa=True,
     )  # [1, H, n, D]
-    return out[0].transpose(0, 1)
+    return res[0].transpose(0, 1)
+
+
+GROUP_BYTES = 256 << 20  # `causal_attention`: the largest output one SDPA call writes
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A chunk that starts its sequence: causal attention over its own tokens. q: [n, H, D];
+    k, v: [n, Hkv, D] -> [n, H, D].
+
+    One torch SDPA call with `is_causal` per group of KV heads (the call transformers makes for a
+    whole prompt: flash kernels on CUDA, no mask tensor), each group's output at most GROUP_BYTES,
+    copied into `out` (a new tensor if None). `out` may be q itself: a group's queries are read
+    before its output is written, and the groups are disjoint, so a long prompt needs no second
+    [n, H, D] buffer. On CUDA a group's K/V are repeated over its query heads (as in
+    `causal_lower_right_attention`: the kernels' GQA support varies; one group's copy is small).
+    """
+    n, h, d = q.shape
+    hkv = k.shape[1]
+    per = h // hkv
+    res = torch.empty_like(q) if out is None else out
+    step = max(1, min(hkv, GROUP_BYTES // max(1, n * per * d * q.element_size())))
+    kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, n, D]
+    repeat = q.is_cuda and per > 1
+    for g in range(0, hkv, step):
+        e = min(g + step, hkv)
+        kg, vg = kt[:, g:e], vt[:, g:e]  # [1, e - g, n, D]
+        if repeat:
+            kg, vg = kg.repeat_interleave(per, dim=1), vg.repeat_interleave(per, dim=1)
+        part = F.scaled_dot_product_attention(
+            q[:, g * per : e * per].transpose(0, 1)[None],  # [1, G, n, D]
+            kg,
+            vg,
+            is_causal=True,
+            scale=scale,
+            enable_gqa=per > 1 and not repeat,
+        )  # [1, G, n, D]
+        res[:, g * per : e * per] = part[0].transpose(0, 1)
+    return res
 
 
 def causal_lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -255,23 +330,35 @@ def causal_lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return out[0].transpose(0, 1)
 
 
-def paged_attention(q: torch.Tensor, pools: Pools, layer: LayerKV, scale: float) -> torch.Tensor:
-    """Attention for every packed sequence, reading runs in place. q: [N, H, D] -> [N, H, D]."""
+def paged_attention(
+    q: torch.Tensor, pools: Pools, layer: LayerKV, scale: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention for every packed sequence, reading runs in place. q: [N, H, D] -> [N, H, D]
+    (`out` may receive a lone prefill chunk's result: see `causal_attention`)."""
     if layer.lists is not None:  # a decode step planned on the device (its runs are not built)
         return reference_attention(q, pools, layer, scale)
     outs = []
     start = 0
     heads = layer.head_locs or (None,) * len(layer.runs)
+    alone = len(layer.runs) == 1
     for n, kv_len, runs, locs in zip(layer.query_lens, layer.kv_lens, layer.runs, heads, strict=True):
-        if locs is None:
-            outs.append(run_attention(q[start : start + n], pools, runs, kv_len, scale))
+        rows = slice(start, start + n)
+        if locs is not None:
+            outs.append(head_attention(q[rows], pools, locs, kv_len, scale))
         else:
-            outs.append(head_attention(q[start : start + n], pools, locs, kv_len, scale))
+            fresh = None if layer.fresh is None else (layer.fresh[0][rows], layer.fresh[1][rows])
+            outs.append(run_attention(q[rows], pools, runs, kv_len, scale, fresh, out if alone else None))
         start += n
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
-AttentionFn = Callable[[torch.Tensor, Pools, LayerKV, float], torch.Tensor]
+class AttentionFn(Protocol):
+    """The one signature of every attention path: q [N, H, D] -> [N, H, D]; `out` may receive
+    the result (an implementation may ignore it: callers use what is returned)."""
+
+    def __call__(
+        self, q: torch.Tensor, pools: Pools, layer: LayerKV, scale: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
 
 class StepKV(Protocol):
@@ -292,7 +379,9 @@ class StepKV(Protocol):
         ...
 
 
-def kernel_attention(q: torch.Tensor, pools: Pools, layer: LayerKV, scale: float) -> torch.Tensor:
+def kernel_attention(
+    q: torch.Tensor, pools: Pools, layer: LayerKV, scale: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The GPU path: a decode step (one query per sequence) goes to the Triton paged kernel
     (`h3d.kv.triton_decode`), which reads each listed block where it is, HBM or pinned DDR, with
     no gather, one list per (sequence, KV head); prefill chunks go through `paged_attention` (SDPA
@@ -301,6 +390,6 @@ def kernel_attention(q: torch.Tensor, pools: Pools, layer: LayerKV, scale: float
     from h3d.kv.triton_decode import paged_decode
 
     if not all(n == 1 for n in layer.query_lens):
-        return paged_attention(q, pools, layer, scale)
+        return paged_attention(q, pools, layer, scale, out)
     lists = layer.lists if layer.lists is not None else _head_lists(q, pools, layer)
     return paged_decode(q, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), *lists, scale)

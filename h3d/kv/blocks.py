@@ -70,6 +70,17 @@ def runs_of(loc: np.ndarray) -> Runs:
     return runs
 
 
+def first_blocks(runs: Runs, n: int) -> Runs:
+    """The runs of the first `n` blocks of `runs`."""
+    out: Runs = []
+    for tier, first, count in runs:
+        if n <= 0:
+            break
+        out.append((tier, first, min(count, n)))
+        n -= count
+    return out
+
+
 class SlotAllocator:
     """Free list over the slots [first, first + capacity) of one pool. Owner: BlockManager.
 

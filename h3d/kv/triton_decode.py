@@ -190,6 +190,8 @@ def paged_write(
             raise ValueError("paged_write: the K and V slabs of a tier must share their layout")
         if k.stride(-1) != 1 or v.stride(-1) != 1:
             raise ValueError("paged_write: k and v rows must be contiguous")
+        if not rows.is_contiguous():
+            raise ValueError("paged_write: rows must be contiguous")
         kernels.write[(n, hkv)](
             k, v, hbm_k, hbm_v, ddr_k, ddr_v, rows,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), hbm_k.stride(0), ddr_k.stride(0),

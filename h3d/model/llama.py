@@ -9,6 +9,8 @@ one matrix each (one matmul instead of three or two) and projection weights are 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +19,8 @@ from h3d.kv.attention import AttentionFn, StepKV, paged_attention
 from h3d.kv.triton_decode import add_rms_norm, rotary
 from h3d.model.config import ModelConfig
 from h3d.model.rope import RotaryEmbedding, apply_rotary
+
+SLICE_BYTES = 256 << 20  # a long forward's slice: about this much of MLP activations (`CausalLM.slice_rows`)
 
 
 class Linear(nn.Module):
@@ -72,6 +76,14 @@ class Attention(nn.Module):
         self.fused: bool | None = None  # RoPE in one Triton launch; None: on CUDA (`CausalLM.use_fused`)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: StepKV) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        out = self.attend(q, k, v, kv)  # [N, H, D]
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [N, hidden] (normed) -> q [N, H, D], k and v [N, Hkv, D], RoPE applied."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # [N, q + 2kv]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -79,11 +91,15 @@ class Attention(nn.Module):
         qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = rotary(qk, cos, sin) if (qk.is_cuda if self.fused is None else self.fused) else apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [N, H, D], [N, Hkv, D]
-        v = v.view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        return q, k, v.view(n, self.num_kv_heads, self.head_dim)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Write k, v to the cache and attend: [N, H, D] (`out` may receive it, see AttentionFn)."""
         kv.write(self.layer, k, v)
         layer = kv.layer(self.layer, q, self.scale)  # may select blocks for q (HBF) and stage them
-        out = self.attention(q, kv.pools, layer, self.scale)  # [N, H, D]
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.attention(q, kv.pools, layer, self.scale, out=out)
 
 
 class MLP(nn.Module):
@@ -110,6 +126,24 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: StepKV, rows: int) -> None:
+        """`forward` for many tokens, in place on x ([N, hidden]): the projections, norms and MLP run
+        `rows` tokens at a time, attention once over all N, so that memory beyond x is q, k, v of
+        the N tokens (the attention output goes into q's buffer) and one slice's activations."""
+        attn = self.self_attn
+        n = x.shape[0]
+        q = x.new_empty(n, attn.num_heads, attn.head_dim)
+        k = x.new_empty(n, attn.num_kv_heads, attn.head_dim)
+        v = torch.empty_like(k)
+        for a in range(0, n, rows):
+            b = min(n, a + rows)
+            q[a:b], k[a:b], v[a:b] = attn.project(self.input_layernorm(x[a:b]), cos[a:b], sin[a:b])
+        out = attn.attend(q, k, v, kv, out=q)  # [N, H, D]
+        for a in range(0, n, rows):
+            b = min(n, a + rows)
+            x[a:b] += attn.o_proj(out[a:b].reshape(b - a, attn.q_size))
+            x[a:b] += self.mlp(self.post_attention_layernorm(x[a:b]))
+
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -132,11 +166,22 @@ class CausalLM(nn.Module):
         # Residual adds fused with the norms after them (a Triton kernel); None: on CUDA only.
         # Tests turn it on on the CPU, under Triton's interpreter (`use_fused`).
         self.fuse_norms: bool | None = None
+        self.rows: int | None = None  # tokens per slice of a long forward (None: `slice_rows` picks)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: StepKV) -> torch.Tensor:
-        """input_ids, positions: [N] -> hidden: [N, hidden] (K/V of the N tokens written to `kv`)."""
+        """input_ids, positions: [N] -> hidden: [N, hidden] (K/V of the N tokens written to `kv`).
+        More than `slice_rows` tokens (a long prompt in one chunk) go layer by layer in slices
+        (`DecoderLayer.forward_rows`)."""
         x = self.model.embed_tokens(input_ids)  # [N, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype, kv.seq_ends)  # [N, D]
+        rows = self.slice_rows(x.element_size())
+        if x.shape[0] > rows:
+            for layer in self.model.layers:
+                assert isinstance(layer, DecoderLayer)
+                layer.forward_rows(x, cos, sin, kv, rows)
+            for a in range(0, x.shape[0], rows):
+                x[a : a + rows] = self.model.norm(x[a : a + rows])
+            return x
         if not (x.is_cuda if self.fuse_norms is None else self.fuse_norms):
             for layer in self.model.layers:
                 x = layer(x, cos, sin, kv)
@@ -152,6 +197,14 @@ class CausalLM(nn.Module):
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x, h = add_rms_norm(out, x, after.weight, after.eps)
         return h
+
+    def slice_rows(self, element_size: int) -> int:
+        """Tokens per slice of a long forward: a power of two whose MLP activations (gate and up)
+        take about SLICE_BYTES, at least 256 (`rows` overrides it: tests)."""
+        if self.rows is not None:
+            return self.rows
+        per_row = 2 * self.config.intermediate_size * element_size
+        return max(256, 1 << int(math.log2(max(1, SLICE_BYTES // per_row))))
 
     def use_fused(self, on: bool | None) -> None:
         """The decode step's fused Triton kernels (residual add + RMSNorm, RoPE): True, False, or
