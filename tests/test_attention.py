@@ -424,3 +424,22 @@ def test_causal_attention_in_head_groups_into_its_queries_buffer(
     buf = q.clone()
     assert A.causal_attention(buf, k, v, 0.2, out=buf) is buf
     torch.testing.assert_close(buf, want, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_sdpa_repeats_kv_where_no_fast_kernel_takes_gqa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA form of a group's call (`fast_only`: flash, memory-efficient or cuDNN kernels only)
+    gives the same result with native GQA and, where that is refused, with K/V repeated."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 40, 32, generator=g)
+    k, v = torch.randn(1, 1, 40, 32, generator=g), torch.randn(1, 1, 40, 32, generator=g)
+    want = A._causal_sdpa(q, k, v, 0.2, 4, fast_only=False)
+    torch.testing.assert_close(A._causal_sdpa(q, k, v, 0.2, 4, fast_only=True), want, rtol=1e-5, atol=1e-5)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def no_gqa(*args, enable_gqa=False, **kw):  # type: ignore[no-untyped-def]
+        if enable_gqa:
+            raise RuntimeError("No available kernel")
+        return sdpa(*args, **kw)
+
+    monkeypatch.setattr(A.F, "scaled_dot_product_attention", no_gqa)
+    torch.testing.assert_close(A._causal_sdpa(q, k, v, 0.2, 4, fast_only=True), want, rtol=1e-5, atol=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -39,8 +40,8 @@ def test_digest_bound_is_at_least_every_true_score(hkv: int, group: int, n: int,
     q = torch.randn(hkv * group, d, generator=g)  # [H, D]
     store = DigestStore(1, hkv, d, BS, torch.float32, torch.device("cpu"))
     split = int(torch.randint(0, n + 1, (1,), generator=g))  # two writes: the partial block grows
-    store.update(SeqId(1), 0, torch.arange(split), k[:split]) if split else None
-    store.update(SeqId(1), 0, torch.arange(split, n), k[split:])
+    store.update(SeqId(1), 0, 0, k[:split])
+    store.update(SeqId(1), 0, split, k[split:])
     nb = -(-n // BS)
     bound = block_scores(q, store.get(SeqId(1), 0, nb))  # [nb]
     true = torch.einsum(
@@ -50,6 +51,29 @@ def test_digest_bound_is_at_least_every_true_score(hkv: int, group: int, n: int,
     )
     best = torch.stack([true[j * BS : (j + 1) * BS].max() for j in range(nb)])
     assert (bound >= best - 1e-4 * magnitude * d).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 90),
+    cuts=st.lists(st.integers(0, 90), max_size=3),
+    part=st.sampled_from([4, 8, 16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_digests_are_each_parts_min_and_max(n: int, cuts: list[int], part: int, seed: int) -> None:
+    """Keys written in pieces of any length (whole parts reduced at once, partial ones folded in
+    by scatter) give exactly each part's element-wise min and max of its keys."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, 2, 8, generator=g)  # [n, Hkv, D]
+    store = DigestStore(1, 2, 8, BS, torch.float32, torch.device("cpu"), part)
+    edges = sorted({0, n, *(c for c in cuts if c < n)})
+    for a, b in itertools.pairwise(edges):
+        store.update(SeqId(1), 0, a, k[a:b])
+    nb = -(-n // BS)
+    got = store.get(SeqId(1), 0, nb).reshape(2, -1, 2, 8)  # [Hkv, parts, (min, max), D]
+    for j in range(-(-n // part)):
+        keys = k[j * part : (j + 1) * part].transpose(0, 1)  # [Hkv, t, D]
+        assert torch.equal(got[:, j, 0], keys.amin(dim=1)) and torch.equal(got[:, j, 1], keys.amax(dim=1))
 
 
 @pytest.mark.parametrize("policy", ["fixed", "attention_entropy", "layerwise"])

@@ -496,9 +496,9 @@ def warm_up(b: Bench) -> None:
     n = 2 * b.sizes.hbf["window_tokens"] + BLOCK  # enough blocks that HBF selects
     ids = torch.randint(0, b.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
     t0 = time.monotonic()
-    for mode in ("exact_25pct", "attention_entropy_3GiB"):
-        try:
-            _h3d_once(b, mode, ids, n // 2, 2)
+    for mode, chunk in (("exact_full", n), ("exact_25pct", n // 2), ("attention_entropy_3GiB", n // 2)):
+        try:  # a prompt in one chunk (sliced when long) and in two (the second reads the first's blocks)
+            _h3d_once(b, mode, ids, chunk, 2)
         except Exception as exc:  # the modes will meet it again, and record it
             log(f"warm-up {mode} failed: {type(exc).__name__}: {exc}")
     _free()

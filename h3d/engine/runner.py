@@ -69,6 +69,10 @@ class _Step:
         self.plan = _DevicePlan(self) if not graphed and _DevicePlan.applies(self) else None
         self._fresh: tuple[int, torch.Tensor, torch.Tensor] = (-1, torch.empty(0), torch.empty(0))  # last write
         self._device_rows: torch.Tensor | None = None
+        # Prefill only: attention takes every chunk's K/V as computed, so the step's writes may
+        # trail its compute on the runner's transfer stream (CUDA).
+        self.write_behind = all(n > 1 for n in self.query_lens)
+        self.wrote_behind = False
 
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
         if self.plan is not None:
@@ -173,7 +177,20 @@ class _Step:
             if self._device_rows is None:
                 rows_all = np.ascontiguousarray(self.rows)  # (an append's rows may come in column order)
                 self._device_rows = torch.from_numpy(rows_all).to(r.device)  # all layers: one copy a step
-            paged_write(k, v, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), self._device_rows[index])
+            lists = (k, v, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), self._device_rows[index])
+            behind = r.transfer_stream if self.write_behind else None
+            if behind is None:
+                paged_write(*lists)
+            else:
+                # Nothing in this step reads these rows (each chunk attends to its K/V as computed):
+                # the copies, DDR's over PCIe, run beside the next layers' compute (`execute` joins
+                # the streams at the step's end).
+                behind.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(behind):
+                    paged_write(*lists)
+                for t in (k, v, self._device_rows):
+                    t.record_stream(behind)  # kept until the copies are done
+                self.wrote_behind = True
         elif not self.has_ddr_rows:
             r.hbm.write(torch.from_numpy(rows).to(r.device), k, v)
         else:
@@ -188,8 +205,7 @@ class _Step:
                     pool.write(torch.from_numpy(pool_rows).to(dev), k[idx].to(dev), v[idx].to(dev))
         for seq, start, off, n in zip(self.seqs, self.starts, self.offsets, self.query_lens, strict=True):
             if r.selection[seq].policy != "exact":  # exact never reads digests: built on a switch
-                positions = torch.arange(start, start + n, device=r.device)
-                r.digests.update(seq, index, positions, k[off : off + n])
+                r.digests.update(seq, index, start, k[off : off + n])
 
 
 class _DevicePlan:
@@ -313,6 +329,7 @@ class _Rewrite(_Step):
         ends = torch.full((len(chunk.token_ids),), chunk.start + len(chunk.token_ids), device=runner.device)
         super().__init__(runner, [chunk], rows, ends, {})
         self.block = block
+        self.write_behind = False  # its attention reads the rewritten block from the pool
 
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
         r = self.runner
@@ -364,6 +381,8 @@ class ModelRunner:
         # written in one launch, `paged_write`).
         self.plan_on_device = False
         self.graphs = DecodeGraphs(self)  # exact decode steps as CUDA graphs (tests: `.enabled` on the CPU)
+        # Prefill's KV writes trail its compute here (CUDA; on the CPU they are written in place).
+        self.transfer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def cached_tokens(self, seq: SeqId) -> int:
         return self.blocks.table(seq).num_tokens
@@ -426,11 +445,16 @@ class ModelRunner:
                 hidden = self.model(ids, positions, step)  # [N, hidden]
         except BaseException:
             # A step that failed midway (no room, a corrupt archive record) leaves no half-written
-            # tokens behind: the cache of each sequence ends where its chunk started.
+            # tokens behind: the cache of each sequence ends where its chunk started (after the
+            # writes still in flight, which target the slots given back here).
+            if self.transfer_stream is not None:
+                torch.cuda.current_stream().wait_stream(self.transfer_stream)
             for c in chunks:
                 if self.blocks.has(c.seq):
                     self.blocks.truncate(c.seq, c.start)
             raise
+        if step.wrote_behind and self.transfer_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.transfer_stream)  # the next step reads the rows
         if step.plan is not None:
             step.plan.resolve()
         if step.selected:
@@ -504,10 +528,9 @@ class ModelRunner:
         self.digests.drop(seq)
         if t.num_tokens == 0:
             return
-        positions = torch.arange(t.num_tokens, device=self.device)
         for layer in range(self.blocks.num_layers):
             k = self.tiers.read_keys(seq, layer)  # [Hkv, num_tokens, D]
-            self.digests.update(seq, layer, positions, k.transpose(0, 1).to(self.device))
+            self.digests.update(seq, layer, 0, k.transpose(0, 1).to(self.device))
 
     def park(self, seq: SeqId) -> None:
         """A closed session: its KV to the archive only (`TierManager.park`), its digests dropped

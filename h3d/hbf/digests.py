@@ -76,17 +76,31 @@ class DigestStore:
         d = self._digests[seq][layer, :, : num_blocks * self.parts]
         return d.view(d.shape[0], num_blocks, self.parts, 2, self.head_dim)
 
-    def update(self, seq: SeqId, layer: int, positions: torch.Tensor, k: torch.Tensor) -> None:
-        """Fold new keys into their blocks' digests. positions: [n] token positions; k: [n, Hkv, D]."""
-        if not len(positions):
+    def update(self, seq: SeqId, layer: int, start: int, k: torch.Tensor) -> None:
+        """Fold the keys of positions start, start + 1, ... into their parts' digests. k: [n, Hkv, D].
+
+        Whole parts (a long chunk's) take one min/max reduction each; the partial parts at either
+        end fold their keys in by scatter, so a partial part grows token by token. No host sync."""
+        n = k.shape[0]
+        if not n:
             return
-        last = int(positions.max().item()) // self.block_size + 1
+        pt = self.part_tokens
+        last = (start + n - 1) // self.block_size + 1
         d = self.ensure(seq, last * self.parts)[layer]  # [Hkv, cap, 2, D]
-        blocks = (positions // self.part_tokens).to(self.device)  # [n]: the part each key folds into
-        idx = blocks[None, :, None].expand(k.shape[1], -1, self.head_dim)  # [Hkv, n, D]
         kt = k.transpose(0, 1).to(self.dtype)  # [Hkv, n, D]
-        d[:, :, 0].scatter_reduce_(1, idx, kt, reduce="amin", include_self=True)
-        d[:, :, 1].scatter_reduce_(1, idx, kt, reduce="amax", include_self=True)
+        a = min(n, -start % pt)  # keys before the first part boundary
+        b = a + (n - a) // pt * pt  # the end of the whole parts
+        if b > a:
+            first, whole = (start + a) // pt, kt[:, a:b].unflatten(1, (-1, pt))  # [Hkv, m, pt, D]
+            span = slice(first, first + whole.shape[1])
+            d[:, span, 0] = torch.minimum(d[:, span, 0], whole.amin(dim=2))
+            d[:, span, 1] = torch.maximum(d[:, span, 1], whole.amax(dim=2))
+        for lo, hi in ((0, a), (b, n)):
+            if hi > lo:
+                parts = torch.arange(start + lo, start + hi, device=self.device) // pt  # [m]: each key's part
+                idx = parts[None, :, None].expand(kt.shape[0], -1, self.head_dim)  # [Hkv, m, D]
+                d[:, :, 0].scatter_reduce_(1, idx, kt[:, lo:hi], reduce="amin", include_self=True)
+                d[:, :, 1].scatter_reduce_(1, idx, kt[:, lo:hi], reduce="amax", include_self=True)
 
     def drop(self, seq: SeqId) -> None:
         self._digests.pop(seq, None)

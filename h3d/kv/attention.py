@@ -266,7 +266,7 @@ def _chunk_attention(
     return res[0].transpose(0, 1)
 
 
-GROUP_BYTES = 256 << 20  # `causal_attention`: the largest output one SDPA call writes
+GROUP_BYTES = 128 << 20  # `causal_attention`: the largest output one SDPA call writes
 
 
 def causal_attention(
@@ -276,11 +276,12 @@ def causal_attention(
     k, v: [n, Hkv, D] -> [n, H, D].
 
     One torch SDPA call with `is_causal` per group of KV heads (the call transformers makes for a
-    whole prompt: flash kernels on CUDA, no mask tensor), each group's output at most GROUP_BYTES,
-    copied into `out` (a new tensor if None). `out` may be q itself: a group's queries are read
-    before its output is written, and the groups are disjoint, so a long prompt needs no second
-    [n, H, D] buffer. On CUDA a group's K/V are repeated over its query heads (as in
-    `causal_lower_right_attention`: the kernels' GQA support varies; one group's copy is small).
+    whole prompt: flash kernels on CUDA, no mask tensor, GQA without repeated K/V), each group's
+    output at most GROUP_BYTES, copied into `out` (a new tensor if None). `out` may be q itself:
+    a group's queries are read before its output is written, and the groups are disjoint, so a long
+    prompt needs no second [n, H, D] buffer. On CUDA the math kernel is never taken (its scores
+    would be [G, n, n]); where no other kernel takes GQA, a group's K/V are repeated over its
+    query heads (one group's copy).
     """
     n, h, d = q.shape
     hkv = k.shape[1]
@@ -288,22 +289,31 @@ def causal_attention(
     res = torch.empty_like(q) if out is None else out
     step = max(1, min(hkv, GROUP_BYTES // max(1, n * per * d * q.element_size())))
     kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, n, D]
-    repeat = q.is_cuda and per > 1
     for g in range(0, hkv, step):
         e = min(g + step, hkv)
-        kg, vg = kt[:, g:e], vt[:, g:e]  # [1, e - g, n, D]
-        if repeat:
-            kg, vg = kg.repeat_interleave(per, dim=1), vg.repeat_interleave(per, dim=1)
-        part = F.scaled_dot_product_attention(
-            q[:, g * per : e * per].transpose(0, 1)[None],  # [1, G, n, D]
-            kg,
-            vg,
-            is_causal=True,
-            scale=scale,
-            enable_gqa=per > 1 and not repeat,
-        )  # [1, G, n, D]
+        qg = q[:, g * per : e * per].transpose(0, 1)[None]  # [1, G, n, D]
+        part = _causal_sdpa(qg, kt[:, g:e], vt[:, g:e], scale, per, fast_only=q.is_cuda)  # [1, G, n, D]
         res[:, g * per : e * per] = part[0].transpose(0, 1)
     return res
+
+
+def _causal_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, per: int, fast_only: bool
+) -> torch.Tensor:
+    """SDPA with `is_causal` for q [1, G, n, D] over k, v [1, G / per, n, D]; `fast_only`: never the
+    math kernel (CUDA), K/V repeated where no other kernel takes GQA."""
+    if not fast_only or per == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=per > 1)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fast = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    try:
+        with sdpa_kernel(fast):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    except RuntimeError:  # no fast kernel takes GQA here: repeat this group's K/V
+        k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
+        with sdpa_kernel(fast):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 def causal_lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
