@@ -38,6 +38,9 @@ class Chunk:
     final: bool = True
 
 
+_NO_FRESH: tuple[int, torch.Tensor, torch.Tensor] = (-1, torch.empty(0), torch.empty(0))
+
+
 class _Step:
     """One forward's view of the KV cache (implements `h3d.kv.attention.StepKV`)."""
 
@@ -67,7 +70,7 @@ class _Step:
         # Replayed as a CUDA graph (`DecodeGraphs`): this object then only carries the bookkeeping.
         self.graphed = graphed
         self.plan = _DevicePlan(self) if not graphed and _DevicePlan.applies(self) else None
-        self._fresh: tuple[int, torch.Tensor, torch.Tensor] = (-1, torch.empty(0), torch.empty(0))  # last write
+        self._fresh: tuple[int, torch.Tensor, torch.Tensor] = _NO_FRESH  # (layer, k, v) of the last write
         self._device_rows: torch.Tensor | None = None
         # Prefill only: attention takes every chunk's K/V as computed, so the step's writes may
         # trail its compute on the runner's transfer stream (CUDA).
@@ -128,6 +131,7 @@ class _Step:
             return r.padded_locations([f if sel is None else f[sel] for f, sel in zip(full, locs, strict=True)])
 
         fresh = self._fresh[1:] if self._fresh[0] == index and any(n > 1 for n in self.query_lens) else None
+        self._fresh = _NO_FRESH  # the attention's own reference is the last: freed with it
         if all(h is None for h in heads):
             return LayerKV(
                 query_lens=self.query_lens, kv_lens=tuple(kv_lens), runs=tuple(runs), tables=tables, fresh=fresh

@@ -154,15 +154,16 @@ def probe_anchors(
         return
     m = min(PROBE_QUERIES, q.shape[0])
     t, hkv, d = k.shape
-    qm = q[-m:].float().view(m, hkv, -1, d)  # [m, Hkv, G, D]
-    qpos = torch.arange(t - m, t, device=q.device)
-    late = torch.arange(t, device=q.device)[None, :] > qpos[:, None]  # [m, T]: keys after each query
+    qm = q[-m:].float().view(m, hkv, -1, d) * scale  # [m, Hkv, G, D]
+    g = qm.shape[2]
+    last = torch.arange(m, device=q.device)
+    late = (last[None, :] > last[:, None]).repeat_interleave(g, dim=0)  # [m * G, m]: the last m keys after each query
     nb = -(-t // block_size)
     per_block = torch.zeros(hkv, nb * block_size, device=q.device)
-    for h in range(hkv):  # a KV head at a time: [G, m, T] scores (a long prompt's would be large)
-        scores = torch.einsum("mgd,td->gmt", qm[:, h], k[:, h].float()) * scale  # [G, m, T]
-        scores.masked_fill_(late, float("-inf"))
-        per_block[h, :t] = torch.softmax(scores, dim=-1).sum(dim=(0, 1))  # mass per key
+    for h in range(hkv):  # a KV head at a time: [m * G, T] scores (a long prompt's would be large)
+        scores = qm[:, h].reshape(m * g, d) @ k[:, h].float().T  # [m * G, T], rows (query, head)
+        scores[:, t - m :].masked_fill_(late, float("-inf"))  # causal: only the last m keys can be later
+        per_block[h, :t] = torch.softmax(scores, dim=-1).sum(dim=0)  # mass per key
     per_block = per_block.view(hkv, nb, block_size).sum(-1)  # [Hkv, nb]
     base = _base(nb, cfg, block_size)
     per_block[:, torch.from_numpy(base).to(per_block.device)] = float("-inf")

@@ -139,6 +139,7 @@ class DecoderLayer(nn.Module):
             b = min(n, a + rows)
             q[a:b], k[a:b], v[a:b] = attn.project(self.input_layernorm(x[a:b]), cos[a:b], sin[a:b])
         out = attn.attend(q, k, v, kv, out=q)  # [N, H, D]
+        del k, v  # written (or being written, on the transfer stream): not kept through the MLP
         for a in range(0, n, rows):
             b = min(n, a + rows)
             x[a:b] += attn.o_proj(out[a:b].reshape(b - a, attn.q_size))
