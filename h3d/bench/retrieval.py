@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from h3d.bench.report import write_section
@@ -210,6 +211,7 @@ def main() -> None:
     parser.add_argument("--write", default=None)
     parser.add_argument("--show", action="store_true", help="print each run's answer (found or missed)")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of accuracy vs budget here")
+    parser.add_argument("--json", type=Path, default=None, help="write every prompt's entropy and findings here")
     args = parser.parse_args()
     probes: list[Probe] = []
     results = run(args, probes)
@@ -220,6 +222,12 @@ def main() -> None:
     print(calib)
     if args.plot:
         plot(results, args.plot)
+    if args.json:
+        rows = [{"context": p.context, "entropy": round(p.entropy, 4), "found": p.found} for p in probes]
+        tallies = [
+            {"context": c, "policy": pol, "budget": b, **asdict(t)} for (c, pol, b), t in sorted(results.items())
+        ]
+        args.json.write_text(json.dumps({"prompts": rows, "results": tallies}, indent=1) + "\n")
     if args.write:
         meta = (
             f"Measured {dt.date.today().isoformat()} on the 2-core CPU host, embedded model (fp32), greedy.\n\n"
