@@ -238,6 +238,27 @@ def test_switching_policy_rebuilds_digests_equal_to_maintained_ones(checkpoint: 
     assert torch.equal(digests[0], digests[1])
 
 
+def test_rewind_restores_the_digests_of_the_kept_tokens(checkpoint: Callable[[str], Path]) -> None:
+    """After a generation and a rewind to the prompt, the digests equal those of a session that
+    only saw the prompt, and generating again gives the same tokens (each branch selects as if
+    the others had never run)."""
+    ckpt = checkpoint("llama_gqa4_tied")
+    prompt = random_prompt(203, 512, seed=21)  # 202 tokens of KV: the rewind cuts inside a part
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    kw = {"window_tokens": 64, "window_min_tokens": 64, "recent_tokens": 16, "dense_layers": 1}
+    engine, fresh = make_engine(ckpt, **kw), make_engine(ckpt, **kw)
+    s, f = engine.create_session(), fresh.create_session()
+    engine.append(s, token_ids=prompt)
+    fresh.append(f, token_ids=prompt)
+    first = engine.complete(s, "", params).token_ids
+    engine.rewind(s, len(prompt))
+    seq, fseq = engine.session(s).seq, fresh.session(f).seq
+    nb = fresh.runner.blocks.table(fseq).num_blocks
+    for layer in range(3):
+        assert torch.equal(engine.runner.digests.get(seq, layer, nb), fresh.runner.digests.get(fseq, layer, nb))
+    assert engine.complete(s, "", params).token_ids == first == fresh.complete(f, "", params).token_ids
+
+
 def test_layerwise_probes_set_anchors_that_selection_reads(checkpoint: Callable[[str], Path]) -> None:
     """Prefill records per-layer anchors outside sinks and the recent window; decode reads them."""
     ckpt = checkpoint("llama_gqa4_tied")

@@ -258,8 +258,8 @@ class Engine:
     def rewind(self, session_id: SessionId, num_tokens: int) -> None:
         """Cut the session's context back to its first `num_tokens` tokens (and its KV with it).
 
-        Used to branch several continuations from one prefill (benchmarks); digests keep covering
-        the cut tokens, which only loosens their bound.
+        Used to branch several continuations from one prefill (benchmarks): the KV and the digests
+        are those of the kept tokens, so every branch selects as if the others had never run.
         """
         session = self.session(session_id)
         if session.busy:
@@ -269,7 +269,7 @@ class Engine:
         if self.journal is not None:
             self.journal.cut(session.id, num_tokens)
         del session.tokens[num_tokens:]
-        self.runner.blocks.truncate(session.seq, max(0, min(self.cached_tokens(session_id), num_tokens - 1)))
+        self.runner.truncate(session.seq, max(0, min(self.cached_tokens(session_id), num_tokens - 1)))
 
     def close_session(self, session_id: SessionId, purge: bool = False) -> None:
         """End `session_id`'s requests (cancelled) and free its memory. With `purge`, the session

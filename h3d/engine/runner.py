@@ -536,6 +536,21 @@ class ModelRunner:
             k = self.tiers.read_keys(seq, layer)  # [Hkv, num_tokens, D]
             self.digests.update(seq, layer, 0, k.transpose(0, 1).to(self.device))
 
+    @torch.inference_mode()
+    def truncate(self, seq: SeqId, num_tokens: int) -> None:
+        """Forget `seq`'s KV past its first `num_tokens` tokens, and the cut keys' share of its
+        digests (a rewind: other tokens follow, and the bounds stay those of the kept keys)."""
+        self.blocks.truncate(seq, num_tokens)
+        if self.selection[seq].policy == "exact" or seq in self._stale_digests:
+            return  # no digests kept, or rebuilt at the next step
+        bs = self.blocks.block_size
+
+        def tail(layer: int, start: int) -> torch.Tensor:
+            keys = self.tiers.read_keys(seq, layer, first_block=start // bs)  # [Hkv, t, D]
+            return keys[:, start % bs :].transpose(0, 1).to(self.device)
+
+        self.digests.truncate(seq, num_tokens, tail)
+
     def park(self, seq: SeqId) -> None:
         """A closed session: its KV to the archive only (`TierManager.park`), its digests dropped
         (rebuilt from the archive if it is reopened)."""

@@ -22,6 +22,8 @@ digest is kept current token by token).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from h3d.kv.blocks import SeqId
@@ -101,6 +103,20 @@ class DigestStore:
                 idx = parts[None, :, None].expand(kt.shape[0], -1, self.head_dim)  # [Hkv, m, D]
                 d[:, :, 0].scatter_reduce_(1, idx, kt[:, lo:hi], reduce="amin", include_self=True)
                 d[:, :, 1].scatter_reduce_(1, idx, kt[:, lo:hi], reduce="amax", include_self=True)
+
+    def truncate(self, seq: SeqId, num_tokens: int, tail: Callable[[int, int], torch.Tensor]) -> None:
+        """Forget the keys past `num_tokens`: the parts after it start over, and the part it ends in
+        is folded again from `tail(layer, start)`, its kept keys ([n, Hkv, D] from position start)."""
+        d = self._digests.get(seq)
+        if d is None:
+            return
+        first = num_tokens // self.part_tokens  # the first part that held a cut key
+        d[:, :, first:, 0] = torch.finfo(self.dtype).max
+        d[:, :, first:, 1] = torch.finfo(self.dtype).min
+        if num_tokens % self.part_tokens:
+            start = first * self.part_tokens
+            for layer in range(self.shape[0]):
+                self.update(seq, layer, start, tail(layer, start))
 
     def drop(self, seq: SeqId) -> None:
         self._digests.pop(seq, None)

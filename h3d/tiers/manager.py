@@ -604,12 +604,13 @@ class TierManager:
             if count <= 0:
                 return
 
-    def read_keys(self, seq: SeqId, layer: int) -> torch.Tensor:
-        """All written keys of `seq`'s `layer`, from HBM, DDR or the archive: [Hkv, num_tokens, D]."""
+    def read_keys(self, seq: SeqId, layer: int, first_block: int = 0) -> torch.Tensor:
+        """The written keys of `seq`'s `layer` from block `first_block` on, from HBM, DDR or the
+        archive: [Hkv, tokens, D]."""
         b = self.blocks
         t = b.table(seq)
         parts = []
-        for j in range(t.num_blocks):
+        for j in range(first_block, t.num_blocks):
             if t.hbm[layer, j] != NONE:
                 k = self.hbm.k[:, int(t.hbm[layer, j])]
             elif t.ddr[layer, j] != NONE:
