@@ -56,8 +56,8 @@ class EngineConfig:
     digest_tokens: int = 8  # tokens per key digest (min/max); digests cost 1/digest_tokens of the KV
     anchor_share: float = 0.5  # attention_entropy: share of the window past sinks + recent for prompt anchors
     # Calibrated on the retrieval benchmark (docs/BENCHMARKS.md); the seed had 0.8 / 1.5.
-    entropy_shrink_below: float = 1.3
-    entropy_grow_above: float = 2.5
+    entropy_shrink_below: float = 3.0
+    entropy_grow_above: float = 3.3
     max_batch_size: int = 64
     max_context_tokens: int | None = None
     session_log_path: str | None = None  # token logs: sessions survive restarts (h3d serve sets it)

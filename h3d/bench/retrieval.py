@@ -233,7 +233,9 @@ def main() -> None:
             f"Measured {dt.date.today().isoformat()} on the 2-core CPU host, embedded model (fp32), greedy.\n\n"
             f"Command: `python -m h3d.bench.retrieval --model MODEL --contexts {' '.join(map(str, args.contexts))} "
             f"--needles {args.needles} --depths {' '.join(map(str, args.depths))} "
-            f"--budgets {' '.join(map(str, args.budgets))} --hbm-mb {args.hbm_mb}"
+            f"--budgets {' '.join(map(str, args.budgets))}"
+            + (f" --policies {' '.join(args.policies)}" if list(args.policies) != list(SPARSE) else "")
+            + f" --hbm-mb {args.hbm_mb}"
             + (f" --anchor-share {args.anchor_share}" if args.anchor_share is not None else "")
             + "`"
         )
