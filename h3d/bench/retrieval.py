@@ -113,7 +113,7 @@ def run(args: argparse.Namespace, probes: list[Probe]) -> dict[tuple[int, str, i
                 tally = results.setdefault((context, policy, budget), Tally())
                 tally.total += 1
                 tally.correct += int(code in done.text)
-                if getattr(args, "show", False):
+                if args.show:
                     print(
                         f"  {policy} {budget}: {'found' if code in done.text else 'missed'} {done.text!r}", flush=True
                     )

@@ -297,7 +297,7 @@ class TierManager:
         selection is the prefetch guess), evicting the least valuable HBM blocks of each layer by
         recency + hotness; never the sinks, the recent window, blocks written this step or the
         selection itself. `selected[seq]` holds the (layer, block) pairs the step's selections
-        read, as keys `layer * table.capacity + block` (`pair_keys`), in any order and repeated
+        read, as keys `layer * table.capacity + block` (`BlockTable.capacity`), in any order and repeated
         where several KV heads read a block; their reads are counted here (`count_reads`). All
         layers at once: no per-layer or per-block loop. Times the decisions (`hbf_latency_us`):
         the union of the heads' picks, the counts, the choice of victims and the table updates,
@@ -345,11 +345,12 @@ class TierManager:
         ok = (m_at - m_layers * width < t.num_tokens // b.block_size) & (src >= 0)
         if not ok.all():
             m_at, m_layers, src = m_at[ok], m_layers[ok], src[ok]
+        m_blocks = m_at - m_layers * width
         need = np.bincount(m_layers, minlength=b.num_layers)  # [L] missing per layer
         free = b.hbm_alloc.free
         short = need - free
         if not (short > 0).any():  # room for all: no eviction
-            slots = b.add_hbm_many(seq, m_layers, m_at - m_layers * width)
+            slots = b.add_hbm_many(seq, m_layers, m_blocks)
             return self._copy_up(src, slots)
         # Worth of a layer's promotion: the least rank among its missing blocks (a victim must be
         # worth less); -inf where the layer needs no victim.
@@ -360,7 +361,6 @@ class TierManager:
         worth[short <= 0] = -np.inf
         v_layers, v_blocks, v_slots, copy_s = self._evict_cold(seq, short, worth, in_hbm, protect, keep)
         self.counters.hbm_evict_count += len(v_slots)
-        m_blocks = m_at - m_layers * width
         if len(v_slots) == len(m_layers):
             # A victim for every missing block (each layer got as many as it needs, in layer
             # order): the r-th missing block takes the r-th victim's slot.
