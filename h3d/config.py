@@ -44,6 +44,7 @@ class EngineConfig:
     ssd_codec: str = "raw-zstd"
     quantize_skip_layers: tuple[int, ...] = ()
     ddr_high_watermark: float = 0.85
+    promote_mb_per_step: float = 64.0  # HBF promotions DDR -> HBM per step, all sessions together
     ssd_capacity_mb: float | None = None  # live archive records beyond this: closed sessions' KV evicted
     ssd_retry_interval_s: float = 10.0  # a degraded SSD tier (full disk, I/O error) is tried again this often
     policy: str = "attention_entropy"
@@ -53,6 +54,8 @@ class EngineConfig:
     sink_blocks: int = 1
     recent_tokens: int = 256
     dense_layers: int = 2
+    # Share of the HBM pool for the dense layers' regions together (unset: every layer's region equal)
+    dense_hbm_share: float | None = None
     digest_tokens: int = 8  # tokens per key digest (min/max); digests cost 1/digest_tokens of the KV
     anchor_share: float = 0.5  # attention_entropy: share of the window past sinks + recent for prompt anchors
     # Calibrated on the retrieval benchmark (docs/BENCHMARKS.md); the seed had 0.8 / 1.5.
@@ -102,6 +105,7 @@ class EngineConfig:
             raise ConfigError(f"ssd_capacity_mb: must be > 0, got {self.ssd_capacity_mb}")
         if not self.ssd_retry_interval_s > 0:
             raise ConfigError(f"ssd_retry_interval_s: must be > 0, got {self.ssd_retry_interval_s}")
+        _positive("promote_mb_per_step", self.promote_mb_per_step)
         if not 0 < self.ddr_high_watermark <= 1:
             raise ConfigError(f"ddr_high_watermark: must be in (0, 1], got {self.ddr_high_watermark}")
         for key in ("window_tokens", "window_min_tokens", "window_max_tokens", "recent_tokens"):
@@ -110,6 +114,8 @@ class EngineConfig:
             raise ConfigError("window_tokens: must lie within [window_min_tokens, window_max_tokens]")
         if self.sink_blocks < 0 or self.dense_layers < 0:
             raise ConfigError("sink_blocks, dense_layers: must be >= 0")
+        if self.dense_hbm_share is not None and not 0 < self.dense_hbm_share < 1:
+            raise ConfigError(f"dense_hbm_share: must be in (0, 1), got {self.dense_hbm_share}")
         _positive("digest_tokens", self.digest_tokens)
         if self.digest_tokens < self.block_size and self.block_size % self.digest_tokens:
             raise ConfigError(

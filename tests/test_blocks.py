@@ -64,14 +64,16 @@ class BlockMachine(RuleBasedStateMachine):
         self.model: dict[int, SeqModel] = {}
 
     @initialize(
-        spl=st.integers(1, 8),
+        spl=st.lists(st.integers(1, 8), min_size=1, max_size=3),
+        uneven=st.booleans(),
         ddr=st.integers(0, 16),
-        layers=st.integers(1, 3),
         bs=st.sampled_from([1, 2, 3, 4, 16]),
     )
-    def setup(self, spl: int, ddr: int, layers: int, bs: int) -> None:
-        self.spl, self.ddr_cap, self.layers, self.bs = spl, ddr, layers, bs
-        self.bm = BlockManager(spl, ddr, layers, bs)
+    def setup(self, spl: list[int], uneven: bool, ddr: int, bs: int) -> None:
+        # Layer regions of one size, or of one size each (`region_sizes`: dense layers larger).
+        regions = spl if uneven else [spl[0]] * len(spl)
+        self.spl, self.ddr_cap, self.layers, self.bs = regions, ddr, len(spl), bs
+        self.bm = BlockManager(regions if uneven else regions[0], ddr, len(spl), bs)
         for seq in (0, 1):
             self.open(seq)
 
@@ -308,7 +310,8 @@ class BlockMachine(RuleBasedStateMachine):
         if not hasattr(self, "bm"):
             return
         bm, spl, layers = self.bm, self.spl, self.layers
-        assert len(bm.hbm_owner) == 1 + spl * layers == bm.num_slots
+        assert len(bm.hbm_owner) == 1 + sum(spl) == bm.num_slots
+        firsts = np.cumsum([1, *spl])
         assert len(bm.ddr_owner) == 1 + self.ddr_cap
         for name, owner in (("HBM", bm.hbm_owner), ("DDR", bm.ddr_owner)):
             assert owner[NULL_SLOT] == -1, f"{name}: the null slot was handed out"
@@ -323,11 +326,11 @@ class BlockMachine(RuleBasedStateMachine):
                 assert (owner[flat] == seq).all(), f"{name}: a table points at a slot its sequence does not own"
             for layer in range(layers):
                 row = m.hbm[layer][m.hbm[layer] != NONE]
-                first = 1 + layer * spl
-                assert ((row >= first) & (row < first + spl)).all(), "an HBM slot outside its layer's region"
+                first = firsts[layer]
+                assert ((row >= first) & (row < first + spl[layer])).all(), "an HBM slot outside its layer's region"
                 used_hbm[layer] += len(row)
         for layer, alloc in enumerate(bm.hbm_alloc):
-            assert alloc.num_free + used_hbm[layer] == spl, f"HBM layer {layer}: free + used != capacity"
+            assert alloc.num_free + used_hbm[layer] == spl[layer], f"HBM layer {layer}: free + used != capacity"
         assert int((bm.hbm_owner != -1).sum()) == len(seen["HBM"]), "HBM: a used slot belongs to no table"
         assert int((bm.ddr_owner != -1).sum()) == len(seen["DDR"]), "DDR: a used slot belongs to no table"
         assert bm.ddr_free + len(seen["DDR"]) == self.ddr_cap, "DDR: free + used != capacity"
@@ -525,15 +528,17 @@ def test_rows_give_every_token_its_own_pool_storage() -> None:
 @settings(max_examples=60, deadline=None)
 @given(ops=st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 3), max_size=12)), max_size=30))
 def test_layered_allocator_matches_one_stack_per_layer(ops: list[tuple[bool, list[int]]]) -> None:
-    """`allocate_many` / `release_many` over several layers hand out and take back exactly the
-    slots that one `SlotAllocator` per layer would, in the same order."""
+    """`allocate_many` / `release_many` over several layers (regions of different sizes) hand out
+    and take back exactly the slots that one `SlotAllocator` per layer would, in the same order."""
     from h3d.kv.blocks import LayeredAllocator, SlotAllocator
 
-    layers, cap = 4, 5
-    owner_a = np.full(1 + layers * cap, -1, dtype=np.int64)
+    caps = [5, 2, 7, 1]  # regions of several sizes (`region_sizes`)
+    layers = len(caps)
+    owner_a = np.full(1 + sum(caps), -1, dtype=np.int64)
     owner_b = owner_a.copy()
-    many = LayeredAllocator(layers, cap, owner_a)
-    single = [SlotAllocator(1 + layer * cap, cap, owner_b) for layer in range(layers)]
+    many = LayeredAllocator(np.array(caps), owner_a)
+    firsts = np.cumsum([1, *caps])
+    single = [SlotAllocator(int(firsts[layer]), cap, owner_b) for layer, cap in enumerate(caps)]
     held: list[list[int]] = [[] for _ in range(layers)]
     for alloc, wanted in ops:
         ls = np.sort(np.array(wanted, dtype=np.int64))
@@ -559,3 +564,22 @@ def test_layered_allocator_matches_one_stack_per_layer(ops: list[tuple[bool, lis
                     single[layer].release(mine)
         assert [v.free_slots().tolist() for v in many] == [a.free_slots().tolist() for a in single]
         assert owner_a.tolist() == owner_b.tolist()
+
+
+def test_region_sizes_give_the_dense_layers_their_share() -> None:
+    """Equal regions by default; with `dense_share` the first layers split that share of the pool
+    and the others the rest; never an empty region; a BlockManager over them places each layer's
+    new blocks in its own region."""
+    from h3d.kv.blocks import region_sizes
+
+    assert region_sizes(100, 4, 2, None) == [25] * 4
+    assert region_sizes(100, 4, 2, 0.6) == [30, 30, 20, 20]
+    assert region_sizes(100, 4, 0, 0.6) == [25] * 4  # no dense layers: equal
+    assert region_sizes(10, 4, 1, 0.99) == [9, 1, 1, 1]  # the sparse layers keep a slot each
+    bm = BlockManager([6, 6, 2, 2], 8, 4, 4)
+    bm.allocate(SeqId(1))
+    bm.append(SeqId(1), 5 * 4)  # 5 blocks a layer: all in HBM in the big regions, 2 there in the small
+    t = bm.table(SeqId(1))
+    assert (t.hbm[:2, :5] != NONE).all() and (t.hbm[2:, :2] != NONE).all() and (t.ddr[2:, 2:5] != NONE).all()
+    assert bm.hbm_layer[t.hbm[3, :2]].tolist() == [3, 3] and bm.slots_per_layer == 2 and bm.hbm_capacity == 16
+    bm.check_invariants()

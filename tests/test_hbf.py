@@ -409,3 +409,65 @@ def test_entropy_resizes_the_window_every_16_steps_within_its_bounds(entropy: fl
         fixed.entropies.append(0.1)
         after_step(fixed, cfg)
     assert fixed.window_tokens == 2048  # only attention_entropy resizes
+
+
+def test_dense_layers_given_their_share_of_hbm_keep_their_blocks_there(checkpoint: Callable[[str], Path]) -> None:
+    """With `dense_hbm_share` the dense layers' regions hold their whole context while the sparse
+    layers keep only what their window needs; equal regions leave the dense layers' blocks in DDR.
+    Where the blocks live changes nothing that is computed: the same tokens."""
+    ckpt = checkpoint("llama_gqa4_tied")
+    probe = make_engine(ckpt)
+    layers, slot_bytes = probe.model.config.num_layers, probe.runner.hbm.slot_bytes
+    prompt = random_prompt(600, 512, seed=11)  # 38 blocks of 16 tokens
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    runs = {}
+    for share in (None, 0.7):
+        engine = make_engine(
+            ckpt, block_size=BS, policy="attention_entropy", window_tokens=128, window_min_tokens=128,
+            dense_layers=1, hbm_mb=24 * layers * slot_bytes / 2**20, dense_hbm_share=share, check_invariants=True,
+        )  # fmt: skip
+        s = engine.create_session()
+        engine.append(s, token_ids=prompt)
+        out = engine.complete(s, "", params)
+        t = engine.runner.blocks.table(engine.sessions[s].seq)
+        in_hbm = (t.hbm[:, : t.num_blocks] != NONE).sum(axis=1)  # [L] blocks per layer in HBM
+        runs[share] = (out, in_hbm, engine.runner.blocks.hbm_regions.tolist())
+    (equal, eq_hbm, eq_regions), (dense, de_hbm, de_regions) = runs[None], runs[0.7]
+    nb = -(-(600 + 12 - 1) // BS)
+    assert layers == 3 and eq_regions == [24] * 3 and de_regions == [50, 11, 11] and eq_hbm[0] < nb
+    assert de_hbm[0] == nb, "the dense layer's whole context is in HBM"
+    assert dense.token_ids == equal.token_ids
+
+
+def test_promotions_per_step_are_capped_hottest_first() -> None:
+    """With `promote_bytes_per_step` room for two blocks, a step that read five blocks from DDR
+    promotes the two hottest; the others stay in DDR (read in place), and a later step goes on.
+    The bytes counted as fetched are the reading heads' share of each block."""
+    from h3d.kv.blocks import BlockManager
+    from h3d.kv.pool import KVPool
+    from h3d.tiers.manager import TierManager
+
+    bs, hkv = 4, 2
+    blocks = BlockManager(8, 64, 1, bs)
+    hbm = KVPool(blocks.num_slots, bs, hkv, 1, torch.float32, torch.device("cpu"))
+    ddr = KVPool(len(blocks.ddr_owner), bs, hkv, 1, torch.float32, torch.device("cpu"))
+    tiers = TierManager(blocks, hbm, ddr, None, 0.85, promote_bytes_per_step=2 * hbm.slot_bytes)
+    seq = SeqId(1)
+    blocks.allocate(seq)
+    tiers.register(seq, "s")
+    blocks.append(seq, 30 * bs)  # blocks 0-7 in HBM, 8-29 in DDR
+    t = blocks.table(seq)
+    rank = tiers._rank(seq, t.capacity)
+    rank[0, 12], rank[0, 14] = 5.0, 3.0  # read often before
+    keys = np.array([10, 11, 12, 13, 14, 10, 12])  # two heads read 10 and 12
+    tiers.begin_step([seq])
+    tiers.promote({seq: keys}, {seq: 30}, {seq: np.array([0, 29])})
+    in_hbm = set(np.flatnonzero(blocks.table(seq).hbm[0] != NONE).tolist())
+    assert {12, 14} <= in_hbm and not in_hbm & {10, 11, 13}
+    c = tiers.counters
+    assert c.promote_count == 2 and c.hbm_misses == 5
+    assert c.fetch_bytes == 7 * hbm.slot_bytes // hkv  # seven head reads of half a block each
+    tiers.begin_step([seq])
+    tiers.promote({seq: keys}, {seq: 30}, {seq: np.array([0, 29])})
+    assert c.promote_count == 4 and c.hbm_misses == 5 + 3  # 12, 14 were hits; two more moved up
+    tiers.check()

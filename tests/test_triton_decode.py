@@ -338,6 +338,30 @@ def test_paged_write_stores_each_row_in_its_tier(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("triton", [True, False], ids=["kernel", "torch"])
+def test_copy_blocks_moves_whole_blocks_between_pools(
+    dtype: torch.dtype, triton: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`copy_blocks` copies each listed slot's block, every KV head, K and V, from one pool to the
+    other (DDR -> HBM: promotion; HBM -> DDR: eviction's copies), in any slot order; nothing
+    else changes. Block tiles of 3 x 20 elements: a padded, masked program."""
+    g = torch.Generator().manual_seed(4)
+    hkv, bs, d = 3, 3, 20
+    hbm = [torch.randn(hkv, 6, bs, d, generator=g).to(dtype) for _ in range(2)]  # K, V
+    ddr = [torch.randn(hkv, 9, bs, d, generator=g).to(dtype) for _ in range(2)]
+    if not triton:
+        monkeypatch.setattr(T, "_triton_installed", lambda: False)
+    for src, dst, a, b in ((ddr, hbm, [7, 1, 4], [2, 5, 1]), (hbm, ddr, [3, 2], [8, 0])):
+        want = [x.clone() for x in dst]
+        for w, x in zip(want, src, strict=True):
+            for i, j in zip(a, b, strict=True):
+                w[:, j] = x[:, i]
+        T.copy_blocks((src[0], src[1]), torch.tensor(a), (dst[0], dst[1]), torch.tensor(b))
+        for got, exp in zip(dst, want, strict=True):
+            torch.testing.assert_close(got, exp, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_kernel_equals_the_torch_ops(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused residual add + RMSNorm kernel gives the plain ops' sum exactly and their norm
     within a rounding of the dtype (hidden 200: a padded, masked row)."""

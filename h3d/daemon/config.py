@@ -157,6 +157,7 @@ def key_types() -> dict[str, type]:
     out["quantize_skip_layers"] = tuple
     out["max_context_tokens"] = int
     out["ssd_capacity_mb"] = float
+    out["dense_hbm_share"] = float
     out["check_invariants"] = bool
     return out
 

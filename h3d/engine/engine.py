@@ -47,7 +47,7 @@ from h3d.errors import (
     SessionNotFound,
     SsdDegraded,
 )
-from h3d.kv.blocks import SeqId
+from h3d.kv.blocks import SeqId, region_sizes
 from h3d.kv.pool import KVPool
 from h3d.model.fingerprint import model_fingerprint
 from h3d.model.loader import load_model
@@ -78,15 +78,17 @@ class Engine:
         ddr_slots = KVPool.slots_for_budget(config.ddr_mb, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
         if hbm_slots < mc.num_layers:
             raise ConfigError(f"hbm_mb: {config.hbm_mb} MiB holds fewer than one KV block per layer")
+        regions = region_sizes(hbm_slots, mc.num_layers, config.dense_layers, config.dense_hbm_share)
         self.runner = ModelRunner(
             self.model,
-            hbm_slots // mc.num_layers,
+            regions,
             ddr_slots,
             config.block_size,
             archive=self._open_archive(),
             high_watermark=config.ddr_high_watermark,
             check_invariants=config.check_invariants,
             hbf=config.hbf,
+            promote_mb_per_step=config.promote_mb_per_step,
         )
         self.runner.tiers.ssd_retry_interval_s = config.ssd_retry_interval_s
         self.max_context = config.max_context_tokens or mc.max_position_embeddings

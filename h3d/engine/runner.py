@@ -7,6 +7,7 @@ many tokens or a decode step's one token; both go through the same forward.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -116,7 +117,9 @@ class _Step:
                 r.tiers.count_reads(seq, sum(c for _, _, c in seq_runs), sum(c for tier, _, c in seq_runs if tier))
             else:
                 union = sel if sel.ndim == 1 else np.unique(sel)  # what must be readable (and promoted)
-                self.selected.setdefault(seq, []).append(union + index * t.capacity)
+                # One key per KV head that reads the block (promotion counts the heads' bytes).
+                heads_read = np.tile(sel, r.hbm.k.shape[0]) if sel.ndim == 1 else sel.ravel()
+                self.selected.setdefault(seq, []).append(heads_read + index * t.capacity)
                 where = t.locations(index)
                 seq_runs = runs_of(where[union])
                 kv_lens.append(self.kv_lens[i] - (t.num_blocks - sel.shape[-1]) * r.blocks.block_size)
@@ -352,13 +355,14 @@ class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        hbm_slots_per_layer: int,
+        hbm_slots_per_layer: int | Sequence[int],
         ddr_slots: int,
         block_size: int,
         archive: Archive | None = None,
         high_watermark: float = 0.85,
         check_invariants: bool = False,
         hbf: HbfConfig | None = None,
+        promote_mb_per_step: float | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -373,7 +377,8 @@ class ModelRunner:
             len(self.blocks.ddr_owner), *shape, torch.device("cpu"), pin_memory=self.device.type == "cuda"
         )
         self.pools = Pools(k=(self.hbm.k, self.ddr.k), v=(self.hbm.v, self.ddr.v))
-        self.tiers = TierManager(self.blocks, self.hbm, self.ddr, archive, high_watermark)
+        promote = None if promote_mb_per_step is None else int(promote_mb_per_step * 2**20)
+        self.tiers = TierManager(self.blocks, self.hbm, self.ddr, archive, high_watermark, promote)
         self.hbf = hbf or replace(EngineConfig(), policy="exact").hbf
         self.digests = DigestStore(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype, self.device, self.hbf.digest_tokens

@@ -6,6 +6,8 @@ of the DDR pool, in the SSD archive, or in several of them (`h3d.kv.pool.KVPool`
 
 - HBM has one region of slots per layer, each with its own free list: a layer's budget is fixed and
   a session's blocks of one layer tend to sit in consecutive slots, which attention reads in place.
+  Regions may differ in size (`region_sizes`): HBF's dense layers read every block every step, so
+  they may be given a larger share than the layers that read a window.
 - DDR is one region shared by all layers, so that every block of one layer can be staged there at
   once when a session's KV is larger than HBM + DDR.
 - Slot 0 of each pool (`NULL_SLOT`) is reserved and never handed out: it stays zero and pads tables.
@@ -25,7 +27,7 @@ What must stay true (checked by `BlockManager.check_invariants`):
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
@@ -120,17 +122,22 @@ class SlotAllocator:
 class LayeredAllocator:
     """One free-list stack per layer region of the HBM pool, as rows of one array, so that a step's
     promotions and evictions over all layers are a few vectorized operations (no per-layer loop).
-    `self[layer]` is a `SlotAllocator`-like view of one region."""
+    `self[layer]` is a `SlotAllocator`-like view of one region. Regions are consecutive: layer l's
+    holds `capacities[l]` slots from `first[l]`."""
 
-    def __init__(self, num_layers: int, capacity: int, owner: np.ndarray) -> None:
-        self.capacity = capacity
-        first = 1 + np.arange(num_layers, dtype=np.int64) * capacity  # [L]
-        # Row l is layer l's stack, lowest slot on top (the highest index in use).
-        self._stack = first[:, None] + np.arange(capacity - 1, -1, -1, dtype=np.int64)[None, :]
-        self._top = np.full(num_layers, capacity, dtype=np.int64)
+    def __init__(self, capacities: np.ndarray, owner: np.ndarray) -> None:
+        capacities = np.asarray(capacities, dtype=np.int64)
+        self.capacities = capacities
+        first = 1 + np.cumsum(capacities) - capacities  # [L]
+        # Row l is layer l's stack, lowest slot on top (the highest index in use); past its
+        # capacity a row is padding, never reached.
+        width = int(capacities.max(initial=0))
+        below = np.arange(width - 1, -1, -1, dtype=np.int64)[None, :] - (width - capacities)[:, None]
+        self._stack = first[:, None] + np.maximum(below, 0)
+        self._top = capacities.copy()
         self.first = first
         self.owner = owner
-        self._views = [_LayerView(self, layer) for layer in range(num_layers)]
+        self._views = [_LayerView(self, layer) for layer in range(len(capacities))]
 
     def __getitem__(self, layer: int) -> _LayerView:
         return self._views[layer]
@@ -181,7 +188,7 @@ class _LayerView:
         self._parent = parent
         self._layer = layer
         self.first = int(parent.first[layer])
-        self.capacity = parent.capacity
+        self.capacity = int(parent.capacities[layer])
 
     @property
     def num_free(self) -> int:
@@ -228,20 +235,36 @@ class BlockTable:
 class BlockManager:
     """Allocates blocks for sessions' tokens and records where their bytes are."""
 
-    def __init__(self, hbm_slots_per_layer: int, ddr_slots: int, num_layers: int, block_size: int) -> None:
-        if hbm_slots_per_layer < 1:
+    def __init__(
+        self, hbm_slots_per_layer: int | Sequence[int], ddr_slots: int, num_layers: int, block_size: int
+    ) -> None:
+        """`hbm_slots_per_layer`: every layer's HBM region size, or one per layer (`region_sizes`)."""
+        regions = np.broadcast_to(np.asarray(hbm_slots_per_layer, dtype=np.int64), (num_layers,)).copy()
+        if (regions < 1).any():
             raise ValueError("the HBM pool needs at least one slot per layer")
-        self.hbm_owner = np.full(1 + hbm_slots_per_layer * num_layers, _FREE, dtype=np.int64)
-        self.hbm_alloc = LayeredAllocator(num_layers, hbm_slots_per_layer, self.hbm_owner)
+        self.hbm_regions = regions  # [L] slots of each layer's region
+        self.hbm_owner = np.full(1 + int(regions.sum()), _FREE, dtype=np.int64)
+        self.hbm_alloc = LayeredAllocator(regions, self.hbm_owner)
         self.hbm_block = np.zeros_like(self.hbm_owner)  # block index held by each owned HBM slot
+        self.hbm_layer = np.repeat(np.arange(num_layers, dtype=np.int64), regions)  # layer of slot s + 1
+        self.hbm_layer = np.concatenate(([0], self.hbm_layer))  # indexed by slot (the null slot: 0)
         self.ddr_owner = np.full(1 + max(ddr_slots, 0), _FREE, dtype=np.int64)
         self.ddr_alloc = SlotAllocator(1, max(ddr_slots, 0), self.ddr_owner)
-        self.slots_per_layer = hbm_slots_per_layer
         self.num_layers = num_layers
         self.block_size = block_size
         self._tables: dict[SeqId, BlockTable] = {}
 
     # ---- queries ----------------------------------------------------------------------------
+
+    @property
+    def slots_per_layer(self) -> int:
+        """The smallest layer region (all of them when the regions are equal)."""
+        return int(self.hbm_regions.min())
+
+    @property
+    def hbm_capacity(self) -> int:
+        """HBM slots of all regions (the null slot not counted)."""
+        return len(self.hbm_owner) - 1
 
     @property
     def num_slots(self) -> int:
@@ -565,12 +588,23 @@ class BlockManager:
             assert len(set(used)) == len(used) and not (set(used) & seen), f"seq {seq}: {name} slot owned twice"
             seen.update(used)
             assert (owner[used] == seq).all(), f"seq {seq}: {name} table points at a slot it does not own"
-        for layer in range(self.num_layers):
-            first = 1 + layer * self.slots_per_layer
+        for layer, alloc in enumerate(self.hbm_alloc):
             row = hbm[layer][hbm[layer] != NONE]
-            assert ((row >= first) & (row < first + self.slots_per_layer)).all(), f"seq {seq}: layer {layer} region"
+            inside = (row >= alloc.first) & (row < alloc.first + alloc.capacity)
+            assert inside.all(), f"seq {seq}: layer {layer} region"
         assert ((hbm != NONE) | (ddr != NONE) | arch).all(), f"seq {seq}: a block is in no tier"
         if table.num_tokens % self.block_size:  # the archive holds it only in the state a restart leaves
             last = (hbm[:, -1] != NONE) | (ddr[:, -1] != NONE)
             assert last.all() or (~last & arch[:, -1]).all(), f"seq {seq}: partial block not in HBM/DDR"
         assert (table.hbm[:, nb:] == NONE).all() and (table.ddr[:, nb:] == NONE).all(), f"seq {seq}: stale slots"
+
+
+def region_sizes(total: int, num_layers: int, dense_layers: int, dense_share: float | None) -> list[int]:
+    """HBM slots per layer region for `total` slots: equal regions (`dense_share` None), or
+    `dense_share` of them split among the first `dense_layers` layers and the rest among the
+    others; every region gets at least one slot."""
+    if dense_share is None or not 0 < dense_layers < num_layers:
+        return [max(1, total // num_layers)] * num_layers
+    dense = max(1, int(total * dense_share) // dense_layers)
+    sparse = max(1, (total - dense * dense_layers) // (num_layers - dense_layers))
+    return [dense] * dense_layers + [sparse] * (num_layers - dense_layers)

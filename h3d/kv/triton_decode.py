@@ -109,6 +109,7 @@ def _kernels() -> SimpleNamespace:
         split=triton.jit(_split_kernel),
         merge=triton.jit(_merge_kernel),
         write=triton.jit(_write_kernel),
+        copy=triton.jit(_copy_kernel),
         add_norm=triton.jit(_add_norm_kernel),
         rope=triton.jit(_rope_kernel),
         interpret=interpret,
@@ -205,6 +206,35 @@ def paged_write(
             if len(idx):
                 flat = pool.view(pool.shape[0], -1, pool.shape[-1])
                 flat.index_copy_(1, r[idx].to(pool.device), x[idx].transpose(0, 1).to(pool.device, pool.dtype))
+
+
+def copy_blocks(
+    src: tuple[torch.Tensor, torch.Tensor],
+    src_slots: torch.Tensor,
+    dst: tuple[torch.Tensor, torch.Tensor],
+    dst_slots: torch.Tensor,
+) -> None:
+    """Copy whole blocks between pools: (K, V) slabs [Hkv, S, bs, D] of `src` at `src_slots` [n] into
+    `dst`'s at `dst_slots` [n]. On CUDA one kernel launch, each program reading a block of one KV
+    head where it lives (HBM, or the pinned DDR slab over PCIe) and writing it where it goes: no
+    gather on the host and no staging copy. Without Triton (the CPU), an index copy per pool."""
+    device = src_slots.device
+    if _triton_installed() and (device.type == "cuda" or _interpreting()):
+        if not len(src_slots):
+            return
+        kernels = _kernels()
+        sk, sv = (_addressable(p, device) for p in src)
+        dk, dv = (_addressable(p, device) for p in dst)
+        if sk.stride() != sv.stride() or dk.stride() != dv.stride():
+            raise ValueError("copy_blocks: the K and V slabs of a pool must share their layout")
+        hkv, _, bs, d = sk.shape
+        kernels.copy[(len(src_slots), hkv)](
+            sk, sv, dk, dv, src_slots.contiguous(), dst_slots.contiguous(), sk.stride(0), dk.stride(0),
+            N=bs * d, N_PAD=triton.next_power_of_2(bs * d), num_warps=4,
+        )  # fmt: skip
+        return
+    for a, b in zip(src, dst, strict=True):
+        b[:, dst_slots.to(b.device)] = a[:, src_slots.to(a.device)].to(b.device, b.dtype)
 
 
 def add_rms_norm(
@@ -534,6 +564,22 @@ def _write_kernel(  # type: ignore[no-untyped-def]
     tl.store(hbm_v + hbm_at, vx.to(hbm_v.dtype.element_ty), mask=inside & in_hbm)
     tl.store(ddr_k + ddr_at, kx.to(ddr_k.dtype.element_ty), mask=inside & ~in_hbm)
     tl.store(ddr_v + ddr_at, vx.to(ddr_v.dtype.element_ty), mask=inside & ~in_hbm)
+
+
+def _copy_kernel(  # type: ignore[no-untyped-def]
+    sk, sv, dk, dv, src_slots, dst_slots, src_stride_h, dst_stride_h, N: tl.constexpr, N_PAD: tl.constexpr,
+):  # fmt: skip
+    """Program (i, kh): block i's K and V tiles of KV head kh, from slot src_slots[i] to dst_slots[i]."""
+    i = tl.program_id(0).to(tl.int64)
+    kh = tl.program_id(1).to(tl.int64)
+    a = tl.load(src_slots + i)
+    b = tl.load(dst_slots + i)
+    e = tl.arange(0, N_PAD)
+    inside = e < N
+    at_src = kh * src_stride_h + a * N + e
+    at_dst = kh * dst_stride_h + b * N + e
+    tl.store(dk + at_dst, tl.load(sk + at_src, mask=inside).to(dk.dtype.element_ty), mask=inside)
+    tl.store(dv + at_dst, tl.load(sv + at_src, mask=inside).to(dv.dtype.element_ty), mask=inside)
 
 
 def _add_norm_kernel(  # type: ignore[no-untyped-def]

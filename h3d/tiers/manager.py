@@ -40,7 +40,13 @@ LATENCY_WINDOW = 4096
 
 class TierManager:
     def __init__(
-        self, blocks: BlockManager, hbm: KVPool, ddr: KVPool, archive: Archive | None, high_watermark: float
+        self,
+        blocks: BlockManager,
+        hbm: KVPool,
+        ddr: KVPool,
+        archive: Archive | None,
+        high_watermark: float,
+        promote_bytes_per_step: int | None = None,
     ) -> None:
         self.blocks = blocks
         self.hbm = hbm
@@ -48,6 +54,10 @@ class TierManager:
         self.archive = archive
         self.mover = Mover(hbm, ddr, archive)
         self.high_watermark = high_watermark
+        # HBF promotions per step (all sessions), the hottest first; None: no limit (see `promote`)
+        self.promote_blocks_per_step = (
+            None if promote_bytes_per_step is None else max(1, promote_bytes_per_step // hbm.slot_bytes)
+        )
         self.counters = TierCounters()
         self.names: dict[SeqId, str] = {}
         self._last_used: dict[SeqId, int] = {}
@@ -94,12 +104,13 @@ class TierManager:
         if per_layer > b.slots_per_layer + b.ddr_alloc.capacity:
             raise OutOfBlocks(
                 f"a session of {table.num_tokens + n_tokens} tokens needs {per_layer} blocks per layer readable at "
-                f"once; HBM ({b.slots_per_layer} per layer) and DDR ({b.ddr_alloc.capacity}) hold fewer: "
+                f"once; HBM ({b.slots_per_layer} in its smallest layer region) and DDR ({b.ddr_alloc.capacity}) "
+                "hold fewer: "
                 "raise hbm_mb or ddr_mb"
             )
         if self.archive is None:
             used = sum(t.num_blocks for t in b.tables().values()) * b.num_layers
-            capacity = b.slots_per_layer * b.num_layers + b.ddr_alloc.capacity
+            capacity = b.hbm_capacity + b.ddr_alloc.capacity
             new = (per_layer - table.num_blocks) * b.num_layers
             if used + new > capacity:
                 raise OutOfBlocks(
@@ -276,13 +287,14 @@ class TierManager:
     def end_rewrite(self) -> None:
         self._rewriting = None
 
-    def count_reads(self, seq: SeqId, total: int, below: int) -> None:
-        """Count the blocks a layer's attention reads for `seq`: `total`, of which `below` HBM."""
+    def count_reads(self, seq: SeqId, total: int, below: int, fetched: int | None = None) -> None:
+        """Count the blocks a layer's attention reads for `seq`: `total`, of which `below` HBM;
+        `fetched`: the bytes that crossed, when not `below` whole blocks (per-head selections)."""
         c = self.counters
         c.hbm_hits += total - below
         c.hbm_misses += below
         c.ddr_hits += below
-        c.fetch_bytes += below * self.block_bytes
+        c.fetch_bytes += below * self.block_bytes if fetched is None else fetched
         mine = self.per_session.setdefault(seq, SessionCounters())
         mine.hbm_hits += total - below
         mine.hbm_misses += below
@@ -301,13 +313,20 @@ class TierManager:
         where several KV heads read a block; their reads are counted here (`count_reads`). All
         layers at once: no per-layer or per-block loop. Times the decisions (`hbf_latency_us`):
         the union of the heads' picks, the counts, the choice of victims and the table updates,
-        not the copies."""
+        not the copies.
+
+        At most `promote_blocks_per_step` blocks move per step (`promote_mb_per_step`), shared
+        equally by the sessions, each session's hottest first: a block read from DDR in place
+        costs its heads' share of it over PCIe, a promotion the whole block, and selections that
+        change from step to step would otherwise spend the link on copies read once."""
         t0 = time.perf_counter()
         copy_s = 0.0
         weight = np.float32(self._use_weight())
+        limit = self.promote_blocks_per_step
+        share = None if limit is None else max(1, limit // max(1, len(selected)))
         for seq, keys in selected.items():
             if len(keys):
-                copy_s += self._promote_seq(seq, keys, protect, keep[seq], weight)
+                copy_s += self._promote_seq(seq, keys, protect, keep[seq], weight, share)
         self.latencies_us.append((time.perf_counter() - t0 - copy_s) * 1e6)
         if len(self.latencies_us) > 2 * LATENCY_WINDOW:
             del self.latencies_us[:-LATENCY_WINDOW]
@@ -323,9 +342,16 @@ class TierManager:
         return at
 
     def _promote_seq(
-        self, seq: SeqId, keys: np.ndarray, protect: dict[SeqId, int], keep: np.ndarray, weight: np.float32
+        self,
+        seq: SeqId,
+        keys: np.ndarray,
+        protect: dict[SeqId, int],
+        keep: np.ndarray,
+        weight: np.float32,
+        limit: int | None,
     ) -> float:
-        """Count and promote one session's selected pairs; returns the seconds spent copying bytes."""
+        """Count and promote one session's selected pairs (at most `limit` moves); returns the
+        seconds spent copying bytes."""
         b = self.blocks
         t = b.table(seq)
         width = t.capacity
@@ -334,7 +360,9 @@ class TierManager:
         rank[at] += weight  # a use (see _rank); `at` is distinct: one add each
         in_hbm = t.hbm.ravel().take(at)  # [n] slot or NONE
         miss = np.flatnonzero(in_hbm < 0)
-        self.count_reads(seq, len(at), len(miss))
+        # Each key is one KV head's read: what crossed PCIe is its share of the block.
+        head_misses = int(np.count_nonzero(t.hbm.ravel().take(keys) < 0))
+        self.count_reads(seq, len(at), len(miss), head_misses * (self.block_bytes // self.hbm.k.shape[0]))
         if not len(miss):
             return 0.0
         m_at = at.take(miss)
@@ -345,6 +373,9 @@ class TierManager:
         ok = (m_at - m_layers * width < t.num_tokens // b.block_size) & (src >= 0)
         if not ok.all():
             m_at, m_layers, src = m_at[ok], m_layers[ok], src[ok]
+        if limit is not None and len(m_at) > limit:  # the hottest `limit`, kept in (layer, block) order
+            hottest = np.sort(np.argpartition(-rank.take(m_at), limit - 1)[:limit])
+            m_at, m_layers, src = m_at[hottest], m_layers[hottest], src[hottest]
         m_blocks = m_at - m_layers * width
         need = np.bincount(m_layers, minlength=b.num_layers)  # [L] missing per layer
         free = b.hbm_alloc.free
@@ -385,6 +416,7 @@ class TierManager:
         """DDR slots -> HBM slots (the promoted blocks' bytes); returns the seconds it took."""
         if not len(slots):
             return 0.0
+        self.counters.promote_count += len(slots)
         c0 = time.perf_counter()
         self.mover.ddr_to_hbm(src, slots)
         return time.perf_counter() - c0
@@ -451,7 +483,7 @@ class TierManager:
         ok[t.hbm[:, keep].ravel()] = False
         cand = np.flatnonzero(ok[1:-1]) + 1  # [c] slots, ascending: grouped by layer
         rank = self._hotness[seq]
-        c_layers = (cand - 1) // b.slots_per_layer
+        c_layers = b.hbm_layer.take(cand)
         value = rank.ravel().take(c_layers * rank.shape[1] + held.take(cand))
         # Only blocks worth less than their layer's promotion (usually few: the sort stays small);
         # within each layer the lowest values first (lexsort is stable: ties keep the lower slot),
@@ -485,7 +517,7 @@ class TierManager:
     def end_step(self, batch: list[SeqId]) -> None:
         """Spill DDR past the high watermark (asynchronously); track peak HBM."""
         b = self.blocks
-        used_hbm = (b.slots_per_layer * b.num_layers - sum(a.num_free for a in b.hbm_alloc)) * self.block_bytes
+        used_hbm = (b.hbm_capacity - int(b.hbm_alloc.free.sum())) * self.block_bytes
         self.counters.peak_hbm_bytes = max(self.counters.peak_hbm_bytes, used_hbm)
         cap = b.ddr_alloc.capacity
         excess = (cap - b.ddr_free) - int(self.high_watermark * cap)
@@ -766,8 +798,8 @@ class TierManager:
 
     def stats(self) -> TierStats:
         b, c = self.blocks, self.counters
-        hbm_cap = b.slots_per_layer * b.num_layers
-        hbm_used = hbm_cap - sum(a.num_free for a in b.hbm_alloc)
+        hbm_cap = b.hbm_capacity
+        hbm_used = hbm_cap - int(b.hbm_alloc.free.sum())
         ddr_used = b.ddr_alloc.capacity - b.ddr_free
         ssd = self.archive.stats().stored_bytes if self.archive is not None else 0
         return TierStats(

@@ -1,8 +1,10 @@
 """The mover: the only code that copies KV bytes between the HBM pool, the DDR pool and the archive.
 
-- HBM <-> DDR: one call moves a batch of blocks with one gather and one scatter per pool. On CUDA
-  the copy runs on a dedicated stream and the compute stream waits on it (an event), so copies
-  overlap whatever the host does next; on the CPU the same calls are plain tensor copies.
+- HBM <-> DDR: one call moves a batch of blocks. On CUDA it is one kernel launch
+  (`h3d.kv.triton_decode.copy_blocks`: each program reads a block where it lives, pinned DDR over
+  PCIe included, and writes it where it goes: no gather on the host, no staging copy) on a
+  dedicated stream, and the compute stream waits on it (an event), so copies overlap whatever the
+  host does next; on the CPU the same calls are plain tensor copies.
 - DDR -> SSD: `submit_write` copies the blocks' bytes out and hands them to one worker thread
   (`put_many` appends, fsyncs, then commits the manifest). Each write in flight is a `Transfer`
   in `in_flight`; `poll` returns the finished ones, in one place, so the caller frees DDR copies
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from h3d.kv.pool import KVPool
+from h3d.kv.triton_decode import copy_blocks
 from h3d.tiers.archive import Archive, BlockKey
 
 
@@ -47,14 +50,16 @@ class Mover:
     def _copy(self, src: KVPool, src_slots: np.ndarray, dst: KVPool, dst_slots: np.ndarray) -> None:
         if not len(src_slots):
             return
-        s = torch.from_numpy(src_slots).to(src.k.device)
-        d = torch.from_numpy(dst_slots).to(dst.k.device)
         if self._stream is None:
-            dst.store(d, *src.read(s))
+            s = torch.from_numpy(src_slots).to(src.k.device)
+            dst.store(torch.from_numpy(dst_slots).to(dst.k.device), *src.read(s))
             return
+        dev = self.hbm.k.device
+        slots = torch.from_numpy(np.stack([src_slots, dst_slots])).pin_memory().to(dev, non_blocking=True)
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
-            dst.store(d, *src.read(s))
+            copy_blocks((src.k, src.v), slots[0], (dst.k, dst.v), slots[1])
+        slots.record_stream(self._stream)
         torch.cuda.current_stream().wait_stream(self._stream)
 
     def hbm_to_ddr(self, hbm_slots: np.ndarray, ddr_slots: np.ndarray) -> None:

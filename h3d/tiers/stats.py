@@ -12,8 +12,9 @@ class TierCounters:
     A *needed* block is one that a step's attention reads. `hbm_hits` were in HBM already;
     `hbm_misses` were read from DDR (`ddr_hits`) or staged from the SSD archive first
     (`ssd_read_count`). `fetch_bytes` counts the bytes read from below HBM (DDR reads and
-    archive reads). `hbm_evict_count` counts HBM->DDR demotions, `ddr_evict_count` blocks whose
-    DDR copy was dropped for their archive copy.
+    archive reads; a per-head HBF selection reads only its heads' share of a block).
+    `hbm_evict_count` counts HBM->DDR demotions, `ddr_evict_count` blocks whose DDR copy was
+    dropped for their archive copy, `promote_count` DDR->HBM promotions (HBF).
     """
 
     hbm_hits: int = 0
@@ -28,6 +29,7 @@ class TierCounters:
     kv_rebuild_blocks: int = 0  # blocks (all layers) computed again: missing or damaged in the archive
     ssd_write_errors: int = 0  # archive writes that failed (each degrades the SSD tier)
     recompute_evict_count: int = 0  # block copies forgotten while the SSD tier was degraded, recomputed later
+    promote_count: int = 0  # blocks copied DDR -> HBM by HBF promotion
 
     @property
     def hbm_hit_rate(self) -> float:
@@ -71,6 +73,7 @@ class TierStats:
     kv_rebuild_blocks: int
     ssd_write_errors: int
     recompute_evict_count: int
+    promote_count: int
     ssd_degraded: bool
 
     def as_dict(self) -> dict[str, float]:
