@@ -310,6 +310,72 @@ def test_decode_graph_buckets_equal_the_eager_path(checkpoint: Callable[[str], P
     torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
 
 
+def test_hbf_decode_graph_equals_the_eager_path(checkpoint: Callable[[str], Path]) -> None:
+    """`attention_entropy` decode steps through `DecodeGraphs` (selection inside the step with fixed
+    shapes, `select_static`; run eagerly on the CPU) give the eager path's logits, selections,
+    promotions and counters: prompt anchors, HBM too small for the selections (promotions evict,
+    reads from DDR), a session under exact batched with three under HBF, batches that change
+    (each new one runs eagerly once), windows that shrink every 16 steps (another top-k capacity)."""
+    import numpy as np
+    from helpers import VOCAB_SIZE, make_engine, random_prompt
+
+    from h3d.engine.graphs import room_bucket
+    from h3d.engine.runner import Chunk
+    from h3d.kv.attention import kernel_attention, reference_attention
+    from h3d.kv.blocks import SeqId
+
+    assert [room_bucket(n) for n in (1, 8, 9, 55, 64, 65)] == [8, 8, 16, 64, 64, 128]
+    slot = 2 * 16 * 2 * 16 * 4  # llama_gqa4_tied: one layer's K+V of a 16-token block
+    prompts = [random_prompt(n, VOCAB_SIZE, seed=n) for n in (300, 250, 400, 180)]
+    results = []
+    for graphs in (True, False):
+        engine = make_engine(
+            checkpoint("llama_gqa4_tied"), policy="attention_entropy", block_size=16, hbm_mb=60 * slot / 2**20,
+            window_tokens=192, window_min_tokens=64, window_max_tokens=256, recent_tokens=32, dense_layers=1,
+            entropy_shrink_below=100.0, entropy_grow_above=200.0,  # every resize shrinks
+        )  # fmt: skip
+        engine.model.use_attention(kernel_attention if graphs else reference_attention)
+        runner = engine.runner
+        runner.graphs.enabled = graphs
+        for i, ids in enumerate(prompts):
+            runner.open(SeqId(i), policy="exact" if i == 3 else None)
+            runner.execute([Chunk(SeqId(i), tuple(ids), 0, False)])  # final: HBF's anchors are probed
+        assert runner.selection[SeqId(0)].head_anchors
+        pos = [len(ids) for ids in prompts]
+        out, picks = [], []
+        for step in range(40):
+            batch = [0, 1, 2, 3] if step % 4 == 1 else [0] if step % 4 == 3 else [0, 1, 2]
+            chunks = [Chunk(SeqId(i), ((step * 7 + i) % VOCAB_SIZE,), pos[i], True) for i in batch]
+            seen: dict = {}
+            original = runner.tiers.promote
+
+            def spy(selected, protect, keep, seen=seen, original=original):  # type: ignore[no-untyped-def]
+                seen.update({s: np.unique(k) for s, k in selected.items()})  # (heads may repeat a key)
+                original(selected, protect, keep)
+
+            runner.tiers.promote = spy  # type: ignore[method-assign]
+            out.append(runner.execute(chunks))
+            runner.tiers.promote = original  # type: ignore[method-assign]
+            picks.append(seen)
+            for i in batch:
+                pos[i] += 1
+        t = engine.tier_stats()
+        assert t.ddr_hits > 0 and t.hbm_evict_count > 0  # reads from DDR, promotions that evicted
+        windows = [runner.selection[SeqId(i)].window_tokens for i in range(3)]
+        results.append((out, picks, (t.hbm_hits, t.hbm_misses, t.ddr_hits), windows, runner.graphs))
+        engine.close()
+    (graphed, g_picks, reads, windows, g), (eager, e_picks, eager_reads, e_windows, _) = results
+    assert windows == e_windows and windows[0] < 192  # the windows shrank alike
+    assert g.captures == 0 and 20 < g.replays < 40  # most steps replayed; each new batch ran eagerly first
+    for step, (a, b) in enumerate(zip(g_picks, e_picks, strict=True)):
+        assert a.keys() == b.keys(), step
+        for seq in a:
+            np.testing.assert_array_equal(a[seq], b[seq], err_msg=f"step {step} seq {seq}")
+    assert reads == eager_reads
+    for a, b in zip(graphed, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("triton", [True, False], ids=["kernel", "torch"])
 def test_paged_write_stores_each_row_in_its_tier(

@@ -194,6 +194,7 @@ class Engine:
                 int(k): torch.tensor(v, dtype=torch.int64, device=self.runner.device)
                 for k, v in hbf.get("head_anchors", {}).items()
             }
+            state.anchors_version += 1
             want = max(len(session.tokens) - 1, 0)  # the last token is fed by the next request
             adopted = self.runner.adopt(session.seq, want)
             bs = self.runner.blocks.block_size

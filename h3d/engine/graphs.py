@@ -1,4 +1,4 @@
-"""Decode steps replayed as CUDA graphs: the whole forward of an `exact` decode step is one launch.
+"""Decode steps replayed as CUDA graphs: the whole forward of a decode step is one launch.
 
 A decode step of a Llama-8B shape issues a few hundred kernels (32 layers of norms, projections,
 RoPE, the cache write, the paged attention kernel and its merge, the MLP); launched one by one from
@@ -11,15 +11,27 @@ power of two) and replays it; between steps only its static inputs change:
   block, a move between tiers);
 - `small` int64: the new tokens' cache rows [L, B] (HBM, or pinned DDR written in place by
   `paged_write`), list lengths [B], last-block fill [B], token ids, positions and sequence ends
-  [B], copied every step (a few hundred bytes).
+  [B], and for HBF entries the room past sinks + recent and the anchors taken [B], copied every
+  step (a few hundred bytes).
+
+Sessions under `attention_entropy` select inside the graph (`h3d.hbf.policy.select_static`): for
+each sparse layer the digest bound over the session's digests, its prompt anchors first, top-k
+with a fixed capacity k (the batch's largest room, rounded up to a power of two; each entry uses
+its own room of it), and the kernel's per-head lists gathered from `locs`; the new key is folded
+into its digest (`DigestStore.fold`) and the first sparse layer's entropy written to a buffer.
+The blocks each head read come back to the host once, after the step (`resolve`), for promotion
+and the counters, as `_DevicePlan` hands them over. Such a graph reads the sessions' own digest
+tensors, so it belongs to one batch of sessions (its key names them and where their digests
+are); it is captured the second time that batch comes (a batch seen once runs eagerly), and
+replayed while it lasts.
 
 Padding entries of the batch feed token 0 at position 0, write into the null slot (row 0, never
 read: lists mask it) and attend to that one token; their outputs are dropped.
 
-When it applies (`applies`): every chunk is one decode token, every session is under `exact` (HBF
-selection changes its lists' lengths every step: it stays on the eager path), and every block is
-in HBM or DDR (none to stage from the archive). Anything else
-runs eagerly (`h3d.engine.runner._Step`).
+When it applies (`applies`): every chunk is one decode token, every session is under `exact`, or
+under `attention_entropy` with a context longer than its window (and room past sinks + recent),
+and every block is in HBM or DDR (none to stage from the archive). Anything else runs eagerly
+(`h3d.engine.runner._Step`).
 
 No host synchronization inside a step: the inputs' copies are asynchronous (pinned staging), and
 the staging buffers are rewritten only after the previous step's copy has completed (an event).
@@ -37,15 +49,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from h3d.hbf.policy import base_sizes, select_static
 from h3d.kv.attention import LayerKV, Pools, kernel_attention
 from h3d.kv.blocks import NONE, BlockTable, SeqId
 from h3d.kv.triton_decode import paged_write
 
 if TYPE_CHECKING:
-    from h3d.engine.runner import ModelRunner
+    from h3d.engine.runner import ModelRunner, _Step
 
 MAX_BATCH = 256
 MAX_GRAPHS = 32  # least recently used graphs beyond this are dropped (their memory returns to the pool)
+SMALL = 7  # per-entry int64 inputs after the rows: nblocks, tail, token, position, end, room, take
 
 
 def batch_bucket(b: int) -> int:
@@ -62,6 +76,26 @@ def width_bucket(blocks: int) -> int:
     return -(-blocks // quarter) * quarter
 
 
+def room_bucket(room: int) -> int:
+    """The top-k capacity of a captured HBF selection: the next power of two, at least 8."""
+    return max(8, 1 << max(0, (room - 1).bit_length()))
+
+
+@dataclass(slots=True)
+class _Hbf:
+    """A graph's `attention_entropy` entries: who they are, their static inputs and outputs."""
+
+    entries: tuple[int, ...]  # batch indices under attention_entropy
+    seqs: tuple[SeqId, ...]  # their sessions (the graph reads their digests)
+    k: int  # top-k capacity
+    anchors: torch.Tensor  # [Ls, E, Hkv, A] int64: each sparse layer's prompt anchors (0 pads: a sink)
+    picked: torch.Tensor  # [Ls, E, Hkv, n] int64: the blocks each head read (the step's output)
+    entropy: torch.Tensor  # [E] fp32: the first sparse layer's block-score entropy (output)
+    mixed: bool  # some real entry is under exact (its lists are whole tables)
+    versions: list[int] = field(default_factory=list)  # per entry: the anchors_version copied in
+    rooms: list[int] = field(default_factory=list)  # per entry: this step's room (host copy)
+
+
 @dataclass(slots=True)
 class _Graph:
     """One bucket's static buffers, and its captured graph (None on the CPU)."""
@@ -69,13 +103,14 @@ class _Graph:
     batch: int
     width: int
     locs_host: torch.Tensor  # [L, B, W] int32 (pinned on CUDA)
-    small_host: torch.Tensor  # [L * B + 5 * B] int64 (pinned on CUDA)
+    small_host: torch.Tensor  # [L * B + SMALL * B] int64 (pinned on CUDA)
     locs: torch.Tensor  # device copies of the two
     small: torch.Tensor
+    hbf: _Hbf | None = None
     hidden: torch.Tensor | None = None  # the forward's output [B, hidden] (static under a graph)
     graph: torch.cuda.CUDAGraph | None = None
     tables: list[tuple[SeqId, int, int]] = field(default_factory=list)  # per entry: (seq, version, blocks) in locs
-    below: list[int] = field(default_factory=list)  # per entry: its blocks in DDR (all layers)
+    below: list[int] = field(default_factory=list)  # per entry: its blocks in DDR (the layers it reads whole)
     copied: torch.cuda.Event | None = None  # the last input copy (the staging is reused after it)
 
 
@@ -87,18 +122,43 @@ class _GraphKV:
         hkv = runner.hbm.k.shape[0]
         self.pools = pools
         self.runner = runner
+        self.g = g
         self.rows = g.small[: nl * b].view(nl, b)
-        nblocks, tail, _, _, ends = g.small[nl * b :].view(5, b)
+        nblocks, tail, _, pos, ends, room, take = g.small[nl * b :].view(SMALL, b)
         self.seq_ends = ends
+        self.num_blocks, self.pos, self.room, self.take = nblocks, pos, room, take
         self.nblocks = nblocks.to(torch.int32)[:, None].expand(-1, hkv)
         self.tail = tail.to(torch.int32)
         self.locs = g.locs
         self.hkv = hkv
         self.query_lens = (1,) * b
+        self.mixed = g.hbf is not None and g.hbf.mixed
 
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
         table = self.locs[index]  # [B, W]
-        lists = (table[:, None, :].expand(-1, self.hkv, -1), self.nblocks, self.tail)
+        hb, r = self.g.hbf, self.runner
+        dense = r.hbf.dense_layers
+        if hb is None or index < dense:
+            lists = (table[:, None, :].expand(-1, self.hkv, -1), self.nblocks, self.tail)
+        else:
+            sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
+            n = sinks + hb.k + recent
+            b, w = table.shape
+            heads = torch.zeros((b, self.hkv, max(n, w) if self.mixed else n), dtype=table.dtype, device=table.device)
+            if self.mixed:  # exact entries read every block
+                heads[:, :, :w] = table[:, None, :]
+            nblocks = self.nblocks.clone()
+            for e, (i, seq) in enumerate(zip(hb.entries, hb.seqs, strict=True)):
+                digests = r.digests.get(seq, index, w)  # [Hkv, W, parts, 2, D]
+                blocks = select_static(
+                    r.hbf, q[i], digests, self.num_blocks[i], self.room[i], self.take[i], hb.anchors[index - dense, e],
+                    hb.k, scale, r.blocks.block_size, entropy=hb.entropy[e] if index == dense else None,
+                )  # fmt: skip
+                hb.picked[index - dense, e].copy_(blocks)
+                heads[i] = 0
+                heads[i, :, :n] = table[i][blocks]
+                nblocks[i] = (self.room[i] + sinks + recent).to(torch.int32)
+            lists = (heads, nblocks, self.tail)
         return LayerKV(
             query_lens=self.query_lens,
             kv_lens=self.query_lens,  # not read: attention reads `lists`
@@ -109,20 +169,49 @@ class _GraphKV:
 
     def write(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         paged_write(k, v, (self.pools.k[0], self.pools.k[1]), (self.pools.v[0], self.pools.v[1]), self.rows[index])
+        hb = self.g.hbf
+        if hb is not None:  # the new key into its digest (the selection below reads it)
+            for i, seq in zip(hb.entries, hb.seqs, strict=True):
+                self.runner.digests.fold(seq, index, self.pos[i : i + 1], k[i : i + 1])
 
 
 class DecodeGraphs:
-    """The runner's CUDA graphs of `exact` decode steps (see the module docstring)."""
+    """The runner's CUDA graphs of decode steps (see the module docstring)."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.capture = runner.device.type == "cuda"
         # On by default on CUDA; tests turn it on on the CPU (with `kernel_attention`).
         self.enabled = self.capture
-        self._graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._seen: OrderedDict[tuple, None] = OrderedDict()  # recent HBF batches' keys (a graph is made at the second)
         self.replays = 0  # steps run through a bucket (counted on the CPU too)
         self.captures = 0
+
+    def _room(self, seq: SeqId, num_blocks: int) -> int:
+        """A session's room past sinks + recent this step (<= 0: it would not select)."""
+        r = self.runner
+        sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
+        budget = max(1, r.selection[seq].window_tokens // r.blocks.block_size)
+        if num_blocks <= budget:
+            return 0
+        return min(budget - sinks - recent, num_blocks - sinks - recent)
+
+    def _key(self, seqs: list[SeqId], tables: list[BlockTable]) -> tuple:
+        """The graph a step of these sessions replays: (batch bucket, table width) for exact ones;
+        with HBF entries also their top-k capacity, their batch indices, and their sessions and
+        digests (the graph reads those tensors). Makes the digests room for the width."""
+        r = self.runner
+        width = width_bucket(max(t.num_blocks for t in tables))
+        entries = [i for i, s in enumerate(seqs) if r.selection[s].policy == "attention_entropy"]
+        if not entries:
+            return (batch_bucket(len(seqs)), width)
+        k = room_bucket(max(self._room(seqs[i], tables[i].num_blocks) for i in entries))
+        for i in entries:
+            r.digests.ensure(seqs[i], width * r.digests.parts)
+        who = tuple((i, seqs[i], r.digests.data_ptr(seqs[i])) for i in entries)
+        return (batch_bucket(len(seqs)), width, k, len(seqs), who)
 
     def applies(self, seqs: list[SeqId], query_lens: list[int], rows: np.ndarray) -> bool:
         r = self.runner
@@ -130,28 +219,44 @@ class DecodeGraphs:
             return False
         if r.model.model.layers[0].self_attn.attention is not kernel_attention:  # type: ignore[union-attr]
             return False
-        for seq in seqs:
-            if r.selection[seq].policy != "exact":
+        tables = [r.blocks.table(s) for s in seqs]
+        for seq, t in zip(seqs, tables, strict=True):
+            policy = r.selection[seq].policy
+            if policy == "attention_entropy":
+                if r.hbf.dense_layers >= r.blocks.num_layers or not r.digests.has(seq):
+                    return False
+                if self._room(seq, t.num_blocks) <= 0:
+                    return False  # a context within its window reads every block: eager
+            elif policy != "exact":
                 return False
             if r.tiers.archive is None:
                 continue  # every block is in HBM or DDR
-            t = r.blocks.table(seq)
             nb = t.num_blocks
             if ((t.hbm[:, :nb] == NONE) & (t.ddr[:, :nb] == NONE)).any():
                 return False  # some block is in the archive only: the eager path stages it
-        return True
+        key = self._key(seqs, tables)
+        if len(key) == 2 or key in self._graphs:
+            return True
+        # An HBF batch's graph belongs to its sessions: made the second time the batch comes.
+        if key in self._seen:
+            return True
+        self._seen[key] = None
+        while len(self._seen) > 2 * MAX_GRAPHS:
+            self._seen.popitem(last=False)
+        return False
 
     @torch.inference_mode()
-    def run(self, seqs: list[SeqId], ids: list[int], rows: np.ndarray) -> torch.Tensor:
-        """The step's forward: hidden states [len(seqs), hidden]. `rows`: [L, B] the new tokens' HBM
-        rows (the blocks are already appended)."""
+    def run(self, step: _Step, ids: list[int]) -> torch.Tensor:
+        """The step's forward: hidden states [len(seqs), hidden]. The step's blocks are already
+        appended; `step.rows`: [L, B] the new tokens' rows."""
         r = self.runner
+        seqs, rows = step.seqs, step.rows
         tables = [r.blocks.table(s) for s in seqs]
         b = len(seqs)
-        key = (batch_bucket(b), width_bucket(max(t.num_blocks for t in tables)))
+        key = self._key(seqs, tables)
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = self._allocate(*key)
+            g = self._graphs[key] = self._allocate(key)
             while len(self._graphs) > MAX_GRAPHS:
                 self._graphs.popitem(last=False)
         self._graphs.move_to_end(key)
@@ -161,12 +266,15 @@ class DecodeGraphs:
         small = g.small_host.numpy()
         small[: nl * bb].reshape(nl, bb)[:, :b] = rows
         small[: nl * bb].reshape(nl, bb)[:, b:] = 0  # padding entries write into the null slot
-        nblocks, tail, tok, pos, ends = small[nl * bb :].reshape(5, bb)
+        nblocks, tail, tok, pos, ends, room, take = small[nl * bb :].reshape(SMALL, bb)
         bs = r.blocks.block_size
         for i, t in enumerate(tables):
             nblocks[i], tail[i] = t.num_blocks, t.num_tokens - (t.num_blocks - 1) * bs
             tok[i], pos[i], ends[i] = ids[i], t.num_tokens - 1, t.num_tokens
         nblocks[b:], tail[b:], tok[b:], pos[b:], ends[b:] = 1, 1, 0, 0, 1
+        room[:], take[:] = 0, 0
+        if g.hbf is not None:
+            self._hbf_inputs(g, tables, room, take)
         changed = self._fill_tables(g, seqs, tables)
         nonblocking = self.capture
         g.small.copy_(g.small_host, non_blocking=nonblocking)
@@ -183,17 +291,80 @@ class DecodeGraphs:
             g.hidden = self._forward(g)
         self.replays += 1
         self._count_reads(g, seqs, tables)
+        step.graph = g
         assert g.hidden is not None
         return g.hidden[:b]
 
-    def _allocate(self, batch: int, width: int) -> _Graph:
+    def resolve(self, step: _Step) -> None:
+        """After a replayed step (and the launch of its logits): its HBF entries' picks to the host
+        (one copy) as (layer, block) keys for promotion, which counts their reads; their entropies
+        to their sessions' states (left on the device)."""
+        g = step.graph
+        if g is None or g.hbf is None:
+            return
+        r, hb = self.runner, g.hbf
+        sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
+        dense = r.hbf.dense_layers
+        picked = hb.picked.cpu().numpy()  # [Ls, E, Hkv, n]: the step's one wait for the device
+        layers = np.arange(dense, r.blocks.num_layers, dtype=np.int64)[:, None, None]
+        for e, seq in enumerate(hb.seqs):
+            r.selection[seq].entropies.append(hb.entropy[e].clone())
+            n = sinks + hb.rooms[e] + recent
+            keys = picked[:, e, :, :n] + layers * r.blocks.table(seq).capacity  # [Ls, Hkv, n]
+            step.selected[seq] = [keys.ravel()]
+
+    def _hbf_inputs(self, g: _Graph, tables: list[BlockTable], room: np.ndarray, take: np.ndarray) -> None:
+        """Each HBF entry's room and anchors taken (the small buffer), and its anchors copied into
+        the graph's buffer when they changed."""
+        r, hb = self.runner, g.hbf
+        assert hb is not None
+        dense, a = r.hbf.dense_layers, hb.anchors.shape[-1]
+        hb.rooms = []
+        for e, (i, seq) in enumerate(zip(hb.entries, hb.seqs, strict=True)):
+            state = r.selection[seq]
+            budget = max(1, state.window_tokens // r.blocks.block_size)
+            room[i] = self._room(seq, tables[i].num_blocks)
+            hb.rooms.append(int(room[i]))
+            sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
+            first = state.head_anchors.get(dense)
+            width = min(a, first.shape[1]) if first is not None else 0
+            take[i] = min(int((budget - sinks - recent) * r.hbf.anchor_share), width)
+            if hb.versions[e] == state.anchors_version:
+                continue
+            hb.versions[e] = state.anchors_version
+            hb.anchors[:, e].zero_()
+            for layer in range(dense, r.blocks.num_layers):
+                anchors = state.head_anchors.get(layer)
+                if anchors is not None:
+                    m = min(a, anchors.shape[1])
+                    hb.anchors[layer - dense, e, :, :m].copy_(anchors[:, :m])
+
+    def _allocate(self, key: tuple) -> _Graph:
         r = self.runner
         nl = r.blocks.num_layers
+        batch, width = key[0], key[1]
         pin = self.capture
         locs_host = torch.zeros((nl, batch, width), dtype=torch.int32, pin_memory=pin)
-        small_host = torch.zeros(nl * batch + 5 * batch, dtype=torch.int64, pin_memory=pin)
+        small_host = torch.zeros(nl * batch + SMALL * batch, dtype=torch.int64, pin_memory=pin)
         dev = r.device
-        return _Graph(batch, width, locs_host, small_host, locs_host.to(dev, copy=True), small_host.to(dev, copy=True))
+        g = _Graph(batch, width, locs_host, small_host, locs_host.to(dev, copy=True), small_host.to(dev, copy=True))
+        if len(key) > 2:
+            k, real, who = key[2], key[3], key[4]
+            hkv = r.hbm.k.shape[0]
+            sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
+            ls, e = nl - r.hbf.dense_layers, len(who)
+            most = max(1, r.hbf.window_max_tokens // r.blocks.block_size - sinks - recent)  # probe_anchors' width
+            g.hbf = _Hbf(
+                entries=tuple(i for i, _, _ in who),
+                seqs=tuple(seq for _, seq, _ in who),
+                k=k,
+                anchors=torch.zeros((ls, e, hkv, most), dtype=torch.int64, device=dev),
+                picked=torch.zeros((ls, e, hkv, sinks + k + recent), dtype=torch.int64, device=dev),
+                entropy=torch.zeros(e, dtype=torch.float32, device=dev),
+                mixed=e < real,
+                versions=[-1] * e,
+            )
+        return g
 
     def _fill_tables(self, g: _Graph, seqs: list[SeqId], tables: list[BlockTable]) -> bool:
         """Write the locations of the sessions whose tables changed since this bucket last saw them
@@ -205,6 +376,8 @@ class DecodeGraphs:
         if len(g.tables) != g.batch:
             g.tables = [(SeqId(-2), 0, 0)] * g.batch
             g.below = [0] * g.batch
+        whole = set(range(g.batch)) - set(g.hbf.entries if g.hbf is not None else ())
+        dense = self.runner.hbf.dense_layers
         for i, entry in enumerate(want):
             if g.tables[i] == entry:
                 continue
@@ -219,7 +392,8 @@ class DecodeGraphs:
             in_hbm = hbm >= 0
             locs[:, i, :nb] = np.where(in_hbm, hbm, -ddr - 1)
             locs[:, i, nb:] = 0
-            g.below[i] = in_hbm.size - int(np.count_nonzero(in_hbm))
+            read = in_hbm if i in whole else in_hbm[:dense]  # the layers read whole: HBF's dense ones
+            g.below[i] = read.size - int(np.count_nonzero(read))
         return changed
 
     def _forward(self, g: _Graph) -> torch.Tensor:
@@ -230,7 +404,7 @@ class DecodeGraphs:
 
     def _capture(self, g: _Graph) -> None:
         """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture. The
-        warm-up runs write this step's K/V, the same values the replay writes again."""
+        warm-up runs write this step's K/V and digests, the same values the replay writes again."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -244,8 +418,11 @@ class DecodeGraphs:
         self.captures += 1
 
     def _count_reads(self, g: _Graph, seqs: list[SeqId], tables: list[BlockTable]) -> None:
-        """Every block of every layer was read; those in DDR over PCIe (counted when the tables
-        were written)."""
-        nl = self.runner.blocks.num_layers
+        """Every block of every layer an exact entry reads, and of an HBF entry's dense layers, was
+        read; those in DDR over PCIe (counted when the tables were written). An HBF entry's
+        selections are counted with their promotion (`resolve`)."""
+        r = self.runner
+        hbf = set(g.hbf.entries) if g.hbf is not None else set()
         for i, (seq, t) in enumerate(zip(seqs, tables, strict=True)):
-            self.runner.tiers.count_reads(seq, t.num_blocks * nl, g.below[i])
+            layers = r.hbf.dense_layers if i in hbf else r.blocks.num_layers
+            r.tiers.count_reads(seq, t.num_blocks * layers, g.below[i])

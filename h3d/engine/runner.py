@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from h3d.config import EngineConfig
-from h3d.engine.graphs import DecodeGraphs
+from h3d.engine.graphs import DecodeGraphs, _Graph
 from h3d.hbf.digests import DigestStore
 from h3d.hbf.policy import HbfConfig, SelectionState, after_step, probe_anchors, select
 from h3d.kv.attention import LayerKV, Pools, gather_blocks, kernel_attention
@@ -68,8 +68,10 @@ class _Step:
         self.has_ddr_rows = bool((rows < 0).any())
         # seq -> what HBF selections read this step, as (layer, block) keys (`BlockTable.capacity`)
         self.selected: dict[SeqId, list[np.ndarray]] = {}
-        # Replayed as a CUDA graph (`DecodeGraphs`): this object then only carries the bookkeeping.
+        # Replayed as a CUDA graph (`DecodeGraphs`): this object then only carries the bookkeeping
+        # (and the graph it ran, whose HBF picks `DecodeGraphs.resolve` reads after the step).
         self.graphed = graphed
+        self.graph: _Graph | None = None
         self.plan = _DevicePlan(self) if not graphed and _DevicePlan.applies(self) else None
         self._fresh: tuple[int, torch.Tensor, torch.Tensor] = _NO_FRESH  # (layer, k, v) of the last write
         self._device_rows: torch.Tensor | None = None
@@ -448,7 +450,7 @@ class ModelRunner:
         try:
             ids, positions, step = self._prepare(chunks)
             if step.graphed:
-                hidden = self.graphs.run(step.seqs, [c.token_ids[0] for c in chunks], step.rows)
+                hidden = self.graphs.run(step, [c.token_ids[0] for c in chunks])
             else:
                 assert ids is not None and positions is not None
                 hidden = self.model(ids, positions, step)  # [N, hidden]
@@ -464,8 +466,20 @@ class ModelRunner:
             raise
         if step.wrote_behind and self.transfer_stream is not None:
             torch.cuda.current_stream().wait_stream(self.transfer_stream)  # the next step reads the rows
+        # The logits go to the device first: the bookkeeping below waits for the step's selections
+        # (on a GPU), and the device computes them meanwhile.
+        if all_logits:
+            out = self.model.logits(hidden)
+        else:
+            ends = np.cumsum([len(c.token_ids) for c in chunks]) - 1
+            pick = [int(e) for e, c in zip(ends, chunks, strict=True) if c.want_logits]
+            if pick:
+                out = self.model.logits(hidden[pick])
+            else:
+                out = hidden.new_zeros((0, self.model.config.vocab_size), dtype=torch.float32)
         if step.plan is not None:
             step.plan.resolve()
+        self.graphs.resolve(step)
         if step.selected:
             selected = {s: np.concatenate(keys) for s, keys in step.selected.items()}
             self.tiers.promote(selected, step.protect, {s: self._keep(s) for s in step.seqs})
@@ -475,13 +489,7 @@ class ModelRunner:
         self.tiers.end_step(step.seqs)
         if self.check_invariants:
             self.tiers.check()
-        if all_logits:
-            return self.model.logits(hidden)
-        ends = np.cumsum([len(c.token_ids) for c in chunks]) - 1
-        pick = [int(e) for e, c in zip(ends, chunks, strict=True) if c.want_logits]
-        if not pick:
-            return hidden.new_zeros((0, self.model.config.vocab_size), dtype=torch.float32)
-        return self.model.logits(hidden[pick])
+        return out
 
     @torch.inference_mode()
     def rewrite(self, seq: SeqId, block: int, token_ids: list[int]) -> None:

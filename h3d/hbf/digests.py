@@ -68,6 +68,13 @@ class DigestStore:
             self._digests[seq] = d = grown
         return d
 
+    def has(self, seq: SeqId) -> bool:
+        return seq in self._digests
+
+    def data_ptr(self, seq: SeqId) -> int:
+        """Where the session's store is (a captured step reads it there; growing it moves it)."""
+        return self._digests[seq].data_ptr()
+
     def reserve(self, seq: SeqId, num_blocks: int) -> None:
         """Room for `num_blocks` blocks of `seq` now (a session whose length is known: no growth,
         and no copy of the old digests beside the new ones, later)."""
@@ -103,6 +110,16 @@ class DigestStore:
                 idx = parts[None, :, None].expand(kt.shape[0], -1, self.head_dim)  # [Hkv, m, D]
                 d[:, :, 0].scatter_reduce_(1, idx, kt[:, lo:hi], reduce="amin", include_self=True)
                 d[:, :, 1].scatter_reduce_(1, idx, kt[:, lo:hi], reduce="amax", include_self=True)
+
+    def fold(self, seq: SeqId, layer: int, pos: torch.Tensor, k: torch.Tensor) -> None:
+        """`update` of one new key whose position is in a tensor (a decode step captured in a CUDA
+        graph: no host value is read). k: [1, Hkv, D]; pos: [1] int64 on the device. The store must
+        already hold its part (`ensure`)."""
+        d = self._digests[seq][layer]  # [Hkv, cap, 2, D]
+        idx = (pos // self.part_tokens).view(1, 1, 1).expand(d.shape[0], 1, self.head_dim)
+        kt = k.transpose(0, 1).to(self.dtype)  # [Hkv, 1, D]
+        d[:, :, 0].scatter_reduce_(1, idx, kt, reduce="amin", include_self=True)
+        d[:, :, 1].scatter_reduce_(1, idx, kt, reduce="amax", include_self=True)
 
     def truncate(self, seq: SeqId, num_tokens: int, tail: Callable[[int, int], torch.Tensor]) -> None:
         """Forget the keys past `num_tokens`: the parts after it start over, and the part it ends in

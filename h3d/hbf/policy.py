@@ -70,6 +70,7 @@ class SelectionState:
     # attention_entropy: each decode step's entropy (nats), as a 0-dim tensor where it was computed
     # (read once per resize, so that a GPU step never waits for it) or a float
     entropies: list[float | torch.Tensor] = field(default_factory=list)
+    anchors_version: int = 0  # bumped whenever the anchors change (a captured step copies them then)
 
 
 def _base(num_blocks: int, cfg: HbfConfig, block_size: int) -> np.ndarray:
@@ -117,6 +118,64 @@ def select(
     masked[:, where] = float("-inf")
     top = torch.topk(masked, min(room, num_blocks - len(base)), dim=-1).indices  # [Hkv, room]
     return torch.cat([where.expand(len(top), -1), top], dim=1).sort(dim=1).values
+
+
+def base_sizes(cfg: HbfConfig, block_size: int) -> tuple[int, int]:
+    """(sink blocks, recent blocks) of a context longer than its window: `_base`'s two parts."""
+    return cfg.sink_blocks, max(1, math.ceil(cfg.recent_tokens / block_size))
+
+
+def select_static(
+    cfg: HbfConfig,
+    q: torch.Tensor,
+    digests: torch.Tensor,
+    nb: torch.Tensor,
+    room: torch.Tensor,
+    take: torch.Tensor,
+    anchors: torch.Tensor,
+    k: int,
+    scale: float,
+    block_size: int,
+    entropy: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`select` of `attention_entropy` with every shape fixed, for a decode step captured in a CUDA
+    graph (`h3d.engine.graphs`): no host value is read, and what changes between steps (the block
+    count, the room, the anchors) comes in tensors. Valid where `select` picks (the context is
+    longer than the window and there is room past sinks + recent).
+
+    q: [H, D]; digests: [Hkv, W, parts, 2, D], the first W >= nb blocks' (those past nb are
+    ignored); nb, room, take: 0-dim int64 tensors (the session's blocks; its room past the base,
+    at most nb - base; how many of its anchors come first); anchors: [Hkv, A] block indices, best
+    first (padded with 0, a sink); k >= room: the top-k capacity. `entropy` (a 0-dim tensor), when
+    given, receives the entropy of this layer's block scores (`_track_entropy`).
+
+    Returns [Hkv, sinks + k + recent] block indices: the sinks, the head's `room` best blocks, the
+    recent blocks (the partial last block last); past those `sinks + room + recent` entries,
+    padding (to be masked by the list length). The same set per head as `select` (tests).
+    """
+    sinks, recent = base_sizes(cfg, block_size)
+    hkv, w = digests.shape[:2]
+    dev = digests.device
+    scores = block_scores(q, digests, per_head=True)  # [Hkv, W]
+    j = torch.arange(w, device=dev)
+    if entropy is not None:
+        logits = scores.amax(dim=0).masked_fill(j >= nb, float("-inf")) * scale
+        p = torch.softmax(logits.float(), dim=-1)
+        entropy.copy_(-(p * torch.log(p.clamp_min(1e-30))).sum())
+    masked = scores.clone()
+    if anchors.shape[1]:  # the prompt's anchors first: +inf for the first `take` (clamped as `select` does)
+        rank = torch.arange(anchors.shape[1], device=dev)
+        bonus = torch.where(rank < take, float("inf"), float("-inf")).expand(hkv, -1)
+        masked.scatter_reduce_(1, torch.minimum(anchors, nb - 1), bonus, reduce="amax")
+    masked.masked_fill_((j < sinks) | (j >= nb - recent), float("-inf"))  # the base, and past the end
+    top = torch.topk(masked, k, dim=-1).indices  # [Hkv, k], best first
+    base = torch.arange(sinks + recent, device=dev)
+    base = torch.where(base < sinks, base, nb - recent - sinks + base)  # [sinks + recent]
+    listed = torch.cat([base[:sinks].expand(hkv, -1), top, base[sinks:].expand(hkv, -1)], dim=1)
+    n = sinks + k + recent
+    at = torch.arange(n, device=dev)
+    at = torch.where(at >= sinks + room, at + (k - room), at).clamp(max=n - 1)  # skip the unused top entries
+    return listed.gather(1, at.expand(hkv, -1))
 
 
 def _track_entropy(state: SelectionState, logits: torch.Tensor) -> None:
@@ -169,6 +228,7 @@ def probe_anchors(
     per_block[:, torch.from_numpy(base).to(per_block.device)] = float("-inf")
     most = max(0, cfg.window_max_tokens // block_size - len(base))
     state.head_anchors[layer] = torch.topk(per_block, min(most, nb - len(base)), dim=-1).indices
+    state.anchors_version += 1
     room = max(0, state.window_tokens // block_size - len(base))
     top = torch.topk(per_block.sum(0), min(room, nb - len(base))).indices
     state.anchors[layer] = np.sort(top.cpu().numpy())
