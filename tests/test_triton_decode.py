@@ -310,17 +310,29 @@ def test_decode_graph_buckets_equal_the_eager_path(checkpoint: Callable[[str], P
     torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
 
 
-def test_hbf_decode_graph_equals_the_eager_path(checkpoint: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize(
+    ("lag", "fused"), [(False, True), (True, True), (False, False)], ids=["now", "lagged", "now-torch-twin"]
+)
+def test_hbf_decode_graph_equals_the_eager_path(
+    checkpoint: Callable[[str], Path], lag: bool, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`attention_entropy` decode steps through `DecodeGraphs` (selection inside the step with fixed
     shapes, `select_static`; run eagerly on the CPU) give the eager path's logits, selections,
     promotions and counters: prompt anchors, HBM too small for the selections (promotions evict,
     reads from DDR), a session under exact batched with three under HBF, batches that change
-    (each new one runs eagerly once), windows that shrink every 16 steps (another top-k capacity)."""
+    (each new one runs eagerly once), windows that shrink every 16 steps (another top-k capacity).
+    With the picks promoted during the next step (`lag`, the GPU default) the blocks sit elsewhere
+    for a step: the same logits, the same picks promoted one step later, as many blocks read.
+    Selection through the kernels (`h3d.hbf.kernels`, `fused`) or their torch twin."""
     import numpy as np
     from helpers import VOCAB_SIZE, make_engine, random_prompt
 
     from h3d.engine.graphs import room_bucket
     from h3d.engine.runner import Chunk
+    from h3d.hbf import kernels
+
+    if not fused:
+        monkeypatch.setattr(kernels, "available", lambda device: False)
     from h3d.kv.attention import kernel_attention, reference_attention
     from h3d.kv.blocks import SeqId
 
@@ -337,28 +349,32 @@ def test_hbf_decode_graph_equals_the_eager_path(checkpoint: Callable[[str], Path
         engine.model.use_attention(kernel_attention if graphs else reference_attention)
         runner = engine.runner
         runner.graphs.enabled = graphs
+        runner.graphs.lag = lag
         for i, ids in enumerate(prompts):
             runner.open(SeqId(i), policy="exact" if i == 3 else None)
             runner.execute([Chunk(SeqId(i), tuple(ids), 0, False)])  # final: HBF's anchors are probed
         assert runner.selection[SeqId(0)].head_anchors
         pos = [len(ids) for ids in prompts]
         out, picks = [], []
+        calls: list[dict] = []  # every promotion's picks, in order
+        original = runner.tiers.promote
+
+        def spy(selected, protect, keep, counted=False, calls=calls, original=original):  # type: ignore[no-untyped-def]
+            calls.append({s: np.unique(k) for s, k in selected.items()})  # (heads may repeat a key)
+            original(selected, protect, keep, counted)
+
+        runner.tiers.promote = spy  # type: ignore[method-assign]
         for step in range(40):
             batch = [0, 1, 2, 3] if step % 4 == 1 else [0] if step % 4 == 3 else [0, 1, 2]
             chunks = [Chunk(SeqId(i), ((step * 7 + i) % VOCAB_SIZE,), pos[i], True) for i in batch]
-            seen: dict = {}
-            original = runner.tiers.promote
-
-            def spy(selected, protect, keep, seen=seen, original=original):  # type: ignore[no-untyped-def]
-                seen.update({s: np.unique(k) for s, k in selected.items()})  # (heads may repeat a key)
-                original(selected, protect, keep)
-
-            runner.tiers.promote = spy  # type: ignore[method-assign]
+            first = len(calls)
             out.append(runner.execute(chunks))
-            runner.tiers.promote = original  # type: ignore[method-assign]
-            picks.append(seen)
+            picks.append(calls[first:])
             for i in batch:
                 pos[i] += 1
+        runner._flush_lagged()  # the last step's picks, when lagged
+        picks.append(calls[sum(len(p) for p in picks) :])
+        runner.tiers.promote = original  # type: ignore[method-assign]
         t = engine.tier_stats()
         assert t.ddr_hits > 0 and t.hbm_evict_count > 0  # reads from DDR, promotions that evicted
         windows = [runner.selection[SeqId(i)].window_tokens for i in range(3)]
@@ -367,13 +383,91 @@ def test_hbf_decode_graph_equals_the_eager_path(checkpoint: Callable[[str], Path
     (graphed, g_picks, reads, windows, g), (eager, e_picks, eager_reads, e_windows, _) = results
     assert windows == e_windows and windows[0] < 192  # the windows shrank alike
     assert g.captures == 0 and 20 < g.replays < 40  # most steps replayed; each new batch ran eagerly first
-    for step, (a, b) in enumerate(zip(g_picks, e_picks, strict=True)):
-        assert a.keys() == b.keys(), step
-        for seq in a:
-            np.testing.assert_array_equal(a[seq], b[seq], err_msg=f"step {step} seq {seq}")
-    assert reads == eager_reads
+    if lag:  # the same picks, each promoted at the next step (the last at the final flush)
+
+        def every(steps: list) -> dict:
+            return {q: sorted(c[q].tobytes() for step in steps for c in step if q in c) for q in map(SeqId, range(3))}
+
+        assert every(g_picks) == every(e_picks)
+        assert sum(reads[:2]) == sum(eager_reads[:2])  # as many blocks read, some elsewhere
+    else:
+        for step, (a, b) in enumerate(zip(g_picks, e_picks, strict=True)):
+            assert [c.keys() for c in a] == [c.keys() for c in b], step
+            for ca, cb in zip(a, b, strict=True):
+                for seq in ca:
+                    np.testing.assert_array_equal(ca[seq], cb[seq], err_msg=f"step {step} seq {seq}")
+        assert reads == eager_reads
     for a, b in zip(graphed, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(("hkv", "group", "parts"), [(2, 4, 2), (1, 1, 1), (4, 8, 4)])
+def test_hbf_selection_kernels_pick_what_the_twin_picks(seed: int, hkv: int, group: int, parts: int) -> None:
+    """`h3d.hbf.kernels` (scores -> top-k -> lists) against `select_static`: the same lists per
+    head in the same order, their locations from the table, 0 past each list, the lengths; the raw
+    bounds equal `block_scores` (past the context: -inf). Anchors past the context are clamped, a
+    room below the capacity leaves the top-k's tail unused, a 70-block table spans two programs."""
+    from h3d.hbf import kernels
+    from h3d.hbf.digests import block_scores
+    from h3d.hbf.policy import HbfConfig, base_sizes, select_static
+
+    g = torch.Generator().manual_seed(seed)
+    d, w, k = 16, 70, 16
+    cfg = HbfConfig(
+        policy="attention_entropy", window_tokens=512, window_min_tokens=64, window_max_tokens=1024,
+        sink_blocks=1, recent_tokens=64, dense_layers=1, entropy_shrink_below=3.0, entropy_grow_above=3.3,
+    )  # fmt: skip
+    bs = 32
+    sinks, recent = base_sizes(cfg, bs)
+    nb = torch.tensor(int(torch.randint(30, w + 1, (1,), generator=g)))
+    room = torch.tensor(int(torch.randint(1, k + 1, (1,), generator=g)))
+    take = torch.tensor(int(torch.randint(0, 5, (1,), generator=g)))
+    digests = torch.randn(hkv, w, parts, 2, d, generator=g).sort(dim=3).values  # (min, max) per part
+    q = torch.randn(hkv * group, d, generator=g)
+    anchors = torch.randint(0, w + 10, (hkv, 6), generator=g)  # some past the context
+    table = torch.randint(-50, 50, (w,), generator=g, dtype=torch.int32)
+    raw = torch.empty(hkv, w)
+    live = nb * parts - int(torch.randint(0, parts, (1,), generator=g))  # the last block partly written
+    digests.view(hkv, -1, 2, d)[:, live:, 0] = torch.finfo(torch.float32).max  # empty parts, as the store keeps them
+    digests.view(hkv, -1, 2, d)[:, live:, 1] = torch.finfo(torch.float32).min
+    want = select_static(cfg, q, digests, nb, room, take, anchors, k, 1.0, bs)  # [Hkv, n_pick]
+    masked = kernels.scores(q, digests, nb, live, take, anchors, sinks, recent, raw)
+    top = torch.topk(masked, k, dim=-1).indices
+    width = sinks + k + recent + 3  # a wider row than the list: its tail is zeroed
+    heads = torch.full((hkv, width), 99, dtype=torch.int32)
+    nblocks = torch.zeros(hkv, dtype=torch.int32)
+    picked = torch.full((hkv, sinks + k + recent), -7, dtype=torch.int64)
+    kernels.lists(top, table, nb, room, heads, nblocks, picked, sinks, recent)
+    n = sinks + int(room) + recent
+    assert nblocks.tolist() == [n] * hkv
+    assert torch.equal(picked[:, :n], want[:, :n])
+    assert torch.equal(heads[:, :n], table[want[:, :n]]) and not heads[:, n:].any()
+    bound = block_scores(q, digests[:, : int(nb)], per_head=True)
+    torch.testing.assert_close(raw[:, : int(nb)], bound, rtol=1e-5, atol=1e-5)
+    assert torch.isinf(raw[:, int(nb) :]).all()
+
+
+@pytest.mark.parametrize("pos", [0, 7, 8, 45, 63])
+def test_digest_fold_kernel_equals_the_store_update(pos: int) -> None:
+    """`h3d.hbf.kernels.fold` folds a key into the part its position falls in exactly as
+    `DigestStore.update` does (min and max per dimension), and nothing else changes."""
+    from h3d.hbf import kernels
+    from h3d.hbf.digests import DigestStore
+    from h3d.kv.blocks import SeqId
+
+    g = torch.Generator().manual_seed(pos)
+    store = DigestStore(2, 3, 16, 32, torch.float32, torch.device("cpu"), part_tokens=8)
+    seq = SeqId(1)
+    store.update(seq, 1, 0, torch.randn(64, 3, 16, generator=g))
+    ref = store.layer(seq, 1).clone()
+    key = torch.randn(1, 3, 16, generator=g) * 3
+    kernels.fold(store.layer(seq, 1), torch.tensor([pos]), key, store.part_tokens)
+    part = pos // 8
+    want = ref.clone()
+    want[:, part, 0] = torch.minimum(ref[:, part, 0], key[0])
+    want[:, part, 1] = torch.maximum(ref[:, part, 1], key[0])
+    assert torch.equal(store.layer(seq, 1), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -69,6 +69,7 @@ from h3d.tiers.stats import TierCounters
 
 BLOCK = 32
 WARMUP = 4
+PROMOTE_MB = EngineConfig().promote_mb_per_step  # the daemon's default
 H3D_MODES = ("exact_full", "exact_full_eager", "exact_25pct", "exact_25pct_eager", "attention_entropy_3GiB")
 HF_MODES = ("hf_dynamic", "hf_offloaded")
 MODES = ("floor", *H3D_MODES, *HF_MODES)
@@ -274,6 +275,13 @@ class Peak:
     def gb(self) -> float | None:
         return round((torch.cuda.max_memory_allocated() - self.base) / 1e9, 3) if self.cuda else None
 
+    def restart(self) -> float | None:
+        """The peak so far; the next `gb` counts from now (against the same base)."""
+        out = self.gb()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        return out
+
 
 def run_steps(b: Bench, step: Callable[[S], S], tok: S, n: int, stop: bool) -> tuple[list[float], list[S], S]:
     """n decode steps, each timed alone (synchronized); with `stop`, none after the deadline once one ran."""
@@ -305,6 +313,7 @@ def tier_fields(runner: ModelRunner, c0: TierCounters, lat0: int, steps: int) ->
     return {
         "hbm_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
         "fetch_gb_per_step": round((c1.fetch_bytes - c0.fetch_bytes) / steps / 1e9, 4),
+        "promote_gb_per_step": round((c1.promote_count - c0.promote_count) * runner.hbm.slot_bytes / steps / 1e9, 4),
         "hbf_latency_us_p50": round(float(np.median(lats)), 1) if lats else None,  # exact: no planning
     }
 
@@ -315,18 +324,18 @@ class PrefillOOM(Exception):
 
 def plan(
     b: Bench, mode: str, tokens: int, steps: int, sessions: int = 1, hbm_bytes: int = 0
-) -> tuple[int, int, HbfConfig]:
-    """(HBM slots per layer, DDR slots, HBF config) of a mode for `sessions` of `tokens` tokens
-    that then decode `steps` (+ warm-up) tokens."""
+) -> tuple[list[int], int, HbfConfig]:
+    """(HBM slots of each layer's region, DDR slots, HBF config) of a mode for `sessions` of
+    `tokens` tokens that then decode `steps` (+ warm-up) tokens."""
     cfg, nl = b.cfg, b.cfg.num_layers
     nb_ctx = -(-tokens // BLOCK)
     nb = sessions * -(-(tokens + WARMUP + steps + 1) // BLOCK)  # every block the run writes
     mode = mode.removesuffix("_eager")
     if mode == "exact_full":
-        return nb + 2, 4 * nl, replace(EngineConfig(), policy="exact").hbf
+        return [nb + 2] * nl, 4 * nl, replace(EngineConfig(), policy="exact").hbf
     if mode == "exact_25pct":
         hbm = max(1, math.ceil(nb_ctx / 4))
-        return hbm, (nb - hbm) * nl + 4 * nl, replace(EngineConfig(), policy="exact").hbf
+        return [hbm] * nl, (nb - hbm) * nl + 4 * nl, replace(EngineConfig(), policy="exact").hbf
     # The budget holds the digests too (they stay in HBM): the pool gets what they leave.
     hbf = replace(EngineConfig(), policy="attention_entropy", **b.sizes.hbf).hbf
     parts = max(1, BLOCK // hbf.digest_tokens)
@@ -334,12 +343,19 @@ def plan(
     digest_bytes = nb * parts * nl * cfg.num_kv_heads * 2 * cfg.head_dim * elem
     budget = (hbm_bytes or b.sizes.entropy_hbm_bytes) - digest_bytes
     slots = KVPool.slots_for_budget(budget / 2**20, BLOCK, cfg.num_kv_heads, cfg.head_dim, b.sizes.dtype)
-    hbm = max(1, min(slots // nl, nb + 2))
+    # The dense layers read every block at every step: their regions hold all of them (at most
+    # half of the pool, `dense_hbm_share`), the other layers share the rest.
+    dense = min(hbf.dense_layers, nl - 1)
+    dense_slots = min(nb + 2, slots // (2 * dense)) if dense else 0
+    sparse = max(1, min((slots - dense_slots * dense) // (nl - dense), nb + 2))
+    regions = [dense_slots] * dense + [sparse] * (nl - dense)
     # DDR: every block HBM does not hold, plus room for copies of half of HBM's (HBF's victims keep
-    # one); an eighth with many sessions, whose DDR (pinned) must fit in the host's memory.
-    share = 2 if sessions == 1 else 8
-    ddr = max(nb - hbm, 0) * nl + math.ceil(min(hbm, nb) * nl / share) + 4 * nl * sessions
-    return hbm, ddr, hbf
+    # one); a 32nd with many sessions, whose DDR (pinned) must fit in the host's memory (a victim
+    # with no room for its copy stays in HBM).
+    share = 2 if sessions == 1 else 32
+    held = sum(min(r, nb) for r in regions)
+    ddr = nb * nl - held + math.ceil(held / share) + 4 * nl * sessions
+    return regions, ddr, hbf
 
 
 def prefill(b: Bench, runner: ModelRunner, seq: SeqId, ids: list[int], chunk: int) -> tuple[float, int]:
@@ -385,13 +401,16 @@ def _h3d_once(b: Bench, mode: str, ids: list[int], chunk: int, steps: int) -> di
     t = len(ids)
     hbm, ddr, hbf = plan(b, mode, t, steps)
     peak = Peak(b.device)
-    runner = ModelRunner(b.model, hbm, ddr, BLOCK, archive=None, high_watermark=0.85, hbf=hbf)
+    runner = ModelRunner(
+        b.model, hbm, ddr, BLOCK, archive=None, high_watermark=0.85, hbf=hbf, promote_mb_per_step=PROMOTE_MB
+    )
     runner.graphs.enabled = runner.graphs.enabled and not mode.endswith("_eager")
     seq = SeqId(1)
     runner.open(seq)
     if hbf.policy != "exact":
         runner.digests.reserve(seq, -(-(t + WARMUP + steps + 1) // BLOCK))  # the budget counted them all
     prefill_s, tok = prefill(b, runner, seq, ids, chunk)
+    prefill_peak = peak.restart()
     pos = t
 
     # Every mode after exact_full is fed exact_full's tokens (teacher forcing) and its logits are
@@ -431,8 +450,12 @@ def _h3d_once(b: Bench, mode: str, ids: list[int], chunk: int, steps: int) -> di
     out["graph_steps"] = runner.graphs.replays - replays
     if mode in (b.args.profile or []) and steps == b.args.steps:
         profile(b, mode, t, step, tok)
-    out.update(peak_gpu_gb_beyond_weights=peak.gb(), **tier_fields(runner, *before, len(times)))
-    out.update(hbm_budget_gb=round(hbm * b.cfg.num_layers * slot / 1e9, 3), ddr_gb=round(ddr * slot / 1e9, 3))
+    decode_peak = peak.gb()
+    both = [x for x in (prefill_peak, decode_peak) if x is not None]
+    out.update(peak_gpu_gb_beyond_weights=max(both) if both else None, peak_decode_gb_beyond_weights=decode_peak)
+    out.update(tier_fields(runner, *before, len(times)))
+    out.update(hbm_budget_gb=round(sum(hbm) * slot / 1e9, 3), ddr_gb=round(ddr * slot / 1e9, 3))
+    out["hbm_regions"] = sorted(set(hbm))
     out["prefill_chunk"] = chunk
     generated = warm + timed
     if mode == "exact_full" and steps == b.args.steps:
@@ -442,8 +465,16 @@ def _h3d_once(b: Bench, mode: str, ids: list[int], chunk: int, steps: int) -> di
         out["argmax_agree_exact_full"] = round(sum(agree) / len(agree), 3)
         out["logits_max_diff_exact_full"] = round(max(float(d) for d in mine), 4)
         out["logits_max_abs_exact_full"] = round(scale, 3)
+    ceil = b.data["ceilings"]
+    if hbf.policy != "exact" and ceil.get("h2d_gbps") and ceil.get("hbm_copy_gbps"):
+        # The least its step can cost for what it read: the weights, the dense layers' KV and the
+        # digests from HBM, the bytes it fetched over PCIe (the selections' HBM reads left out).
+        elem = b.model.lm_head.weight_t.element_size()
+        dense_kv = t * b.cfg.kv_bytes_per_token // b.cfg.num_layers * hbf.dense_layers * elem
+        hbm_s = (b.weight_bytes + dense_kv + runner.digests.nbytes()) / (ceil["hbm_copy_gbps"] * 1e9)
+        out["reads_floor_ms"] = round((hbm_s + out["fetch_gb_per_step"] / ceil["h2d_gbps"]) * 1e3, 2)
     if mode == "exact_25pct" and b.data["ceilings"]["h2d_gbps"]:
-        below = t * b.cfg.kv_bytes_per_token * b.model.lm_head.weight_t.element_size() - hbm * b.cfg.num_layers * slot
+        below = t * b.cfg.kv_bytes_per_token * b.model.lm_head.weight_t.element_size() - sum(hbm) * slot
         out["pcie_floor_ms"] = round(max(below, 0) / (b.data["ceilings"]["h2d_gbps"] * 1e9) * 1e3, 2)
     return out
 
@@ -569,7 +600,13 @@ def run_many(b: Bench, n: int, context: int, hbm_gb: float) -> dict[str, Any]:
     """n sessions of `context` tokens, prefilled one by one, then decoding together: one execute per step."""
     hbm, ddr, hbf = plan(b, "attention_entropy", context, b.args.steps, n, int(hbm_gb * 1e9))
     peak = Peak(b.device)
-    runner = ModelRunner(b.model, hbm, ddr, BLOCK, archive=None, high_watermark=0.85, hbf=hbf)
+    slot = 2 * BLOCK * b.cfg.num_kv_heads * b.cfg.head_dim * b.model.lm_head.weight_t.element_size()
+    log(f"many sessions: {sum(hbm) * slot / 1e9:.1f} GB of HBM pool, {ddr * slot / 1e9:.1f} GB of pinned DDR")
+    t0 = time.perf_counter()
+    runner = ModelRunner(
+        b.model, hbm, ddr, BLOCK, archive=None, high_watermark=0.85, hbf=hbf, promote_mb_per_step=PROMOTE_MB
+    )
+    log(f"many sessions: pools allocated (DDR pinned) in {time.perf_counter() - t0:.1f} s")
     seqs = [SeqId(i + 1) for i in range(n)]
     toks, prefill_s = [], 0.0
     gen = torch.Generator().manual_seed(b.args.seed + 7)
@@ -591,14 +628,17 @@ def run_many(b: Bench, n: int, context: int, hbm_gb: float) -> dict[str, Any]:
 
     _, _, toks = run_steps(b, step, toks, WARMUP, stop=False)
     before = replace(runner.tiers.counters), len(runner.tiers.latencies_us)
+    replays = runner.graphs.replays
     times, _, _ = run_steps(b, step, toks, b.args.steps, stop=True)
     ms = np.array(times) * 1e3
     out: dict[str, Any] = {"sessions": n, "context": context}
-    out["hbm_budget_gb"] = round(hbm * b.cfg.num_layers * runner.hbm.slot_bytes / 1e9, 3)
+    out["hbm_budget_gb"] = round(sum(hbm) * runner.hbm.slot_bytes / 1e9, 3)
     out.update(prefill_s_total=round(prefill_s, 3), step_ms_p50=round(float(np.percentile(ms, 50)), 3))
     out["step_ms_p99"] = round(float(np.percentile(ms, 99)), 3)
     out["tokens_per_s"] = round(n * 1e3 / float(np.median(ms)), 1)
     out.update(peak_gpu_gb_beyond_weights=peak.gb(), steps=len(times), **tier_fields(runner, *before, len(times)))
+    out["graph_steps"] = runner.graphs.replays - replays
+    out["ddr_gb"] = round(ddr * runner.hbm.slot_bytes / 1e9, 3)
     return out
 
 
@@ -681,6 +721,14 @@ def _notes(f: dict[str, Any]) -> str:
         notes.append(f"weights {f['weight_gb']:.2f} GB + KV {f['kv_gb']:.2f} GB")
     if f.get("pcie_floor_ms") is not None:
         notes.append(f"PCIe floor {_num(f['pcie_floor_ms'])} ms")
+    if f.get("reads_floor_ms") is not None:
+        notes.append(f"floor of its reads {_num(f['reads_floor_ms'])} ms")
+    if f.get("peak_decode_gb_beyond_weights") is not None and f.get("hbm_regions"):
+        notes.append(f"decode peak {_num(f['peak_decode_gb_beyond_weights'])} GB")
+    if f.get("promote_gb_per_step"):
+        notes.append(f"promoted {_num(f['promote_gb_per_step'])} GB/step")
+    if f.get("graph_steps") is not None and f.get("steps") and f.get("hbm_regions"):
+        notes.append(f"graph steps {f['graph_steps']}/{f['steps']}")
     if f.get("hbf_latency_us_p50") is not None:
         notes.append(f"HBF planning p50 {_num(f['hbf_latency_us_p50'])} µs")
     if "argmax_agree_exact_full" in f:
@@ -734,7 +782,10 @@ def table(data: dict[str, Any]) -> str:
                 f"| {many['sessions']} × {many['context']} | {_num(many['tokens_per_s'])} "
                 f"| {_num(many['step_ms_p50'])} | {_num(many['step_ms_p99'])} | {_num(many['hbm_hit_rate'])} "
                 f"| HBM for KV {many['hbm_budget_gb']} GB; fetch {_num(many['fetch_gb_per_step'])} GB/step; "
-                f"HBF planning p50 {_num(many['hbf_latency_us_p50'])} µs |"
+                f"HBF planning p50 {_num(many['hbf_latency_us_p50'])} µs"
+                + (f"; pinned DDR {many['ddr_gb']} GB" if "ddr_gb" in many else "")
+                + (f"; graph steps {many['graph_steps']}/{many['steps']}" if "graph_steps" in many else "")
+                + " |"
             )
     return "\n".join(lines)
 

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from h3d.hbf import kernels
 from h3d.hbf.policy import base_sizes, select_static
 from h3d.kv.attention import LayerKV, Pools, kernel_attention
 from h3d.kv.blocks import NONE, BlockTable, SeqId
@@ -92,8 +93,22 @@ class _Hbf:
     picked: torch.Tensor  # [Ls, E, Hkv, n] int64: the blocks each head read (the step's output)
     entropy: torch.Tensor  # [E] fp32: the first sparse layer's block-score entropy (output)
     mixed: bool  # some real entry is under exact (its lists are whole tables)
+    heads: torch.Tensor  # [B, Hkv, NW] int32: the kernels' lists (rows past the batch stay 0)
+    nblocks: torch.Tensor  # [B, Hkv] int32: their lengths (padding rows: 1)
     versions: list[int] = field(default_factory=list)  # per entry: the anchors_version copied in
     rooms: list[int] = field(default_factory=list)  # per entry: this step's room (host copy)
+    picked_host: torch.Tensor | None = None  # where `picked` is copied after a step
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A replayed step's HBF picks on their way to the host (see `DecodeGraphs.resolve`)."""
+
+    seqs: tuple[SeqId, ...]
+    rooms: tuple[int, ...]
+    picked: torch.Tensor  # [Ls, E, Hkv, n] host copy (pinned on CUDA)
+    done: torch.cuda.Event | None  # the copy's completion (CUDA)
+    seen: np.ndarray  # [L, E, W] the locations the step read (HBM slot >= 0, DDR < 0)
 
 
 @dataclass(slots=True)
@@ -127,6 +142,8 @@ class _GraphKV:
         nblocks, tail, _, pos, ends, room, take = g.small[nl * b :].view(SMALL, b)
         self.seq_ends = ends
         self.num_blocks, self.pos, self.room, self.take = nblocks, pos, room, take
+        if g.hbf is not None:  # parts that hold a key: up to the new token's
+            self.parts_live = pos // runner.digests.part_tokens + 1
         self.nblocks = nblocks.to(torch.int32)[:, None].expand(-1, hkv)
         self.tail = tail.to(torch.int32)
         self.locs = g.locs
@@ -140,25 +157,10 @@ class _GraphKV:
         dense = r.hbf.dense_layers
         if hb is None or index < dense:
             lists = (table[:, None, :].expand(-1, self.hkv, -1), self.nblocks, self.tail)
+        elif kernels.available(table.device):
+            lists = self._select_kernels(index, q, scale, table)
         else:
-            sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
-            n = sinks + hb.k + recent
-            b, w = table.shape
-            heads = torch.zeros((b, self.hkv, max(n, w) if self.mixed else n), dtype=table.dtype, device=table.device)
-            if self.mixed:  # exact entries read every block
-                heads[:, :, :w] = table[:, None, :]
-            nblocks = self.nblocks.clone()
-            for e, (i, seq) in enumerate(zip(hb.entries, hb.seqs, strict=True)):
-                digests = r.digests.get(seq, index, w)  # [Hkv, W, parts, 2, D]
-                blocks = select_static(
-                    r.hbf, q[i], digests, self.num_blocks[i], self.room[i], self.take[i], hb.anchors[index - dense, e],
-                    hb.k, scale, r.blocks.block_size, entropy=hb.entropy[e] if index == dense else None,
-                )  # fmt: skip
-                hb.picked[index - dense, e].copy_(blocks)
-                heads[i] = 0
-                heads[i, :, :n] = table[i][blocks]
-                nblocks[i] = (self.room[i] + sinks + recent).to(torch.int32)
-            lists = (heads, nblocks, self.tail)
+            lists = self._select_torch(index, q, scale, table)
         return LayerKV(
             query_lens=self.query_lens,
             kv_lens=self.query_lens,  # not read: attention reads `lists`
@@ -167,12 +169,68 @@ class _GraphKV:
             lists=lists,
         )
 
+    def _select_kernels(self, index: int, q: torch.Tensor, scale: float, table: torch.Tensor) -> tuple:
+        """The HBF entries' lists from the selection kernels (`h3d.hbf.kernels`): per entry the
+        masked bounds, a top-k, the lists; the first sparse layer's entropy from the raw bounds."""
+        r, hb = self.runner, self.g.hbf
+        assert hb is not None
+        dense = r.hbf.dense_layers
+        sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
+        w = table.shape[1]
+        heads, nblocks = hb.heads, hb.nblocks
+        if hb.mixed:  # exact entries read every block
+            heads[:, :, :w] = table[:, None, :]
+            nblocks.copy_(self.nblocks)
+        for e, (i, seq) in enumerate(zip(hb.entries, hb.seqs, strict=True)):
+            digests = r.digests.get(seq, index, w)  # [Hkv, W, parts, 2, D]
+            raw = torch.empty((self.hkv, w), dtype=torch.float32, device=q.device) if index == dense else None
+            nb, room, take = self.num_blocks[i], self.room[i], self.take[i]
+            live = self.parts_live[i]
+            masked = kernels.scores(q[i], digests, nb, live, take, hb.anchors[index - dense, e], sinks, recent, raw)
+            if raw is not None:
+                p = torch.softmax(raw.amax(dim=0) * scale, dim=-1)
+                hb.entropy[e].copy_(-(p * torch.log(p.clamp_min(1e-30))).sum())
+            top = torch.topk(masked, hb.k, dim=-1).indices  # [Hkv, k], best first
+            kernels.lists(top, table[i], nb, room, heads[i], nblocks[i], hb.picked[index - dense, e], sinks, recent)
+        return heads, nblocks, self.tail
+
+    def _select_torch(self, index: int, q: torch.Tensor, scale: float, table: torch.Tensor) -> tuple:
+        """The kernels' twin (a CPU without Triton's interpreter): `select_static`, then the
+        lists gathered from the table."""
+        r, hb = self.runner, self.g.hbf
+        assert hb is not None
+        dense = r.hbf.dense_layers
+        sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
+        n = sinks + hb.k + recent
+        b, w = table.shape
+        heads = torch.zeros((b, self.hkv, max(n, w) if self.mixed else n), dtype=table.dtype, device=table.device)
+        if self.mixed:  # exact entries read every block
+            heads[:, :, :w] = table[:, None, :]
+        nblocks = self.nblocks.clone()
+        for e, (i, seq) in enumerate(zip(hb.entries, hb.seqs, strict=True)):
+            digests = r.digests.get(seq, index, w)  # [Hkv, W, parts, 2, D]
+            blocks = select_static(
+                r.hbf, q[i], digests, self.num_blocks[i], self.room[i], self.take[i], hb.anchors[index - dense, e],
+                hb.k, scale, r.blocks.block_size, entropy=hb.entropy[e] if index == dense else None,
+            )  # fmt: skip
+            hb.picked[index - dense, e].copy_(blocks)
+            heads[i] = 0
+            heads[i, :, :n] = table[i][blocks]
+            nblocks[i] = (self.room[i] + sinks + recent).to(torch.int32)
+        return heads, nblocks, self.tail
+
     def write(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         paged_write(k, v, (self.pools.k[0], self.pools.k[1]), (self.pools.v[0], self.pools.v[1]), self.rows[index])
         hb = self.g.hbf
-        if hb is not None:  # the new key into its digest (the selection below reads it)
-            for i, seq in zip(hb.entries, hb.seqs, strict=True):
-                self.runner.digests.fold(seq, index, self.pos[i : i + 1], k[i : i + 1])
+        if hb is None:
+            return
+        digests = self.runner.digests
+        fused = kernels.available(k.device)
+        for i, seq in zip(hb.entries, hb.seqs, strict=True):  # the new key into its digest (selection reads it)
+            if fused:
+                kernels.fold(digests.layer(seq, index), self.pos[i : i + 1], k[i : i + 1], digests.part_tokens)
+            else:
+                digests.fold(seq, index, self.pos[i : i + 1], k[i : i + 1])
 
 
 class DecodeGraphs:
@@ -188,6 +246,10 @@ class DecodeGraphs:
         self._seen: OrderedDict[tuple, None] = OrderedDict()  # recent HBF batches' keys (a graph is made at the second)
         self.replays = 0  # steps run through a bucket (counted on the CPU too)
         self.captures = 0
+        # HBF picks promoted during the next step (`resolve`); tests turn it off to compare a
+        # step's promotions with the eager path's.
+        self.lag = True
+        self._lagged: _Pending | None = None
 
     def _room(self, seq: SeqId, num_blocks: int) -> int:
         """A session's room past sinks + recent this step (<= 0: it would not select)."""
@@ -296,22 +358,57 @@ class DecodeGraphs:
         return g.hidden[:b]
 
     def resolve(self, step: _Step) -> None:
-        """After a replayed step (and the launch of its logits): its HBF entries' picks to the host
-        (one copy) as (layer, block) keys for promotion, which counts their reads; their entropies
-        to their sessions' states (left on the device)."""
+        """After a replayed step (and the launch of its logits): its HBF entries' picks go to the
+        host as (layer, block) keys for promotion, their entropies to their sessions' states (left
+        on the device). With `lag` the picks are copied out asynchronously and promoted during
+        the next step (`take_lagged`: the host's planning then overlaps the device's work);
+        without, the host waits for them here and `step.selected` gets them."""
         g = step.graph
         if g is None or g.hbf is None:
             return
         r, hb = self.runner, g.hbf
-        sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
-        dense = r.hbf.dense_layers
-        picked = hb.picked.cpu().numpy()  # [Ls, E, Hkv, n]: the step's one wait for the device
-        layers = np.arange(dense, r.blocks.num_layers, dtype=np.int64)[:, None, None]
         for e, seq in enumerate(hb.seqs):
             r.selection[seq].entropies.append(hb.entropy[e].clone())
-            n = sinks + hb.rooms[e] + recent
-            keys = picked[:, e, :, :n] + layers * r.blocks.table(seq).capacity  # [Ls, Hkv, n]
-            step.selected[seq] = [keys.ravel()]
+        if hb.picked_host is None:
+            hb.picked_host = torch.empty(hb.picked.shape, dtype=hb.picked.dtype, pin_memory=self.capture)
+        hb.picked_host.copy_(hb.picked, non_blocking=self.capture)
+        done = torch.cuda.Event() if self.capture else None
+        if done is not None:
+            done.record()
+        seen = g.locs_host.numpy()[:, list(hb.entries), :].copy()  # [L, E, W]: where the step read
+        pending = _Pending(hb.seqs, tuple(hb.rooms), hb.picked_host, done, seen)
+        if self.lag:
+            self._lagged = pending
+        else:
+            step.selected.update(self._keys(pending))
+
+    def take_lagged(self) -> dict[SeqId, np.ndarray]:
+        """The previous replayed step's HBF picks as (layer, block) keys per session, their reads
+        counted as that step made them (against the locations it read), for promotion now; {} if
+        none wait. Called during the next step, or before anything changes the sessions' tables."""
+        pending, self._lagged = self._lagged, None
+        return {} if pending is None else {s: k[0] for s, k in self._keys(pending, count=True).items()}
+
+    def _keys(self, p: _Pending, count: bool = False) -> dict[SeqId, list[np.ndarray]]:
+        r = self.runner
+        if p.done is not None:
+            p.done.synchronize()  # normally long since
+        picked = p.picked.numpy()  # [Ls, E, Hkv, n]
+        sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
+        dense = r.hbf.dense_layers
+        layers = np.arange(dense, r.blocks.num_layers, dtype=np.int64)[:, None, None]
+        out: dict[SeqId, list[np.ndarray]] = {}
+        for e, seq in enumerate(p.seqs):
+            if not r.blocks.has(seq):
+                continue  # released since
+            n = sinks + p.rooms[e] + recent
+            blocks = picked[:, e, :, :n]  # [Ls, Hkv, n]
+            keys = blocks + layers * r.blocks.table(seq).capacity
+            if count:
+                where = np.take_along_axis(p.seen[dense:, e, None, :], blocks.reshape(len(blocks), 1, -1), axis=2)
+                r.tiers.count_selected(seq, keys.ravel(), where.reshape(keys.shape).ravel() >= 0)
+            out[seq] = [keys.ravel()]
+        return out
 
     def _hbf_inputs(self, g: _Graph, tables: list[BlockTable], room: np.ndarray, take: np.ndarray) -> None:
         """Each HBF entry's room and anchors taken (the small buffer), and its anchors copied into
@@ -354,6 +451,7 @@ class DecodeGraphs:
             sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
             ls, e = nl - r.hbf.dense_layers, len(who)
             most = max(1, r.hbf.window_max_tokens // r.blocks.block_size - sinks - recent)  # probe_anchors' width
+            n = sinks + k + recent
             g.hbf = _Hbf(
                 entries=tuple(i for i, _, _ in who),
                 seqs=tuple(seq for _, seq, _ in who),
@@ -362,6 +460,8 @@ class DecodeGraphs:
                 picked=torch.zeros((ls, e, hkv, sinks + k + recent), dtype=torch.int64, device=dev),
                 entropy=torch.zeros(e, dtype=torch.float32, device=dev),
                 mixed=e < real,
+                heads=torch.zeros((batch, hkv, max(n, width) if e < real else n), dtype=torch.int32, device=dev),
+                nblocks=torch.ones((batch, hkv), dtype=torch.int32, device=dev),
                 versions=[-1] * e,
             )
         return g

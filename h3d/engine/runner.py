@@ -479,6 +479,9 @@ class ModelRunner:
                 out = hidden.new_zeros((0, self.model.config.vocab_size), dtype=torch.float32)
         if step.plan is not None:
             step.plan.resolve()
+        # The previous replayed step's picks, promoted now: the host plans while the device runs
+        # this step (the copies queue behind it). Then this step's own (lagged to the next one).
+        self._flush_lagged(step.protect)
         self.graphs.resolve(step)
         if step.selected:
             selected = {s: np.concatenate(keys) for s, keys in step.selected.items()}
@@ -497,6 +500,7 @@ class ModelRunner:
         block's archive record was damaged); the blocks after it are neither read nor changed.
         Raises `ArchiveCorrupt` if a block before it is damaged too: rewrite that one first, then
         this one again."""
+        self._flush_lagged()
         start = block * self.blocks.block_size
         if len(token_ids) != min(self.blocks.block_size, self.cached_tokens(seq) - start):
             raise ValueError(f"block {block} of seq {seq} holds other tokens than the {len(token_ids)} given")
@@ -511,6 +515,13 @@ class ModelRunner:
             self.tiers.end_rewrite()
         if self.check_invariants:
             self.tiers.check()
+
+    def _flush_lagged(self, protect: dict[SeqId, int] | None = None) -> None:
+        """Promote the last replayed step's HBF picks, if they wait (`DecodeGraphs.take_lagged`):
+        after the next step's launch, or before anything else changes the sessions' tables."""
+        lagged = self.graphs.take_lagged()
+        if lagged:
+            self.tiers.promote(lagged, protect or {}, {s: self._keep(s) for s in lagged}, counted=True)
 
     def _keep(self, seq: SeqId) -> np.ndarray:
         """Blocks of `seq` that HBF never evicts from HBM: sinks and the recent window."""
@@ -527,12 +538,14 @@ class ModelRunner:
     def adopt(self, seq: SeqId, num_tokens: int) -> int:
         """After a restart: take the KV of `seq`'s first tokens from the archive (see
         `TierManager.adopt`); digests follow at its first step. Returns the tokens adopted."""
+        self._flush_lagged()
         adopted = self.tiers.adopt(seq, num_tokens)
         if adopted and self.selection[seq].policy != "exact":
             self._stale_digests.add(seq)
         return adopted
 
     def set_policy(self, seq: SeqId, policy: str) -> None:
+        self._flush_lagged()
         state = self.selection[seq]
         if state.policy == "exact" and policy != "exact":
             self._rebuild_digests(seq)
@@ -553,6 +566,7 @@ class ModelRunner:
     def truncate(self, seq: SeqId, num_tokens: int) -> None:
         """Forget `seq`'s KV past its first `num_tokens` tokens, and the cut keys' share of its
         digests (a rewind: other tokens follow, and the bounds stay those of the kept keys)."""
+        self._flush_lagged()
         self.blocks.truncate(seq, num_tokens)
         if self.selection[seq].policy == "exact" or seq in self._stale_digests:
             return  # no digests kept, or rebuilt at the next step
@@ -567,12 +581,14 @@ class ModelRunner:
     def park(self, seq: SeqId) -> None:
         """A closed session: its KV to the archive only (`TierManager.park`), its digests dropped
         (rebuilt from the archive if it is reopened)."""
+        self._flush_lagged()
         self.tiers.park(seq)
         self.digests.drop(seq)
         if self.selection[seq].policy != "exact":
             self._stale_digests.add(seq)
 
     def release(self, seq: SeqId) -> None:
+        self._flush_lagged()
         self._stale_digests.discard(seq)
         self.tiers.release(seq)
         self.digests.drop(seq)

@@ -111,6 +111,10 @@ class DigestStore:
                 d[:, :, 0].scatter_reduce_(1, idx, kt[:, lo:hi], reduce="amin", include_self=True)
                 d[:, :, 1].scatter_reduce_(1, idx, kt[:, lo:hi], reduce="amax", include_self=True)
 
+    def layer(self, seq: SeqId, layer: int) -> torch.Tensor:
+        """One layer of the session's store: [Hkv, capacity * parts, 2, D] (min, max)."""
+        return self._digests[seq][layer]
+
     def fold(self, seq: SeqId, layer: int, pos: torch.Tensor, k: torch.Tensor) -> None:
         """`update` of one new key whose position is in a tensor (a decode step captured in a CUDA
         graph: no host value is read). k: [1, Hkv, D]; pos: [1] int64 on the device. The store must

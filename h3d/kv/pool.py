@@ -6,9 +6,56 @@ module only stores and moves bytes. Slot 0 (`NULL_SLOT`) is never written and st
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from h3d.kv.blocks import NULL_SLOT
+
+PIN_PIECE = 4 << 30  # a pinned slab larger than this is host memory registered with CUDA piece by piece
+PAGE = 4096
+
+
+class _Registered:
+    """Pageable host memory page-locked for the GPU by `cudaHostRegister`, in pieces of PIN_PIECE
+    bytes: one `cudaHostAlloc` of ~100 GB fails on the H200 host, while the same memory registered
+    piece by piece is one contiguous range the kernels read in place (under unified addressing a
+    registered page's device address is its host address). Unregistered when the tensor that
+    holds this object goes."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        base = tensor.data_ptr()
+        size = tensor.numel() * tensor.element_size()
+        self.pieces: list[int] = []
+        # Cut at page boundaries (the allocation itself need not start on one): no page is in two pieces.
+        cuts = [base, *((base + at) & ~(PAGE - 1) for at in range(PIN_PIECE, size, PIN_PIECE)), base + size]
+        cudart = torch.cuda.cudart()
+        for ptr, end in itertools.pairwise(cuts):
+            # flags: portable (every context) | mapped (device-addressable)
+            err = cudart.cudaHostRegister(ptr, end - ptr, 3)
+            if int(err) != 0:
+                self.close()
+                raise RuntimeError(f"cudaHostRegister of {size / 1e9:.1f} GB of host memory failed (error {int(err)})")
+            self.pieces.append(ptr)
+
+    def close(self) -> None:
+        cudart = torch.cuda.cudart()
+        for ptr in self.pieces:
+            cudart.cudaHostUnregister(ptr)
+        self.pieces = []
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _host_slab(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host tensor; pinned when `pin` (registered in pieces when large, `_Registered`)."""
+    size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if not pin or size <= PIN_PIECE:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+    t = torch.empty(shape, dtype=dtype)
+    t._h3d_registered = _Registered(t)  # type: ignore[attr-defined]  # lives (and unregisters) with t
+    return t
 
 
 class KVPool:
@@ -33,8 +80,11 @@ class KVPool:
         # uses bytes past a sequence's length (it slices them off or zeroes them), and the null
         # slot, which pads tables, is zeroed here.
         # pin_memory: the DDR pool of a CUDA host, which the GPU reads and copies from directly.
-        self.k = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-        self.v = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        if device.type == "cpu":
+            self.k, self.v = _host_slab(shape, dtype, pin_memory), _host_slab(shape, dtype, pin_memory)
+        else:
+            self.k = torch.empty(shape, dtype=dtype, device=device)
+            self.v = torch.empty(shape, dtype=dtype, device=device)
         self.k[:, NULL_SLOT] = 0
         self.v[:, NULL_SLOT] = 0
         self.num_slots = num_slots

@@ -299,11 +299,21 @@ class TierManager:
         mine.hbm_hits += total - below
         mine.hbm_misses += below
 
+    def count_selected(self, seq: SeqId, keys: np.ndarray, in_hbm: np.ndarray) -> None:
+        """Count a step's selection reads (`keys` as `promote` takes them, one per reading KV head)
+        where they were when the step read them (`in_hbm`, per key), for a promotion made later
+        (`promote(..., counted=True)`): the distinct blocks, those read from DDR, the heads' bytes."""
+        at, first = np.unique(keys, return_index=True)
+        below = int(np.count_nonzero(~in_hbm[first]))
+        fetched = int(np.count_nonzero(~in_hbm)) * (self.block_bytes // self.hbm.k.shape[0])
+        self.count_reads(seq, len(at), below, fetched)
+
     def promote(
         self,
         selected: dict[SeqId, np.ndarray],
         protect: dict[SeqId, int],
         keep: dict[SeqId, np.ndarray],
+        counted: bool = False,
     ) -> None:
         """HBF, between steps: bring the blocks just read from DDR into HBM for the next step (the
         selection is the prefetch guess), evicting the least valuable HBM blocks of each layer by
@@ -313,7 +323,8 @@ class TierManager:
         where several KV heads read a block; their reads are counted here (`count_reads`). All
         layers at once: no per-layer or per-block loop. Times the decisions (`hbf_latency_us`):
         the union of the heads' picks, the counts, the choice of victims and the table updates,
-        not the copies.
+        not the copies. `counted`: the reads were counted already (`count_selected`), as the step
+        that made them saw them.
 
         At most `promote_blocks_per_step` blocks move per step (`promote_mb_per_step`), shared
         equally by the sessions, each session's hottest first: a block read from DDR in place
@@ -326,7 +337,7 @@ class TierManager:
         share = None if limit is None else max(1, limit // max(1, len(selected)))
         for seq, keys in selected.items():
             if len(keys):
-                copy_s += self._promote_seq(seq, keys, protect, keep[seq], weight, share)
+                copy_s += self._promote_seq(seq, keys, protect, keep[seq], weight, share, counted)
         self.latencies_us.append((time.perf_counter() - t0 - copy_s) * 1e6)
         if len(self.latencies_us) > 2 * LATENCY_WINDOW:
             del self.latencies_us[:-LATENCY_WINDOW]
@@ -349,6 +360,7 @@ class TierManager:
         keep: np.ndarray,
         weight: np.float32,
         limit: int | None,
+        counted: bool = False,
     ) -> float:
         """Count and promote one session's selected pairs (at most `limit` moves); returns the
         seconds spent copying bytes."""
@@ -360,9 +372,9 @@ class TierManager:
         rank[at] += weight  # a use (see _rank); `at` is distinct: one add each
         in_hbm = t.hbm.ravel().take(at)  # [n] slot or NONE
         miss = np.flatnonzero(in_hbm < 0)
-        # Each key is one KV head's read: what crossed PCIe is its share of the block.
-        head_misses = int(np.count_nonzero(t.hbm.ravel().take(keys) < 0))
-        self.count_reads(seq, len(at), len(miss), head_misses * (self.block_bytes // self.hbm.k.shape[0]))
+        if not counted:  # each key is one KV head's read: what crossed PCIe is its share of the block
+            head_misses = int(np.count_nonzero(t.hbm.ravel().take(keys) < 0))
+            self.count_reads(seq, len(at), len(miss), head_misses * (self.block_bytes // self.hbm.k.shape[0]))
         if not len(miss):
             return 0.0
         m_at = at.take(miss)
