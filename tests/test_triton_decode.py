@@ -432,17 +432,22 @@ def test_hbf_selection_kernels_pick_what_the_twin_picks(seed: int, hkv: int, gro
     digests.view(hkv, -1, 2, d)[:, live:, 0] = torch.finfo(torch.float32).max  # empty parts, as the store keeps them
     digests.view(hkv, -1, 2, d)[:, live:, 1] = torch.finfo(torch.float32).min
     want = select_static(cfg, q, digests, nb, room, take, anchors, k, 1.0, bs)  # [Hkv, n_pick]
-    masked = kernels.scores(q, digests, nb, live, take, anchors, sinks, recent, raw)
-    top = torch.topk(masked, k, dim=-1).indices
+    masked = torch.empty(hkv, w)
+    kernels.scores(masked, q, digests, nb, live, take, anchors, sinks, recent, raw)
+    # The session is entry 0 of two, at batch index 2 of 3 (the other entry: lists of its own).
+    top = torch.stack([torch.topk(masked, k, dim=-1).indices, torch.zeros(hkv, k, dtype=torch.int64)])
     width = sinks + k + recent + 3  # a wider row than the list: its tail is zeroed
-    heads = torch.full((hkv, width), 99, dtype=torch.int32)
-    nblocks = torch.zeros(hkv, dtype=torch.int32)
-    picked = torch.full((hkv, sinks + k + recent), -7, dtype=torch.int64)
-    kernels.lists(top, table, nb, room, heads, nblocks, picked, sinks, recent)
+    heads = torch.full((3, hkv, width), 99, dtype=torch.int32)
+    nblocks = torch.zeros(3, hkv, dtype=torch.int32)
+    picked = torch.full((2, hkv, sinks + k + recent), -7, dtype=torch.int64)
+    tables = torch.stack([table, table, table]) * torch.tensor([0, 1, 1], dtype=torch.int32)[:, None]
+    entries, nbs, rooms = torch.tensor([2, 0]), torch.stack([nb, nb, nb]), torch.stack([room, room, room])
+    kernels.lists(top, tables, entries, nbs, rooms, heads, nblocks, picked, sinks, recent)
     n = sinks + int(room) + recent
-    assert nblocks.tolist() == [n] * hkv
-    assert torch.equal(picked[:, :n], want[:, :n])
-    assert torch.equal(heads[:, :n], table[want[:, :n]]) and not heads[:, n:].any()
+    assert nblocks[2].tolist() == [n] * hkv and nblocks[1].tolist() == [0] * hkv  # row 1: no entry
+    assert torch.equal(picked[0, :, :n], want[:, :n])
+    assert torch.equal(heads[2, :, :n], table[want[:, :n]]) and not heads[2, :, n:].any()
+    assert (heads[1] == 99).all() and not heads[0].any()  # entry 1 is batch row 0 (its table: 0s)
     bound = block_scores(q, digests[:, : int(nb)], per_head=True)
     torch.testing.assert_close(raw[:, : int(nb)], bound, rtol=1e-5, atol=1e-5)
     assert torch.isinf(raw[:, int(nb) :]).all()

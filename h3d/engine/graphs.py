@@ -93,6 +93,7 @@ class _Hbf:
     picked: torch.Tensor  # [Ls, E, Hkv, n] int64: the blocks each head read (the step's output)
     entropy: torch.Tensor  # [E] fp32: the first sparse layer's block-score entropy (output)
     mixed: bool  # some real entry is under exact (its lists are whole tables)
+    index: torch.Tensor  # [E] int64: `entries` on the device
     heads: torch.Tensor  # [B, Hkv, NW] int32: the kernels' lists (rows past the batch stay 0)
     nblocks: torch.Tensor  # [B, Hkv] int32: their lengths (padding rows: 1)
     versions: list[int] = field(default_factory=list)  # per entry: the anchors_version copied in
@@ -171,7 +172,8 @@ class _GraphKV:
 
     def _select_kernels(self, index: int, q: torch.Tensor, scale: float, table: torch.Tensor) -> tuple:
         """The HBF entries' lists from the selection kernels (`h3d.hbf.kernels`): per entry the
-        masked bounds, a top-k, the lists; the first sparse layer's entropy from the raw bounds."""
+        masked bounds, then one top-k and one list kernel for all of them; the first sparse
+        layer's entropy from the raw bounds."""
         r, hb = self.runner, self.g.hbf
         assert hb is not None
         dense = r.hbf.dense_layers
@@ -181,17 +183,18 @@ class _GraphKV:
         if hb.mixed:  # exact entries read every block
             heads[:, :, :w] = table[:, None, :]
             nblocks.copy_(self.nblocks)
+        masked = torch.empty((len(hb.seqs), self.hkv, w), dtype=torch.float32, device=q.device)
         for e, (i, seq) in enumerate(zip(hb.entries, hb.seqs, strict=True)):
             digests = r.digests.get(seq, index, w)  # [Hkv, W, parts, 2, D]
             raw = torch.empty((self.hkv, w), dtype=torch.float32, device=q.device) if index == dense else None
-            nb, room, take = self.num_blocks[i], self.room[i], self.take[i]
-            live = self.parts_live[i]
-            masked = kernels.scores(q[i], digests, nb, live, take, hb.anchors[index - dense, e], sinks, recent, raw)
+            live, take, anchors = self.parts_live[i], self.take[i], hb.anchors[index - dense, e]
+            kernels.scores(masked[e], q[i], digests, self.num_blocks[i], live, take, anchors, sinks, recent, raw)
             if raw is not None:
                 p = torch.softmax(raw.amax(dim=0) * scale, dim=-1)
                 hb.entropy[e].copy_(-(p * torch.log(p.clamp_min(1e-30))).sum())
-            top = torch.topk(masked, hb.k, dim=-1).indices  # [Hkv, k], best first
-            kernels.lists(top, table[i], nb, room, heads[i], nblocks[i], hb.picked[index - dense, e], sinks, recent)
+        top = torch.topk(masked, hb.k, dim=-1).indices  # [E, Hkv, k], best first: the batch's in one call
+        picked = hb.picked[index - dense]
+        kernels.lists(top, table, hb.index, self.num_blocks, self.room, heads, nblocks, picked, sinks, recent)
         return heads, nblocks, self.tail
 
     def _select_torch(self, index: int, q: torch.Tensor, scale: float, table: torch.Tensor) -> tuple:
@@ -460,6 +463,7 @@ class DecodeGraphs:
                 picked=torch.zeros((ls, e, hkv, sinks + k + recent), dtype=torch.int64, device=dev),
                 entropy=torch.zeros(e, dtype=torch.float32, device=dev),
                 mixed=e < real,
+                index=torch.tensor([i for i, _, _ in who], dtype=torch.int64, device=dev),
                 heads=torch.zeros((batch, hkv, max(n, width) if e < real else n), dtype=torch.int32, device=dev),
                 nblocks=torch.ones((batch, hkv), dtype=torch.int32, device=dev),
                 versions=[-1] * e,

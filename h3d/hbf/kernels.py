@@ -4,17 +4,20 @@ A decode step replayed as a CUDA graph (`h3d.engine.graphs`) selects, for each s
 `attention_entropy` and each sparse layer, the blocks each KV head reads. Written as torch ops
 (`h3d.hbf.policy.select_static`, the twin) that is about forty small kernels per session and
 layer, which the graph launches one after another: on the H200 the launch of such a graph alone
-took 3.4 ms of host time at 128K tokens. Here it is three kernels and a top-k:
+took 3.4 ms of host time at 128K tokens (0.9 ms with these kernels). Here it is a kernel per
+session and layer, and a top-k and a kernel per layer for the whole batch:
 
 - `scores`, grid `(Hkv, cdiv(W, TILE))`: the digest bound of `TILE` blocks for one KV head (each
   part's `hi . max(q, 0) + lo . min(q, 0)` for the head's `G` query heads, two `tl.dot`s with fp32
   accumulation; the block's bound is the largest over heads and parts), then the selection's
   masks: past the session's blocks -inf, its first `take` prompt anchors +inf, sinks and the recent
   window -inf (they are listed anyway). Optionally the unmasked bounds too (the entropy's input).
-- `torch.topk` of the masked scores: the head's `k` best, best first.
-- `lists`, grid `(Hkv,)`: the head's list (sinks, its `room` best, the recent blocks, the partial
-  block last), as block indices for the host (promotion) and as locations for the attention
-  kernel, with its length; padding entries are 0 (the null slot).
+- `torch.topk` of the masked scores, every session of the batch in one call: each head's `k`
+  best, best first.
+- `lists`, grid `(E, Hkv)`, every session of the batch in one launch: the head's list (sinks,
+  its `room` best, the recent blocks, the partial block last), as block indices for the host
+  (promotion) and as locations for the attention kernel, with its length; padding entries are 0
+  (the null slot).
 - `fold`, grid `(Hkv,)`: the new key folded into its part's min and max (`DigestStore.fold`).
 
 Every input that changes between steps (block count, room, anchors taken, the token's position)
@@ -61,6 +64,7 @@ def _kernels() -> SimpleNamespace:
 
 
 def scores(
+    out: torch.Tensor,
     q: torch.Tensor,
     digests: torch.Tensor,
     nb: torch.Tensor,
@@ -71,7 +75,7 @@ def scores(
     recent: int,
     raw: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Masked digest bounds [Hkv, W] fp32 (see the module docstring). q: [H, D]; digests:
+    """Masked digest bounds into `out` [Hkv, W] fp32 (see the module docstring). q: [H, D]; digests:
     [Hkv, W, parts, 2, D] (parts contiguous); nb, parts_live, take: 0-dim int64 (blocks, parts
     holding a key, anchors taken); anchors: [Hkv, A] int64. `raw` [Hkv, W] fp32, when given,
     receives the bounds before the masks (past nb: -inf). A part with no key yet (the partial
@@ -80,7 +84,6 @@ def scores(
     hkv, w, parts, _, d = digests.shape
     h = q.shape[0]
     g = h // hkv
-    out = torch.empty((hkv, w), dtype=torch.float32, device=q.device)
     a = anchors.shape[1]
     k.scores[(hkv, triton.cdiv(w, TILE))](
         q, digests, anchors, nb, parts_live, take, out, raw if raw is not None else out,
@@ -96,6 +99,7 @@ def scores(
 def lists(
     top: torch.Tensor,
     table: torch.Tensor,
+    entries: torch.Tensor,
     nb: torch.Tensor,
     room: torch.Tensor,
     heads: torch.Tensor,
@@ -104,15 +108,18 @@ def lists(
     sinks: int,
     recent: int,
 ) -> None:
-    """Write one session's per-head lists: top [Hkv, k] (best first); table [W] int32 locations;
-    nb, room: 0-dim int64 -> heads [Hkv, NW] int32 locations (0 past the list), nblocks [Hkv]
-    int32, picked [Hkv, sinks + k + recent] int64 block indices."""
+    """Write the per-head lists of E sessions of a batch of B: top [E, Hkv, k] (best first);
+    table [B, W] int32 locations; entries [E] int64 (each session's batch index); nb, room [B]
+    int64 -> heads [B, Hkv, NW] int32 locations (0 past the list), nblocks [B, Hkv] int32 (the
+    entries' rows), picked [E, Hkv, sinks + k + recent] int64 block indices."""
     k = _kernels()
-    hkv, width = heads.shape
-    n_pick = picked.shape[1]
-    k.lists[(hkv,)](
-        top, table, nb, room, heads, nblocks, picked, top.stride(0), heads.stride(0), picked.stride(0),
-        width, n_pick, top.shape[1], SINKS=sinks, RECENT=recent,
+    e, hkv, kk = top.shape
+    width = heads.shape[2]
+    n_pick = picked.shape[2]
+    k.lists[(e, hkv)](
+        top, table, entries, nb, room, heads, nblocks, picked,
+        top.stride(0), top.stride(1), table.stride(0), heads.stride(0), heads.stride(1), nblocks.stride(0),
+        picked.stride(0), picked.stride(1), width, n_pick, kk, SINKS=sinks, RECENT=recent,
         E_PAD=triton.next_power_of_2(max(width, n_pick)),
     )  # fmt: skip
 
@@ -174,23 +181,27 @@ def _scores_kernel(  # type: ignore[no-untyped-def]
 
 
 def _lists_kernel(  # type: ignore[no-untyped-def]
-    top, table, nb_ptr, room_ptr, heads, nblocks, picked, top_stride_h, heads_stride_h, picked_stride_h,
-    NW, N_PICK, K, SINKS: tl.constexpr, RECENT: tl.constexpr, E_PAD: tl.constexpr,
+    top, table, entries, nb_ptr, room_ptr, heads, nblocks, picked,
+    top_stride_e, top_stride_h, table_stride_b, heads_stride_b, heads_stride_h, nblocks_stride_b,
+    picked_stride_e, picked_stride_h, NW, N_PICK, K, SINKS: tl.constexpr, RECENT: tl.constexpr,
+    E_PAD: tl.constexpr,
 ):  # fmt: skip
-    kh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(0).to(tl.int64)
+    kh = tl.program_id(1).to(tl.int64)
+    i = tl.load(entries + s)  # the session's batch index
     e = tl.arange(0, E_PAD)
-    nb = tl.load(nb_ptr)
-    room = tl.load(room_ptr)
+    nb = tl.load(nb_ptr + i)
+    room = tl.load(room_ptr + i)
     n = SINKS + room + RECENT
     from_top = (e >= SINKS) & (e < SINKS + room)
-    t = tl.load(top + kh * top_stride_h + (e - SINKS), mask=from_top & (e - SINKS < K), other=0)
+    t = tl.load(top + s * top_stride_e + kh * top_stride_h + (e - SINKS), mask=from_top & (e - SINKS < K), other=0)
     blk = tl.where(e < SINKS, e, tl.where(from_top, t, nb - RECENT + (e - SINKS - room)))
     valid = e < n
     blk = tl.where(valid, blk, 0)
-    loc = tl.load(table + blk, mask=valid, other=0)
-    tl.store(heads + kh * heads_stride_h + e, tl.where(valid, loc, 0), mask=e < NW)
-    tl.store(picked + kh * picked_stride_h + e, blk, mask=e < N_PICK)
-    tl.store(nblocks + kh, n.to(tl.int32))
+    loc = tl.load(table + i * table_stride_b + blk, mask=valid, other=0)
+    tl.store(heads + i * heads_stride_b + kh * heads_stride_h + e, tl.where(valid, loc, 0), mask=e < NW)
+    tl.store(picked + s * picked_stride_e + kh * picked_stride_h + e, blk, mask=e < N_PICK)
+    tl.store(nblocks + i * nblocks_stride_b + kh, n.to(tl.int32))
 
 
 def _fold_kernel(  # type: ignore[no-untyped-def]
