@@ -109,7 +109,7 @@ class _Pending:
     rooms: tuple[int, ...]
     picked: torch.Tensor  # [Ls, E, Hkv, n] host copy (pinned on CUDA)
     done: torch.cuda.Event | None  # the copy's completion (CUDA)
-    seen: np.ndarray  # [L, E, W] the locations the step read (HBM slot >= 0, DDR < 0)
+    seen: np.ndarray | None  # [L, E, W] the locations the step read (HBM slot >= 0, DDR < 0), if lagged
 
 
 @dataclass(slots=True)
@@ -378,12 +378,11 @@ class DecodeGraphs:
         done = torch.cuda.Event() if self.capture else None
         if done is not None:
             done.record()
-        seen = g.locs_host.numpy()[:, list(hb.entries), :].copy()  # [L, E, W]: where the step read
-        pending = _Pending(hb.seqs, tuple(hb.rooms), hb.picked_host, done, seen)
-        if self.lag:
-            self._lagged = pending
-        else:
-            step.selected.update(self._keys(pending))
+        if self.lag:  # counted later, against where this step read (the tables change meanwhile)
+            seen = g.locs_host.numpy()[:, list(hb.entries), :].copy()  # [L, E, W]
+            self._lagged = _Pending(hb.seqs, tuple(hb.rooms), hb.picked_host, done, seen)
+        else:  # promote counts them against the tables, unchanged since the step
+            step.selected.update(self._keys(_Pending(hb.seqs, tuple(hb.rooms), hb.picked_host, done, None)))
 
     def take_lagged(self) -> dict[SeqId, np.ndarray]:
         """The previous replayed step's HBF picks as (layer, block) keys per session, their reads
@@ -408,6 +407,7 @@ class DecodeGraphs:
             blocks = picked[:, e, :, :n]  # [Ls, Hkv, n]
             keys = blocks + layers * r.blocks.table(seq).capacity
             if count:
+                assert p.seen is not None
                 where = np.take_along_axis(p.seen[dense:, e, None, :], blocks.reshape(len(blocks), 1, -1), axis=2)
                 r.tiers.count_selected(seq, keys.ravel(), where.reshape(keys.shape).ravel() >= 0)
             out[seq] = [keys.ravel()]
