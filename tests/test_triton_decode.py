@@ -404,8 +404,9 @@ def test_hbf_decode_graph_equals_the_eager_path(
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(("hkv", "group", "parts"), [(2, 4, 2), (1, 1, 1), (4, 8, 4)])
 def test_hbf_selection_kernels_pick_what_the_twin_picks(seed: int, hkv: int, group: int, parts: int) -> None:
-    """`h3d.hbf.kernels` (scores -> top-k -> lists) against `select_static`: the same lists per
-    head in the same order, their locations from the table, 0 past each list, the lengths; the raw
+    """`h3d.hbf.kernels` (scores -> top_room -> lists) against `select_static`: the same lists per
+    head (sinks first, the recent blocks last, the partial one at the end), their locations from
+    the table, 0 past each list, the lengths; the raw
     bounds equal `block_scores` (past the context: -inf). Anchors past the context are clamped, a
     room below the capacity leaves the top-k's tail unused, a 70-block table spans two programs."""
     from h3d.hbf import kernels
@@ -435,22 +436,50 @@ def test_hbf_selection_kernels_pick_what_the_twin_picks(seed: int, hkv: int, gro
     masked = torch.empty(hkv, w)
     kernels.scores(masked, q, digests, nb, live, take, anchors, sinks, recent, raw)
     # The session is entry 0 of two, at batch index 2 of 3 (the other entry: lists of its own).
-    top = torch.stack([torch.topk(masked, k, dim=-1).indices, torch.zeros(hkv, k, dtype=torch.int64)])
+    entries, nbs, rooms = torch.tensor([2, 0]), torch.stack([nb, nb, nb]), torch.stack([room, room, room])
+    both = torch.stack([masked, torch.zeros_like(masked)])
+    top = kernels.top_room(both, entries, rooms, k)  # [2, Hkv, k]: each row's room best, ascending
     width = sinks + k + recent + 3  # a wider row than the list: its tail is zeroed
     heads = torch.full((3, hkv, width), 99, dtype=torch.int32)
     nblocks = torch.zeros(3, hkv, dtype=torch.int32)
     picked = torch.full((2, hkv, sinks + k + recent), -7, dtype=torch.int64)
     tables = torch.stack([table, table, table]) * torch.tensor([0, 1, 1], dtype=torch.int32)[:, None]
-    entries, nbs, rooms = torch.tensor([2, 0]), torch.stack([nb, nb, nb]), torch.stack([room, room, room])
     kernels.lists(top, tables, entries, nbs, rooms, heads, nblocks, picked, sinks, recent)
     n = sinks + int(room) + recent
     assert nblocks[2].tolist() == [n] * hkv and nblocks[1].tolist() == [0] * hkv  # row 1: no entry
-    assert torch.equal(picked[0, :, :n], want[:, :n])
-    assert torch.equal(heads[2, :, :n], table[want[:, :n]]) and not heads[2, :, n:].any()
+    got = picked[0, :, :n]  # the twin lists its top blocks best first, the kernels ascending: same sets
+    assert torch.equal(got.sort(dim=1).values, want[:, :n].sort(dim=1).values)
+    assert torch.equal(got[:, :sinks], want[:, :sinks]) and torch.equal(got[:, n - recent :], want[:, n - recent : n])
+    assert torch.equal(heads[2, :, :n], table[got]) and not heads[2, :, n:].any()
     assert (heads[1] == 99).all() and not heads[0].any()  # entry 1 is batch row 0 (its table: 0s)
     bound = block_scores(q, digests[:, : int(nb)], per_head=True)
     torch.testing.assert_close(raw[:, : int(nb)], bound, rtol=1e-5, atol=1e-5)
     assert torch.isinf(raw[:, int(nb) :]).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_top_room_kernel_takes_each_rows_best(seed: int) -> None:
+    """`h3d.hbf.kernels.top_room` writes each row's `room` highest scores' blocks (ties: the lowest
+    blocks), ascending, then zeros: rows with +inf (anchors), -inf (the base, past the end),
+    repeated and negative values, rooms from 1 to the capacity, each entry its own batch row."""
+    from h3d.hbf import kernels
+
+    g = torch.Generator().manual_seed(seed)
+    e, hkv, w, k = 2, 3, 70, 16
+    masked = torch.randn(e, hkv, w, generator=g).round(decimals=1)  # ties
+    masked[..., :2] = float("-inf")
+    masked[..., 60:] = float("-inf")
+    masked[:, :, 5] = float("inf")
+    entries = torch.tensor([1, 0])
+    room = torch.randint(1, k + 1, (2,), generator=g)
+    out = kernels.top_room(masked, entries, room, k)
+    for s in range(e):
+        r = int(room[entries[s]])
+        for h in range(hkv):
+            row = masked[s, h].tolist()
+            want = sorted(sorted(range(w), key=lambda j, row=row: (-row[j], j))[:r])
+            assert out[s, h, :r].tolist() == want, (s, h)
+            assert not out[s, h, r:].any()
 
 
 @pytest.mark.parametrize("pos", [0, 7, 8, 45, 63])

@@ -192,7 +192,7 @@ class _GraphKV:
             if raw is not None:
                 p = torch.softmax(raw.amax(dim=0) * scale, dim=-1)
                 hb.entropy[e].copy_(-(p * torch.log(p.clamp_min(1e-30))).sum())
-        top = torch.topk(masked, hb.k, dim=-1).indices  # [E, Hkv, k], best first: the batch's in one call
+        top = kernels.top_room(masked, hb.index, self.room, hb.k)  # [E, Hkv, k]: the batch's in one launch
         picked = hb.picked[index - dense]
         kernels.lists(top, table, hb.index, self.num_blocks, self.room, heads, nblocks, picked, sinks, recent)
         return heads, nblocks, self.tail
