@@ -14,13 +14,16 @@ power of two) and replays it; between steps only its static inputs change:
   [B], and for HBF entries the room past sinks + recent and the anchors taken [B], copied every
   step (a few hundred bytes).
 
-Sessions under `attention_entropy` select inside the graph (`h3d.hbf.policy.select_static`): for
-each sparse layer the digest bound over the session's digests, its prompt anchors first, top-k
-with a fixed capacity k (the batch's largest room, rounded up to a power of two; each entry uses
-its own room of it), and the kernel's per-head lists gathered from `locs`; the new key is folded
-into its digest (`DigestStore.fold`) and the first sparse layer's entropy written to a buffer.
-The blocks each head read come back to the host once, after the step (`resolve`), for promotion
-and the counters, as `_DevicePlan` hands them over. Such a graph reads the sessions' own digest
+Sessions under `attention_entropy` select inside the graph, through the kernels of
+`h3d.hbf.kernels` (their torch twin, `h3d.hbf.policy.select_static`, where Triton cannot run):
+for each sparse layer the digest bound over the session's digests, its prompt anchors first,
+each head's best blocks up to a fixed capacity k (the batch's largest room, rounded up to a
+power of two; each entry takes its own room of it), and the attention kernel's per-head lists
+gathered from `locs`; the new key is folded into its digest and the first sparse layer's entropy
+written to a buffer. The blocks each head read come back to the host after the step (`resolve`:
+an asynchronous copy), and are promoted during the next step (`take_lagged`), so that the host's
+planning overlaps the device's work; their reads are counted against the locations the step
+read. Such a graph reads the sessions' own digest
 tensors, so it belongs to one batch of sessions (its key names them and where their digests
 are); it is captured the second time that batch comes (a batch seen once runs eagerly), and
 replayed while it lasts.
