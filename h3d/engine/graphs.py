@@ -250,6 +250,7 @@ class DecodeGraphs:
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._seen: OrderedDict[tuple, None] = OrderedDict()  # recent HBF batches' keys (a graph is made at the second)
+        self._applied: tuple | None = None  # the key `applies` found for the step `run` replays next
         self.replays = 0  # steps run through a bucket (counted on the CPU too)
         self.captures = 0
         # HBF picks promoted during the next step (`resolve`); tests turn it off to compare a
@@ -303,6 +304,7 @@ class DecodeGraphs:
             if ((t.hbm[:, :nb] == NONE) & (t.ddr[:, :nb] == NONE)).any():
                 return False  # some block is in the archive only: the eager path stages it
         key = self._key(seqs, tables)
+        self._applied = key  # `run` replays it (the step's tables do not change in between)
         if len(key) == 2 or key in self._graphs:
             return True
         # An HBF batch's graph belongs to its sessions: made the second time the batch comes.
@@ -321,7 +323,8 @@ class DecodeGraphs:
         seqs, rows = step.seqs, step.rows
         tables = [r.blocks.table(s) for s in seqs]
         b = len(seqs)
-        key = self._key(seqs, tables)
+        key, self._applied = self._applied, None
+        assert key is not None, "run() follows applies() for the same step"
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._allocate(key)
@@ -422,13 +425,13 @@ class DecodeGraphs:
         r, hb = self.runner, g.hbf
         assert hb is not None
         dense, a = r.hbf.dense_layers, hb.anchors.shape[-1]
+        sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
         hb.rooms = []
         for e, (i, seq) in enumerate(zip(hb.entries, hb.seqs, strict=True)):
             state = r.selection[seq]
             budget = max(1, state.window_tokens // r.blocks.block_size)
             room[i] = self._room(seq, tables[i].num_blocks)
             hb.rooms.append(int(room[i]))
-            sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
             first = state.head_anchors.get(dense)
             width = min(a, first.shape[1]) if first is not None else 0
             take[i] = min(int((budget - sinks - recent) * r.hbf.anchor_share), width)

@@ -303,10 +303,10 @@ class TierManager:
         """Count a step's selection reads (`keys` as `promote` takes them, one per reading KV head)
         where they were when the step read them (`in_hbm`, per key), for a promotion made later
         (`promote(..., counted=True)`): the distinct blocks, those read from DDR, the heads' bytes."""
-        at, first = np.unique(keys, return_index=True)
-        below = int(np.count_nonzero(~in_hbm[first]))
-        fetched = int(np.count_nonzero(~in_hbm)) * (self.block_bytes // self.hbm.k.shape[0])
-        self.count_reads(seq, len(at), below, fetched)
+        size = self.blocks.num_layers * self.blocks.table(seq).capacity
+        missed = keys[~in_hbm]  # a block's keys all share its residency
+        fetched = len(missed) * (self.block_bytes // self.hbm.k.shape[0])
+        self.count_reads(seq, len(self._union(keys, size)), len(self._union(missed, size)), fetched)
 
     def promote(
         self,
