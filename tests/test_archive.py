@@ -4,8 +4,10 @@ survives reopen, corruption, foreign stores and a crash between the data and man
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -400,3 +402,226 @@ def test_failed_write_refuses_more_writes(tmp_path: Path, monkeypatch: pytest.Mo
     with Archive(tmp_path, IDENT) as a:
         assert_holds(a, BlockKey("a", 0, 0), kept)
         put(a, BlockKey("a", 1, 0), 2)
+
+
+# ---- reclaiming space: compaction beside writers and readers, at every crash point -----------------
+
+
+def sessions_of(a: Archive, names: list[str], blocks_each: int = 4, seed: int = 0) -> dict[BlockKey, tuple]:
+    """Put `blocks_each` blocks of each session, one batch per session. -> what each key holds."""
+    out = {}
+    for s, name in enumerate(names):
+        items = [(BlockKey(name, 0, i), *block(seed + 100 * s + i)) for i in range(blocks_each)]
+        a.put_many(items)
+        out.update({key: (k, v) for key, k, v in items})
+    return out
+
+
+def assert_store(a: Archive, held: dict[BlockKey, tuple]) -> None:
+    assert a.keys() == frozenset(held)
+    for key, kv in held.items():
+        assert_holds(a, key, kv)
+
+
+def test_a_segment_with_no_live_record_goes_without_copies(tmp_path: Path) -> None:
+    """Segment-granular deletion: with one segment per session, purging one deletes its segment
+    outright, no record copied and the manifest left as it is (its lines about the segment are
+    dead: the store reopens the same)."""
+    a = Archive(tmp_path, IDENT, segment_bytes=1)  # every batch starts a segment
+    held = sessions_of(a, ["a", "b", "c"])
+    segments = sorted(tmp_path.glob("seg-*.h3kv"))
+    assert len(segments) == 3
+    manifest = (tmp_path / "manifest.log").stat()
+    disk, b_size = a.disk_bytes(), segments[1].stat().st_size
+    a.delete_session("b")
+    a.compact_later()
+    assert a.wait_compactions(timeout=30)
+    assert sorted(tmp_path.glob("seg-*.h3kv")) == [segments[0], segments[2]]
+    assert a.disk_bytes() == disk - b_size == a.live_bytes()
+    assert (tmp_path / "manifest.log").stat().st_ino == manifest.st_ino
+    held = {key: kv for key, kv in held.items() if key.session != "b"}
+    assert_store(a, held)
+    held |= sessions_of(a, ["d"], seed=7)  # appends go on in a segment of a new number
+    a.close()
+    with Archive(tmp_path, IDENT, segment_bytes=1) as reopened:
+        assert_store(reopened, held)
+        assert reopened.disk_bytes() == reopened.live_bytes()
+
+
+def test_compaction_beside_puts_deletes_and_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a background compaction copies records (held there by the test), another thread
+    supersedes a block being moved, deletes a session being moved, puts a new one and reads: none
+    of it is undone by the compaction's switch (the superseded block keeps its new value, the
+    deleted session stays deleted), the dead bytes are gone after it, and the store reopens equal."""
+    from h3d.tiers import compaction
+
+    a = Archive(tmp_path, IDENT)
+    held = sessions_of(a, ["dead", "s1", "s2", "s3"])
+    a.delete_session("dead")
+    copied, go_on = threading.Event(), threading.Event()
+    copy = compaction._copy_records
+
+    def held_copy(*args: object) -> object:
+        out = copy(*args)  # type: ignore[arg-type]
+        copied.set()
+        assert go_on.wait(30)
+        return out
+
+    monkeypatch.setattr(compaction, "_copy_records", held_copy)
+    a.compact_later(keep_ratio=1.0)
+    assert copied.wait(30) and a.compacting
+    held = {key: kv for key, kv in held.items() if key.session not in ("dead", "s2")}
+    held[BlockKey("s1", 0, 1)] = put(a, BlockKey("s1", 0, 1), 999)  # supersedes a block in flight
+    assert a.delete_session("s2") == 4  # a session in flight
+    held |= sessions_of(a, ["s4"], seed=50)
+    assert_store(a, held)  # reads while the copies wait
+    go_on.set()
+    assert a.wait_compactions(timeout=30) and not a.compacting
+    assert a._compactor.last_error is None and a._compactor.runs == 1
+    assert_store(a, held)
+    a.compact(keep_ratio=1.0)  # the records deleted or superseded during the first: gone too
+    assert a.disk_bytes() == a.live_bytes()
+    a.close()
+    with Archive(tmp_path, IDENT) as reopened:
+        assert_store(reopened, held)
+        assert reopened.disk_bytes() == reopened.live_bytes()
+
+
+def test_reads_race_compactions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Readers on other threads never see a segment vanish under them: `get` opens the segment
+    while holding the index lock, and a compaction deletes a segment only after the index has left
+    it. (Readers dawdle between finding a record and opening its segment, to widen the window.)"""
+    a = Archive(tmp_path, IDENT, segment_bytes=1)
+    stable = sessions_of(a, ["stable"], blocks_each=6)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    seg_path = Archive._seg_path
+
+    def dawdling(self: Archive, n: int) -> Path:
+        if threading.current_thread().name.startswith("reader"):
+            time.sleep(0.002)
+        return seg_path(self, n)
+
+    monkeypatch.setattr(Archive, "_seg_path", dawdling)
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                for key, kv in stable.items():
+                    assert_holds(a, key, kv)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, name=f"reader-{i}") for i in range(2)]
+    for th in threads:
+        th.start()
+    try:
+        for r in range(12):
+            churn = [(BlockKey(f"churn{r}", 0, i), *block(1000 + 10 * r + i)) for i in range(6)]
+            a.put_many([(key, *kv) for key, kv in stable.items()] + churn)  # the same bytes, in a mixed segment
+            a.delete_session(f"churn{r}")
+            assert a.compact(keep_ratio=1.0) > 0  # moves the stable records, deletes the segments they were in
+    finally:
+        stop.set()
+        for th in threads:
+            th.join()
+    assert not errors, errors[0]
+    a.close()
+
+
+@pytest.mark.parametrize("point", ["copying", "before the rename", "before the deletes", "between deletes", "close"])
+def test_compaction_stopped_at_any_point_leaves_the_same_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str
+) -> None:
+    """A crash (the process dies: nothing after it runs) at each point of a compaction, or a close
+    during its copy: the store reopens to the same blocks with the same bytes, cleans up what the
+    compaction left (at open, or by compacting again) and takes writes."""
+    import h3d.tiers.archive as archive_mod
+    from h3d.tiers import compaction
+
+    a = Archive(tmp_path, IDENT, segment_bytes=150_000)  # two sessions a segment: three victims
+    held = sessions_of(a, ["a", "b", "c", "d", "e", "f"], blocks_each=2)
+    assert len(list(tmp_path.glob("seg-*.h3kv"))) == 3
+    for name in ("a", "c", "e"):
+        a.delete_session(name)
+    held = {key: kv for key, kv in held.items() if key.session in ("b", "d", "f")}
+    write_all, replace, unlink = archive_mod._write_all, os.replace, Path.unlink
+    started = threading.Event()
+    deletes = [0]
+
+    def crash_mid_write(fd: int, data: bytes, offset: int) -> None:
+        write_all(fd, data[: len(data) // 2], offset)
+        raise Crash
+
+    def crash_at_rename(src: object, dst: object) -> None:
+        if str(dst).endswith("manifest.log"):
+            raise Crash
+        replace(src, dst)  # type: ignore[arg-type]
+
+    def crash_at_delete(self: Path, missing_ok: bool = False) -> None:
+        deletes[0] += 1
+        if point == "before the deletes" or deletes[0] > 1:
+            raise Crash
+        unlink(self, missing_ok=missing_ok)
+
+    def slow_write(fd: int, data: bytes, offset: int) -> None:
+        started.set()
+        assert a._stopping.wait(30)
+        write_all(fd, data, offset)
+
+    if point == "copying":
+        monkeypatch.setattr(archive_mod, "_write_all", crash_mid_write)
+    elif point == "before the rename":
+        monkeypatch.setattr(os, "replace", crash_at_rename)
+    elif point in ("before the deletes", "between deletes"):
+        monkeypatch.setattr(Path, "unlink", crash_at_delete)
+    else:
+        monkeypatch.setattr(compaction, "COPY_CHUNK_BYTES", 1)  # a write after each record copied
+        monkeypatch.setattr(archive_mod, "_write_all", slow_write)
+    names = {p.name for p in tmp_path.glob("seg-*.h3kv")}
+    if point == "close":
+        a.compact_later(keep_ratio=1.0)
+        assert started.wait(30)
+        a.close()  # stops it between two records: its copies are deleted
+        assert a._compactor.runs == 1 and a._compactor.freed_bytes == 0
+        assert {p.name for p in tmp_path.glob("seg-*.h3kv")} <= names | {f"seg-{a._seg_no:06d}.h3kv"}
+    else:
+        with pytest.raises(Crash):
+            a.compact(keep_ratio=1.0)
+        a._close_fds()  # the process is gone: its descriptors and its lock with it
+    monkeypatch.undo()
+    with Archive(tmp_path, IDENT, segment_bytes=150_000) as reopened:
+        assert_store(reopened, held)
+        reopened.compact(keep_ratio=1.0)
+        assert reopened.disk_bytes() == reopened.live_bytes()
+        held |= sessions_of(reopened, ["g"], seed=70)
+    with Archive(tmp_path, IDENT, segment_bytes=150_000) as reopened:
+        assert_store(reopened, held)
+        assert not (tmp_path / "manifest.tmp").exists()
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o277])
+def test_archive_files_are_private_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    """Segments, manifest (and a compaction's rewritten one), identity and lock: 0600; the folders
+    the archive creates: 0700, whatever the umask (a permissive one cannot widen them, a strict one
+    cannot make them unusable)."""
+    root = tmp_path / "state"
+    old = os.umask(umask)
+    try:
+        a = Archive(root / "kv" / "archive", IDENT, segment_bytes=1)
+        sessions_of(a, ["a", "b", "c"])
+        a.delete_session("a")
+        a.put_many([(BlockKey("b", 0, 0), *block(5))])  # b's segment is part dead now
+        assert a.compact(keep_ratio=1.0) > 0  # copies to a new segment, rewrites the manifest
+        a.close()
+        with Archive(root / "kv" / "archive", IDENT, segment_bytes=1) as reopened:
+            sessions_of(reopened, ["d"])
+    finally:
+        os.umask(old)
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"identity.json", "manifest.log", "lock"}
+    assert len([p for p in files if p.suffix == ".h3kv"]) >= 3
+    for p in files:
+        assert p.stat().st_mode & 0o777 == 0o600, f"{p.name}: {oct(p.stat().st_mode & 0o777)}"
+    for d in (root, root / "kv", root / "kv" / "archive"):
+        assert d.stat().st_mode & 0o777 == 0o700, f"{d}: {oct(d.stat().st_mode & 0o777)}"

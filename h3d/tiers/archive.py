@@ -20,8 +20,16 @@ and fsync the manifest (and the folder whenever a file is created). What must st
   line followed by good ones is real corruption and refuses to open (ArchiveCorrupt);
 - `get` returns a block only after its crc matches and its header matches this archive's identity
   and the key asked for (ArchiveCorrupt / ArchiveMismatch otherwise).
-Not reclaimed (no compaction yet): superseded and deleted records stay in their segments, and the
-manifest grows by one line per block put. The live index is held in memory.
+
+Superseded and deleted records stay in their segments until a compaction (`compact`, or
+`compact_later` on the archive's own thread: h3d.tiers.compaction) copies the live records of mostly
+dead segments into a new one, renames a rewritten manifest over the old one and deletes those
+segments, beside puts, deletes and reads. For it, two more rules: the in-memory index always says
+what the durable manifest says, and `get` opens a record's segment while holding the index lock
+(so a segment it found is still there when it reads). At open, segments no live entry points into
+are deleted (the last one excepted), and segment numbers are never reused.
+Files are created 0600 and the folder 0700, whatever the umask (`h3d.store.files`). The live index
+is held in memory.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ from typing import Any
 import torch
 
 from h3d.errors import H3Error
+from h3d.store.files import create_file, make_dirs, open_or_create
+from h3d.tiers import compaction
 from h3d.tiers.codecs import (
     CODEC_IDS,
     CODECS_BY_ID,
@@ -156,11 +166,12 @@ def _describe(key: BlockKey) -> str:
 
 
 class Archive:
-    """An open store. put_many, get, contains, keys and delete_session may be called from any thread.
+    """An open store. Every public method may be called from any thread.
 
     `codec` applies to every layer except those in `lossless_layers`, which always use RAW_ZSTD.
     `_write_lock` serializes writers (held across their fsyncs); `_state` guards the index and
-    counters only, so readers never wait for a writer's fsync.
+    counters only, so readers never wait for a writer's fsync. `_compact_lock` serializes
+    compactions, which take `_write_lock` only to plan and to switch the manifest.
     """
 
     def __init__(
@@ -185,13 +196,16 @@ class Archive:
         self._counts = [0, 0, 0, 0]  # raw_bytes, stored_bytes, records, reads
         self._closed = False
         self._broken: str | None = None  # set when a write failed midway: further writes refused
-        self.path.mkdir(parents=True, exist_ok=True)
+        self._compact_lock = threading.Lock()
+        self._stopping = threading.Event()  # set by close: a compaction stops between two records
+        self._compactor = compaction.Compactor(self.compact, f"KV archive {self.path}")
+        make_dirs(self.path)
         self._lock_fd = self._take_lock()
         self._seg_fd = self._man_fd = -1
         try:
             self._check_identity()
             ends, self._man_size = self._replay()
-            self._seg_no, self._seg_size = self._trim_segments(ends)
+            self._seg_no, self._seg_size, self._next_no = self._trim_segments(ends)
             self._man_fd = os.open(self.path / "manifest.log", os.O_WRONLY | os.O_CLOEXEC)
             self._seg_fd = self._open_segment(self._seg_no)
         except BaseException:
@@ -199,7 +213,7 @@ class Archive:
             raise
 
     def _take_lock(self) -> int:
-        fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd, _ = open_or_create(self.path / "lock", os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -213,10 +227,15 @@ class Archive:
         file = self.path / "identity.json"
         if not file.exists():
             tmp = file.with_suffix(".tmp")
-            with open(tmp, "w") as f:
-                json.dump(want, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
+            tmp.unlink(missing_ok=True)
+            fd = create_file(tmp, os.O_WRONLY)
+            try:
+                view = memoryview(json.dumps(want, indent=1).encode())
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             tmp.replace(file)
             _fsync_dir(self.path)
             return
@@ -237,7 +256,7 @@ class Archive:
         -> ({segment: end of its last record}, manifest length)."""
         file = self.path / "manifest.log"
         if not file.exists():
-            file.touch()
+            os.close(create_file(file, os.O_WRONLY))
             _fsync_dir(self.path)
         ends: dict[int, int] = {}
         good = pos = 0
@@ -287,9 +306,23 @@ class Archive:
             self._live[loc.segment] -= loc.length
         return len(blocks)
 
-    def _trim_segments(self, ends: dict[int, int]) -> tuple[int, int]:
-        """Cut bytes no entry points at (left by a crash mid-put). -> (active segment, its size)."""
-        sizes = {int(p.stem[4:]): p.stat().st_size for p in self.path.glob("seg-*.h3kv") if p.stem[4:].isdigit()}
+    def _trim_segments(self, ends: dict[int, int]) -> tuple[int, int, int]:
+        """Cut bytes no entry points at (left by a crash mid-put); delete the segments no live entry
+        points into (left by a compaction that stopped before its deletes), the last one excepted.
+        `ends`: each segment any entry names -> the end of its last record.
+        -> (active segment, its size, the next unused segment number)."""
+        (self.path / "manifest.tmp").unlink(missing_ok=True)  # a compaction's, never renamed into place
+        sizes = self._segment_sizes()
+        live = {n for n, b in self._live.items() if b > 0}
+        last = max([*sizes, *live], default=1)
+        dead = [n for n in sizes if n not in live and n != last]
+        for n in dead:
+            self._seg_path(n).unlink()
+            self._live.pop(n, None)
+            del sizes[n]
+        if dead:
+            log.info("KV archive %s: deleted %d segments that held no live record", self.path, len(dead))
+            _fsync_dir(self.path)
         for n, size in sizes.items():
             end = ends.get(n, 0)
             if size > end:
@@ -297,21 +330,32 @@ class Archive:
                     "KV archive %s: ignoring %d uncommitted bytes at offset %d", self._seg_path(n), size - end, end
                 )
                 os.truncate(self._seg_path(n), end)
-        last = max([*sizes, *ends], default=1)
+        next_no = max([last, *ends]) + 1  # numbers the manifest still names are never reused
         if sizes.get(last, 0) < ends.get(last, 0):  # committed bytes went missing: never append after a hole
             log.warning("KV archive %s: segment %d is shorter than its manifest says", self.path, last)
-            return last + 1, 0
-        return last, ends.get(last, 0)
+            return next_no, 0, next_no + 1
+        return last, ends.get(last, 0), next_no
+
+    def _segment_sizes(self) -> dict[int, int]:
+        """Segment number -> its size on disk, for the segments there now."""
+        sizes = {}
+        for p in self.path.glob("seg-*.h3kv"):
+            if p.stem[4:].isdigit():
+                with contextlib.suppress(FileNotFoundError):  # deleted by a compaction meanwhile
+                    sizes[int(p.stem[4:])] = p.stat().st_size
+        return sizes
 
     def _seg_path(self, n: int) -> Path:
         return self.path / f"seg-{n:06d}.h3kv"
 
     def _open_segment(self, n: int) -> int:
-        seg = self._seg_path(n)
-        created = not seg.exists()
-        fd = os.open(seg, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd, created = open_or_create(self._seg_path(n), os.O_WRONLY)
         if created:
-            _fsync_dir(self.path)
+            try:
+                _fsync_dir(self.path)
+            except BaseException:
+                os.close(fd)
+                raise
         return fd
 
     @contextlib.contextmanager
@@ -341,6 +385,7 @@ class Archive:
             os.fsync(self._seg_fd)
             os.ftruncate(self._man_fd, self._man_size)
             os.fsync(self._man_fd)
+            _fsync_dir(self.path)  # a manifest renamed into place by a compaction whose folder fsync failed
             self._broken = None
 
     def codec_for(self, layer: int) -> Codec:
@@ -388,9 +433,10 @@ class Archive:
 
     def _rotate(self) -> None:
         """Start the next segment (the new file first: a failure leaves the active one open)."""
-        fd = self._open_segment(self._seg_no + 1)
+        fd = self._open_segment(self._next_no)
         os.close(self._seg_fd)
-        self._seg_no, self._seg_size, self._seg_fd = self._seg_no + 1, 0, fd
+        self._seg_no, self._seg_size, self._seg_fd = self._next_no, 0, fd
+        self._next_no += 1
 
     def _append_records(self, pending: list[_Pending]) -> list[_Loc]:
         """Append one batch to the active segment (never split across two) and fsync it."""
@@ -430,65 +476,51 @@ class Archive:
 
     def disk_bytes(self) -> int:
         """Bytes the segments take on disk."""
-        return sum(p.stat().st_size for p in self.path.glob("seg-*.h3kv"))
+        return sum(self._segment_sizes().values())
 
     def compact(self, keep_ratio: float = 0.5) -> int:
-        """Reclaim the space of dead records (superseded or deleted): the live records of every
-        segment less than `keep_ratio` live are copied into a new segment (bytes as they are,
-        checksums kept), the manifest is rewritten with the live entries only (a new file,
-        fsynced, renamed over the old one), and those segments are deleted. A crash at any point
-        leaves a store that opens to the same contents. Returns the bytes freed on disk."""
-        with self._writing():
-            sizes = {int(p.stem[4:]): p.stat().st_size for p in self.path.glob("seg-*.h3kv") if p.stem[4:].isdigit()}
-            with self._state:
-                victims = {n for n, size in sizes.items() if size and self._live.get(n, 0) < keep_ratio * size}
-                moving = [
-                    (BlockKey(s, li[0], li[1]), loc)
-                    for s, blocks in self._index.items()
-                    for li, loc in blocks.items()
-                    if loc.segment in victims
-                ]
-            if not victims:
-                return 0
-            if self._seg_no in victims:  # the copies go to a new segment
-                self._rotate()
-            pending = []
-            for key, loc in moving:
-                fd = os.open(self._seg_path(loc.segment), os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    data = os.pread(fd, loc.length, loc.offset)
-                finally:
-                    os.close(fd)
-                pending.append(_Pending(key, data, loc.num_tokens, loc.codec, loc.crc, 0, len(data)))
-            locs = self._append_records(pending) if pending else []
-            with self._state:
-                for p, loc in zip(pending, locs, strict=True):
-                    self._place(p.key, loc)
-                entries = [
-                    _put_entry(BlockKey(s, li[0], li[1]), loc) for s, blocks in self._index.items()
-                    for li, loc in blocks.items()
-                ]  # fmt: skip
-            self._rewrite_manifest(entries)
-            for n in victims:
-                self._seg_path(n).unlink(missing_ok=True)
-                self._live.pop(n, None)
-            _fsync_dir(self.path)
-            return sum(sizes[n] for n in victims)
+        """Reclaim the space of dead records (superseded or deleted) in the segments less than
+        `keep_ratio` live, in the calling thread, beside puts, deletes and reads
+        (`h3d.tiers.compaction.compact` says how). Returns the bytes freed on disk."""
+        return compaction.compact(self, keep_ratio)
 
-    def _rewrite_manifest(self, entries: list[dict[str, Any]]) -> None:
+    def _rewrite_manifest(self, entries: list[dict[str, Any]], moved: list[tuple[BlockKey, _Loc]]) -> None:
+        """Switch to a manifest of `entries` (fsynced first, then renamed over the old one) and point
+        the index at the `moved` records' new places at once: from the rename on, the index, the
+        appends and the file at manifest.log are the new ones, even if the folder's fsync fails."""
         data = _manifest_lines(entries)
         tmp = self.path / "manifest.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        fd = create_file(tmp, os.O_WRONLY)
         try:
             _write_all(fd, data, 0)
             os.fsync(fd)
-        finally:
+            os.replace(tmp, self.path / "manifest.log")
+        except BaseException:
             os.close(fd)
-        tmp.replace(self.path / "manifest.log")
+            raise
+        old, self._man_fd, self._man_size = self._man_fd, fd, len(data)
+        with self._state:
+            for key, loc in moved:
+                self._place(key, loc)
+        with contextlib.suppress(OSError):
+            os.close(old)
         _fsync_dir(self.path)
-        os.close(self._man_fd)
-        self._man_fd = os.open(self.path / "manifest.log", os.O_WRONLY | os.O_CLOEXEC)
-        self._man_size = len(data)
+
+    def compact_later(self, keep_ratio: float | None = None) -> None:
+        """Ask for a compaction on the archive's own thread; returns at once. `keep_ratio`:
+        `h3d.tiers.compaction.RECLAIM_KEEP_RATIO` by default."""
+        self._compactor.request(compaction.RECLAIM_KEEP_RATIO if keep_ratio is None else keep_ratio)
+
+    @property
+    def compacting(self) -> bool:
+        """A background compaction runs or is asked for."""
+        return self._compactor.busy
+
+    def wait_compactions(self, timeout: float | None = None) -> bool:
+        """Wait for the background compactions asked for. -> False if `timeout` passed first."""
+        return self._compactor.wait(timeout)
 
     def contains(self, key: BlockKey) -> bool:
         with self._state:
@@ -505,21 +537,23 @@ class Archive:
 
     def get(self, key: BlockKey) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (k, v), each [Hkv, n, D] CPU of the identity's dtype (n as put). KeyError if not archived."""
-        with self._state:
+        with self._state:  # the segment is opened before a compaction can delete it (see compact)
             self._check_open()
             loc = self._index.get(key.session, {}).get((key.layer, key.index))
-        if loc is None:
-            raise KeyError(key)
-        seg = self._seg_path(loc.segment)
-        where = f"{seg} at offset {loc.offset}"
-        try:
-            fd = os.open(seg, os.O_RDONLY | os.O_CLOEXEC)
+            if loc is None:
+                raise KeyError(key)
+            seg = self._seg_path(loc.segment)
+            where = f"{seg} at offset {loc.offset}"
             try:
-                data = os.pread(fd, loc.length, loc.offset)
-            finally:
-                os.close(fd)
+                fd = os.open(seg, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                raise ArchiveCorrupt(f"{_describe(key)} cannot be read from {where}: {e}", key) from e
+        try:
+            data = os.pread(fd, loc.length, loc.offset)
         except OSError as e:
             raise ArchiveCorrupt(f"{_describe(key)} cannot be read from {where}: {e}", key) from e
+        finally:
+            os.close(fd)
         codec, payload = self._verify(key, loc, data, where)
         ident = self.identity
         try:
@@ -569,8 +603,11 @@ class Archive:
             raise ArchiveWriteFailed(f"KV archive {self.path}: an earlier write failed ({self._broken})")
 
     def close(self) -> None:
-        """Release the files and the folder lock. Idempotent; waits for a put in progress."""
-        with self._write_lock, self._state:
+        """Release the files and the folder lock. Idempotent; waits for a put in progress, stops a
+        compaction in progress (what it copied is dropped)."""
+        self._stopping.set()
+        self._compactor.close()
+        with self._compact_lock, self._write_lock, self._state:
             if self._closed:
                 return
             self._closed = True
