@@ -9,7 +9,11 @@
     h3d convert-gguf (FILE | --embedded) OUTDIR
 
 Every engine configuration key is a flag of the same name in kebab case; the defaults are
-`h3d.config`'s. Errors print one line to stderr and exit 1; usage errors exit 2.
+`h3d.config`'s, the help texts `h3d.keys`'s (which docs/OPERATIONS.md's key tables come from too).
+Errors print one line to stderr and exit 1; usage errors exit 2.
+
+torch is imported only once the configuration is known (`h3d.engine.threads` sets the OpenMP
+environment first).
 """
 
 from __future__ import annotations
@@ -18,32 +22,40 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import MISSING, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from h3d.config import DEVICES, DTYPES, POLICIES, SSD_CODECS, EngineConfig, SamplingDefaults
+from h3d.config import DTYPES, POLICIES, SSD_CODECS, EngineConfig, SamplingDefaults
+from h3d.daemon.config import key_types
 from h3d.errors import H3Error
+from h3d.keys import flag_help
 
-_ENGINE_FLAGS_SKIP = {"model", "device", "dtype", "sampling", "check_invariants"}
+_CHOICES = {"policy": POLICIES, "ssd_codec": SSD_CODECS, "dtype": DTYPES}  # device: also cuda:N
+
+
+def _add_key_flag(p: argparse.ArgumentParser, key: str, kind: type, dest: str | None = None) -> None:
+    """`--kebab-key` (or `--kebab-dest`) for configuration key `key` (flat: `sampling_top_p`), typed,
+    with its help line from h3d.keys."""
+    dest = dest or key
+    flag = "--" + dest.replace("_", "-")
+    help = flag_help(key.replace("sampling_", "sampling.", 1) if key.startswith("sampling_") else key)
+    if kind is bool:
+        p.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help)
+    elif kind is tuple:
+        p.add_argument(flag, dest=dest, type=int, nargs="*", default=None, help=help)
+    elif kind in (int, float):
+        p.add_argument(flag, dest=dest, type=kind, default=None, help=help)
+    else:
+        p.add_argument(flag, dest=dest, choices=_CHOICES.get(key), default=None, help=help)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face model folder")
-    p.add_argument("--device", choices=DEVICES, default=None, help="default: cpu")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: fp32 on cpu, bf16 on cuda")
-    choices = {"policy": POLICIES, "ssd_codec": SSD_CODECS}
+    p.add_argument("--model", required=True, help=flag_help("model"))
+    types = key_types()
     for f in fields(EngineConfig):
-        if f.name in _ENGINE_FLAGS_SKIP:
-            continue
-        default = f.default if f.default is not MISSING else None
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(default, tuple):
-            p.add_argument(flag, type=int, nargs="*", default=None, help=f"default: {list(default)}")
-        elif isinstance(default, float | int) and not isinstance(default, bool):
-            p.add_argument(flag, type=type(default), default=None, help=f"default: {default}")
-        else:
-            p.add_argument(flag, choices=choices.get(f.name), default=None, help=f"default: {default}")
+        if f.name not in ("model", "sampling"):
+            _add_key_flag(p, f.name, types[f.name])
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -64,10 +76,14 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from h3d.engine.threads import apply_cpu_threads
+
+    config = _engine_config(args)
+    cpu_threads = apply_cpu_threads(config)  # before torch loads: it reads the OpenMP environment once
+
     from h3d.engine.engine import Engine
     from h3d.engine.session import GenerationDone, TokenDelta
 
-    config = _engine_config(args)
     engine = Engine(config)
     prompt = _read_prompt(args)
     if args.chat:
@@ -109,6 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         "hbf_latency_us_p50": round(engine.hbf_latency_us()[0], 1),
                         "hbf_latency_us_p99": round(engine.hbf_latency_us()[1], 1),
                         "window_tokens": engine.runner.selection[engine.session(session).seq].window_tokens,
+                        "cpu_threads": cpu_threads,
                     },
                 },
                 ensure_ascii=False,
@@ -137,7 +154,9 @@ def cmd_convert_gguf(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from h3d.daemon.config import key_types
+    from h3d.engine.threads import omp_environment
+
+    omp_environment()  # h3d.daemon.server imports torch; the thread count follows in Daemon.run
     from h3d.daemon.server import serve
 
     overrides = {key: getattr(args, key, None) for key in key_types()}
@@ -145,20 +164,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
-    from h3d.daemon.config import key_types
-
-    p.add_argument("--config", default=None, help="h3d.toml (see systemd/h3d.toml); flags override it")
-    choices = {"policy": POLICIES, "ssd_codec": SSD_CODECS, "device": DEVICES, "dtype": DTYPES}
+    p.add_argument("--config", default=None, help="h3d.toml (see systemd/h3d.toml); flags override it (default: none)")
     for key, kind in sorted(key_types().items()):
-        flag = "--" + key.replace("_", "-")
-        if kind is bool:
-            p.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None)
-        elif kind is tuple:
-            p.add_argument(flag, dest=key, type=int, nargs="*", default=None)
-        elif kind in (int, float):
-            p.add_argument(flag, dest=key, type=kind, default=None)
-        else:
-            p.add_argument(flag, dest=key, choices=choices.get(key), default=None)
+        _add_key_flag(p, key, kind)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,15 +175,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     src = gen.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="read the prompt from this file (UTF-8)")
-    gen.add_argument("--max-tokens", type=int, default=None, help=f"default: {SamplingDefaults().max_tokens}")
-    gen.add_argument("--temperature", type=float, default=None, help="0 is greedy (the default)")
-    gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, (0, 1]")
-    gen.add_argument("--top-k", type=int, default=None, help="keep the k best tokens (0: all)")
-    gen.add_argument("--seed", type=int, default=None, help="seed of this request's sampler")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    src.add_argument("--prompt", help="prompt text (default: none; this or --prompt-file is required)")
+    src.add_argument("--prompt-file", help="read the prompt from this file, UTF-8 (default: none)")
+    types = key_types()
+    for name in ("max_tokens", "temperature", "top_p", "top_k"):  # the sampling keys, without `sampling-`
+        _add_key_flag(gen, f"sampling_{name}", types[f"sampling_{name}"], dest=name)
+    gen.add_argument("--seed", type=int, default=None, help="seed of this request's sampler (default: a random one)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (default: off)")
+    gen.add_argument(
+        "--json", action="store_true", help="print one JSON object at the end instead of streaming (default: off)"
+    )
     _add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
 

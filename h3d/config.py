@@ -2,16 +2,22 @@
 
 `EngineConfig` is one frozen tree, validated when built (`EngineConfig.build`); a bad value raises
 `ConfigError` naming the key. The CLI exposes each key as a flag of the same name in kebab case
-(`block_size` <-> `--block-size`). docs/OPERATIONS.md documents every key.
+(`block_size` <-> `--block-size`). h3d/keys.py says what each key means; the flags' help and
+docs/OPERATIONS.md's key tables are written from it.
+
+Nothing here imports torch: `h3d generate` sets the OpenMP environment (`cpu_threads`) from this
+configuration before torch loads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from h3d.errors import ConfigError
-from h3d.hbf.policy import HbfConfig
+
+if TYPE_CHECKING:
+    from h3d.hbf.policy import HbfConfig
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -36,6 +42,7 @@ class EngineConfig:
     model: str = ""
     device: str = "cpu"
     dtype: str | None = None
+    cpu_threads: int | None = None  # torch's CPU threads; None or 0: auto (h3d.engine.threads)
     block_size: int = 32
     prefill_chunk_tokens: int = 512
     hbm_mb: float = 1024.0
@@ -70,6 +77,8 @@ class EngineConfig:
 
     @property
     def hbf(self) -> HbfConfig:
+        from h3d.hbf.policy import HbfConfig  # imports torch
+
         return HbfConfig(
             policy=self.policy,
             window_tokens=self.window_tokens,
@@ -94,6 +103,10 @@ class EngineConfig:
         _choice("device", self.device.split(":")[0], DEVICES)
         if self.dtype is not None:
             _choice("dtype", self.dtype, DTYPES)
+        if self.cpu_threads is not None and self.cpu_threads < 0:
+            raise ConfigError(
+                f"cpu_threads: must be >= 1 (0 or unset: the cores this process may run on), got {self.cpu_threads}"
+            )
         _positive("block_size", self.block_size)
         _positive("prefill_chunk_tokens", self.prefill_chunk_tokens)
         _positive("hbm_mb", self.hbm_mb)

@@ -4,37 +4,51 @@
 
     health                                   SERVING or NOT_SERVING (exit 0 only when serving)
     stats [--watch] [--interval S]           the tiers' figures and throughput (GetStats)
-    top [--interval S] [--once]              live view: global figures, one row per session
-    session create [--system TEXT] [--policy P]
+    top [--interval S] [--once]              live view: global figures, one row per session (q quits)
+    session create [--chat] [--system TEXT] [--policy P]
     session list                             every session (all pages of ListSessions)
-    session show ID [--with-tokens]
+    session show ID [--with-tokens]          tokens, KV blocks per tier (per layer), chat messages
     session close ID [--purge]
-    append ID (--text TEXT | --file PATH)    add to a session's context (progress on stderr)
+    append ID (--text TEXT | --file PATH) [--role user|assistant|system]
+                                             add to a session's context (progress on stderr); the
+                                             role: chat sessions only, default user
     generate ID --prompt TEXT [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop S]...
+                                             (chat session: the prompt is appended as a user message)
     evict ID --to ddr|ssd                    move a session's KV down a tier (H3Admin)
     pin ID [--ttl S | --unpin]               keep a session's KV in HBM (H3Admin)
     policy ID P                              switch a session's HBF policy (H3Admin)
     drain [--timeout S]                      stop taking requests, let those in flight end (H3Admin)
+    resume                                   undo a drain: take requests again (H3Admin)
     config                                   the daemon's effective configuration (H3Admin)
 
 The daemon is found at `--socket` (default `$H3D_SOCKET`, else /run/h3d/h3d.sock) or over TCP at
 `--address` (TLS with `--tls-ca`). `--token-file` holds the bearer token sent with every call.
 `--timeout` bounds each unary call (streams have no deadline).
 
+An ID is a session's 32 hex digits or any prefix of them that names one session (as `top`'s
+12-digit ids): a prefix is looked up with ListSessions, a full id is sent as is.
+
 Output: human-readable by default; with `--json` one single-line JSON object per command on stdout
 (`stats --watch`: one per refresh). Exit codes: 0 success; 1 the daemon answered with an error
 (`h3ctl: error: CODE: message` on stderr, or `{"error": {"code", "message"}}` with `--json`) or
-cannot be reached; 2 usage errors; 130 interrupted during a stream.
+cannot be reached, or no session has the ID given (NOT_FOUND); 2 usage errors, among them an ID
+prefix that several sessions share (`h3ctl: error: ambiguous session prefix ...`, listing them);
+130 interrupted during a stream.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import re
+import select
 import sys
+import termios
 import time
+import tty
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -54,7 +68,11 @@ DEFAULT_INTERVAL_S = 2.0
 LIST_PAGE_SIZE = 500
 PROGRESS_MIN_TOKENS = 256  # appends shorter than this show no progress
 PROGRESS_WIDTH = 30
-SESSION_PREFIX = 12
+SESSION_PREFIX = 12  # the digits of an id that `top` shows
+SESSION_ID = re.compile(r"[0-9a-f]{32}")  # a full id: sent as is, without a lookup
+AMBIGUOUS_SHOWN = 10  # matches listed in the error for an ambiguous prefix
+ID_HELP = "the session's id, or a prefix of it that no other session's id has"
+ROLES = ("user", "assistant", "system")
 MIB = 1024 * 1024
 CLEAR = "\x1b[H\x1b[2J"
 TIERS = {"ddr": pb.TIER_DDR, "ssd": pb.TIER_SSD}
@@ -67,7 +85,11 @@ DRAIN_GRACE_S = 15.0
 
 
 class UsageError(Exception):
-    """A usage problem found after parsing (a bad file, conflicting options): exit 2."""
+    """A usage problem found after parsing (a bad file, conflicting options, an ambiguous id): exit 2."""
+
+
+class NoSuchSession(Exception):
+    """No session has the id (or id prefix) given: reported as NOT_FOUND, exit 1."""
 
 
 class Client:
@@ -291,6 +313,24 @@ def list_sessions(c: Client) -> list[Any]:
         token = resp.next_page_token
 
 
+def resolve_id(c: Client, given: str) -> str:
+    """The full id of the session that `given` names: a full id as is, else the one session whose id
+    starts with it (ListSessions, every page). NoSuchSession if none does; UsageError if several do."""
+    prefix = given.strip().lower()
+    if SESSION_ID.fullmatch(prefix):
+        return prefix
+    if not prefix:
+        raise UsageError("an empty session id")
+    matches = sorted(s.session_id for s in list_sessions(c) if s.session_id.startswith(prefix))
+    if not matches:
+        raise NoSuchSession(f"no session with an id starting with {given!r}")
+    if len(matches) > 1:
+        shown = ", ".join(matches[:AMBIGUOUS_SHOWN])
+        more = f" and {len(matches) - AMBIGUOUS_SHOWN} more" if len(matches) > AMBIGUOUS_SHOWN else ""
+        raise UsageError(f"ambiguous session prefix {given!r}: matches {shown}{more} (give more of the id)")
+    return matches[0]
+
+
 def top_frame(stats: Any, sessions: list[Any]) -> str:
     g, t = getattr(stats, "global"), stats.throughput
     header = [
@@ -324,15 +364,66 @@ def top_frame(stats: Any, sessions: list[Any]) -> str:
     return "\n".join(header) + "\n\n" + body
 
 
+class Keys:
+    """Key presses on stdin while `top` runs, when stdin is a terminal: it is put in cbreak mode
+    (no echo, no line buffering; Ctrl-C still interrupts) and restored on exit, however `top` ends.
+    When stdin is not a terminal nothing is read: `wait` only sleeps."""
+
+    QUIT = frozenset(b"qQ")
+
+    def __init__(self) -> None:
+        self.fd: int | None = None  # the terminal, while in cbreak mode
+        self.saved: list[Any] | None = None
+        self.reading = False
+
+    def __enter__(self) -> Keys:
+        try:
+            fd = sys.stdin.fileno()
+            if os.isatty(fd):
+                self.saved = termios.tcgetattr(fd)
+                tty.setcbreak(fd)
+                self.fd, self.reading = fd, True
+        except (AttributeError, OSError, ValueError, termios.error):
+            pass  # no usable stdin (none, closed): Ctrl-C only
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None and self.saved is not None:
+            with contextlib.suppress(termios.error):  # the terminal may be gone
+                termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
+        self.fd, self.reading = None, False
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep `seconds`, or less if `q` is pressed: then True."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.fd is None or not self.reading:
+                time.sleep(left)
+                return False
+            if not select.select([self.fd], [], [], left)[0]:
+                continue
+            data = os.read(self.fd, 64)
+            if not data:  # end of input (the terminal hung up): sleep from now on
+                self.reading = False
+            elif self.QUIT.intersection(data):
+                return True
+        return False
+
+
 def cmd_top(c: Client, args: argparse.Namespace) -> int:
     frames = Frames()
+    if args.once:
+        stats = c.call(c.h3.GetStats, pb.GetStatsRequest())
+        frames.show(top_frame(stats, list_sessions(c)))
+        return 0
     try:
-        while True:
-            stats = c.call(c.h3.GetStats, pb.GetStatsRequest())
-            frames.show(top_frame(stats, list_sessions(c)))
-            if args.once:
-                return 0
-            time.sleep(args.interval)
+        with Keys() as keys:
+            footer = f"every {args.interval:g}s; " + ("q quits" if keys.reading else "Ctrl-C quits")
+            while True:
+                stats = c.call(c.h3.GetStats, pb.GetStatsRequest())
+                frames.show(top_frame(stats, list_sessions(c)) + "\n\n" + footer)
+                if keys.wait(args.interval):
+                    return 0
     except KeyboardInterrupt:
         return 0
 
@@ -340,7 +431,65 @@ def cmd_top(c: Client, args: argparse.Namespace) -> int:
 # ---- sessions ----------------------------------------------------------------------------------
 
 
-def session_text(s: Any) -> str:
+def tokens_text(s: Any) -> str:
+    if s.num_tokens == 0:
+        return "0"
+    if s.cached_tokens >= s.num_tokens:
+        return f"{s.num_tokens} ({s.cached_tokens} with KV computed)"
+    rest = s.num_tokens - s.cached_tokens
+    return f"{s.num_tokens} ({s.cached_tokens} with KV computed, {rest} to compute at the next request)"
+
+
+def layer_bounds(s: Any, block_size: int) -> tuple[int, int] | None:
+    """The model's layer count L as far as one session's residency bounds it: its KV is
+    nb = ceil(cached_tokens / block_size) blocks in every layer, each with a copy in at least one
+    tier and at most one in each, so max(tier) <= L * nb <= sum(tiers). None when it says nothing
+    (no KV, or busy: its blocks may be changing)."""
+    nb = math.ceil(s.cached_tokens / block_size)
+    if nb == 0 or s.busy:
+        return None
+    r = s.residency
+    counts = (r.hbm_blocks, r.ddr_blocks, r.ssd_blocks)
+    return math.ceil(max(counts) / nb), sum(counts) // nb
+
+
+def layers_of(sessions: Sequence[Any], block_size: int) -> int | None:
+    """The layer count where the sessions' residencies decide it (every session has the same
+    model's layers); None where they leave it open."""
+    low, high = 1, UINT64_MAX
+    for s in sessions:
+        bounds = layer_bounds(s, block_size)
+        if bounds is not None:
+            low, high = max(low, bounds[0]), min(high, bounds[1])
+    return low if low == high else None
+
+
+def per_layer(n: int, layers: int) -> str:
+    return str(n // layers) if n % layers == 0 else f"{n / layers:.1f}"
+
+
+def kv_rows(s: Any, block_size: int | None, layers: int | None) -> list[tuple[str, str]]:
+    """Where the session's KV is, in words: TierResidency counts block copies (a block is
+    block_size tokens of one layer) summed over the layers."""
+    r = s.residency
+    counts = f"HBM {r.hbm_blocks}, DDR {r.ddr_blocks}, SSD {r.ssd_blocks} block copies"
+    if block_size is None:
+        return [("residency", f"{counts} (all layers together; a block holds block_size tokens of one layer)")]
+    nb = math.ceil(s.cached_tokens / block_size)
+    if nb == 0:
+        blocks = "none" + (" yet (the next request computes them)" if s.num_tokens else "")
+    else:
+        blocks = f"{nb} per layer ({block_size} tokens each)"
+        blocks += f" x {layers} layers = {nb * layers}" if layers is not None else ", in every layer"
+    if layers is not None:
+        where = f"{counts} (all layers); per layer HBM {per_layer(r.hbm_blocks, layers)}, "
+        where += f"DDR {per_layer(r.ddr_blocks, layers)}, SSD {per_layer(r.ssd_blocks, layers)}"
+    else:
+        where = f"{counts} (all layers together)"
+    return [("kv_blocks", blocks), ("residency", where)]
+
+
+def session_text(s: Any, block_size: int | None = None, layers: int | None = None) -> str:
     sp = s.sampling
     sampling = f"max_tokens {sp.max_tokens}  temperature {sp.temperature:g}  top_p {sp.top_p:g}  top_k {sp.top_k}"
     if sp.HasField("seed"):
@@ -354,12 +503,12 @@ def session_text(s: Any) -> str:
     pinned = "no"
     if s.pinned:
         pinned = f"until {when(s.pinned_until)}" if s.pinned_until else "yes (until unpinned)"
-    r = s.residency
     rows = [
         ("session_id", s.session_id),
-        ("num_tokens", f"{s.num_tokens} ({s.cached_tokens} cached)"),
+        ("tokens", tokens_text(s)),
+        *kv_rows(s, block_size, layers),
+        ("chat", f"yes, {s.num_messages} message{'' if s.num_messages == 1 else 's'}" if s.chat else "no"),
         ("policy", f"{s.policy} (window {s.window_tokens} tokens)"),
-        ("residency", f"HBM {r.hbm_blocks}  DDR {r.ddr_blocks}  SSD {r.ssd_blocks} blocks"),
         ("created_at", when(s.created_at)),
         ("last_used_at", when(s.last_used_at)),
         ("busy", yes_no(s.busy)),
@@ -375,7 +524,7 @@ def session_text(s: Any) -> str:
 
 
 def cmd_session_create(c: Client, args: argparse.Namespace) -> int:
-    req = pb.CreateSessionRequest(system_prompt=args.system or "", policy=args.policy or "")
+    req = pb.CreateSessionRequest(system_prompt=args.system or "", policy=args.policy or "", chat=args.chat)
     s = c.call(c.h3.CreateSession, req)
     if args.json:
         emit_json(to_dict(s))
@@ -401,7 +550,12 @@ def cmd_session_list(c: Client, args: argparse.Namespace) -> int:
             f"{s.residency.hbm_blocks}/{s.residency.ddr_blocks}/{s.residency.ssd_blocks}",
             when(s.created_at),
             when(s.last_used_at),
-            " ".join(flag for flag, on in (("busy", s.busy), ("pinned", s.pinned), ("closed", s.closed)) if on) or "-",
+            " ".join(
+                flag
+                for flag, on in (("chat", s.chat), ("busy", s.busy), ("pinned", s.pinned), ("closed", s.closed))
+                if on
+            )
+            or "-",
         )
         for s in sessions
     ]
@@ -410,12 +564,29 @@ def cmd_session_list(c: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def block_size_of(c: Client) -> int | None:
+    """The daemon's block_size (GetConfig); None where it is refused (a client token) or lacking."""
+    try:
+        config = json.loads(c.call(c.admin.GetConfig, pb.GetConfigRequest()).json)
+    except (grpc.RpcError, ValueError):
+        return None
+    size = config.get("block_size") if isinstance(config, dict) else None
+    return size if isinstance(size, int) and size > 0 else None
+
+
 def cmd_session_show(c: Client, args: argparse.Namespace) -> int:
     s = c.call(c.h3.GetSession, pb.GetSessionRequest(session_id=args.id, with_tokens=args.with_tokens))
     if args.json:
         emit_json(to_dict(s))
-    else:
-        print(session_text(s))
+        return 0
+    block_size = block_size_of(c)
+    layers = None
+    if block_size is not None:
+        # No call tells the layer count: the residencies do (this session's, else all of them).
+        layers = layers_of([s], block_size)
+        if layers is None and math.ceil(s.cached_tokens / block_size) > 0:
+            layers = layers_of([s, *list_sessions(c)], block_size)
+    print(session_text(s, block_size, layers))
     return 0
 
 
@@ -477,8 +648,9 @@ def cmd_append(c: Client, args: argparse.Namespace) -> int:
     text = args.text if args.file is None else read_text(args.file)
     progress = Progress(enabled=not args.json or sys.stderr.isatty(), out=sys.stderr)
     summary = None
+    req = pb.AppendContextRequest(session_id=args.id, text=text, role=args.role or "")  # role: only when given
     try:
-        for resp in consume(c.stream(c.h3.AppendContext, pb.AppendContextRequest(session_id=args.id, text=text))):
+        for resp in consume(c.stream(c.h3.AppendContext, req)):
             which = resp.WhichOneof("event")
             if which == "progress":
                 progress.update(resp.progress.tokens_done, resp.progress.tokens_total)
@@ -612,6 +784,17 @@ def cmd_drain(c: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_resume(c: Client, args: argparse.Namespace) -> int:
+    resp = c.call(c.admin.Resume, pb.ResumeRequest())
+    if args.json:
+        emit_json(to_dict(resp))
+    elif resp.was_draining:
+        print("resumed: the daemon was draining; it takes requests again")
+    else:
+        print("the daemon was not draining: nothing to resume")
+    return 0
+
+
 def cmd_config(c: Client, args: argparse.Namespace) -> int:
     resp = c.call(c.admin.GetConfig, pb.GetConfigRequest())
     config = json.loads(resp.json)
@@ -675,7 +858,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="h3ctl",
         description="Operate a running h3d daemon (sessions, generation, tiers, stats).",
-        epilog="Global options go before the command. Exit codes: 0 ok, 1 error from (or no) daemon, 2 usage.",
+        epilog="Global options go before the command. An ID may be any prefix that names one session. "
+        "Exit codes: 0 ok, 1 error from (or no) daemon or no such session, 2 usage (an ambiguous ID among them).",
     )
     p.add_argument("--socket", metavar="PATH", help=f"Unix socket (default: ${SOCKET_ENV}, else {DEFAULT_SOCKET})")
     p.add_argument("--address", metavar="HOST:PORT", help="reach the daemon over TCP instead")
@@ -692,28 +876,40 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("stats", help="tier figures and throughput")
     c.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
-    c.add_argument("--interval", type=positive, default=DEFAULT_INTERVAL_S, metavar="S")
+    c.add_argument(
+        "--interval", type=positive, default=DEFAULT_INTERVAL_S, metavar="S", help="seconds between refreshes"
+    )
     c.set_defaults(func=cmd_stats)
 
-    c = sub.add_parser("top", help="live view of the daemon and its sessions")
-    c.add_argument("--interval", type=positive, default=DEFAULT_INTERVAL_S, metavar="S")
+    c = sub.add_parser(
+        "top",
+        help="live view of the daemon and its sessions (q quits)",
+        description="A frame per interval: global figures, one row per session (ids: their first 12 digits, "
+        "which every command takes). On a terminal q quits; otherwise Ctrl-C.",
+    )
+    c.add_argument("--interval", type=positive, default=DEFAULT_INTERVAL_S, metavar="S", help="seconds between frames")
     c.add_argument("--once", action="store_true", help="print one frame and exit")
     c.set_defaults(func=cmd_top)
 
     session = sub.add_parser("session", help="create, list, show, close sessions")
     ss = session.add_subparsers(dest="session_command", required=True, metavar="ACTION")
     c = ss.add_parser("create", help="open a session; prints its id")
-    c.add_argument("--system", metavar="TEXT", help="system prompt")
+    c.add_argument(
+        "--chat",
+        action="store_true",
+        help="a chat session: appends are messages rendered through the model's chat template",
+    )
+    c.add_argument("--system", metavar="TEXT", help="system prompt (in a chat session: its system message)")
     c.add_argument("--policy", metavar="P", help="HBF policy (attention_entropy, exact, fixed, layerwise)")
     c.set_defaults(func=cmd_session_create)
     c = ss.add_parser("list", help="every session")
     c.set_defaults(func=cmd_session_list)
-    c = ss.add_parser("show", help="one session")
-    c.add_argument("id", metavar="ID")
+    c = ss.add_parser("show", help="one session: tokens, KV blocks per tier and per layer, flags")
+    c.add_argument("id", metavar="ID", help=ID_HELP)
     c.add_argument("--with-tokens", action="store_true", help="include the whole context (ids and text)")
     c.set_defaults(func=cmd_session_show)
     c = ss.add_parser("close", help="close a session, freeing its KV")
-    c.add_argument("id", metavar="ID")
+    c.add_argument("id", metavar="ID", help=ID_HELP)
     c.add_argument(
         "--purge",
         action="store_true",
@@ -721,16 +917,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(func=cmd_session_close)
 
-    c = sub.add_parser("append", help="add text to a session's context")
-    c.add_argument("id", metavar="ID")
+    c = sub.add_parser("append", help="add text to a session's context (a message to a chat session)")
+    c.add_argument("id", metavar="ID", help=ID_HELP)
     src = c.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", metavar="TEXT")
+    src.add_argument("--text", metavar="TEXT", help="the text to append")
     src.add_argument("--file", metavar="PATH", help="UTF-8 text file")
+    c.add_argument(
+        "--role",
+        choices=ROLES,
+        help="chat sessions only: the message's role (default: user, the daemon's)",
+    )
     c.set_defaults(func=cmd_append)
 
     c = sub.add_parser("generate", help="generate, continuing a session's context")
-    c.add_argument("id", metavar="ID")
-    c.add_argument("--prompt", required=True, metavar="TEXT", help='appended first; "" continues the context')
+    c.add_argument("id", metavar="ID", help=ID_HELP)
+    c.add_argument(
+        "--prompt",
+        required=True,
+        metavar="TEXT",
+        help='appended first (a chat session: as a user message); "" continues the context',
+    )
     c.add_argument("--max-tokens", type=uint32, metavar="N")
     c.add_argument("--temperature", type=non_negative, metavar="T", help="0 is greedy")
     c.add_argument("--top-p", type=_number(float, 0.0, 1.0, low_open=True), metavar="P")
@@ -740,19 +946,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("evict", help="move a session's KV down to DDR or the SSD archive")
-    c.add_argument("id", metavar="ID")
+    c.add_argument("id", metavar="ID", help=ID_HELP)
     c.add_argument("--to", required=True, choices=sorted(TIERS))
     c.set_defaults(func=cmd_evict)
 
     c = sub.add_parser("pin", help="keep a session's KV in HBM")
-    c.add_argument("id", metavar="ID")
+    c.add_argument("id", metavar="ID", help=ID_HELP)
     how = c.add_mutually_exclusive_group()
     how.add_argument("--ttl", type=positive, metavar="S", help="seconds (default: until unpinned)")
     how.add_argument("--unpin", action="store_true", help="remove the pin")
     c.set_defaults(func=cmd_pin)
 
     c = sub.add_parser("policy", help="switch a session's HBF policy")
-    c.add_argument("id", metavar="ID")
+    c.add_argument("id", metavar="ID", help=ID_HELP)
     c.add_argument("policy", metavar="P", help="attention_entropy, exact, fixed or layerwise")
     c.set_defaults(func=cmd_policy)
 
@@ -761,6 +967,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", dest="drain_timeout", type=positive, metavar="S", help="default: the daemon's drain_timeout_s"
     )
     c.set_defaults(func=cmd_drain)
+
+    c = sub.add_parser("resume", help="undo a drain: take requests again (says whether it was draining)")
+    c.set_defaults(func=cmd_resume)
 
     c = sub.add_parser("config", help="the daemon's effective configuration")
     c.set_defaults(func=cmd_config)
@@ -775,11 +984,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"h3ctl: error: {exc}", file=sys.stderr)
         return 2
     try:
+        if getattr(args, "id", None) is not None:
+            args.id = resolve_id(client, args.id)
         code: int = args.func(client, args)
         return code
     except UsageError as exc:
         print(f"h3ctl: error: {exc}", file=sys.stderr)
         return 2
+    except NoSuchSession as exc:
+        report("NOT_FOUND", str(exc), args.json)
+        return 1
     except grpc.RpcError as exc:
         return rpc_failed(exc, client, args)
     except KeyboardInterrupt:

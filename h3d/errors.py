@@ -42,5 +42,15 @@ class SsdDegraded(H3Error):
     `ssd_retry_interval_s` (maps to UNAVAILABLE)."""
 
 
+class NoChatTemplate(H3Error):
+    """A chat session was asked of a model without a chat template (maps to FAILED_PRECONDITION)."""
+
+
 class SessionBusy(InvalidRequest):
     """The session already has a request in flight (maps to FAILED_PRECONDITION)."""
+
+
+def clip(text: str, limit: int = 64) -> str:
+    """`text` cut to `limit` characters, for messages and logs: a client's input is never echoed
+    whole (a 1 MB session id would not fit in a status message)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -1,17 +1,22 @@
 """h3ctl against a real `h3d serve` (tests/daemon.py) on the tiny llama_gqa4_tied checkpoint.
 
-One module-scoped daemon serves most tests; `test_drain_refuses_new_work` drains it, so it comes
-last. Generation is checked token for token against the in-process engine on the same model.
+One module-scoped daemon serves most tests; `test_drain_then_resume` drains it (and resumes it),
+so it comes last. Generation is checked token for token against the in-process engine on the same model.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import pty
 import re
+import select
 import signal
 import subprocess
 import sys
+import termios
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -112,6 +117,8 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
         ("generate", "abc", "--prompt", "x", "--max-tokens", "-1"),
         ("generate", "abc", "--prompt", "x", "--top-p", "0"),
         ("stats", "--interval", "0"),
+        ("append", "abc", "--text", "x", "--role", "bogus"),
+        ("top", "--interval", "0"),
         ("health", "--json"),  # global options go before the command
     ):
         r = ctl_alone("--socket", str(tmp_path / "s"), *args)
@@ -166,6 +173,134 @@ def test_list_follows_pages() -> None:
     assert seen == ["", "2", "4"]
 
 
+FULL_ID = "0123456789abcdef0123456789abcdef"
+
+
+class FakeSessions:
+    """A client whose ListSessions (two pages) holds `ids`; counts the calls."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.ids = ids
+        self.calls = 0
+        self.h3 = self
+
+    ListSessions = None
+
+    def call(self, method: Any, request: pb.ListSessionsRequest) -> pb.ListSessionsResponse:
+        self.calls += 1
+        half = len(self.ids) // 2
+        page = self.ids[:half] if not request.page_token else self.ids[half:]
+        nxt = "" if request.page_token else "p2"
+        return pb.ListSessionsResponse(sessions=[pb.Session(session_id=i) for i in page], next_page_token=nxt)
+
+
+def test_resolve_id_by_unique_prefix() -> None:
+    ids = ["abcd" + "0" * 28, "abef" + "1" * 28, "9" * 32, "5" * 32]
+    fake: Any = FakeSessions(ids)
+    assert ctl.resolve_id(fake, "abc") == ids[0]
+    assert ctl.resolve_id(fake, "ABE") == ids[1]  # ids are lowercase hex
+    assert ctl.resolve_id(fake, "5" * 12) == ids[3]  # on the second page; top's 12 digits
+    calls = fake.calls
+    assert ctl.resolve_id(fake, FULL_ID) == FULL_ID and fake.calls == calls  # a full id: no lookup
+    with pytest.raises(ctl.UsageError, match=f"ambiguous session prefix 'ab': matches {ids[0]}, {ids[1]} "):
+        ctl.resolve_id(fake, "ab")
+    with pytest.raises(ctl.NoSuchSession, match="no session with an id starting with 'abc0f'"):
+        ctl.resolve_id(fake, "abc0f")
+    with pytest.raises(ctl.UsageError, match="empty"):
+        ctl.resolve_id(fake, "")
+    many: Any = FakeSessions([f"{i:02x}" + "0" * 30 for i in range(12)])
+    with pytest.raises(ctl.UsageError, match=r"matches 00.*, 09\w+ and 2 more"):
+        ctl.resolve_id(many, "0")
+
+
+def test_every_id_argument_is_resolved(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each command's ID goes through resolve_id before the command runs; the command sees the full id."""
+    seen: list[tuple[str, str]] = []
+    monkeypatch.setattr(ctl, "connect", lambda args: type("C", (), {"close": lambda self: None})())
+    monkeypatch.setattr(ctl, "resolve_id", lambda c, given: FULL_ID if given == "0123" else given)
+    for argv in (
+        ["session", "show", "0123"],
+        ["session", "close", "0123"],
+        ["append", "0123", "--text", "x"],
+        ["generate", "0123", "--prompt", "x"],
+        ["evict", "0123", "--to", "ddr"],
+        ["pin", "0123"],
+        ["policy", "0123", "exact"],
+    ):
+        name = ctl.build_parser().parse_args(argv).func.__name__
+
+        def command(c: Any, args: Any, name: str = name) -> int:
+            seen.append((name, args.id))
+            return 0
+
+        monkeypatch.setattr(ctl, name, command)
+        assert ctl.main(argv) == 0
+    assert [i for _, i in seen] == [FULL_ID] * 7 and len({n for n, _ in seen}) == 7
+
+
+def test_role_and_chat_are_sent_only_when_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    requests: list[Any] = []
+
+    class Client:
+        h3 = type("Stub", (), {"AppendContext": None, "CreateSession": None})()
+
+        def stream(self, method: Any, request: pb.AppendContextRequest) -> Iterator[pb.AppendContextResponse]:
+            requests.append(request)
+            yield pb.AppendContextResponse(done=pb.AppendSummary(tokens_added=1, num_tokens=1))
+
+        def call(self, method: Any, request: pb.CreateSessionRequest) -> pb.Session:
+            requests.append(request)
+            return pb.Session(session_id=FULL_ID)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(ctl, "connect", lambda args: Client())
+    assert ctl.main(["append", FULL_ID, "--text", "hi"]) == 0
+    assert ctl.main(["append", FULL_ID, "--text", "hi", "--role", "assistant"]) == 0
+    assert ctl.main(["session", "create"]) == 0
+    assert ctl.main(["session", "create", "--chat", "--system", "Be brief."]) == 0
+    plain, assistant, create, chat = requests
+    assert plain.role == ""  # not sent: the daemon's default (user) applies
+    assert plain.SerializeToString() == pb.AppendContextRequest(session_id=FULL_ID, text="hi").SerializeToString()
+    assert assistant.role == "assistant"
+    assert create.chat is False and create.system_prompt == ""
+    assert chat.chat is True and chat.system_prompt == "Be brief."
+
+
+def test_session_text_says_tokens_and_blocks_per_layer() -> None:
+    # 63 tokens, blocks of 32: 2 blocks in each of 30 layers, all in HBM.
+    s = pb.Session(session_id=FULL_ID, num_tokens=63, cached_tokens=63, residency=pb.TierResidency(hbm_blocks=60))
+    assert ctl.layers_of([s], 32) == 30
+    text = ctl.session_text(s, 32, 30)
+    assert "\ntokens        63 (63 with KV computed)\n" in text
+    assert "\nkv_blocks     2 per layer (32 tokens each) x 30 layers = 60\n" in text
+    assert "\nresidency     HBM 60, DDR 0, SSD 0 block copies (all layers); per layer HBM 2, DDR 0, SSD 0\n" in text
+    assert "\nchat          no\n" in text
+    # Without the block size (GetConfig refused): the sums, said to be over the layers.
+    assert "HBM 60, DDR 0, SSD 0 block copies (all layers together; a block holds block_size tokens" in (
+        ctl.session_text(s)
+    )
+    # KV still to compute; a chat session.
+    s2 = pb.Session(num_tokens=10, cached_tokens=0, chat=True, num_messages=3)
+    text = ctl.session_text(s2, 32, None)
+    assert "10 (0 with KV computed, 10 to compute at the next request)" in text
+    assert "kv_blocks     none yet" in text and "\nchat          yes, 3 messages\n" in text
+
+
+def test_layer_count_from_residencies() -> None:
+    def sess(cached: int, hbm: int = 0, ddr: int = 0, ssd: int = 0, busy: bool = False) -> pb.Session:
+        r = pb.TierResidency(hbm_blocks=hbm, ddr_blocks=ddr, ssd_blocks=ssd)
+        return pb.Session(cached_tokens=cached, residency=r, busy=busy)
+
+    assert ctl.layers_of([sess(65, ddr=9)], 32) == 3  # 3 blocks per layer, all in DDR
+    assert ctl.layers_of([sess(65, ddr=3, ssd=6)], 32) is None  # 2 or 3 layers
+    assert ctl.layers_of([sess(65, ddr=3, ssd=6), sess(10, hbm=3)], 32) == 3  # the other session decides
+    assert ctl.layers_of([sess(65, hbm=9, ddr=9, busy=True)], 32) is None  # busy: not counted
+    assert ctl.layers_of([sess(0)], 32) is None
+    assert ctl.layers_of([sess(65, hbm=9), sess(10, hbm=4)], 32) is None  # contradictory: unknown
+
+
 def test_interrupted_stream_exits_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     cancelled: list[bool] = []
 
@@ -184,14 +319,14 @@ def test_interrupted_stream_exits_130(monkeypatch: pytest.MonkeyPatch, capsys: p
         h3 = Stub()
 
         def stream(self, method: Any, request: pb.GenerateRequest) -> Call:
-            assert request.session_id == "abc" and request.prompt == "hi"
+            assert request.session_id == FULL_ID and request.prompt == "hi"
             return Call()
 
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr(ctl, "connect", lambda args: Client())
-    assert ctl.main(["generate", "abc", "--prompt", "hi"]) == 130
+    monkeypatch.setattr(ctl, "connect", lambda args: Client())  # a full id: no ListSessions
+    assert ctl.main(["generate", FULL_ID, "--prompt", "hi"]) == 130
     out = capsys.readouterr()
     assert out.out == "Hel\n" and out.err == ""
     assert cancelled == [True]
@@ -379,6 +514,147 @@ def test_evict_pin_policy_close(d: RunningDaemon) -> None:
     assert "NOT_FOUND" in failed(d, 1, "session", "close", sid).stderr
 
 
+def test_ids_by_unique_prefix(d: RunningDaemon) -> None:
+    sid = new_session(d)
+    short = sid[:12]  # what `top` shows
+    assert ok_json(d, "session", "show", short)["session_id"] == sid
+    assert ok(d, "session", "show", sid[:5]).startswith(f"session_id    {sid}\n")
+    assert ok_json(d, "append", short, "--text", LONG_TEXT)["session_id"] == sid
+    out = ok_json(d, "generate", short, "--prompt", "", "--max-tokens", "2", "--temperature", "0")
+    assert out["session_id"] == sid and out["completion_tokens"] >= 1
+    assert ok_json(d, "evict", short, "--to", "ddr")["blocks_moved"] > 0
+    assert ok(d, "pin", short).strip() == f"pinned {sid} until unpinned"
+    assert ok_json(d, "pin", short, "--unpin")["pinned"] is False
+    assert ok(d, "policy", short, "exact").strip() == f"{sid}: policy exact"
+    assert ok(d, "session", "close", short).strip() == f"closed {sid}"
+
+    # Ambiguous: sessions until two share a first digit (16 digits: at most 17 sessions).
+    by_digit: dict[str, list[str]] = {}
+    for s in (x["session_id"] for x in ok_json(d, "session", "list")["sessions"]):
+        by_digit.setdefault(s[0], []).append(s)
+    while max(len(v) for v in by_digit.values()) < 2:
+        s = new_session(d)
+        by_digit.setdefault(s[0], []).append(s)
+    digit, shared = next((k, sorted(v)) for k, v in by_digit.items() if len(v) >= 2)
+    r = failed(d, 2, "session", "show", digit)
+    assert r.stderr.startswith(f"h3ctl: error: ambiguous session prefix '{digit}': matches {shared[0]}, {shared[1]}")
+    assert r.stdout == ""
+    assert failed(d, 2, "append", digit, "--text", "x").stderr.startswith("h3ctl: error: ambiguous")
+
+    # No match: NOT_FOUND, as the daemon's own.
+    known = [x["session_id"] for x in ok_json(d, "session", "list")["sessions"]]
+    missing = next(p for p in (uuid.uuid4().hex[:20] for _ in range(100)) if not any(k.startswith(p) for k in known))
+    r = failed(d, 1, "session", "show", missing)
+    assert r.stderr == f"h3ctl: error: NOT_FOUND: no session with an id starting with '{missing}'\n"
+    r = failed(d, 1, "--json", "pin", missing)
+    assert json.loads(r.stderr)["error"]["code"] == "NOT_FOUND"
+    # A full id is sent as is: the daemon's own NOT_FOUND.
+    r = failed(d, 1, "session", "show", uuid.uuid4().hex)
+    assert "NOT_FOUND" in r.stderr and "starting with" not in r.stderr
+
+
+def test_session_show_in_words(d: RunningDaemon) -> None:
+    sid = new_session(d)
+    ok(d, "append", sid, "--text", LONG_TEXT)
+    shown = ok_json(d, "session", "show", sid)
+    cached, res = shown["cached_tokens"], shown["residency"]
+    blocks = -(-cached // 32)  # block_size 32; the model has 3 layers
+    assert blocks >= 2 and res == {"hbm_blocks": 3 * blocks, "ddr_blocks": 0, "ssd_blocks": 0}
+    lines = ok(d, "session", "show", sid).splitlines()
+    assert f"tokens        {shown['num_tokens']} ({cached} with KV computed" in lines[1]
+    assert lines[2] == f"kv_blocks     {blocks} per layer (32 tokens each) x 3 layers = {3 * blocks}"
+    assert lines[3] == (
+        f"residency     HBM {3 * blocks}, DDR 0, SSD 0 block copies (all layers); per layer HBM {blocks}, DDR 0, SSD 0"
+    )
+    assert lines[4] == "chat          no"
+    ok(d, "evict", sid, "--to", "ddr")
+    assert f"per layer HBM 0, DDR {blocks}, SSD 0" in ok(d, "session", "show", sid)
+    assert ok_json(d, "session", "show", sid)["residency"]["ddr_blocks"] == 3 * blocks  # --json: the proto
+    empty = ok(d, "session", "show", new_session(d))
+    assert "\ntokens        0\nkv_blocks     none\n" in empty
+
+
+def top_on_a_pty(d: RunningDaemon, stop: str) -> None:
+    """`top` with a pseudo-terminal as stdin and stdout; once it has drawn a frame, `stop` it
+    ("q": the key; "SIGINT": Ctrl-C). It must exit 0 within 5 s with the terminal as it was."""
+    master, slave = pty.openpty()
+    before = termios.tcgetattr(slave)
+    cmd = [sys.executable, "-m", "h3d.ctl", "--socket", str(d.socket), "top", "--interval", "0.2"]
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave)
+    out = bytearray()
+
+    def pump(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if select.select([master], [], [], 0.05)[0]:
+                out.extend(os.read(master, 65536))
+
+    try:
+        deadline = time.monotonic() + 60
+        while b"q quits" not in out and time.monotonic() < deadline and proc.poll() is None:
+            pump(0.1)
+        assert b"q quits" in out, out.decode(errors="replace")
+        assert not termios.tcgetattr(slave)[3] & (termios.ICANON | termios.ECHO)  # cbreak, no echo
+        t0 = time.monotonic()
+        if stop == "q":
+            os.write(master, b"q")
+        else:
+            proc.send_signal(signal.SIGINT)
+        while proc.poll() is None and time.monotonic() - t0 < 5:
+            pump(0.05)
+        assert proc.returncode == 0, out.decode(errors="replace")
+        assert b"Traceback" not in out
+        assert termios.tcgetattr(slave) == before  # restored
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+        os.close(slave)
+
+
+def test_top_quits_on_q(d: RunningDaemon) -> None:
+    """On a terminal `top` reads keys (cbreak mode): `q` ends it, and the terminal is restored;
+    so does Ctrl-C."""
+    top_on_a_pty(d, "q")
+    top_on_a_pty(d, "SIGINT")
+    # Not on a terminal: no key reading, Ctrl-C as before (the footer says so).
+    cmd = [sys.executable, "-m", "h3d.ctl", "--socket", str(d.socket), "top", "--interval", "0.2"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    while "quits" not in (line := proc.stdout.readline()):
+        assert line, "top ended"
+    assert line.strip() == "every 0.2s; Ctrl-C quits"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in err
+
+
+def test_chat_sessions(d: RunningDaemon, engine: Engine) -> None:
+    """Needs the daemon's chat sessions (CreateSessionRequest.chat, AppendContextRequest.role)."""
+    created = ok_json(d, "session", "create", "--chat", "--system", "Answer briefly.")
+    sid = created["session_id"]
+    assert created["chat"] is True
+    out = ok_json(d, "generate", sid[:8], "--prompt", "Once upon a time", "--max-tokens", "6", "--temperature", "0")
+    esid = engine.create_session(system_prompt="Answer briefly.", chat=True)
+    done = engine.complete(esid, "Once upon a time", SamplingParams(max_tokens=6))
+    assert out["token_ids"] == list(done.token_ids)  # the prompt went in as a user message
+    ok(d, "append", sid, "--text", "It was late.", "--role", "assistant")
+    engine.append(esid, text="It was late.", role="assistant")
+    ok(d, "append", sid, "--text", "Go on.")  # role: user (the default)
+    engine.append(esid, text="Go on.")
+    shown = ok_json(d, "session", "show", sid, "--with-tokens")
+    assert shown["token_ids"] == list(engine.session(esid).tokens)
+    n = shown["num_messages"]
+    assert shown["chat"] is True and n >= 4
+    assert f"\nchat          yes, {n} messages\n" in ok(d, "session", "show", sid)
+    assert any(line.startswith(sid) and line.endswith(" chat") for line in ok(d, "session", "list").splitlines())
+    engine.close_session(esid)
+    # A role on a plain session: refused by the daemon.
+    r = failed(d, 1, "append", new_session(d), "--text", "x", "--role", "assistant")
+    assert "INVALID_ARGUMENT" in r.stderr and "role" in r.stderr
+
+
 def test_append_from_a_file(d: RunningDaemon, engine: Engine, tmp_path: Path) -> None:
     path = tmp_path / "context.txt"
     path.write_text("Café, naïve, résumé: " + TEXT, encoding="utf-8")
@@ -429,12 +705,18 @@ def test_token_file_and_tcp(model: Path, tmp_path: Path) -> None:
         r = failed(d, 1, "--token-file", str(tokens), "config")
         assert "PERMISSION_DENIED" in r.stderr
         assert ok_json(d, "--token-file", str(admins), "config")["auth_token_file"] == str(tokens)
+        # session show without GetConfig (a client token): the sums, said to be over the layers.
+        shown = ok(d, "--token-file", str(tokens), "session", "show", sid[:6])
+        assert "residency     HBM 0, DDR 0, SSD 0 block copies (all layers together; a block holds" in shown
+        assert "kv_blocks" not in shown
+        assert "PERMISSION_DENIED" in failed(d, 1, "--token-file", str(tokens), "resume").stderr
 
 
-# ---- last: it drains the module's daemon -----------------------------------------------------------
+# ---- last: it drains the module's daemon (and resumes it) -------------------------------------------
 
 
-def test_drain_refuses_new_work(d: RunningDaemon) -> None:
+def test_drain_then_resume(d: RunningDaemon) -> None:
+    assert ok(d, "resume") == "the daemon was not draining: nothing to resume\n"
     drained = ok_json(d, "drain", "--timeout", "5")
     assert drained == {"requests_finished": 0, "requests_cancelled": 0}
     r = failed(d, 1, "session", "create")
@@ -442,3 +724,11 @@ def test_drain_refuses_new_work(d: RunningDaemon) -> None:
     r = failed(d, 1, "health")
     assert r.stdout == "NOT_SERVING\n"
     assert ok_json(d, "stats")["draining"] is True
+    # Resume undoes it: serving again, new work taken.
+    assert ok_json(d, "resume") == {"was_draining": True}
+    assert ok(d, "health") == "SERVING\n"
+    assert ok_json(d, "stats")["draining"] is False
+    new_session(d)
+    ok(d, "drain", "--timeout", "5")
+    assert ok(d, "resume") == "resumed: the daemon was draining; it takes requests again\n"
+    assert ok(d, "health") == "SERVING\n"

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from daemon import running_daemon
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.daemon.config import RELOADABLE, DaemonConfig, key_types, load
@@ -48,6 +53,8 @@ def test_file_then_flags_flags_win(tmp_path: Path) -> None:
         ('model = "m"\nlisten = "0.0.0.0:50051"\n', {}, "listen"),
         ('model = "m"\nlisten = "nonsense"\n', {}, "listen"),
         ('model = "m"\nmax_tokens_limit = 0\n', {}, "max_tokens_limit"),
+        ('model = "m"\ncpu_threads = -2\n', {}, "cpu_threads: must be >= 1"),
+        ('model = "m"\ncpu_threads = 1.5\n', {}, "cpu_threads: expected an integer"),
         ('model = "m"\ntls_cert_file = "/nonexistent"\ntls_key_file = "/nonexistent"\n', {}, "tls_cert_file"),
         ("model = [\n", {}, "TOML"),
         ('model = "m"\n', {"nonsense_key": 1}, "nonsense_key"),
@@ -145,3 +152,80 @@ def test_anchor_share_is_a_fraction() -> None:
     for bad in (-0.1, 1.5):
         with pytest.raises(ConfigError, match="anchor_share"):
             EngineConfig.build(model="m", anchor_share=bad)
+
+
+# ---- cpu_threads --------------------------------------------------------------------------
+
+
+def test_cpu_threads_auto_is_the_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset or 0: OMP_NUM_THREADS when the user set it, else the cores this process may run on."""
+    from h3d.config import EngineConfig
+    from h3d.engine.threads import resolve_cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    auto = EngineConfig.build(model="m")
+    assert auto.cpu_threads is None
+    assert resolve_cpu_threads(auto) == len(os.sched_getaffinity(0))
+    assert resolve_cpu_threads(EngineConfig.build(model="m", cpu_threads=0)) == len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # as under `taskset -c 0`
+    assert resolve_cpu_threads(auto) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert resolve_cpu_threads(auto) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert resolve_cpu_threads(auto) == 2
+    assert resolve_cpu_threads(EngineConfig.build(model="m", cpu_threads=5)) == 5  # the key wins
+
+
+def test_cpu_threads_is_applied_to_torch() -> None:
+    import torch
+
+    from h3d.config import EngineConfig
+    from h3d.engine.threads import apply_cpu_threads
+
+    before = torch.get_num_threads()
+    want = 2 if before == 1 else 1
+    try:
+        assert apply_cpu_threads(EngineConfig.build(model="m", cpu_threads=want)) == want
+        assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bad_cpu_threads_names_the_key() -> None:
+    from h3d.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="cpu_threads"):
+        EngineConfig.build(model="m", cpu_threads=-1)
+    with pytest.raises(ConfigError, match="cpu_threads"):
+        load(None, {"model": "m", "cpu_threads": "4"})
+
+
+def test_serve_logs_its_cpu_threads(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    with running_daemon(checkpoint("llama_gqa4_tied"), tmp_path / "d", extra=["--cpu-threads", "1"], tcp=False) as d:
+        (starting,) = d.events("starting")
+        assert starting["cpu_threads"] == 1
+
+
+def test_cli_imports_no_torch_before_the_configuration() -> None:
+    """OMP_NUM_THREADS and OMP_WAIT_POLICY count only if set before torch loads libgomp."""
+    code = "import sys, h3d.cli, h3d.keys; assert 'torch' not in sys.modules, 'h3d.cli imports torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_generate_applies_and_reports_its_cpu_threads(checkpoint: Callable[[str], Path]) -> None:
+    code = (
+        "import json, os, sys, torch\n"
+        "from h3d.cli import main\n"
+        "rc = main(sys.argv[1:])\n"
+        "print(json.dumps({'torch': torch.get_num_threads(), 'omp': os.environ.get('OMP_NUM_THREADS'),"
+        " 'wait': os.environ.get('OMP_WAIT_POLICY')}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    args = ["generate", "--model", str(checkpoint("llama_gqa4_tied")), "--prompt", "hello", "--max-tokens", "2"]
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args, "--json", "--cpu-threads", "1"],
+        capture_output=True, text=True, env=env, timeout=300, check=True,
+    )  # fmt: skip
+    result, after = (json.loads(line) for line in out.stdout.splitlines()[-2:])
+    assert result["stats"]["cpu_threads"] == 1
+    assert after == {"torch": 1, "omp": "1", "wait": "PASSIVE"}

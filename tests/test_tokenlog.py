@@ -692,3 +692,37 @@ def test_create_of_an_existing_id_is_refused_and_keeps_the_log(tmp_path: Path) -
     store.close()
     assert open_fds() == before
     assert only(TokenStore(tmp_path).load_all(), "s").tokens == [1]
+
+
+# ---- file modes ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o277])
+def test_logs_are_private_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    """Token logs are 0600 and the folders the store creates 0700, whatever the umask: a
+    permissive one (0, or 022 outside systemd) cannot widen them, a strict one cannot make them
+    unusable."""
+    root = tmp_path / "state"
+    old = os.umask(umask)
+    try:
+        store = TokenStore(root / "sessions" / "logs")
+        store.create("a", {"created_at": 1.0}, [1, 2])
+        store.append("a", [3])
+        store.cut("a", 2)
+        store.create("b", {"created_at": 2.0}, [])
+        store.set_meta("b", {"created_at": 2.0, "x": 1})
+        store.create("c", {"created_at": 3.0}, [4])
+        store.delete("c")
+        store.close()
+        again = TokenStore(root / "sessions" / "logs")
+        assert [r.session_id for r in again.load_all()] == ["a", "b"]
+        again.append("a", [5])
+        again.close()
+    finally:
+        os.umask(old)
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert sorted(p.name for p in files) == ["a.h3log", "b.h3log"]
+    for p in files:
+        assert p.stat().st_mode & 0o777 == 0o600, f"{p.name}: {oct(p.stat().st_mode & 0o777)}"
+    for d in (root, root / "sessions", root / "sessions" / "logs"):
+        assert d.stat().st_mode & 0o777 == 0o700, f"{d}: {oct(d.stat().st_mode & 0o777)}"

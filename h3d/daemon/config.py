@@ -156,6 +156,7 @@ def key_types() -> dict[str, type]:
         out["sampling_" + f.name] = type(f.default)
     out["quantize_skip_layers"] = tuple
     out["max_context_tokens"] = int
+    out["cpu_threads"] = int
     out["ssd_capacity_mb"] = float
     out["dense_hbm_share"] = float
     out["check_invariants"] = bool

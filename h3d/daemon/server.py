@@ -12,10 +12,10 @@ stop:  SIGTERM/SIGINT -> STOPPING=1, health NOT_SERVING, new work refused (UNAVA
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
 import signal
+import socket
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +32,7 @@ from h3d.daemon.config import RELOADABLE, DaemonConfig, load, split_address
 from h3d.daemon.metrics import Metrics, serve_metrics
 from h3d.daemon.notify import Notifier
 from h3d.daemon.service import H3AdminServicer, H3Servicer, State, expire_pin, handlers, stats_pb
+from h3d.daemon.status import Draining
 from h3d.daemon.worker import EngineWorker, _cancel_all
 from h3d.errors import ConfigError, H3Error
 
@@ -53,13 +54,17 @@ class Daemon:
         self.health = health.aio.HealthServicer()
         self.metrics = Metrics()
         self._tasks: list[asyncio.Task[None]] = []
+        self._socket_inode: int | None = None
 
     async def run(self) -> int:
         from h3d.engine.engine import Engine  # torch loads here, after the config is known good
+        from h3d.engine.threads import apply_cpu_threads
 
         cfg = self.config
         Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
-        log.info("starting", pid=os.getpid(), model=cfg.engine.model, data_dir=cfg.data_dir)
+        check_socket(cfg.socket_path)  # before the model loads: a live daemon's socket is refused at once
+        threads = apply_cpu_threads(cfg.engine)  # before the model loads: torch's CPU thread count
+        log.info("starting", pid=os.getpid(), model=cfg.engine.model, data_dir=cfg.data_dir, cpu_threads=threads)
         t0 = time.perf_counter()
         engine = await asyncio.to_thread(Engine, cfg.engine)
         log.info("model_loaded", seconds=round(time.perf_counter() - t0, 3), layers=engine.model.config.num_layers)
@@ -77,7 +82,7 @@ class Daemon:
         server = self._server()
         addresses = self._bind(server)
         await server.start()
-        os.chmod(cfg.socket_path, int(cfg.socket_mode, 8))
+        self._publish_socket()
         for service in ("", *SERVICES):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         metrics_server = None
@@ -111,8 +116,7 @@ class Daemon:
         log.info("checkpoint", blocks_written=written, sessions=len(engine.sessions),
                  seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
         await asyncio.to_thread(engine.close)  # archive writes in flight become durable
-        with contextlib.suppress(FileNotFoundError):
-            cfg.socket_path.unlink()
+        self._unlink_socket()
         log.info("stopped", requests_finished=finished, requests_cancelled=cancelled)
         return 0
 
@@ -128,7 +132,7 @@ class Daemon:
         server.add_generic_rpc_handlers(
             (
                 handlers(self.state, H3Servicer(self.state), "H3", admin=False),
-                handlers(self.state, H3AdminServicer(self.state, self.drain), "H3Admin", admin=True),
+                handlers(self.state, H3AdminServicer(self.state, self.drain, self.resume), "H3Admin", admin=True),
             )
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -140,11 +144,12 @@ class Daemon:
         cfg = self.config
         path = cfg.socket_path
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists() or path.is_symlink():
-            if not path.is_socket():
-                raise ConfigError(f"socket: {path} exists and is not a socket")
-            path.unlink()  # a stale socket from a previous run (a live daemon holds the data dir lock)
-        server.add_insecure_port(f"unix:{path}")
+        check_socket(path)
+        # gRPC removes the path it bound when it stops, whoever owns it by then: it binds a private
+        # name, which `_publish_socket` renames into place once the server runs.
+        private = self._private_socket()
+        private.unlink(missing_ok=True)
+        server.add_insecure_port(f"unix:{private}")
         out = {"socket": str(path)}
         if cfg.listen is not None:
             host, port = split_address("listen", cfg.listen)
@@ -160,6 +165,37 @@ class Daemon:
                 raise ConfigError(f"listen: cannot bind {cfg.listen}")
             out["address"] = f"{host}:{bound}"
         return out
+
+    def _private_socket(self) -> Path:
+        path = self.config.socket_path
+        return path.with_name(f".{path.name}.{os.getpid()}")
+
+    def _publish_socket(self) -> None:
+        """Move the bound socket to `socket` (a stale one there is replaced: `check_socket`
+        refuses a live one) with mode `socket_mode`, and remember which inode is ours."""
+        path, private = self.config.socket_path, self._private_socket()
+        os.chmod(private, int(self.config.socket_mode, 8))
+        try:
+            check_socket(path)  # again: another daemon may have started while the model loaded
+        except ConfigError:
+            private.unlink(missing_ok=True)
+            raise
+        os.replace(private, path)
+        self._socket_inode = path.stat().st_ino
+
+    def _unlink_socket(self) -> None:
+        """Remove the socket at shutdown, only if it is still this daemon's (same inode): another
+        daemon may have taken the path over meanwhile."""
+        path = self.config.socket_path
+        if self._socket_inode is None:
+            return
+        try:
+            if path.stat().st_ino == self._socket_inode:
+                path.unlink()
+            else:
+                log.warning("socket_replaced", socket=str(path), note="another process owns the path now: left as is")
+        except FileNotFoundError:
+            pass
 
     async def drain(self, timeout_s: float) -> tuple[int, int]:
         """Refuse new work; give streams in flight `timeout_s` to end; cancel the rest.
@@ -178,6 +214,19 @@ class Daemon:
             while self.state.in_flight and time.monotonic() < end:
                 await asyncio.sleep(0.02)
         return before - left, left
+
+    async def resume(self) -> bool:
+        """Undo an admin Drain: take requests again, health SERVING. Returns whether it was
+        draining. A stop (SIGTERM) is not undone."""
+        if self.stop_requested.is_set():
+            raise Draining("the daemon is stopping (SIGTERM): it cannot resume")
+        was = self.state.draining
+        self.state.draining = False
+        for service in ("", *SERVICES):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if was:
+            log.info("resumed")
+        return was
 
     async def _scrape(self) -> str:
         stats = await self.worker.call(lambda e: stats_pb(self.state, e, []))
@@ -243,6 +292,26 @@ class Daemon:
             k for k, v in fresh.public().items() if k not in RELOADABLE and self.config.public().get(k) != v
         )
         log.info("reloaded", changed=sorted(changes), need_restart=restart)
+
+
+def check_socket(path: Path) -> bool:
+    """Whether `path` holds a stale socket (to be removed before binding); False if nothing is
+    there. A socket something accepts connections on belongs to a live daemon: ConfigError."""
+    if not (path.exists() or path.is_symlink()):
+        return False
+    if not path.is_socket():
+        raise ConfigError(f"socket: {path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True  # nobody listens: left behind by a daemon that died
+    except OSError as exc:
+        raise ConfigError(f"socket: cannot tell whether {path} is in use ({exc}); remove it if no daemon runs") from exc
+    finally:
+        probe.close()
+    raise ConfigError(f"socket: {path} is in use by a running daemon; stop it first or give this one another --socket")
 
 
 def _close_idle(engine: Engine, *, ttl_s: float) -> list[SessionId]:

@@ -14,6 +14,7 @@ import asyncio
 import functools
 import itertools
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -43,7 +44,7 @@ from h3d.engine.session import (
     SessionId,
     TokenDelta,
 )
-from h3d.errors import H3Error, InvalidRequest, SessionBusy, SessionNotFound
+from h3d.errors import H3Error, InvalidRequest, SessionBusy, SessionNotFound, clip
 
 log = structlog.get_logger("h3d.rpc")
 
@@ -55,6 +56,7 @@ FINISH = {
 MAX_PAGE = 1000
 DEFAULT_PAGE = 100
 MAX_STOP_STRINGS = 16
+SESSION_ID = re.compile(r"[0-9a-f]{32}")
 
 
 class State:
@@ -91,6 +93,8 @@ class State:
             self.in_flight -= 1
 
     def check_owner(self, caller: Caller, session_id: str) -> SessionId:
+        if not SESSION_ID.fullmatch(session_id):
+            raise InvalidRequest(f"session_id: {clip(session_id)!r} is not a session id (32 lowercase hex digits)")
         sid = SessionId(session_id)
         owner = self.owners.get(sid)
         if owner is None or (owner != caller.owner and not caller.admin):
@@ -109,8 +113,7 @@ def residency_pb(engine: Engine, session: Session) -> pb.TierResidency:
 def expire_pin(engine: Engine, session: Session) -> None:
     """Drop a session's pin once its TTL has passed (checked whenever it is read, and periodically)."""
     if session.pinned_until is not None and session.pinned_until <= time.time():
-        session.pinned_until = None
-        engine.runner.tiers.pinned.discard(session.seq)
+        engine.set_pin(session.id, None)
 
 
 def session_pb(engine: Engine, session: Session, with_tokens: bool = False) -> pb.Session:
@@ -138,6 +141,8 @@ def session_pb(engine: Engine, session: Session, with_tokens: bool = False) -> p
         residency=residency_pb(engine, session),
         window_tokens=engine.runner.selection[session.seq].window_tokens,
         closed=session.closed,
+        chat=session.chat is not None,
+        num_messages=len(session.chat.messages) + (session.chat.open_at is not None) if session.chat else 0,
     )
     if s.seed is not None:
         out.sampling.seed = s.seed
@@ -215,13 +220,15 @@ class H3Servicer:
         self.s.accepting()
         policy = request.policy or None
         if policy is not None and policy not in POLICIES:
-            raise InvalidRequest(f"policy: {policy!r} is not one of {', '.join(POLICIES)}")
+            raise InvalidRequest(f"policy: {clip(policy)!r} is not one of {', '.join(POLICIES)}")
         limit = self.s.config.max_tokens_limit
 
         def create(engine: Engine) -> pb.Session:
             defaults = engine.with_sampling()
             params = sampling_from(defaults, request.sampling, limit)  # an unset message sets no field
-            sid = engine.create_session(request.system_prompt or None, params, policy, owner=caller.owner)
+            sid = engine.create_session(
+                request.system_prompt or None, params, policy, owner=caller.owner, chat=request.chat
+            )
             self.s.owners[sid] = caller.owner
             return session_pb(engine, engine.session(sid))
 
@@ -276,7 +283,9 @@ class H3Servicer:
 
             def submit(engine: Engine) -> Any:
                 check_token_ids(engine, ids, "token_ids")
-                return engine.submit(sid, text=request.text or None, token_ids=ids or None, generate=False)
+                return engine.submit(
+                    sid, text=request.text or None, token_ids=ids or None, generate=False, role=request.role or None
+                )
 
             rid, events = await self.s.worker.start_request(submit)
             finished = False
@@ -448,9 +457,15 @@ def stats_pb(state: State, engine: Engine, ids: list[SessionId]) -> pb.Stats:
 
 
 class H3AdminServicer:
-    def __init__(self, state: State, drain: Callable[[float], Awaitable[tuple[int, int]]]) -> None:
+    def __init__(
+        self,
+        state: State,
+        drain: Callable[[float], Awaitable[tuple[int, int]]],
+        resume: Callable[[], Awaitable[bool]],
+    ) -> None:
         self.s = state
         self._drain = drain
+        self._resume = resume
 
     async def EvictSession(
         self, request: pb.EvictSessionRequest, context: Any, caller: Caller
@@ -474,14 +489,8 @@ class H3AdminServicer:
             raise InvalidRequest(f"ttl_s: must be a number >= 0, got {request.ttl_s}")
 
         def pin(engine: Engine) -> pb.Session:
-            session = engine.session(sid)
-            if request.unpin:
-                session.pinned_until = None
-                engine.runner.tiers.pinned.discard(session.seq)
-            else:
-                session.pinned_until = time.time() + request.ttl_s if request.ttl_s else math.inf
-                engine.runner.tiers.pinned.add(session.seq)
-            return session_pb(engine, session)
+            engine.set_pin(sid, None if request.unpin else time.time() + request.ttl_s if request.ttl_s else math.inf)
+            return session_pb(engine, engine.session(sid))
 
         return await self.s.worker.call(pin)
 
@@ -511,6 +520,9 @@ class H3AdminServicer:
             raise InvalidRequest(f"timeout_s: must be a number >= 0, got {request.timeout_s}")
         finished, cancelled = await self._drain(request.timeout_s or self.s.config.drain_timeout_s)
         return pb.DrainResponse(requests_finished=finished, requests_cancelled=cancelled)
+
+    async def Resume(self, request: pb.ResumeRequest, context: Any, caller: Caller) -> pb.ResumeResponse:
+        return pb.ResumeResponse(was_draining=await self._resume())
 
     async def GetConfig(self, request: pb.GetConfigRequest, context: Any, caller: Caller) -> pb.GetConfigResponse:
         return pb.GetConfigResponse(json=self.s.config.to_json())
@@ -622,7 +634,7 @@ def _is_abort(exc: BaseException) -> bool:
 def _record(state: State, name: str, rid: int, request: Any, code: grpc.StatusCode, t0: float) -> None:
     ms = (time.perf_counter() - t0) * 1000
     state.metrics.rpc(name, code.name, ms / 1000)
-    session_id = getattr(request, "session_id", "") or None
+    session_id = clip(getattr(request, "session_id", "")) or None
     level = log.info if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED) else log.warning
     if name in ("GetStats", "GetSession", "ListSessions", "GetConfig") and code == grpc.StatusCode.OK:
         level = log.debug

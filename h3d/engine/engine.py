@@ -10,7 +10,9 @@ events. Requests join and leave between steps (continuous batching).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import math
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from h3d.config import POLICIES, EngineConfig
+from h3d.engine.chat import Conversation, end_of_turn
 from h3d.engine.detok import IncrementalDetokenizer
 from h3d.engine.runner import Chunk, ModelRunner
 from h3d.engine.sampling import SamplingParams, make_generator, sample_batch
@@ -42,10 +45,12 @@ from h3d.errors import (
     ContextTooLong,
     H3Error,
     InvalidRequest,
+    NoChatTemplate,
     OutOfBlocks,
     SessionBusy,
     SessionNotFound,
     SsdDegraded,
+    clip,
 )
 from h3d.kv.blocks import SeqId, region_sizes
 from h3d.kv.pool import KVPool
@@ -152,11 +157,15 @@ class Engine:
                 "anchors": {str(layer): a.tolist() for layer, a in state.anchors.items()},
                 "head_anchors": {str(layer): a.tolist() for layer, a in state.head_anchors.items()},
             }
+        pin = session.pinned_until
         return {
             "policy": session.policy,
             "owner": session.owner,
             "closed": session.closed,
             "created_at": session.created_at,
+            "last_used_at": session.last_used_at,
+            "pinned_until": "forever" if pin == math.inf else pin,
+            "chat": session.chat is not None,
             "sampling": sampling,
             "hbf": hbf,
         }
@@ -183,7 +192,14 @@ class Engine:
                 owner=str(meta.get("owner", "")),
                 closed=bool(meta.get("closed", False)),
             )
+            session.last_used_at = float(meta.get("last_used_at", session.created_at))
+            pin = meta.get("pinned_until")
+            session.pinned_until = math.inf if pin == "forever" else float(pin) if pin is not None else None
+            if meta.get("chat"):
+                session.chat = self._replay_chat(r.messages, session.tokens)
             self.runner.open(session.seq, session.id, session.policy)
+            if session.pinned_until is not None:
+                self.runner.tiers.pinned.add(session.seq)
             hbf = meta.get("hbf") or {}
             state = self.runner.selection[session.seq]
             state.window_tokens = int(hbf.get("window_tokens", state.window_tokens))
@@ -202,6 +218,18 @@ class Engine:
             self.runner.tiers.counters.kv_rebuild_blocks += rebuilt
             self.sessions[session.id] = session
             self.restored.append(session.id)
+
+    def _replay_chat(self, messages: list[tuple[dict[str, object], int]], tokens: list[int]) -> Conversation:
+        """A chat session's conversation from its log's message records (see `_extend`)."""
+        chat = Conversation()
+        for message, at in messages:
+            chat.close_turn(self.tokenizer, tokens[:at])
+            chat.tail = ""  # what closed the previous turn came with this record
+            if "turn" in message:
+                chat.begin(at + int(str(message.get("n", 0))))
+            else:
+                chat.messages.append({"role": str(message.get("role")), "content": str(message.get("content"))})
+        return chat
 
     def checkpoint(self) -> int:
         """Before a shutdown: every session's KV blocks (the partial last one too) durable in the
@@ -227,10 +255,15 @@ class Engine:
         sampling: SamplingParams | None = None,
         policy: str | None = None,
         owner: str = "",
+        chat: bool = False,
     ) -> SessionId:
+        """A new session. `chat`: what is appended are messages rendered through the model's chat
+        template (`system_prompt` is its system message; see h3d.engine.chat)."""
         policy = policy or self.config.policy
+        if chat and self.tokenizer.chat_template is None:
+            raise NoChatTemplate("this model has no chat template: create a plain session (chat off)")
         if policy not in POLICIES:
-            raise InvalidRequest(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+            raise InvalidRequest(f"unknown policy {clip(policy)!r} (known: {', '.join(POLICIES)})")
         defaults = self.config.sampling
         params = sampling or SamplingParams(
             max_tokens=defaults.max_tokens, temperature=defaults.temperature, top_p=defaults.top_p, top_k=defaults.top_k
@@ -241,11 +274,20 @@ class Engine:
             sampling=params.validate(),
             policy=policy,
             owner=owner,
+            chat=Conversation() if chat else None,
         )
+        message = None
+        if chat and system_prompt:
+            assert session.chat is not None
+            system_prompt = session.chat.add(self.tokenizer, "system", system_prompt, [])
+            message = {"role": "system", "content": session.chat.messages[-1]["content"]}
         first = self._tokenize(session, system_prompt) if system_prompt else []
         self._check_tokens(session, first)
         if self.journal is not None:
-            self.journal.create(session.id, self._meta(session), first)  # durable before it is known
+            self.journal.create(session.id, self._meta(session), [] if message else first)  # durable before it is known
+            if message:
+                self.journal.append_message(session.id, {**message, "n": len(first)}, first)
+                self.journal.sync(session.id)
         session.tokens.extend(first)
         session.pieces += bool(first)
         self.runner.open(session.seq, session.id, policy)
@@ -255,8 +297,20 @@ class Engine:
     def session(self, session_id: SessionId) -> Session:
         session = self.sessions.get(session_id)
         if session is None:
-            raise SessionNotFound(f"no session {session_id!r}")
+            raise SessionNotFound(f"no session {clip(session_id)!r}")
         return session
+
+    def set_pin(self, session_id: SessionId, until: float | None) -> None:
+        """Pin a session's HBM blocks until the Unix time `until` (math.inf: until unpinned), or
+        unpin it (None). Kept in its log: a restarted daemon keeps the pin."""
+        session = self.session(session_id)
+        session.pinned_until = until
+        if until is None:
+            self.runner.tiers.pinned.discard(session.seq)
+        else:
+            self.runner.tiers.pinned.add(session.seq)
+        if self.journal is not None:
+            self.journal.set_meta(session.id, self._meta(session))
 
     def rewind(self, session_id: SessionId, num_tokens: int) -> None:
         """Cut the session's context back to its first `num_tokens` tokens (and its KV with it).
@@ -267,6 +321,8 @@ class Engine:
         session = self.session(session_id)
         if session.busy:
             raise InvalidRequest(f"session {session_id} has a request in flight")
+        if session.chat is not None:
+            raise InvalidRequest("a chat session cannot be rewound (its messages would no longer match its context)")
         if not 0 <= num_tokens <= len(session.tokens):
             raise InvalidRequest(f"cannot rewind to {num_tokens} tokens: the context holds {len(session.tokens)}")
         if self.journal is not None:
@@ -276,17 +332,27 @@ class Engine:
 
     def close_session(self, session_id: SessionId, purge: bool = False) -> None:
         """End `session_id`'s requests (cancelled) and free its memory. With `purge`, the session
-        is deleted: its token log and archived KV go. Without, it is closed: its KV goes to the
-        archive only (or is forgotten, to be computed again, without a writable archive), it
-        stays listed, and its next request reopens it where it stopped."""
+        is deleted: its token log and archived KV go, their disk space given back by a compaction
+        on the archive's own thread (`Archive.compact_later`). Without, it is closed: its KV goes
+        to the archive only (or is forgotten, to be computed again, without a writable archive),
+        it stays listed, and its next request reopens it where it stopped."""
         session = self.session(session_id)
         for req in [r for r in self._requests.values() if r.session is session]:
             self._ended.append(self._finish(req, FinishReason.CANCELLED))
         if purge:
-            self.runner.release(session.seq)
+            tiers = self.runner.tiers
+            if tiers.archive is not None and not tiers.writable:
+                tiers.retry_ssd()  # the purge's tombstone is an archive write
+            try:
+                self.runner.release(session.seq)
+            except ArchiveWriteFailed as e:  # the tombstone was refused: the records stay, unreachable
+                tiers.degrade(e)
+                self.runner.release(session.seq)  # the rest of the release (the archive name is gone)
             del self.sessions[session_id]
             if self.journal is not None:
                 self.journal.delete(session_id)
+            if tiers.archive is not None and tiers.writable:
+                tiers.archive.compact_later()  # the purged records' space, given back off this thread
             return
         if session.closed:
             return
@@ -327,7 +393,8 @@ class Engine:
                     if archive.live_bytes() <= limit:
                         break
             disk = archive.disk_bytes()
-            if disk > limit and disk - archive.live_bytes() >= limit / 10:  # worth copying the live records
+            # worth copying the live records; not beside a purge's compaction (next check, then)
+            if disk > limit and disk - archive.live_bytes() >= limit / 10 and not archive.compacting:
                 archive.compact(keep_ratio=1.0)
         except ArchiveWriteFailed as e:
             self.runner.tiers.degrade(e)
@@ -335,7 +402,7 @@ class Engine:
     def set_policy(self, session_id: SessionId, policy: str) -> None:
         """Switch the HBF policy a session's decode steps use (takes effect at the next step)."""
         if policy not in POLICIES:
-            raise InvalidRequest(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+            raise InvalidRequest(f"unknown policy {clip(policy)!r} (known: {', '.join(POLICIES)})")
         session = self.session(session_id)
         session.policy = policy
         self.runner.set_policy(session.seq, policy)
@@ -367,10 +434,13 @@ class Engine:
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (size {self.model.config.vocab_size})")
 
-    def _extend(self, session: Session, ids: list[int]) -> None:
+    def _extend(self, session: Session, ids: list[int], message: dict[str, object] | None = None) -> None:
         self._check_tokens(session, ids)
-        if self.journal is not None:
-            self.journal.append(session.id, ids)  # the log first: it is the truth
+        if self.journal is not None:  # the log first: it is the truth
+            if message is None:
+                self.journal.append(session.id, ids)
+            else:  # a chat message and its tokens in one record: never one without the other
+                self.journal.append_message(session.id, {**message, "n": len(ids)}, ids)
         session.tokens.extend(ids)
         session.pieces += 1
         session.last_used_at = time.time()
@@ -382,15 +452,23 @@ class Engine:
         token_ids: list[int] | None = None,
         generate: bool = True,
         params: SamplingParams | None = None,
+        role: str | None = None,
     ) -> RequestId:
-        """Queue an append (generate=False) or a generation continuing the session's context."""
+        """Queue an append (generate=False) or a generation continuing the session's context. In a
+        chat session an append is a message (`role`, default "user", and `text`) and a generation
+        opens the assistant's turn and stops at its end."""
         session = self.session(session_id)
         if session.busy:
             raise SessionBusy(f"session {session_id} already has a request in flight")
-        if session.closed:
-            self._reopen(session)
         params = (params or session.sampling).validate()
         ids = list(token_ids or [])
+        chat, message = self._chat_piece(session, text, ids, role, generate)
+        if session.closed:
+            self._reopen(session)
+        if chat is not None:
+            text = chat[1]
+            if generate and not params.ignore_eos and self.end_of_turn is not None:
+                params = replace(params, stop_token_ids=(*params.stop_token_ids, self.end_of_turn))
         if text:
             ids += self._tokenize(session, text)
         if not generate and not ids:
@@ -404,7 +482,11 @@ class Engine:
         total = min(len(session.tokens) + growth, self.max_context)
         self.runner.tiers.admit(session.seq, total - self.runner.cached_tokens(session.seq))
         if ids:
-            self._extend(session, ids)
+            self._extend(session, ids, message)
+        if chat is not None:
+            session.chat = chat[0]
+            if generate:
+                session.chat.begin(len(session.tokens))
         if generate and not session.tokens:
             raise InvalidRequest("cannot generate from an empty context")
         cached = self.runner.cached_tokens(session.seq)
@@ -423,6 +505,34 @@ class Engine:
         session.last_used_at = time.time()
         self._requests[req.id] = req
         return req.id
+
+    def _chat_piece(
+        self, session: Session, text: str | None, ids: list[int], role: str | None, generate: bool
+    ) -> tuple[tuple[Conversation, str], dict[str, object] | None] | tuple[None, None]:
+        """For a chat session: its conversation as it will be once this request's piece is added,
+        the piece's text and its log record (nothing changes until the request is accepted)."""
+        if session.chat is None:
+            if role:
+                raise InvalidRequest("role: only a chat session's appends have roles")
+            return None, None
+        if ids:
+            raise InvalidRequest("a chat session takes messages as text, not token ids")
+        if generate and text:
+            raise InvalidRequest("a chat generation's prompt is a message: append it first (as Engine.generate does)")
+        chat = session.chat.copy()
+        if generate:
+            turn: dict[str, object] = {"turn": "assistant"}
+            return (chat, chat.open_turn(self.tokenizer, session.tokens)), turn
+        if not text:
+            raise InvalidRequest("a chat message needs text")
+        piece = chat.add(self.tokenizer, role or "user", text, session.tokens)
+        message: dict[str, object] = dict(chat.messages[-1])
+        return (chat, piece), message
+
+    @functools.cached_property
+    def end_of_turn(self) -> int | None:
+        """The chat template's end-of-turn token (a chat generation stops there)."""
+        return end_of_turn(self.tokenizer) if self.tokenizer.chat_template is not None else None
 
     def cancel(self, request_id: RequestId) -> None:
         req = self._requests.get(request_id)
@@ -518,7 +628,15 @@ class Engine:
         events, self._ended = self._ended, []
         return events
 
+    def _touch(self, session: Session) -> None:
+        """A request of `session` ended: its `last_used_at`, kept in its log (idle TTLs and
+        least-recently-used order survive a restart)."""
+        session.last_used_at = time.time()
+        if self.journal is not None and session.id in self.sessions:
+            self.journal.set_meta(session.id, self._meta(session))
+
     def _fail(self, req: Request, error: H3Error) -> RequestFailed:
+        self._touch(req.session)
         req.session.busy = False
         self._requests.pop(req.id, None)
         return RequestFailed(req.id, req.session.id, error)
@@ -625,7 +743,7 @@ class Engine:
         return text[: min(cuts)] if cuts else text
 
     def _finish(self, req: Request, reason: FinishReason) -> GenerationDone:
-        req.session.last_used_at = time.time()
+        self._touch(req.session)
         if self.journal is not None and req.session.id in self.sessions:
             self.journal.sync(req.session.id)  # every Generate ends durable
         req.finish_reason = reason
@@ -646,6 +764,7 @@ class Engine:
         )
 
     def _finish_append(self, req: Request) -> AppendDone:
+        self._touch(req.session)
         req.session.busy = False
         self._requests.pop(req.id, None)
         return AppendDone(req.id, req.session.id, req.tokens_added, time.perf_counter() - req.submitted_at)
@@ -661,8 +780,14 @@ class Engine:
                         raise event.error
                     yield event
 
-    def append(self, session_id: SessionId, text: str | None = None, token_ids: list[int] | None = None) -> AppendDone:
-        rid = self.submit(session_id, text=text, token_ids=token_ids, generate=False)
+    def append(
+        self,
+        session_id: SessionId,
+        text: str | None = None,
+        token_ids: list[int] | None = None,
+        role: str | None = None,
+    ) -> AppendDone:
+        rid = self.submit(session_id, text=text, token_ids=token_ids, generate=False, role=role)
         for event in self.run(rid):
             if isinstance(event, AppendDone):
                 return event

@@ -489,6 +489,7 @@ class ModelRunner:
         for seq, n in zip(step.seqs, step.query_lens, strict=True):
             if n == 1:
                 after_step(self.selection[seq], self.hbf)
+        self.tiers.fill_hbm(step.seqs, step.protect)
         self.tiers.end_step(step.seqs)
         if self.check_invariants:
             self.tiers.check()

@@ -14,6 +14,7 @@ from typing import NewType
 
 import torch
 
+from h3d.engine.chat import Conversation
 from h3d.engine.detok import IncrementalDetokenizer
 from h3d.engine.sampling import SamplingParams
 from h3d.errors import H3Error
@@ -43,6 +44,7 @@ class Session:
     pinned_until: float | None = None  # PinSession: Unix expiry, inf for none; None: not pinned
     owner: str = ""  # who may use it (the daemon's token hash); kept in the token log
     closed: bool = False  # closed (not purged): its KV is in the archive only; its next request reopens it
+    chat: Conversation | None = None  # a chat session: what is appended are messages (h3d.engine.chat)
 
 
 @dataclass(frozen=True, slots=True)

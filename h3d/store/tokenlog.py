@@ -8,11 +8,15 @@ One file per session, `<folder>/<session id>.h3log`, a sequence of records:
 - `TOKENS`: token ids appended to the context (u32 LE each).
 - `CUT`: the context was cut back to a length (u64 LE).
 - `CLOSED`: the session was closed (the file is deleted right after; a crash in between leaves it).
+- `MESSAGE`: a chat message and its tokens in one record (u32 LE JSON length, the JSON object,
+  then the token ids as in `TOKENS`), so that a message never exists without its tokens.
 
 Writes go to the file at once (the OS has them, so a killed process loses nothing it wrote);
 `fsync` runs at most every `fsync_interval_ms` for all dirty logs (group commit) and whenever a
 caller asks (`sync`, at the end of every Generate). Reading stops at the first torn or corrupt
 record and truncates the file there: what follows it was never acknowledged as durable.
+
+Files are created 0600 and a folder it creates 0700, whatever the umask (`h3d.store.files`).
 
 Owner: the files under the folder. Pure Python (no torch).
 """
@@ -28,9 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from h3d.store.files import create_file, make_dirs
+
 MAGIC = b"H3"
 HEADER = struct.Struct("<2sBII")  # magic, kind, length, crc
-META, TOKENS, CUT, CLOSED = 1, 2, 3, 4
+META, TOKENS, CUT, CLOSED, MESSAGE = 1, 2, 3, 4, 5
 SUFFIX = ".h3log"
 
 
@@ -43,6 +49,8 @@ class Restored:
     tokens: list[int]
     closed: bool
     truncated_bytes: int  # a torn or corrupt tail that was cut off
+    # Chat messages in order: (the message's JSON object, the context's length before its tokens)
+    messages: list[tuple[dict[str, Any], int]] = field(default_factory=list)
 
 
 @dataclass
@@ -61,7 +69,7 @@ class TokenStore:
     syncs: int = 0
 
     def __post_init__(self) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.folder)
         self._last_sync = time.monotonic()
 
     # ---- writing ----------------------------------------------------------------------------
@@ -73,10 +81,15 @@ class TokenStore:
             raise ValueError(f"session {session_id} already has a token log")
         tmp = path.with_suffix(".tmp")
         data = _record(META, json.dumps(meta).encode()) + (_record(TOKENS, _pack(tokens)) if tokens else b"")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp.unlink(missing_ok=True)  # a create that failed midway: never acknowledged
+        fd = create_file(tmp, os.O_WRONLY)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
         _fsync_dir(self.folder)
         self._open(session_id, path)
@@ -84,6 +97,11 @@ class TokenStore:
     def append(self, session_id: str, tokens: list[int]) -> None:
         if tokens:
             self._write(session_id, _record(TOKENS, _pack(tokens)))
+
+    def append_message(self, session_id: str, message: dict[str, Any], tokens: list[int]) -> None:
+        """A chat message and the tokens it adds to the context, as one record."""
+        head = json.dumps(message).encode()
+        self._write(session_id, _record(MESSAGE, struct.pack("<I", len(head)) + head + _pack(tokens)))
 
     def set_meta(self, session_id: str, meta: dict[str, Any]) -> None:
         self._write(session_id, _record(META, json.dumps(meta).encode()))
@@ -178,6 +196,7 @@ def read_log(path: Path) -> Restored:
     meta: dict[str, Any] = {}
     tokens: list[int] = []
     closed = False
+    messages: list[tuple[dict[str, Any], int]] = []
     pos = 0
     while pos + HEADER.size <= len(data):
         magic, kind, length, crc = HEADER.unpack_from(data, pos)
@@ -197,14 +216,36 @@ def read_log(path: Path) -> Restored:
             meta = value
         elif kind == TOKENS and length % 4 == 0:
             tokens.extend(struct.unpack(f"<{length // 4}I", payload))
+        elif kind == MESSAGE and length >= 4:
+            message = _message(payload)
+            if message is None:
+                break
+            messages.append((message[0], len(tokens)))
+            tokens.extend(message[1])
         elif kind == CUT and length == 8:
-            del tokens[struct.unpack("<Q", payload)[0] :]
+            cut = struct.unpack("<Q", payload)[0]
+            del tokens[cut:]
+            messages = [(m, at) for m, at in messages if at < cut]
         elif kind == CLOSED and length == 0:
             closed = True
         else:
             break  # an unknown kind, or a payload of the wrong size: not ours
         pos = end
-    return Restored(path.name[: -len(SUFFIX)], meta, tokens, closed, len(data) - pos)
+    return Restored(path.name[: -len(SUFFIX)], meta, tokens, closed, len(data) - pos, messages)
+
+
+def _message(payload: bytes) -> tuple[dict[str, Any], tuple[int, ...]] | None:
+    (n,) = struct.unpack_from("<I", payload)
+    if 4 + n > len(payload) or (len(payload) - 4 - n) % 4:
+        return None
+    try:
+        value = json.loads(payload[4 : 4 + n])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    rest = payload[4 + n :]
+    return value, struct.unpack(f"<{len(rest) // 4}I", rest)
 
 
 def _created_at(meta: dict[str, Any]) -> float:

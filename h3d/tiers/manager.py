@@ -526,6 +526,35 @@ class TierManager:
             copy_s = time.perf_counter() - c0
         return v_layers, v_blocks, victims, copy_s
 
+    def fill_hbm(self, batch: list[SeqId], protect: dict[SeqId, int]) -> None:
+        """After a step: copy the batch's full blocks that only DDR holds (staged back from the
+        archive after a restart or a reopening, or demoted while their session was idle) into free
+        HBM slots of their layers, within `promote_blocks_per_step`. Nothing is evicted for them,
+        so `exact`'s fixed resident subset stays fixed once HBM is full; blocks written this step
+        are left alone. Without this a restored session would read from DDR for good."""
+        b = self.blocks
+        free = b.hbm_alloc.free.copy()  # [L]
+        budget = self.promote_blocks_per_step or b.hbm_capacity
+        for seq in batch:
+            if budget <= 0 or not free.any():
+                return
+            t = b.table(seq)
+            full = min(t.num_tokens // b.block_size, protect.get(seq, t.num_blocks))
+            if self._rewriting is not None and self._rewriting[0] == seq:
+                full = min(full, self._rewriting[1])
+            layers = np.flatnonzero(free > 0)
+            li, blocks = np.nonzero((t.hbm[layers, :full] == NONE) & (t.ddr[layers, :full] != NONE))
+            if not len(li):
+                continue
+            lay = layers[li]  # sorted: np.nonzero walks rows first
+            within = np.arange(len(lay)) - np.searchsorted(lay, lay)  # rank within its layer
+            ok = within < free[lay]
+            lay, blocks = lay[ok][:budget], blocks[ok][:budget]
+            src = t.ddr[lay, blocks]
+            self._copy_up(src, b.add_hbm_many(seq, lay, blocks))
+            free -= np.bincount(lay, minlength=b.num_layers)
+            budget -= len(lay)
+
     def end_step(self, batch: list[SeqId]) -> None:
         """Spill DDR past the high watermark (asynchronously); track peak HBM."""
         b = self.blocks

@@ -60,7 +60,7 @@ class TierResidency(_message.Message):
     def __init__(self, hbm_blocks: _Optional[int] = ..., ddr_blocks: _Optional[int] = ..., ssd_blocks: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "num_tokens", "cached_tokens", "policy", "created_at", "last_used_at", "busy", "pinned", "pinned_until", "sampling", "residency", "window_tokens", "token_ids", "text", "closed")
+    __slots__ = ("session_id", "num_tokens", "cached_tokens", "policy", "created_at", "last_used_at", "busy", "pinned", "pinned_until", "sampling", "residency", "window_tokens", "token_ids", "text", "closed", "chat", "num_messages")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,8 @@ class Session(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    NUM_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_tokens: int
     cached_tokens: int
@@ -91,7 +93,9 @@ class Session(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     closed: bool
-    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., created_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., busy: _Optional[bool] = ..., pinned: _Optional[bool] = ..., pinned_until: _Optional[float] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ..., window_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., closed: _Optional[bool] = ...) -> None: ...
+    chat: bool
+    num_messages: int
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., created_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., busy: _Optional[bool] = ..., pinned: _Optional[bool] = ..., pinned_until: _Optional[float] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ..., window_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., closed: _Optional[bool] = ..., chat: _Optional[bool] = ..., num_messages: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("hbm_hit_rate", "hbm_hits", "hbm_misses", "ddr_evict_count", "hbm_evict_count", "ssd_read_count", "ssd_write_count", "hbf_latency_us_p50", "hbf_latency_us_p99", "hbm_used_bytes", "hbm_capacity_bytes", "ddr_used_bytes", "ddr_capacity_bytes", "ssd_used_bytes", "fetch_bytes", "kv_rebuild_blocks", "ssd_degraded", "ssd_degraded_reason", "ssd_write_errors", "recompute_evict_count")
@@ -138,14 +142,16 @@ class TierStats(_message.Message):
     def __init__(self, hbm_hit_rate: _Optional[float] = ..., hbm_hits: _Optional[int] = ..., hbm_misses: _Optional[int] = ..., ddr_evict_count: _Optional[int] = ..., hbm_evict_count: _Optional[int] = ..., ssd_read_count: _Optional[int] = ..., ssd_write_count: _Optional[int] = ..., hbf_latency_us_p50: _Optional[float] = ..., hbf_latency_us_p99: _Optional[float] = ..., hbm_used_bytes: _Optional[int] = ..., hbm_capacity_bytes: _Optional[int] = ..., ddr_used_bytes: _Optional[int] = ..., ddr_capacity_bytes: _Optional[int] = ..., ssd_used_bytes: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., kv_rebuild_blocks: _Optional[int] = ..., ssd_degraded: _Optional[bool] = ..., ssd_degraded_reason: _Optional[str] = ..., ssd_write_errors: _Optional[int] = ..., recompute_evict_count: _Optional[int] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("system_prompt", "policy", "sampling")
+    __slots__ = ("system_prompt", "policy", "sampling", "chat")
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
     system_prompt: str
     policy: str
     sampling: SamplingParams
-    def __init__(self, system_prompt: _Optional[str] = ..., policy: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    chat: bool
+    def __init__(self, system_prompt: _Optional[str] = ..., policy: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., chat: _Optional[bool] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id", "with_tokens")
@@ -186,14 +192,16 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AppendContextRequest(_message.Message):
-    __slots__ = ("session_id", "text", "token_ids")
+    __slots__ = ("session_id", "text", "token_ids", "role")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    role: str
+    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ...) -> None: ...
 
 class AppendProgress(_message.Message):
     __slots__ = ("tokens_done", "tokens_total")
@@ -381,6 +389,16 @@ class DrainResponse(_message.Message):
     requests_finished: int
     requests_cancelled: int
     def __init__(self, requests_finished: _Optional[int] = ..., requests_cancelled: _Optional[int] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("was_draining",)
+    WAS_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    was_draining: bool
+    def __init__(self, was_draining: _Optional[bool] = ...) -> None: ...
 
 class GetConfigRequest(_message.Message):
     __slots__ = ()

@@ -403,6 +403,11 @@ class H3AdminStub:
                 request_serializer=h3_dot_v1_dot_h3__pb2.GetConfigRequest.SerializeToString,
                 response_deserializer=h3_dot_v1_dot_h3__pb2.GetConfigResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/h3.v1.H3Admin/Resume',
+                request_serializer=h3_dot_v1_dot_h3__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=h3_dot_v1_dot_h3__pb2.ResumeResponse.FromString,
+                _registered_method=True)
 
 
 class H3AdminServicer:
@@ -451,6 +456,13 @@ class H3AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """Undo a Drain: accept requests again and report SERVING (a SIGTERM drain is not undone).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_H3AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -483,6 +495,11 @@ def add_H3AdminServicer_to_server(servicer, server):
                     servicer.GetConfig,
                     request_deserializer=h3_dot_v1_dot_h3__pb2.GetConfigRequest.FromString,
                     response_serializer=h3_dot_v1_dot_h3__pb2.GetConfigResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=h3_dot_v1_dot_h3__pb2.ResumeRequest.FromString,
+                    response_serializer=h3_dot_v1_dot_h3__pb2.ResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -647,6 +664,33 @@ class H3Admin:
             '/h3.v1.H3Admin/GetConfig',
             h3_dot_v1_dot_h3__pb2.GetConfigRequest.SerializeToString,
             h3_dot_v1_dot_h3__pb2.GetConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/h3.v1.H3Admin/Resume',
+            h3_dot_v1_dot_h3__pb2.ResumeRequest.SerializeToString,
+            h3_dot_v1_dot_h3__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

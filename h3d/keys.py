@@ -1,0 +1,350 @@
+"""Every configuration key with its default as shown and its meaning, in one table.
+
+The help of `h3d serve` and `h3d generate` flags comes from here ("... (default: X)"). So do the
+two key tables of docs/OPERATIONS.md: they are written between marker comments
+(`<!-- keys:engine -->` ... `<!-- /keys:engine -->`, `<!-- keys:daemon -->` ... `<!-- /keys:daemon -->`):
+
+    python -m h3d.keys --write docs/OPERATIONS.md   # rewrite the tables in place
+    python -m h3d.keys --check docs/OPERATIONS.md   # exit 1 if they are not current
+
+Names are as in h3d.toml: `block_size`, `sampling.top_p`. Texts are Markdown. A `default` of
+None shows the dataclass default (`h3d.config`, `h3d.daemon.config`), so the shown default cannot
+drift from the real one; a text is given only where the default is not a plain value.
+`help` is a shorter text for `--help` where `doc` is a paragraph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from h3d.config import EngineConfig, SamplingDefaults
+from h3d.daemon.config import DaemonConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    name: str
+    doc: str
+    default: str | None = None
+    help: str | None = None
+
+
+REQUIRED = "(required)"  # the default shown for `model`
+
+ENGINE: tuple[Key, ...] = (
+    Key(
+        "model",
+        "Hugging Face model folder (`config.json`, `model.safetensors` or a sharded index, `tokenizer.json`)",
+        default=REQUIRED,
+    ),
+    Key("device", "`cpu` or `cuda` (`cuda:N` for GPU N)"),
+    Key("dtype", "weights, activations and KV: `fp32`, `bf16`, `fp16`", default="fp32 on cpu, bf16 on cuda"),
+    Key(
+        "cpu_threads",
+        "CPU threads of torch's intra-op pool (OpenMP, MKL), set before the model loads and logged (the "
+        "`starting` event; `stats.cpu_threads` in `h3d generate --json`). Unset or 0: `OMP_NUM_THREADS` when "
+        "that is set, else the cores this process may run on (its CPU affinity: `taskset`, systemd's "
+        "`CPUAffinity=`). Unless `OMP_WAIT_POLICY` is set, h3d sets it to `PASSIVE`: an OpenMP thread that "
+        "waits for the others sleeps instead of spinning, which on a host whose other jobs take a core "
+        'keeps decode from crawling (docs/BENCHMARKS.md, "CPU threads on a shared host"). On such a host, '
+        "fewer threads than cores are faster still",
+        default="unset (auto)",
+        help="CPU threads of torch (OpenMP, MKL), logged at start; unset or 0: OMP_NUM_THREADS when set, else "
+        "the cores this process may run on (its CPU affinity)",
+    ),
+    Key("block_size", "tokens per KV block"),
+    Key(
+        "prefill_chunk_tokens",
+        "token budget of one step's prefill chunks (decode tokens come first). A chunk longer than a slice (a "
+        "power of two of tokens whose MLP activations take about 256 MiB: 4,096 for a Llama-3-8B shape in bf16) "
+        "runs layer by layer, the projections and MLP slice by slice and attention once over the chunk: a "
+        "prompt in one chunk (on a GPU, `prefill_chunk_tokens` as long as the prompt) makes the same attention "
+        "call as transformers does for a whole prompt, reads none of its KV back from DDR, and needs beside the "
+        "weights and the HBM pool about 3 x (chunk x hidden) of activations (3.1 GB for 131,072 tokens of a "
+        "Llama-3-8B shape, docs/BENCHMARKS.md). Other sessions' decode steps wait for such a step: a smaller "
+        "value interleaves them",
+        help="token budget of one step's prefill chunks (decode tokens come first); other sessions' decode "
+        "steps wait for a long chunk, a smaller value interleaves them",
+    ),
+    Key(
+        "hbm_mb",
+        "HBM tier: KV pool budget in MiB (GPU memory on CUDA, a separately budgeted CPU pool on a CPU host), "
+        "split evenly between layers unless `dense_hbm_share` is set",
+    ),
+    Key(
+        "ddr_mb",
+        "DDR tier: standby pool in MiB (pinned host memory on CUDA), shared by all layers; allocated lazily by the OS",
+    ),
+    Key(
+        "ssd_path",
+        "SSD tier: folder of the cold archive; without it, HBM + DDR must hold every session and admission "
+        "refuses what does not fit",
+        default="none; `h3d serve`: `<data_dir>/archive`",
+    ),
+    Key(
+        "ssd_codec",
+        "archive codec: `raw-zstd` (lossless) or `int8-delta-zstd` (per-token int8, ≤ 1/254 of each token row's "
+        "max, about 4x smaller on real KV; opt-in)",
+    ),
+    Key(
+        "quantize_skip_layers",
+        "layers archived losslessly even with `int8-delta-zstd` (flag: `--quantize-skip-layers 0 1`)",
+    ),
+    Key(
+        "promote_mb_per_step",
+        "most MiB of blocks HBF promotes from DDR to HBM per decode step, all sessions together, shared equally, "
+        "each session's hottest blocks first. A block read from DDR in place costs its reading heads' share of "
+        "it over PCIe, a promotion the whole block: selections that change from step to step would otherwise "
+        "spend the link on copies read once (on the H200 64 MiB is about 1.2 ms of PCIe)",
+        help="most MiB of blocks HBF promotes from DDR to HBM per decode step, all sessions together, each "
+        "session's hottest blocks first",
+    ),
+    Key(
+        "ddr_high_watermark",
+        "fraction of DDR above which blocks spill to the archive (coldest first) after a step",
+    ),
+    Key("ssd_retry_interval_s", "how often a degraded SSD tier (full disk, I/O error) is tried again"),
+    Key(
+        "ssd_capacity_mb",
+        "live archive records beyond this: closed sessions' archived KV is evicted, coldest first, and the "
+        "archive compacted",
+        default="unset",
+    ),
+    Key(
+        "policy",
+        "which blocks a decode step reads (per session, switchable): `exact` (all, lossless), `fixed` (sinks + "
+        "recent window), `layerwise` (sinks + recent + per-layer anchors: the blocks that drew most attention "
+        "mass from the last 64 queries of the prompt's last prefill chunk), `attention_entropy` (sinks + recent "
+        "+ each KV head's top blocks within an adaptive window of `window_tokens` per head: up to half of the "
+        "room goes to the head's prompt anchors, the blocks that drew most of its attention from the prompt's "
+        "last 64 queries, the rest to the top blocks by the digest bound of its query heads; the tiers keep "
+        "the union of the heads' blocks readable). Anchors are kept in the session's log, so a restarted "
+        "session selects as it would have. Contexts within the window read every block under any policy",
+        help="which blocks a decode step reads (per session, switchable): exact (all, lossless), fixed "
+        "(sinks + recent window), layerwise (sinks + recent + per-layer prompt anchors), attention_entropy "
+        "(sinks + recent + each KV head's top blocks within an adaptive window)",
+    ),
+    Key("window_tokens", "HBF token budget per layer and step (start value of the adaptive window)"),
+    Key("window_min_tokens", "lower bound of the adaptive window"),
+    Key("window_max_tokens", "upper bound of the adaptive window"),
+    Key("sink_blocks", "first blocks always read"),
+    Key("recent_tokens", "last tokens always read (the partial block included)"),
+    Key("dense_layers", "first layers that always read every block (as Quest does)"),
+    Key(
+        "dense_hbm_share",
+        "share of the HBM pool for the dense layers' regions together; the other layers share the rest equally. "
+        "A dense layer reads every block of the context at every step, a sparse layer its window: with long "
+        "contexts under HBF, HBM is worth more there (on the H200 at 128K with 3 GiB, equal regions hold 511 of "
+        "each layer's 4,100 blocks: 88 % of the two dense layers' blocks sit in DDR and are read over PCIe at "
+        "every step). Unset: equal regions; in (0, 1)",
+        default="unset",
+        help="share of the HBM pool for the dense layers' regions together, in (0, 1); the other layers share "
+        "the rest equally. Unset: every layer's region equal",
+    ),
+    Key(
+        "anchor_share",
+        "`attention_entropy`: at most this share of the window past sinks and the recent window goes to each KV "
+        "head's prompt anchors, best first; the digest bound picks the rest. 0 turns anchors off. On the 8K "
+        "retrieval benchmark anchors found 17 of 25 needles at a 512-token window against 7 without them "
+        "(docs/BENCHMARKS.md)",
+        help="attention_entropy: at most this share of the window past sinks and the recent window goes to "
+        "each KV head's prompt anchors, best first; 0 turns anchors off",
+    ),
+    Key(
+        "digest_tokens",
+        "tokens per key digest (element-wise min/max of the keys, the bound `attention_entropy` ranks blocks "
+        "by); must divide `block_size` (or be at least a block: one digest per block). Digests stay on the "
+        "compute device and cost 1/`digest_tokens` of the KV; 16 halves that and found 14 of exact's 17 needles "
+        "at 8K, against 17 for 8 (docs/BENCHMARKS.md)",
+        help="tokens per key digest (min/max of the keys) attention_entropy ranks blocks by; must divide "
+        "block_size (or cover a block); digests cost 1/digest_tokens of the KV",
+    ),
+    Key(
+        "entropy_shrink_below",
+        "every 16 decode steps, the mean entropy (nats) of the softmax of block scores at the first sparse "
+        "layer shrinks the window by 1/4 below this, grows it by 1/4 above `entropy_grow_above`. Calibrated on "
+        "the retrieval benchmark (docs/BENCHMARKS.md: every prompt below 3.0 was served by a 512-token window; "
+        "two of the four 8K prompts never found sit above 3.3; the seed's 0.8 / 1.5 would grow every window "
+        "there); the entropy follows the context's length more than the prompt's difficulty",
+        help="every 16 decode steps, a mean block-score entropy (nats) below this shrinks the adaptive window by 1/4",
+    ),
+    Key(
+        "entropy_grow_above",
+        "mean block-score entropy (nats) above which the window grows by 1/4 (see `entropy_shrink_below`)",
+    ),
+    Key("max_batch_size", "requests advanced in one step"),
+    Key(
+        "session_log_path",
+        "token logs: one append-only, checksummed file per session; a token is written there before it is "
+        "streamed; sessions are reopened at the next start",
+        default="none; `h3d serve`: `<data_dir>/sessions`",
+    ),
+    Key(
+        "fsync_interval_ms",
+        "group commit of the token logs: fsync at most this often, and at the end of every generation",
+    ),
+    Key(
+        "max_context_tokens",
+        "longest context a session may reach; an append beyond it is refused, a generation that reaches it "
+        "ends with `length`",
+        default="the model's `max_position_embeddings`",
+    ),
+    Key(
+        "check_invariants",
+        "after every engine step (and every rebuild of a damaged block) check the tiers' bookkeeping: no slot "
+        "owned twice, free + used = capacity in each pool, every table pointing only at its own slots, every "
+        "block in at least one tier, and every two copies of a block holding the same bytes; a violation "
+        "raises `AssertionError` and fails the step. Slow: for debugging and tests",
+        help="check the tiers' bookkeeping after every engine step (slow; for debugging and tests)",
+    ),
+    Key("sampling.temperature", "a request's softmax temperature when it names none; 0 is greedy"),
+    Key("sampling.top_p", "a request's nucleus sampling mass when it names none, in (0, 1]; 1 keeps every token"),
+    Key("sampling.top_k", "a request's top-k when it names none: keep the k most likely tokens; 0 turns it off"),
+    Key(
+        "sampling.max_tokens",
+        "tokens a request generates when it names no `max_tokens` (`h3d serve`: at most `max_tokens_limit`)",
+    ),
+)
+
+DAEMON: tuple[Key, ...] = (
+    Key("data_dir", "the daemon's state: the socket (by default), the SSD archive and the token logs"),
+    Key(
+        "socket",
+        "Unix socket path (h3ctl's default is `$H3D_SOCKET`, else `/run/h3d/h3d.sock`)",
+        default="`<data_dir>/h3d.sock`",
+    ),
+    Key("socket_mode", "the socket's permission bits (clients need write access)"),
+    Key(
+        "listen",
+        "`HOST:PORT` for TCP (port 0 picks one; the `listening` log event says which). Beyond loopback it "
+        "requires TLS or `auth_token_file`",
+        default="off",
+    ),
+    Key("tls_cert_file", "PEM certificate: serve TCP with TLS (give `tls_key_file` with it)", default="off"),
+    Key("tls_key_file", "PEM private key of `tls_cert_file`", default="off"),
+    Key(
+        "auth_token_file",
+        "bearer tokens of clients, one per line (`#` comments). When set, every call needs `authorization: "
+        "Bearer <token>`; a session belongs to the token that created it (others get NOT_FOUND)",
+        default="off",
+    ),
+    Key("admin_token_file", "tokens allowed to call `H3Admin` (they see every session)", default="off"),
+    Key("metrics_listen", "`HOST:PORT` of the Prometheus endpoint (`GET /metrics`)", default="off"),
+    Key("log_level", "`debug`, `info`, `warning`, `error`"),
+    Key("stats_interval_s", "period of the `tier_stats` log event"),
+    Key("drain_timeout_s", "on SIGTERM or `Drain`, how long streams in flight may take before they are cancelled"),
+    Key(
+        "max_pending_requests",
+        "AppendContext + Generate streams admitted at once; beyond, RESOURCE_EXHAUSTED with a `retry-after-ms` trailer",
+    ),
+    Key("max_tokens_limit", "largest `max_tokens` a request may ask"),
+    Key("max_message_bytes", "largest gRPC message either way; larger requests get RESOURCE_EXHAUSTED"),
+    Key("retry_after_ms", "the retry hint sent with RESOURCE_EXHAUSTED"),
+    Key(
+        "session_ttl_s",
+        "close sessions idle this long (no request in flight, not pinned): their KV leaves HBM and DDR for the "
+        "archive and their next request reopens them; a `session_expired` event says which",
+        default="0 (never)",
+    ),
+)
+
+KEYS: dict[str, Key] = {k.name: k for k in ENGINE + DAEMON}
+TABLES = {"engine": ENGINE, "daemon": DAEMON}
+
+
+def dataclass_keys() -> dict[str, Any]:
+    """Every key of the dataclasses (sampling keys as `sampling.<name>`) and its default (None: none)."""
+    out: dict[str, Any] = {}
+    for cls, prefix, skip in (
+        (EngineConfig, "", "sampling"),
+        (DaemonConfig, "", "engine"),
+        (SamplingDefaults, "sampling.", ""),
+    ):
+        for f in fields(cls):
+            if f.name != skip:
+                out[prefix + f.name] = None if f.default is MISSING else f.default
+    return out
+
+
+def default_text(key: Key) -> str:
+    """The default as the docs show it (Markdown)."""
+    if key.default is not None:
+        return key.default
+    value = dataclass_keys()[key.name]
+    if value is None or value == ():
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f"`{value}`"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def plain(text: str) -> str:
+    """Markdown -> plain text for --help (argparse expands `%`: doubled)."""
+    return text.replace("`", "").replace("%", "%%")
+
+
+def flag_help(name: str, text: str | None = None) -> str:
+    """`--help` line of the flag for key `name`: its meaning (or `text`) and its default."""
+    key = KEYS[name]
+    default = default_text(key)
+    return plain(f"{text or key.help or key.doc} " + (default if default == REQUIRED else f"(default: {default})"))
+
+
+# ---- docs/OPERATIONS.md -------------------------------------------------------------------
+
+
+def render(table: str) -> str:
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for key in TABLES[table]:
+        lines.append(f"| `{key.name}` | {default_text(key)} | {key.doc} |")
+    return "\n".join(lines)
+
+
+def _marker(table: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- keys:{table} -->\n)(.*?)(<!-- /keys:{table} -->)", re.DOTALL)
+
+
+def update(text: str) -> str:
+    """`text` with every table between its markers written anew; ValueError if a marker is missing."""
+    for table in TABLES:
+        pattern = _marker(table)
+        if len(pattern.findall(text)) != 1:
+            raise ValueError(f"<!-- keys:{table} --> ... <!-- /keys:{table} -->: expected once")
+        text = pattern.sub(lambda m, t=table: m[1] + render(t) + "\n" + m[3], text)  # type: ignore[misc]
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m h3d.keys", description="write or check the key tables")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", metavar="FILE", help="rewrite the tables of FILE in place")
+    mode.add_argument("--check", metavar="FILE", help="exit 1 if the tables of FILE are not current")
+    args = parser.parse_args(argv)
+    path = Path(args.write or args.check)
+    text = path.read_text(encoding="utf-8")
+    try:
+        new = update(text)
+    except ValueError as exc:
+        print(f"{path}: {exc}", file=sys.stderr)
+        return 1
+    if args.check:
+        if new != text:
+            print(f"{path}: key tables are not current; run python -m h3d.keys --write {path}", file=sys.stderr)
+            return 1
+        return 0
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

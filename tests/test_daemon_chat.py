@@ -1,0 +1,103 @@
+"""Chat sessions, Resume and bounded input through a real daemon (tests/daemon.py).
+
+Chat's oracle is `h3d generate --chat` on the same model: the conversation rendered at once.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from daemon import RunningDaemon, running_daemon
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from h3d._proto.h3.v1 import h3_pb2 as pb
+
+MODEL = "llama_gqa4_tied"
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint: Callable[[str], Path]) -> Path:
+    return checkpoint(MODEL)
+
+
+@pytest.fixture(scope="module")
+def d(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    with running_daemon(model, tmp_path_factory.mktemp("h3d"), tcp=False) as daemon:
+        yield daemon
+
+
+def generate_chat(model: Path, prompt: str, n: int) -> list[int]:
+    cmd = [sys.executable, "-m", "h3d.cli", "generate", "--model", str(model), "--chat", "--prompt", prompt,
+           "--max-tokens", str(n), "--json"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    return list(json.loads(out.strip().splitlines()[-1])["token_ids"])
+
+
+def stream_tokens(responses: Iterator[pb.GenerateResponse]) -> list[int]:
+    return [t for r in responses if r.HasField("delta") for t in r.delta.token_ids]
+
+
+def test_chat_generate_equals_h3d_generate_chat(d: RunningDaemon, model: Path) -> None:
+    stub = d.h3()
+    s = stub.CreateSession(pb.CreateSessionRequest(chat=True))
+    assert s.chat
+    got = stream_tokens(
+        stub.Generate(
+            pb.GenerateRequest(session_id=s.session_id, prompt="Once upon a time", sampling={"max_tokens": 8})
+        )
+    )
+    assert got == generate_chat(model, "Once upon a time", 8) and got
+    shown = stub.GetSession(pb.GetSessionRequest(session_id=s.session_id))
+    assert shown.num_messages == 2  # the user's message and the assistant's turn
+
+
+def test_chat_roles_are_checked(d: RunningDaemon) -> None:
+    stub = d.h3()
+    plain = stub.CreateSession(pb.CreateSessionRequest()).session_id
+    chat = stub.CreateSession(pb.CreateSessionRequest(chat=True, system_prompt="Be brief.")).session_id
+    for sid, req, code in (
+        (plain, {"text": "hi", "role": "user"}, grpc.StatusCode.INVALID_ARGUMENT),
+        (chat, {"text": "hi", "role": "narrator"}, grpc.StatusCode.INVALID_ARGUMENT),
+        (chat, {"token_ids": [5]}, grpc.StatusCode.INVALID_ARGUMENT),
+    ):
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.AppendContext(pb.AppendContextRequest(session_id=sid, **req)))
+        assert e.value.code() == code, req
+    done = list(stub.AppendContext(pb.AppendContextRequest(session_id=chat, text="It was late.", role="assistant")))
+    assert done[-1].done.tokens_added > 0
+    assert stub.GetSession(pb.GetSessionRequest(session_id=chat)).num_messages == 2
+
+
+def test_session_ids_are_checked_and_never_echoed_whole(d: RunningDaemon) -> None:
+    stub = d.h3()
+    huge = "x" * 1_000_000
+    for bad, code in ((huge, grpc.StatusCode.INVALID_ARGUMENT), ("abc", grpc.StatusCode.INVALID_ARGUMENT),
+                      ("0" * 32, grpc.StatusCode.NOT_FOUND)):  # fmt: skip
+        with pytest.raises(grpc.RpcError) as e:
+            stub.GetSession(pb.GetSessionRequest(session_id=bad))
+        assert e.value.code() == code
+        assert len(e.value.details() or "") < 200
+    with pytest.raises(grpc.RpcError) as e:
+        stub.CreateSession(pb.CreateSessionRequest(policy="p" * 100_000))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(e.value.details() or "") < 300
+    assert max(len(line) for line in d.raw) < 2000  # the log lines too
+
+
+def test_resume_undoes_a_drain(d: RunningDaemon) -> None:
+    admin, stub = d.admin(), d.h3()
+    health = health_pb2_grpc.HealthStub(d.channel())
+    admin.Drain(pb.DrainRequest(timeout_s=1))
+    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as e:
+        stub.CreateSession(pb.CreateSessionRequest())
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert admin.Resume(pb.ResumeRequest()).was_draining
+    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+    assert stub.CreateSession(pb.CreateSessionRequest()).session_id
+    assert not admin.Resume(pb.ResumeRequest()).was_draining
