@@ -191,13 +191,31 @@ def test_cpu_threads_is_applied_to_torch() -> None:
         torch.set_num_threads(before)
 
 
+def test_omp_wait_policy_is_passive_unless_the_user_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    from h3d.engine.threads import omp_environment
+
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.setenv(name, "")  # so that the test's end restores what was there, or nothing
+        monkeypatch.delenv(name)
+    omp_environment()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    omp_environment()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")  # libgomp's own default spin, asked for
+    omp_environment()
+    assert "OMP_WAIT_POLICY" not in os.environ
+
+
 def test_bad_cpu_threads_names_the_key() -> None:
     from h3d.config import ConfigError, EngineConfig
 
-    with pytest.raises(ConfigError, match="cpu_threads"):
+    with pytest.raises(ConfigError, match="cpu_threads: must be >= 1"):
         EngineConfig.build(model="m", cpu_threads=-1)
-    with pytest.raises(ConfigError, match="cpu_threads"):
+    with pytest.raises(ConfigError, match="cpu_threads: expected an integer"):
         load(None, {"model": "m", "cpu_threads": "4"})
+    assert load(None, {"model": "m", "cpu_threads": 3}).engine.cpu_threads == 3
 
 
 def test_serve_logs_its_cpu_threads(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
@@ -214,13 +232,14 @@ def test_cli_imports_no_torch_before_the_configuration() -> None:
 
 def test_generate_applies_and_reports_its_cpu_threads(checkpoint: Callable[[str], Path]) -> None:
     code = (
-        "import json, os, sys, torch\n"
+        "import json, os, sys\n"
         "from h3d.cli import main\n"
         "rc = main(sys.argv[1:])\n"
+        "import torch\n"
         "print(json.dumps({'torch': torch.get_num_threads(), 'omp': os.environ.get('OMP_NUM_THREADS'),"
         " 'wait': os.environ.get('OMP_WAIT_POLICY')}))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     args = ["generate", "--model", str(checkpoint("llama_gqa4_tied")), "--prompt", "hello", "--max-tokens", "2"]
     out = subprocess.run(
         [sys.executable, "-c", code, *args, "--json", "--cpu-threads", "1"],

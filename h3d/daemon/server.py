@@ -57,7 +57,7 @@ class Daemon:
         self._socket_inode: int | None = None
 
     async def run(self) -> int:
-        from h3d.engine.engine import Engine  # torch loads here, after the config is known good
+        from h3d.engine.engine import Engine  # the model's modules load here, after the config is known good
         from h3d.engine.threads import apply_cpu_threads
 
         cfg = self.config

@@ -3,18 +3,19 @@
 `apply_cpu_threads(config)` is called once at start, before the model loads: by `h3d generate`
 before torch is imported, by `h3d serve` (Daemon.run) after. It sets, unless the user did,
 
-- `OMP_NUM_THREADS` to the thread count and `OMP_WAIT_POLICY=PASSIVE` in the environment (libgomp
-  reads them when torch loads it, so they count only before the first `import torch`;
-  `omp_environment()` sets the wait policy alone, for a caller that imports torch before it knows
-  the configuration);
+- `OMP_NUM_THREADS` to the thread count and `OMP_WAIT_POLICY=PASSIVE` (unless `GOMP_SPINCOUNT`
+  is set) in the environment: libgomp reads them when torch loads it, so they count only before
+  the first `import torch`; `omp_environment()` sets the wait policy alone, for a caller that
+  imports torch before it knows the configuration;
 - torch's intra-op thread count (`torch.set_num_threads`: OpenMP and MKL), whenever it is called.
 
-Why the wait policy: by default libgomp's threads spin for a while at the end of each parallel
-region, waiting for the slowest. When another job holds one of the cores, the thread that shares
-that core is descheduled for whole time slices while its partner spins on the other core, and each
-of the thousands of parallel regions of a decode step waits for it: decode fell from 16 to about
-1 token/s on a 2-core host with one busy core (docs/BENCHMARKS.md). A passive thread sleeps
-instead, which gives its core to the other job or to its partner.
+Why the wait policy: by default libgomp's threads spin (`GOMP_SPINCOUNT`, 300,000 times) at the
+end of each parallel region, waiting for the slowest. When another job holds one of the cores, the
+thread that shares that core is descheduled for whole time slices while its partner spins on the
+other core, and each of the hundreds of parallel regions of a decode step waits for it: on a
+2-core host with one busy core decode ran at 0.8-5 tokens/s against 16.5 with PASSIVE
+(docs/BENCHMARKS.md, "CPU threads on a shared host"). A passive thread sleeps at once, which
+gives its core to the other job or to its partner.
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ def resolve_cpu_threads(config: EngineConfig) -> int:
 
 
 def omp_environment() -> None:
-    """`OMP_WAIT_POLICY=PASSIVE` unless the user set a policy (effective only before torch loads)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    """`OMP_WAIT_POLICY=PASSIVE` unless the user set a policy or libgomp's `GOMP_SPINCOUNT`
+    (effective only before torch loads)."""
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 def apply_cpu_threads(config: EngineConfig) -> int:
