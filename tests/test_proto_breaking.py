@@ -76,8 +76,8 @@ BREAKS = [
     ),
     pytest.param(
         "uint64 window_tokens = 12;",
-        "uint64 window_tokens = 16;",
-        "h3.v1.Session: field `window_tokens` renumbered 12 -> 16",
+        "uint64 window_tokens = 18;",
+        "h3.v1.Session: field `window_tokens` renumbered 12 -> 18",
         id="field renumbered",
     ),
     pytest.param(
@@ -146,7 +146,9 @@ def test_each_break_is_reported(tmp_path: Path, old: str, new: str, want: str) -
 
 # (old text, new text)
 SAFE = [
-    pytest.param("  bool closed = 15;\n}", "  bool closed = 15;\n  uint64 generation = 16;\n}", id="field added"),
+    pytest.param(
+        "  uint32 num_messages = 17;\n}", "  uint32 num_messages = 17;\n  uint64 generation = 18;\n}", id="field added"
+    ),
     pytest.param("message GetConfigRequest {}", "message GetConfigRequest {}\nmessage Ping {}", id="message added"),
     pytest.param(GET_STATS, GET_STATS + "  rpc WatchStats(GetStatsRequest) returns (stream Stats);\n", id="rpc added"),
     pytest.param("  TIER_SSD = 3;\n", "  TIER_SSD = 3;\n  TIER_CXL = 4;\n", id="enum value added"),
@@ -185,7 +187,9 @@ def test_command_lists_the_breaks_and_accept_records_a_baseline(
 
 
 def test_command_notes_additions_not_yet_accepted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    added = edited_protos(tmp_path, ("  bool closed = 15;\n}", "  bool closed = 15;\n  uint64 generation = 16;\n}"))
+    added = edited_protos(
+        tmp_path, ("  uint32 num_messages = 17;\n}", "  uint32 num_messages = 17;\n  uint64 generation = 18;\n}")
+    )
     assert breaking.main(["--protos", str(added)]) == 0
     assert "`--accept` records the additions" in capsys.readouterr().out
 

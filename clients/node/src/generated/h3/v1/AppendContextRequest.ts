@@ -9,6 +9,11 @@ export interface AppendContextRequest {
    */
   'text'?: (string);
   'tokenIds'?: (number)[];
+  /**
+   * Chat sessions only (INVALID_ARGUMENT otherwise, and with token_ids): the message's role,
+   * "user" (the default), "assistant" or "system".
+   */
+  'role'?: (string);
 }
 
 export interface AppendContextRequest__Output {
@@ -19,4 +24,9 @@ export interface AppendContextRequest__Output {
    */
   'text': (string);
   'tokenIds': (number)[];
+  /**
+   * Chat sessions only (INVALID_ARGUMENT otherwise, and with token_ids): the message's role,
+   * "user" (the default), "assistant" or "system".
+   */
+  'role': (string);
 }

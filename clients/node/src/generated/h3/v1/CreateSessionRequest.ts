@@ -4,7 +4,8 @@ import type { SamplingParams as _h3_v1_SamplingParams, SamplingParams__Output as
 
 export interface CreateSessionRequest {
   /**
-   * Prepended to the context (tokenized as the first piece, with the tokenizer's special tokens).
+   * Prepended to the context (tokenized as the first piece, with the tokenizer's special tokens);
+   * in a chat session, the template's system message.
    */
   'systemPrompt'?: (string);
   /**
@@ -15,11 +16,20 @@ export interface CreateSessionRequest {
    * The session's sampling defaults; unset fields: the daemon's.
    */
   'sampling'?: (_h3_v1_SamplingParams | null);
+  /**
+   * A chat session: what is appended is a message (AppendContextRequest.role, "user" by default)
+   * rendered through the model's chat template, `system_prompt` is the template's system message,
+   * and Generate adds the assistant turn's header and stops at the template's end of turn
+   * (a `prompt` is appended as a user message first). FAILED_PRECONDITION if the model has no
+   * chat template.
+   */
+  'chat'?: (boolean);
 }
 
 export interface CreateSessionRequest__Output {
   /**
-   * Prepended to the context (tokenized as the first piece, with the tokenizer's special tokens).
+   * Prepended to the context (tokenized as the first piece, with the tokenizer's special tokens);
+   * in a chat session, the template's system message.
    */
   'systemPrompt': (string);
   /**
@@ -30,4 +40,12 @@ export interface CreateSessionRequest__Output {
    * The session's sampling defaults; unset fields: the daemon's.
    */
   'sampling': (_h3_v1_SamplingParams__Output | null);
+  /**
+   * A chat session: what is appended is a message (AppendContextRequest.role, "user" by default)
+   * rendered through the model's chat template, `system_prompt` is the template's system message,
+   * and Generate adds the assistant turn's header and stops at the template's end of turn
+   * (a `prompt` is appended as a user message first). FAILED_PRECONDITION if the model has no
+   * chat template.
+   */
+  'chat': (boolean);
 }

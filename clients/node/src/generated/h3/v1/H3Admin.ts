@@ -9,6 +9,8 @@ import type { EvictSessionResponse as _h3_v1_EvictSessionResponse, EvictSessionR
 import type { GetConfigRequest as _h3_v1_GetConfigRequest, GetConfigRequest__Output as _h3_v1_GetConfigRequest__Output } from '../../h3/v1/GetConfigRequest.js';
 import type { GetConfigResponse as _h3_v1_GetConfigResponse, GetConfigResponse__Output as _h3_v1_GetConfigResponse__Output } from '../../h3/v1/GetConfigResponse.js';
 import type { PinSessionRequest as _h3_v1_PinSessionRequest, PinSessionRequest__Output as _h3_v1_PinSessionRequest__Output } from '../../h3/v1/PinSessionRequest.js';
+import type { ResumeRequest as _h3_v1_ResumeRequest, ResumeRequest__Output as _h3_v1_ResumeRequest__Output } from '../../h3/v1/ResumeRequest.js';
+import type { ResumeResponse as _h3_v1_ResumeResponse, ResumeResponse__Output as _h3_v1_ResumeResponse__Output } from '../../h3/v1/ResumeResponse.js';
 import type { Session as _h3_v1_Session, Session__Output as _h3_v1_Session__Output } from '../../h3/v1/Session.js';
 import type { SetPolicyRequest as _h3_v1_SetPolicyRequest, SetPolicyRequest__Output as _h3_v1_SetPolicyRequest__Output } from '../../h3/v1/SetPolicyRequest.js';
 import type { SnapshotSessionRequest as _h3_v1_SnapshotSessionRequest, SnapshotSessionRequest__Output as _h3_v1_SnapshotSessionRequest__Output } from '../../h3/v1/SnapshotSessionRequest.js';
@@ -78,6 +80,21 @@ export interface H3AdminClient extends grpc.Client {
   pinSession(argument: _h3_v1_PinSessionRequest, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
   
   /**
+   * Undo a Drain: accept requests again and report SERVING (a SIGTERM drain is not undone).
+   */
+  Resume(argument: _h3_v1_ResumeRequest, metadata: grpc.Metadata, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_ResumeResponse__Output>): grpc.ClientUnaryCall;
+  Resume(argument: _h3_v1_ResumeRequest, metadata: grpc.Metadata, callback: grpc.requestCallback<_h3_v1_ResumeResponse__Output>): grpc.ClientUnaryCall;
+  Resume(argument: _h3_v1_ResumeRequest, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_ResumeResponse__Output>): grpc.ClientUnaryCall;
+  Resume(argument: _h3_v1_ResumeRequest, callback: grpc.requestCallback<_h3_v1_ResumeResponse__Output>): grpc.ClientUnaryCall;
+  /**
+   * Undo a Drain: accept requests again and report SERVING (a SIGTERM drain is not undone).
+   */
+  resume(argument: _h3_v1_ResumeRequest, metadata: grpc.Metadata, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_ResumeResponse__Output>): grpc.ClientUnaryCall;
+  resume(argument: _h3_v1_ResumeRequest, metadata: grpc.Metadata, callback: grpc.requestCallback<_h3_v1_ResumeResponse__Output>): grpc.ClientUnaryCall;
+  resume(argument: _h3_v1_ResumeRequest, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_ResumeResponse__Output>): grpc.ClientUnaryCall;
+  resume(argument: _h3_v1_ResumeRequest, callback: grpc.requestCallback<_h3_v1_ResumeResponse__Output>): grpc.ClientUnaryCall;
+  
+  /**
    * Switch the HBF policy of a session's decode steps.
    */
   SetPolicy(argument: _h3_v1_SetPolicyRequest, metadata: grpc.Metadata, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
@@ -132,6 +149,11 @@ export interface H3AdminHandlers extends grpc.UntypedServiceImplementation {
   PinSession: grpc.handleUnaryCall<_h3_v1_PinSessionRequest__Output, _h3_v1_Session>;
   
   /**
+   * Undo a Drain: accept requests again and report SERVING (a SIGTERM drain is not undone).
+   */
+  Resume: grpc.handleUnaryCall<_h3_v1_ResumeRequest__Output, _h3_v1_ResumeResponse>;
+  
+  /**
    * Switch the HBF policy of a session's decode steps.
    */
   SetPolicy: grpc.handleUnaryCall<_h3_v1_SetPolicyRequest__Output, _h3_v1_Session>;
@@ -148,6 +170,7 @@ export interface H3AdminDefinition extends grpc.ServiceDefinition {
   EvictSession: MethodDefinition<_h3_v1_EvictSessionRequest, _h3_v1_EvictSessionResponse, _h3_v1_EvictSessionRequest__Output, _h3_v1_EvictSessionResponse__Output>
   GetConfig: MethodDefinition<_h3_v1_GetConfigRequest, _h3_v1_GetConfigResponse, _h3_v1_GetConfigRequest__Output, _h3_v1_GetConfigResponse__Output>
   PinSession: MethodDefinition<_h3_v1_PinSessionRequest, _h3_v1_Session, _h3_v1_PinSessionRequest__Output, _h3_v1_Session__Output>
+  Resume: MethodDefinition<_h3_v1_ResumeRequest, _h3_v1_ResumeResponse, _h3_v1_ResumeRequest__Output, _h3_v1_ResumeResponse__Output>
   SetPolicy: MethodDefinition<_h3_v1_SetPolicyRequest, _h3_v1_Session, _h3_v1_SetPolicyRequest__Output, _h3_v1_Session__Output>
   SnapshotSession: MethodDefinition<_h3_v1_SnapshotSessionRequest, _h3_v1_SnapshotSessionResponse, _h3_v1_SnapshotSessionRequest__Output, _h3_v1_SnapshotSessionResponse__Output>
 }

@@ -54,6 +54,14 @@ export interface Session {
    * only, nothing of it in HBM or DDR; its next Append or Generate reopens it where it stopped.
    */
   'closed'?: (boolean);
+  /**
+   * A chat session (CreateSessionRequest.chat).
+   */
+  'chat'?: (boolean);
+  /**
+   * Messages of a chat session's conversation (appended and generated).
+   */
+  'numMessages'?: (number);
 }
 
 export interface Session__Output {
@@ -106,4 +114,12 @@ export interface Session__Output {
    * only, nothing of it in HBM or DDR; its next Append or Generate reopens it where it stopped.
    */
   'closed': (boolean);
+  /**
+   * A chat session (CreateSessionRequest.chat).
+   */
+  'chat': (boolean);
+  /**
+   * Messages of a chat session's conversation (appended and generated).
+   */
+  'numMessages': (number);
 }
