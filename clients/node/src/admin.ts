@@ -1,5 +1,5 @@
 // H3AdminClient: the operators' `h3.v1.H3Admin` service (tier moves, pinning, snapshots, policy,
-// drain, config). When the daemon has an `admin_token_file`, it needs one of its tokens.
+// drain and resume, config). When the daemon has an `admin_token_file`, it needs one of its tokens.
 
 import type { Metadata } from "@grpc/grpc-js";
 
@@ -8,7 +8,7 @@ import { type ConnectionOptions, connect } from "./connection.js";
 import type { GetConfigResponse__Output as GetConfigResponse } from "./generated/h3/v1/GetConfigResponse.js";
 import type { H3AdminClient as H3AdminStub } from "./generated/h3/v1/H3Admin.js";
 import { h3Package } from "./proto.js";
-import type { DrainResult, EvictResult, Policy, Session, SnapshotResult } from "./types.js";
+import type { DrainResult, EvictResult, Policy, ResumeResult, Session, SnapshotResult } from "./types.js";
 
 export interface PinOptions extends CallOptions {
   /** Seconds the pin lasts; unset or 0: until unpinned. */
@@ -76,6 +76,13 @@ export class H3AdminClient {
     const request = { timeoutS: options.timeoutS };
     return unary(this.#metadata, options, (metadata, callOptions, callback) =>
       this.#stub.drain(request, metadata, callOptions, callback),
+    );
+  }
+
+  /** Undo a drain: accept requests again (a SIGTERM's drain is not undone: UnavailableError). */
+  resume(options: CallOptions = {}): Promise<ResumeResult> {
+    return unary(this.#metadata, options, (metadata, callOptions, callback) =>
+      this.#stub.resume({}, metadata, callOptions, callback),
     );
   }
 

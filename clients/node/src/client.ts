@@ -15,6 +15,7 @@ import type {
   AppendProgress,
   AppendSummary,
   Policy,
+  Role,
   SamplingOptions,
   Session,
   SessionPage,
@@ -22,12 +23,22 @@ import type {
 } from "./types.js";
 
 export interface CreateSessionOptions extends CallOptions {
-  /** Prepended to the context (tokenized as the first piece, with the tokenizer's special tokens). */
+  /**
+   * Prepended to the context (tokenized as the first piece, with the tokenizer's special tokens);
+   * in a chat session, the chat template's system message.
+   */
   systemPrompt?: string;
   /** HBF policy; unset: the daemon's `policy`. */
   policy?: Policy;
   /** The session's sampling defaults; unset fields: the daemon's. */
   sampling?: SamplingOptions;
+  /**
+   * A chat session: each append is a message (`role`, "user" by default) rendered through the
+   * model's chat template, and a generation is the assistant's turn (its `prompt` appended as a
+   * user message first), ending at the template's end of turn. FailedPreconditionError if the
+   * model has no chat template.
+   */
+  chat?: boolean;
 }
 
 export interface GetSessionOptions extends CallOptions {
@@ -50,10 +61,18 @@ export interface CloseOptions extends CallOptions {
 export interface AppendOptions extends CallOptions {
   /** Called as the daemon prefills the appended tokens. */
   onProgress?: (progress: AppendProgress) => void;
+  /**
+   * The message's role, in a chat session (unset: "user"); InvalidArgumentError in a plain session,
+   * or with token ids.
+   */
+  role?: Role;
 }
 
 export interface GenerateOptions extends SamplingOptions, CallOptions {
-  /** Appended to the context first: text (tokenized on its own) or token ids. */
+  /**
+   * Appended to the context first: text (tokenized on its own) or token ids; in a chat session,
+   * text only, appended as a user message.
+   */
   prompt?: string | readonly number[];
 }
 
@@ -72,6 +91,7 @@ export class H3Client {
       systemPrompt: options.systemPrompt,
       policy: options.policy,
       sampling: options.sampling && samplingParams(options.sampling),
+      chat: options.chat,
     };
     return unary(this.#metadata, options, (metadata, callOptions, callback) =>
       this.#stub.createSession(request, metadata, callOptions, callback),
@@ -112,13 +132,18 @@ export class H3Client {
     );
   }
 
-  /** Add text or token ids to the context and prefill them; resolves to the append's summary. */
+  /**
+   * Add text or token ids to the context and prefill them (in a chat session: a message of
+   * `role`, as text); resolves to the append's summary.
+   */
   async append(
     sessionId: string,
     input: string | readonly number[],
     options: AppendOptions = {},
   ): Promise<AppendSummary> {
-    const request = typeof input === "string" ? { sessionId, text: input } : { sessionId, tokenIds: [...input] };
+    const { role } = options;
+    const request =
+      typeof input === "string" ? { sessionId, text: input, role } : { sessionId, tokenIds: [...input], role };
     const events = serverStream<AppendEvent>(this.#metadata, options, (metadata, callOptions) =>
       this.#stub.appendContext(request, metadata, callOptions),
     );

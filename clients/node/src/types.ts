@@ -8,6 +8,7 @@ export type { EvictSessionResponse__Output as EvictResult } from "./generated/h3
 export { FinishReason } from "./generated/h3/v1/FinishReason.js";
 export type { GenerateSummary__Output as GenerateSummary } from "./generated/h3/v1/GenerateSummary.js";
 export type { ListSessionsResponse__Output as SessionPage } from "./generated/h3/v1/ListSessionsResponse.js";
+export type { ResumeResponse__Output as ResumeResult } from "./generated/h3/v1/ResumeResponse.js";
 export type { SamplingParams__Output as SamplingParams } from "./generated/h3/v1/SamplingParams.js";
 export type { Session__Output as Session } from "./generated/h3/v1/Session.js";
 export type { SessionStats__Output as SessionStats } from "./generated/h3/v1/SessionStats.js";
@@ -21,6 +22,9 @@ export type { TokenDelta__Output as TokenDelta } from "./generated/h3/v1/TokenDe
 
 /** HBF policy of a session's decode steps. */
 export type Policy = "attention_entropy" | "exact" | "fixed" | "layerwise";
+
+/** The role of a message appended to a chat session. */
+export type Role = "user" | "assistant" | "system";
 
 /** How tokens are sampled; unset fields take the session's defaults, which take the daemon's. */
 export interface SamplingOptions {

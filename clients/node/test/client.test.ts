@@ -19,6 +19,7 @@ import {
   Status,
   type TokenDelta,
   UnauthenticatedError,
+  UnavailableError,
 } from "../src/index.js";
 import { ADMIN_TOKEN, CLIENT_TOKEN, type Daemon, startDaemon } from "./daemon.js";
 
@@ -227,4 +228,118 @@ test("sessions() pages through the caller's sessions", async () => {
   assert.equal(all.length, page.total);
   assert.deepEqual(all.slice(-3), created);
   await Promise.all(created.map((sid) => h3.close(sid)));
+});
+
+test("a chat session: a generation's prompt is the user's message, its answer the assistant's", async () => {
+  const session = await h3.createSession({ chat: true });
+  assert.equal(session.chat, true);
+  assert.equal(session.numMessages, 0);
+  const sid = session.sessionId;
+
+  const prompt = "What is the capital of France?";
+  const result = await h3.generate(sid, { prompt, maxTokens: 8 }).collect();
+  assert.ok(result.tokenIds.length > 0 && result.tokenIds.length <= 8);
+  assert.equal(result.summary.completionTokens, result.tokenIds.length);
+
+  const seen = await h3.getSession(sid, { withTokens: true });
+  assert.equal(seen.chat, true);
+  assert.equal(seen.numMessages, 2); // the user's and the assistant's
+  assert.ok(seen.text.includes(prompt), seen.text);
+  assert.deepEqual(seen.tokenIds.slice(-result.tokenIds.length), result.tokenIds);
+  await h3.close(sid);
+
+  const plain = await h3.createSession();
+  assert.equal(plain.chat, false);
+  assert.equal(plain.numMessages, 0);
+  await h3.close(plain.sessionId);
+});
+
+test("a chat session's appends are messages of a role: user by default, assistant, system", async () => {
+  const session = await h3.createSession({ chat: true, systemPrompt: "You answer in one word." });
+  assert.equal(session.numMessages, 1); // the system message
+  const sid = session.sessionId;
+
+  const user = await h3.append(sid, "Name a colour.");
+  assert.ok(user.tokensAdded > 0);
+  const assistant = await h3.append(sid, "Blue.", { role: "assistant" });
+  assert.ok(assistant.tokensAdded > 0);
+  assert.equal(assistant.numTokens, user.numTokens + assistant.tokensAdded);
+  await h3.append(sid, "Answer in English.", { role: "system" });
+  const seen = await h3.getSession(sid, { withTokens: true });
+  assert.equal(seen.numMessages, 4);
+  assert.ok(seen.numTokens > assistant.numTokens);
+  // The template names each message's role before it (its special tokens are left out of `text`).
+  const messages = [
+    ["system", "You answer in one word."],
+    ["user", "Name a colour."],
+    ["assistant", "Blue."],
+    ["system", "Answer in English."],
+  ];
+  for (const [role, content] of messages) {
+    assert.ok(seen.text.includes(`${role}\n${content}`), `${role}: ${content} in ${JSON.stringify(seen.text)}`);
+  }
+
+  const answer = await h3.generate(sid, { prompt: "Another one.", maxTokens: 4 }).collect();
+  assert.ok(answer.tokenIds.length > 0);
+  assert.equal((await h3.getSession(sid)).numMessages, 6);
+
+  // Neither an unknown role nor token ids make a message.
+  await assert.rejects(h3.append(sid, "Hi.", { role: "narrator" as "user" }), (error: unknown) => {
+    assert.ok(error instanceof InvalidArgumentError && error.code === Status.INVALID_ARGUMENT);
+    assert.match(error.details, /role/);
+    return true;
+  });
+  await assert.rejects(h3.append(sid, answer.tokenIds), InvalidArgumentError);
+  assert.equal((await h3.getSession(sid)).numMessages, 6);
+  await h3.close(sid);
+});
+
+test("a role on a plain session's append is InvalidArgumentError", async () => {
+  const { sessionId } = await h3.createSession({ systemPrompt: "Hello." });
+  const before = await h3.getSession(sessionId);
+  for (const role of ["user", "assistant"] as const) {
+    await assert.rejects(h3.append(sessionId, "Hi there.", { role }), (error: unknown) => {
+      assert.ok(error instanceof InvalidArgumentError && error.code === Status.INVALID_ARGUMENT, String(error));
+      assert.match(error.details, /role/);
+      return true;
+    });
+  }
+  const after = await h3.getSession(sessionId);
+  assert.equal(after.numTokens, before.numTokens);
+  assert.equal(after.numMessages, 0);
+  await h3.close(sessionId);
+});
+
+// Last: while the daemon drains, it refuses every other test's requests.
+test("drain refuses new requests until resume", async () => {
+  const admin = new H3AdminClient({ address: daemon.socket, token: ADMIN_TOKEN });
+  const notAdmin = new H3AdminClient({ address: daemon.socket, token: CLIENT_TOKEN });
+  try {
+    await assert.rejects(notAdmin.resume(), PermissionDeniedError);
+    assert.deepEqual(await admin.resume(), { wasDraining: false }); // serving: nothing to undo
+
+    const { sessionId } = await h3.createSession();
+    const drained = await admin.drain({ timeoutS: 5 });
+    assert.equal(drained.requestsCancelled, 0);
+    assert.equal((await h3.stats()).draining, true);
+    await assert.rejects(h3.createSession(), (error: unknown) => {
+      assert.ok(error instanceof UnavailableError && error.code === Status.UNAVAILABLE, String(error));
+      assert.match(error.details, /draining/);
+      return true;
+    });
+    await assert.rejects(h3.append(sessionId, "x"), UnavailableError);
+
+    assert.deepEqual(await admin.resume(), { wasDraining: true });
+    assert.equal((await h3.stats()).draining, false);
+    assert.ok((await h3.append(sessionId, "Back again.")).tokensAdded > 0);
+    const again = await h3.generate(sessionId, { maxTokens: 2, ignoreEos: true }).collect();
+    assert.equal(again.summary.completionTokens, 2);
+    assert.deepEqual(await admin.resume(), { wasDraining: false });
+    await h3.close(sessionId);
+  } finally {
+    // Whatever failed above, leave the daemon serving.
+    await admin.resume().catch(() => undefined);
+    admin.closeChannel();
+    notAdmin.closeChannel();
+  }
 });
