@@ -1,13 +1,15 @@
-"""Chat sessions, Resume and bounded input through a real daemon (tests/daemon.py).
+"""Chat sessions, Resume, bounded input and the owner map, through a real daemon (tests/daemon.py).
 
 Chat's oracle is `h3d generate --chat` on the same model: the conversation rendered at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,6 +19,13 @@ from daemon import RunningDaemon, running_daemon
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
+from h3d.config import EngineConfig
+from h3d.daemon.auth import LOCAL, Auth, Caller
+from h3d.daemon.config import DaemonConfig
+from h3d.daemon.metrics import Metrics
+from h3d.daemon.service import H3Servicer, State
+from h3d.daemon.worker import EngineWorker
+from h3d.engine.engine import Engine
 
 MODEL = "llama_gqa4_tied"
 
@@ -101,3 +110,39 @@ def test_resume_undoes_a_drain(d: RunningDaemon) -> None:
     assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
     assert stub.CreateSession(pb.CreateSessionRequest()).session_id
     assert not admin.Resume(pb.ResumeRequest()).was_draining
+
+
+class _LoopOnlyDict(dict):  # type: ignore[type-arg]
+    """A dict that records the threads that change it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writers: set[int] = set()
+
+    def __setitem__(self, key: object, value: object) -> None:
+        self.writers.add(threading.get_ident())
+        super().__setitem__(key, value)
+
+
+def test_the_owner_map_is_written_on_the_event_loop_only(model: Path) -> None:
+    """`State.owners` belongs to the event loop (it iterates it for ListSessions and GetStats): a
+    write from the engine thread could change it under such an iteration."""
+    engine = Engine(EngineConfig.build(model=str(model)))
+    config = DaemonConfig(engine=engine.config)
+
+    async def main() -> tuple[set[int], int, int]:
+        worker = EngineWorker(engine, asyncio.get_running_loop())
+        worker.start()
+        try:
+            state = State(config, worker, Auth(config), Metrics())
+            state.owners = _LoopOnlyDict()  # type: ignore[assignment]
+            made = await H3Servicer(state).CreateSession(pb.CreateSessionRequest(), None, Caller(LOCAL, admin=False))
+            assert state.owners[made.session_id] == LOCAL  # type: ignore[index]
+            engine_thread = await worker.call(lambda e: threading.get_ident())
+            return state.owners.writers, threading.get_ident(), engine_thread  # type: ignore[attr-defined]
+        finally:
+            worker.stop(30)
+
+    writers, loop_thread, engine_thread = asyncio.run(main())
+    assert writers == {loop_thread} and engine_thread != loop_thread
+    engine.close()

@@ -67,7 +67,7 @@ class State:
         self.worker = worker
         self.auth = auth
         self.metrics = metrics
-        self.owners: dict[SessionId, str] = {}
+        self.owners: dict[SessionId, str] = {}  # the event loop's: read and written on it only
         self.in_flight = 0  # AppendContext + Generate streams admitted
         self.draining = False
         self.started = time.time()
@@ -229,10 +229,11 @@ class H3Servicer:
             sid = engine.create_session(
                 request.system_prompt or None, params, policy, owner=caller.owner, chat=request.chat
             )
-            self.s.owners[sid] = caller.owner
             return session_pb(engine, engine.session(sid))
 
-        return await self.s.worker.call(create)
+        session = await self.s.worker.call(create)
+        self.s.owners[SessionId(session.session_id)] = caller.owner  # on the loop, which owns the map
+        return session
 
     async def GetSession(self, request: pb.GetSessionRequest, context: Any, caller: Caller) -> pb.Session:
         sid = self.s.check_owner(caller, request.session_id)
