@@ -9,7 +9,10 @@ session's KV to the archive). Then two restarts of copies of that data dir:
 - **re-prefill**: the archive folder removed, as after a crash before any block was written; the
   token logs rebuild every session by prefill.
 Time to ready is from spawning the process to its `listening` event (the model load included);
-time to first token is a one-token Generate per session, one after the other.
+time to first token is a one-token Generate per session, one after the other. The HBM hit rate
+is each session's (GetStats, since that daemon started) after three more 16-token generations,
+mean of the sessions: in the first daemon, and after the archive restart (whose blocks come back
+through DDR and must return to HBM).
 """
 
 from __future__ import annotations
@@ -80,6 +83,18 @@ def first_tokens(sock: Path, sids: list[str]) -> float:
     return sum(times) / len(times)
 
 
+def hit_rate(sock: Path, sids: list[str], generations: int = 3) -> float:
+    """Mean of the sessions' HBM hit rates (GetStats: since the daemon started) after
+    `generations` more 16-token generations each."""
+    h3, pb = _stubs(sock)
+    for sid in sids:
+        for _ in range(generations):
+            for _ in h3.Generate(pb.GenerateRequest(session_id=sid, sampling=pb.SamplingParams(max_tokens=16))):
+                pass
+    stats = h3.GetStats(pb.GetStatsRequest()).sessions
+    return sum(s.hbm_hit_rate for s in stats if s.session_id in sids) / len(sids)
+
+
 def run_one(model: Path, sessions: int, tokens: int, work: Path) -> dict[str, float]:
     from tokenizers import Tokenizer
 
@@ -98,8 +113,9 @@ def run_one(model: Path, sessions: int, tokens: int, work: Path) -> dict[str, fl
         sids.append(sid)
     prefill_s = time.perf_counter() - t0
     first_tokens(d.sock, sids)
+    uninterrupted = hit_rate(d.sock, sids)
     checkpoint = d.stop()
-    out = {"prefill_s": prefill_s, "checkpoint_s": float(checkpoint.get("seconds", 0.0))}
+    out = {"prefill_s": prefill_s, "checkpoint_s": float(checkpoint.get("seconds", 0.0)), "hit_rate": uninterrupted}
     for name, drop_archive in (("archive", False), ("reprefill", True)):
         copy = work / f"{data.name}-{name}"
         shutil.copytree(data, copy)
@@ -110,6 +126,8 @@ def run_one(model: Path, sessions: int, tokens: int, work: Path) -> dict[str, fl
         out[f"{name}_ttft_s"] = first_tokens(d.sock, sids)
         restored = next((e for e in d.events if e.get("event") == "sessions_restored"), {})
         out[f"{name}_rebuild_blocks"] = float(restored.get("kv_rebuild_blocks", 0))
+        if not drop_archive:
+            out["restarted_hit_rate"] = hit_rate(d.sock, sids)
         d.stop()
     return out
 
@@ -124,8 +142,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="h3d-restart-"))
     lines = [
         "| sessions x tokens | first prefill (s) | checkpoint at SIGTERM (s) | ready: archive / re-prefill (s) "
-        "| first token per session: archive / re-prefill (s) | blocks rebuilt: archive / re-prefill |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| first token per session: archive / re-prefill (s) | blocks rebuilt: archive / re-prefill "
+        "| HBM hit rate, 3 generations: uninterrupted / after the restart |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     try:
         for s in args.sessions:
@@ -135,7 +154,8 @@ def main() -> None:
                     f"| {s} x {t} | {r['prefill_s']:.2f} | {r['checkpoint_s']:.2f} "
                     f"| {r['archive_ready_s']:.2f} / {r['reprefill_ready_s']:.2f} "
                     f"| {r['archive_ttft_s']:.3f} / {r['reprefill_ttft_s']:.3f} "
-                    f"| {r['archive_rebuild_blocks']:.0f} / {r['reprefill_rebuild_blocks']:.0f} |"
+                    f"| {r['archive_rebuild_blocks']:.0f} / {r['reprefill_rebuild_blocks']:.0f} "
+                    f"| {r['hit_rate']:.3f} / {r['restarted_hit_rate']:.3f} |"
                 )
                 print(lines[-1], flush=True)
     finally:
