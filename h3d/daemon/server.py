@@ -144,7 +144,6 @@ class Daemon:
         cfg = self.config
         path = cfg.socket_path
         path.parent.mkdir(parents=True, exist_ok=True)
-        check_socket(path)
         # gRPC removes the path it bound when it stops, whoever owns it by then: it binds a private
         # name, which `_publish_socket` renames into place once the server runs.
         private = self._private_socket()
@@ -294,11 +293,12 @@ class Daemon:
         log.info("reloaded", changed=sorted(changes), need_restart=restart)
 
 
-def check_socket(path: Path) -> bool:
-    """Whether `path` holds a stale socket (to be removed before binding); False if nothing is
-    there. A socket something accepts connections on belongs to a live daemon: ConfigError."""
+def check_socket(path: Path) -> None:
+    """Refuse (ConfigError) a `socket` path that is not a socket, or that a live daemon accepts
+    connections on. Nothing there, or a stale socket (a daemon that died), is fine: the bound
+    socket is renamed over it (`Daemon._publish_socket`)."""
     if not (path.exists() or path.is_symlink()):
-        return False
+        return
     if not path.is_socket():
         raise ConfigError(f"socket: {path} exists and is not a socket")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -306,7 +306,7 @@ def check_socket(path: Path) -> bool:
     try:
         probe.connect(str(path))
     except (ConnectionRefusedError, FileNotFoundError):
-        return True  # nobody listens: left behind by a daemon that died
+        return  # nobody listens: left behind by a daemon that died
     except OSError as exc:
         raise ConfigError(f"socket: cannot tell whether {path} is in use ({exc}); remove it if no daemon runs") from exc
     finally:
