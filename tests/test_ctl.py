@@ -24,9 +24,12 @@ from typing import Any
 import pytest
 from daemon import RunningDaemon, running_daemon
 
-from h3d import ctl
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.config import EngineConfig
+from h3d.ctl import app as ctl_app
+from h3d.ctl import client as ctl_client
+from h3d.ctl import sessions as ctl_sessions
+from h3d.ctl import streams as ctl_streams
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
 
@@ -136,12 +139,12 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
 
 
 def test_sampling_sets_only_the_fields_given() -> None:
-    parser = ctl.build_parser()
-    sp = ctl.sampling_of(parser.parse_args(["generate", "x", "--prompt", "", "--temperature", "0"]))
+    parser = ctl_app.build_parser()
+    sp = ctl_streams.sampling_of(parser.parse_args(["generate", "x", "--prompt", "", "--temperature", "0"]))
     assert sp.HasField("temperature") and sp.temperature == 0
     assert not any(sp.HasField(f) for f in ("max_tokens", "top_p", "top_k", "seed"))
     args = ["generate", "x", "--prompt", "p", "--max-tokens", "5", "--top-p", "0.5", "--top-k", "3", "--seed", "7"]
-    sp = ctl.sampling_of(parser.parse_args([*args, "--stop", "a", "--stop", "b"]))
+    sp = ctl_streams.sampling_of(parser.parse_args([*args, "--stop", "a", "--stop", "b"]))
     assert (sp.max_tokens, sp.top_p, sp.top_k, sp.seed, list(sp.stop)) == (5, 0.5, 3, 7, ["a", "b"])
     assert not sp.HasField("temperature")
 
@@ -149,7 +152,7 @@ def test_sampling_sets_only_the_fields_given() -> None:
 def test_read_token_skips_blanks_and_comments(tmp_path: Path) -> None:
     path = tmp_path / "token"
     path.write_text("\n  # a comment\n\n  s3cret  \nother\n")
-    assert ctl.read_token(str(path)) == "s3cret"
+    assert ctl_client.read_token(str(path)) == "s3cret"
 
 
 def test_list_follows_pages() -> None:
@@ -168,7 +171,7 @@ def test_list_follows_pages() -> None:
             return pb.ListSessionsResponse(sessions=[pb.Session(session_id=sid)], next_page_token=nxt, total=3)
 
     fake: Any = FakeClient()
-    sessions = ctl.list_sessions(fake)
+    sessions = ctl_sessions.list_sessions(fake)
     assert [s.session_id for s in sessions] == ["a", "b", "c"]
     assert seen == ["", "2", "4"]
 
@@ -197,27 +200,27 @@ class FakeSessions:
 def test_resolve_id_by_unique_prefix() -> None:
     ids = ["abcd" + "0" * 28, "abef" + "1" * 28, "9" * 32, "5" * 32]
     fake: Any = FakeSessions(ids)
-    assert ctl.resolve_id(fake, "abc") == ids[0]
-    assert ctl.resolve_id(fake, "ABE") == ids[1]  # ids are lowercase hex
-    assert ctl.resolve_id(fake, "5" * 12) == ids[3]  # on the second page; top's 12 digits
+    assert ctl_sessions.resolve_id(fake, "abc") == ids[0]
+    assert ctl_sessions.resolve_id(fake, "ABE") == ids[1]  # ids are lowercase hex
+    assert ctl_sessions.resolve_id(fake, "5" * 12) == ids[3]  # on the second page; top's 12 digits
     calls = fake.calls
-    assert ctl.resolve_id(fake, FULL_ID) == FULL_ID and fake.calls == calls  # a full id: no lookup
-    with pytest.raises(ctl.UsageError, match=f"ambiguous session prefix 'ab': matches {ids[0]}, {ids[1]} "):
-        ctl.resolve_id(fake, "ab")
-    with pytest.raises(ctl.NoSuchSession, match="no session with an id starting with 'abc0f'"):
-        ctl.resolve_id(fake, "abc0f")
-    with pytest.raises(ctl.UsageError, match="empty"):
-        ctl.resolve_id(fake, "")
+    assert ctl_sessions.resolve_id(fake, FULL_ID) == FULL_ID and fake.calls == calls  # a full id: no lookup
+    with pytest.raises(ctl_client.UsageError, match=f"ambiguous session prefix 'ab': matches {ids[0]}, {ids[1]} "):
+        ctl_sessions.resolve_id(fake, "ab")
+    with pytest.raises(ctl_client.NoSuchSession, match="no session with an id starting with 'abc0f'"):
+        ctl_sessions.resolve_id(fake, "abc0f")
+    with pytest.raises(ctl_client.UsageError, match="empty"):
+        ctl_sessions.resolve_id(fake, "")
     many: Any = FakeSessions([f"{i:02x}" + "0" * 30 for i in range(12)])
-    with pytest.raises(ctl.UsageError, match=r"matches 00.*, 09\w+ and 2 more"):
-        ctl.resolve_id(many, "0")
+    with pytest.raises(ctl_client.UsageError, match=r"matches 00.*, 09\w+ and 2 more"):
+        ctl_sessions.resolve_id(many, "0")
 
 
 def test_every_id_argument_is_resolved(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Each command's ID goes through resolve_id before the command runs; the command sees the full id."""
     seen: list[tuple[str, str]] = []
-    monkeypatch.setattr(ctl, "connect", lambda args: type("C", (), {"close": lambda self: None})())
-    monkeypatch.setattr(ctl, "resolve_id", lambda c, given: FULL_ID if given == "0123" else given)
+    monkeypatch.setattr(ctl_app, "connect", lambda args: type("C", (), {"close": lambda self: None})())
+    monkeypatch.setattr(ctl_app, "resolve_id", lambda c, given: FULL_ID if given == "0123" else given)
     for argv in (
         ["session", "show", "0123"],
         ["session", "close", "0123"],
@@ -227,14 +230,15 @@ def test_every_id_argument_is_resolved(monkeypatch: pytest.MonkeyPatch, capsys: 
         ["pin", "0123"],
         ["policy", "0123", "exact"],
     ):
-        name = ctl.build_parser().parse_args(argv).func.__name__
+        func = ctl_app.build_parser().parse_args(argv).func
+        name = func.__name__
 
         def command(c: Any, args: Any, name: str = name) -> int:
             seen.append((name, args.id))
             return 0
 
-        monkeypatch.setattr(ctl, name, command)
-        assert ctl.main(argv) == 0
+        monkeypatch.setattr(sys.modules[func.__module__], name, command)  # where its add_parsers finds it
+        assert ctl_app.main(argv) == 0
     assert [i for _, i in seen] == [FULL_ID] * 7 and len({n for n, _ in seen}) == 7
 
 
@@ -255,11 +259,11 @@ def test_role_and_chat_are_sent_only_when_given(monkeypatch: pytest.MonkeyPatch)
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr(ctl, "connect", lambda args: Client())
-    assert ctl.main(["append", FULL_ID, "--text", "hi"]) == 0
-    assert ctl.main(["append", FULL_ID, "--text", "hi", "--role", "assistant"]) == 0
-    assert ctl.main(["session", "create"]) == 0
-    assert ctl.main(["session", "create", "--chat", "--system", "Be brief."]) == 0
+    monkeypatch.setattr(ctl_app, "connect", lambda args: Client())
+    assert ctl_app.main(["append", FULL_ID, "--text", "hi"]) == 0
+    assert ctl_app.main(["append", FULL_ID, "--text", "hi", "--role", "assistant"]) == 0
+    assert ctl_app.main(["session", "create"]) == 0
+    assert ctl_app.main(["session", "create", "--chat", "--system", "Be brief."]) == 0
     plain, assistant, create, chat = requests
     assert plain.role == ""  # not sent: the daemon's default (user) applies
     assert plain.SerializeToString() == pb.AppendContextRequest(session_id=FULL_ID, text="hi").SerializeToString()
@@ -271,19 +275,19 @@ def test_role_and_chat_are_sent_only_when_given(monkeypatch: pytest.MonkeyPatch)
 def test_session_text_says_tokens_and_blocks_per_layer() -> None:
     # 63 tokens, blocks of 32: 2 blocks in each of 30 layers, all in HBM.
     s = pb.Session(session_id=FULL_ID, num_tokens=63, cached_tokens=63, residency=pb.TierResidency(hbm_blocks=60))
-    assert ctl.layers_of([s], 32) == 30
-    text = ctl.session_text(s, 32, 30)
+    assert ctl_sessions.layers_of([s], 32) == 30
+    text = ctl_sessions.session_text(s, 32, 30)
     assert "\ntokens        63 (63 with KV computed)\n" in text
     assert "\nkv_blocks     2 per layer (32 tokens each) x 30 layers = 60\n" in text
     assert "\nresidency     HBM 60, DDR 0, SSD 0 block copies (all layers); per layer HBM 2, DDR 0, SSD 0\n" in text
     assert "\nchat          no\n" in text
     # Without the block size (GetConfig refused): the sums, said to be over the layers.
     assert "HBM 60, DDR 0, SSD 0 block copies (all layers together; a block holds block_size tokens" in (
-        ctl.session_text(s)
+        ctl_sessions.session_text(s)
     )
     # KV still to compute; a chat session.
     s2 = pb.Session(num_tokens=10, cached_tokens=0, chat=True, num_messages=3)
-    text = ctl.session_text(s2, 32, None)
+    text = ctl_sessions.session_text(s2, 32, None)
     assert "10 (0 with KV computed, 10 to compute at the next request)" in text
     assert "kv_blocks     none yet" in text and "\nchat          yes, 3 messages\n" in text
 
@@ -293,12 +297,12 @@ def test_layer_count_from_residencies() -> None:
         r = pb.TierResidency(hbm_blocks=hbm, ddr_blocks=ddr, ssd_blocks=ssd)
         return pb.Session(cached_tokens=cached, residency=r, busy=busy)
 
-    assert ctl.layers_of([sess(65, ddr=9)], 32) == 3  # 3 blocks per layer, all in DDR
-    assert ctl.layers_of([sess(65, ddr=3, ssd=6)], 32) is None  # 2 or 3 layers
-    assert ctl.layers_of([sess(65, ddr=3, ssd=6), sess(10, hbm=3)], 32) == 3  # the other session decides
-    assert ctl.layers_of([sess(65, hbm=9, ddr=9, busy=True)], 32) is None  # busy: not counted
-    assert ctl.layers_of([sess(0)], 32) is None
-    assert ctl.layers_of([sess(65, hbm=9), sess(10, hbm=4)], 32) is None  # contradictory: unknown
+    assert ctl_sessions.layers_of([sess(65, ddr=9)], 32) == 3  # 3 blocks per layer, all in DDR
+    assert ctl_sessions.layers_of([sess(65, ddr=3, ssd=6)], 32) is None  # 2 or 3 layers
+    assert ctl_sessions.layers_of([sess(65, ddr=3, ssd=6), sess(10, hbm=3)], 32) == 3  # the other session decides
+    assert ctl_sessions.layers_of([sess(65, hbm=9, ddr=9, busy=True)], 32) is None  # busy: not counted
+    assert ctl_sessions.layers_of([sess(0)], 32) is None
+    assert ctl_sessions.layers_of([sess(65, hbm=9), sess(10, hbm=4)], 32) is None  # contradictory: unknown
 
 
 def test_interrupted_stream_exits_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -325,8 +329,8 @@ def test_interrupted_stream_exits_130(monkeypatch: pytest.MonkeyPatch, capsys: p
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr(ctl, "connect", lambda args: Client())  # a full id: no ListSessions
-    assert ctl.main(["generate", FULL_ID, "--prompt", "hi"]) == 130
+    monkeypatch.setattr(ctl_app, "connect", lambda args: Client())  # a full id: no ListSessions
+    assert ctl_app.main(["generate", FULL_ID, "--prompt", "hi"]) == 130
     out = capsys.readouterr()
     assert out.out == "Hel\n" and out.err == ""
     assert cancelled == [True]
