@@ -124,7 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         **engine.tier_stats().as_dict(),
                         "hbf_latency_us_p50": round(engine.hbf_latency_us()[0], 1),
                         "hbf_latency_us_p99": round(engine.hbf_latency_us()[1], 1),
-                        "window_tokens": engine.runner.selection[engine.session(session).seq].window_tokens,
+                        "window_tokens": engine.kv.window_tokens(engine.session(session).seq),
                         "cpu_threads": cpu_threads,
                     },
                 },

@@ -145,7 +145,7 @@ def runner_logits(
     """Feed `ids` to sequence `seq` (opened if new) chunk by chunk; logits of every fed token [N, V]."""
     runner = engine.runner
     if not runner.blocks.has(SeqId(seq)):
-        runner.open(SeqId(seq))
+        runner.kv.open(SeqId(seq))
     outs = []
     pos = start
     for n in split_sizes(len(ids), chunk_sizes):
@@ -226,7 +226,7 @@ def teacher_margins(engine: Engine, context: Sequence[int], generated: Sequence[
     seq = next(_scratch_seq)
     ids = list(context) + list(generated)[:-1]
     logits = runner_logits(engine, seq, ids, [len(ids)])
-    engine.runner.release(SeqId(seq))
+    engine.kv.release(SeqId(seq))
     return top2_margins(logits[len(context) - 1 :])
 
 

@@ -15,15 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from h3d.tiers.archive import (
-    Archive,
-    ArchiveCorrupt,
-    ArchiveError,
-    ArchiveMismatch,
-    BlockKey,
-    CacheIdentity,
-)
+from h3d.tiers.archive import Archive
 from h3d.tiers.codecs import INT8_MAX_REL_ERROR, INT8_MIN_SCALE, Codec, decode, encode
+from h3d.tiers.identity import ArchiveCorrupt, ArchiveError, ArchiveMismatch, BlockKey, CacheIdentity
 
 NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}

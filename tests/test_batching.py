@@ -53,7 +53,7 @@ def _run_schedule(
     """
     runner = engine.runner
     for i in range(len(seqs)):
-        runner.open(SeqId(1 + i))
+        runner.kv.open(SeqId(1 + i))
     pos = [0] * len(seqs)
     nxt = [0] * len(seqs)
     got: list[list[torch.Tensor]] = [[] for _ in seqs]

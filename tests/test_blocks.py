@@ -570,7 +570,7 @@ def test_region_sizes_give_the_dense_layers_their_share() -> None:
     """Equal regions by default; with `dense_share` the first layers split that share of the pool
     and the others the rest; never an empty region; a BlockManager over them places each layer's
     new blocks in its own region."""
-    from h3d.kv.blocks import region_sizes
+    from h3d.kv.sizing import region_sizes
 
     assert region_sizes(100, 4, 2, None) == [25] * 4
     assert region_sizes(100, 4, 2, 0.6) == [30, 30, 20, 20]

@@ -23,7 +23,8 @@ from h3d.config import EngineConfig
 from h3d.daemon.auth import LOCAL, Auth, Caller
 from h3d.daemon.config import DaemonConfig
 from h3d.daemon.metrics import Metrics
-from h3d.daemon.service import H3Servicer, State
+from h3d.daemon.rpc import State
+from h3d.daemon.service import H3Servicer
 from h3d.daemon.worker import EngineWorker
 from h3d.engine.engine import Engine
 

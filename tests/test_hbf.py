@@ -17,7 +17,7 @@ from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
 from h3d.hbf.digests import DigestStore, block_scores
-from h3d.hbf.policy import SelectionState, select
+from h3d.hbf.policy import POLICIES, SelectionState
 from h3d.kv.blocks import NONE, SeqId
 from tests.helpers import make_engine, random_prompt
 
@@ -80,10 +80,10 @@ def test_digests_are_each_parts_min_and_max(n: int, cuts: list[int], part: int, 
 @pytest.mark.parametrize("num_blocks", [5, 40, 130])
 def test_selection_keeps_sinks_and_recent_window(policy: str, num_blocks: int) -> None:
     cfg = replace(EngineConfig(), policy=policy, window_tokens=512, sink_blocks=2, recent_tokens=64, dense_layers=1).hbf
-    state = SelectionState(policy, cfg.window_tokens)
+    state = SelectionState(POLICIES[policy], cfg.window_tokens)
     g = torch.Generator().manual_seed(num_blocks)
     digests = torch.randn(2, num_blocks, 2, 16, generator=g).sort(dim=2).values  # [Hkv, nb, (min, max), D]
-    sel = select(state, cfg, 3, torch.randn(4, 16, generator=g), digests, num_blocks, BS, 0.25)
+    sel = state.policy.select(state, cfg, 3, torch.randn(4, 16, generator=g), digests, num_blocks, BS, 0.25)
     if num_blocks * BS <= cfg.window_tokens:
         assert sel is None  # everything fits the budget: all blocks are read
         return
@@ -94,14 +94,16 @@ def test_selection_keeps_sinks_and_recent_window(policy: str, num_blocks: int) -
         assert {0, 1} <= set(row.tolist())
         assert set(range(num_blocks - 64 // BS, num_blocks)) <= set(row.tolist())
         assert len(row) <= cfg.window_tokens // BS and (np.diff(row) > 0).all()
-    assert select(state, cfg, 0, torch.randn(4, 16), digests, num_blocks, BS, 0.25) is None  # a dense layer
+    assert (
+        state.policy.select(state, cfg, 0, torch.randn(4, 16), digests, num_blocks, BS, 0.25) is None
+    )  # a dense layer
 
 
 def test_attention_entropy_selects_each_kv_heads_top_blocks() -> None:
     """Each KV head gets its own top blocks by its group's bound: a block only one head scores
     high is read by that head, even when the other head's scores are all larger."""
     cfg = replace(EngineConfig(), window_tokens=4 * BS, sink_blocks=1, recent_tokens=BS, dense_layers=0).hbf
-    state = SelectionState("attention_entropy", cfg.window_tokens)
+    state = SelectionState(POLICIES["attention_entropy"], cfg.window_tokens)
     nb, d = 12, 16
     digests = torch.zeros(2, nb, 2, d)
     digests[1, :, :, 0] = 5.0  # head 1: every block scores 5 (q = e0), far above head 0's
@@ -111,7 +113,7 @@ def test_attention_entropy_selects_each_kv_heads_top_blocks() -> None:
     digests[0, 9, :, 0] = 0.5
     q = torch.zeros(4, d)
     q[:, 0] = 1.0
-    sel = select(state, cfg, 0, q, digests, nb, BS, 0.25)
+    sel = state.policy.select(state, cfg, 0, q, digests, nb, BS, 0.25)
     assert sel is not None and sel.tolist() == [[0, 4, 9, 11], [0, 3, 7, 11]]
 
 
@@ -120,18 +122,18 @@ def test_attention_entropy_reads_each_heads_prompt_anchors_first() -> None:
     first, even where the digest bound ranks them last; the bound fills the rest (and everything
     with anchor_share 0)."""
     cfg = replace(EngineConfig(), window_tokens=6 * BS, sink_blocks=1, recent_tokens=BS, dense_layers=0).hbf
-    state = SelectionState("attention_entropy", cfg.window_tokens)
+    state = SelectionState(POLICIES["attention_entropy"], cfg.window_tokens)
     nb, d = 20, 16
     digests = torch.zeros(2, nb, 2, d)
     digests[:, :, :, 0] = torch.arange(nb, dtype=torch.float32)[None, :, None]  # the bound ranks by index
     q = torch.zeros(4, d)
     q[:, 0] = 1.0
     state.head_anchors[0] = torch.tensor([[2, 5, 3, 9], [6, 1, 4, 8]])  # [Hkv, n], best first
-    sel = select(state, cfg, 0, q, digests, nb, BS, 0.25)
+    sel = state.policy.select(state, cfg, 0, q, digests, nb, BS, 0.25)
     room = 6 - 2  # the sink and the partial block take 2 of the window's 6 blocks
     assert int(room * cfg.anchor_share) == 2 and sel is not None
     assert sel.tolist() == [sorted([0, 19, 2, 5, 18, 17]), sorted([0, 19, 6, 1, 18, 17])]
-    none = select(state, replace(cfg, anchor_share=0.0), 0, q, digests, nb, BS, 0.25)
+    none = state.policy.select(state, replace(cfg, anchor_share=0.0), 0, q, digests, nb, BS, 0.25)
     assert none is not None and none.tolist() == [[0, 15, 16, 17, 18, 19]] * 2
 
 
@@ -160,7 +162,7 @@ def test_prompt_anchors_are_probed_at_the_prompts_last_chunk(
     assert [layer for layer, _ in calls] == [0, 1, 2]  # one chunk probed: the last (layer 0 returns early)
     assert calls[0][1] == 599 - 4 * 128
     seq = engine.session(s).seq
-    state = engine.runner.selection[seq]
+    state = engine.kv.selection(seq)
     nb = engine.runner.blocks.table(seq).num_blocks
     assert set(state.head_anchors) == {1, 2}
     for anchors in state.head_anchors.values():
@@ -198,7 +200,7 @@ def test_selection_reads_a_subset_and_hotness_never_evicts_protected_blocks(chec
     s = engine.create_session()
     engine.append(s, token_ids=random_prompt(640, 512, seed=3))
     evicted_protected: list[tuple[int, int]] = []
-    original = runner.tiers.promote
+    original = runner.kv.promoter.promote
 
     def spy(selected, protect, keep):  # type: ignore[no-untyped-def]
         t = runner.blocks.table(seq)
@@ -215,7 +217,7 @@ def test_selection_reads_a_subset_and_hotness_never_evicts_protected_blocks(chec
             evicted_protected.extend((layer, int(j)) for j in gone)
 
     seq = engine.session(s).seq
-    runner.tiers.promote = spy  # type: ignore[method-assign]
+    runner.kv.promoter.promote = spy  # type: ignore[method-assign]
     engine.complete(s, "", SamplingParams(max_tokens=20, ignore_eos=True))
     stats = engine.tier_stats()
     assert stats.hbm_hit_rate < 1.0 and stats.hbm_evict_count > 0
@@ -267,14 +269,14 @@ def test_layerwise_probes_set_anchors_that_selection_reads(checkpoint: Callable[
     )
     s = engine.create_session()
     engine.append(s, token_ids=random_prompt(600, 512, seed=5))
-    state = engine.runner.selection[engine.session(s).seq]
+    state = engine.kv.selection(engine.session(s).seq)
     assert set(state.anchors) == {1, 2}  # the sparse layers
     nb = engine.runner.blocks.table(engine.session(s).seq).num_blocks
     for anchors in state.anchors.values():
         assert 0 < len(anchors) <= 128 // BS - 3  # budget minus 1 sink and 2 recent blocks
         assert not set(anchors.tolist()) & {0, nb - 2, nb - 1}
     cfg = engine.runner.hbf
-    sel = select(state, cfg, 1, torch.zeros(8, 16), torch.zeros(2, nb, 2, 16), nb, BS, 0.25)
+    sel = state.policy.select(state, cfg, 1, torch.zeros(8, 16), torch.zeros(2, nb, 2, 16), nb, BS, 0.25)
     assert sel is not None and set(state.anchors[1].tolist()) <= set(sel.tolist())
     assert len(engine.complete(s, "", SamplingParams(max_tokens=4, ignore_eos=True)).token_ids) == 4
 
@@ -328,30 +330,30 @@ def test_vectorized_promotion_matches_a_per_block_oracle(seed: int, steps: int, 
     """`TierManager.promote` (all layers at once) moves exactly what a per-layer, per-block loop
     says: same HBM contents, same eviction count, never a protected block; bookkeeping stays valid.
     `rescale` 2 scales the ranks back down every other step (`_use_weight`): the order is kept."""
-    import h3d.tiers.manager as manager
-
-    old_rescale, manager.RESCALE_STEPS = manager.RESCALE_STEPS, rescale
-    try:
-        _promotion_against_oracle(seed, steps, ddr_spare)
-    finally:
-        manager.RESCALE_STEPS = old_rescale
+    _promotion_against_oracle(seed, steps, ddr_spare, rescale)
 
 
-def _promotion_against_oracle(seed: int, steps: int, ddr_spare: int) -> None:
-    from h3d.kv.blocks import BlockManager
-    from h3d.kv.pool import KVPool
-    from h3d.tiers.manager import TierManager
+def bare_cache(layers: int, bs: int, hbm_per_layer: int, ddr: int, hkv: int = 1, promote_bytes: int | None = None):  # type: ignore[no-untyped-def]
+    """A KV cache with pools one element wide (planning never reads bytes), no model, one session (1)."""
+    from h3d.kv.cache import KVCache
 
+    kv = KVCache(
+        num_layers=layers, num_kv_heads=hkv, head_dim=1, dtype=torch.float32, device=torch.device("cpu"),
+        hbm_regions=hbm_per_layer, ddr_slots=ddr, block_size=bs, hbf=EngineConfig().hbf,
+        promote_bytes_per_step=promote_bytes,
+    )  # fmt: skip
+    kv.open(SeqId(1), "s")
+    return kv
+
+
+def _promotion_against_oracle(seed: int, steps: int, ddr_spare: int, rescale: int) -> None:
     rng = np.random.default_rng(seed)
     layers, bs, nb = 4, 4, 40
     spl = int(rng.integers(6, 16))
-    blocks = BlockManager(spl, (nb - spl) * layers + ddr_spare, layers, bs)  # DDR: `ddr_spare` free
-    hbm = KVPool(blocks.num_slots, bs, 1, 1, torch.float32, torch.device("cpu"))
-    ddr = KVPool(len(blocks.ddr_owner), bs, 1, 1, torch.float32, torch.device("cpu"))
-    tiers = TierManager(blocks, hbm, ddr, None, 0.85)
+    kv = bare_cache(layers, bs, spl, (nb - spl) * layers + ddr_spare)  # DDR: `ddr_spare` free
+    kv.promoter.rescale_steps = rescale
+    blocks, tiers = kv.blocks, kv.tiers
     seq = SeqId(1)
-    blocks.allocate(seq)
-    tiers.register(seq, "s")
     tokens = nb * bs - int(rng.integers(0, bs))  # maybe a partial last block
     blocks.append(seq, tokens)
     keep = np.union1d([0], np.arange(nb - 2, nb))
@@ -366,13 +368,14 @@ def _promotion_against_oracle(seed: int, steps: int, ddr_spare: int) -> None:
         limit = nb - int(rng.integers(0, 3))
         expect, evicted = _oracle_promote(
             t.hbm.copy(), t.ddr.copy(), uses, [a.num_free for a in blocks.hbm_alloc], blocks.ddr_free,
-            picks, keep, min(limit, tokens // bs), tokens // bs, tiers._step + 1,
+            picks, keep, min(limit, tokens // bs), tokens // bs, tiers.step + 1,
         )  # fmt: skip
         before = tiers.counters.hbm_evict_count
         tiers.begin_step([seq])
         keys = [sel + layer * t.capacity for layer, sel in picks]  # (layer, block) keys, some twice
         keys += [sel[: len(sel) // 2] + layer * t.capacity for layer, sel in picks]
-        tiers.promote({seq: np.concatenate(keys) if keys else np.empty(0, dtype=np.int64)}, {seq: limit}, {seq: keep})
+        selected = {seq: np.concatenate(keys) if keys else np.empty(0, dtype=np.int64)}
+        kv.promoter.promote(selected, {seq: limit}, {seq: keep})
         t = blocks.table(seq)
         got = [set(np.flatnonzero(row != NONE).tolist()) for row in t.hbm]
         assert got == expect
@@ -387,27 +390,27 @@ def _promotion_against_oracle(seed: int, steps: int, ddr_spare: int) -> None:
 def test_entropy_resizes_the_window_every_16_steps_within_its_bounds(entropy: float, expected: list[int]) -> None:
     """Below entropy_shrink_below the window shrinks by 1/4, above entropy_grow_above it grows by
     1/4, clamped to [window_min_tokens, window_max_tokens]; only every `resize_every` steps."""
-    from h3d.hbf.policy import HbfConfig, after_step
+    from h3d.hbf.policy import HbfConfig
 
     cfg = HbfConfig(
         policy="attention_entropy", window_tokens=2048, window_min_tokens=1024, window_max_tokens=4096,
         sink_blocks=1, recent_tokens=256, dense_layers=2, entropy_shrink_below=1.3, entropy_grow_above=2.5,
     )  # fmt: skip
-    state = SelectionState("attention_entropy", 2048)
+    state = SelectionState(POLICIES["attention_entropy"], 2048)
     sizes = []
     for _ in range(4):
         for step in range(16):
             state.entropies.append(entropy)
-            after_step(state, cfg)
+            state.policy.after_step(state, cfg)
             if step < 15:
                 assert state.entropies, "resized before 16 steps"
         assert state.entropies == []  # the mean of those 16 steps was used, then forgotten
         sizes.append(state.window_tokens)
     assert sizes == expected
-    fixed = SelectionState("fixed", 2048)
+    fixed = SelectionState(POLICIES["fixed"], 2048)
     for _ in range(32):
         fixed.entropies.append(0.1)
-        after_step(fixed, cfg)
+        fixed.policy.after_step(fixed, cfg)
     assert fixed.window_tokens == 2048  # only attention_entropy resizes
 
 
@@ -443,31 +446,25 @@ def test_promotions_per_step_are_capped_hottest_first() -> None:
     """With `promote_bytes_per_step` room for two blocks, a step that read five blocks from DDR
     promotes the two hottest; the others stay in DDR (read in place), and a later step goes on.
     The bytes counted as fetched are the reading heads' share of each block."""
-    from h3d.kv.blocks import BlockManager
-    from h3d.kv.pool import KVPool
-    from h3d.tiers.manager import TierManager
-
     bs, hkv = 4, 2
-    blocks = BlockManager(8, 64, 1, bs)
-    hbm = KVPool(blocks.num_slots, bs, hkv, 1, torch.float32, torch.device("cpu"))
-    ddr = KVPool(len(blocks.ddr_owner), bs, hkv, 1, torch.float32, torch.device("cpu"))
-    tiers = TierManager(blocks, hbm, ddr, None, 0.85, promote_bytes_per_step=2 * hbm.slot_bytes)
+    slot_bytes = 2 * bs * hkv * 1 * 4  # K and V, fp32, one element wide
+    kv = bare_cache(1, bs, 8, 64, hkv, promote_bytes=2 * slot_bytes)
+    blocks, tiers, hbm = kv.blocks, kv.tiers, kv.hbm
+    assert hbm.slot_bytes == slot_bytes
     seq = SeqId(1)
-    blocks.allocate(seq)
-    tiers.register(seq, "s")
     blocks.append(seq, 30 * bs)  # blocks 0-7 in HBM, 8-29 in DDR
     t = blocks.table(seq)
-    rank = tiers._rank(seq, t.capacity)
+    rank = kv.promoter.rank(seq, t.capacity)
     rank[0, 12], rank[0, 14] = 5.0, 3.0  # read often before
     keys = np.array([10, 11, 12, 13, 14, 10, 12])  # two heads read 10 and 12
     tiers.begin_step([seq])
-    tiers.promote({seq: keys}, {seq: 30}, {seq: np.array([0, 29])})
+    kv.promoter.promote({seq: keys}, {seq: 30}, {seq: np.array([0, 29])})
     in_hbm = set(np.flatnonzero(blocks.table(seq).hbm[0] != NONE).tolist())
     assert {12, 14} <= in_hbm and not in_hbm & {10, 11, 13}
     c = tiers.counters
     assert c.promote_count == 2 and c.hbm_misses == 5
     assert c.fetch_bytes == 7 * hbm.slot_bytes // hkv  # seven head reads of half a block each
     tiers.begin_step([seq])
-    tiers.promote({seq: keys}, {seq: 30}, {seq: np.array([0, 29])})
+    kv.promoter.promote({seq: keys}, {seq: 30}, {seq: np.array([0, 29])})
     assert c.promote_count == 4 and c.hbm_misses == 5 + 3  # 12, 14 were hits; two more moved up
     tiers.check()

@@ -23,6 +23,7 @@ import torch
 from helpers import SPECS, hf_logits, make_engine, random_prompt, runner_logits, top2_margins
 
 from h3d.kv.attention import reference_attention
+from h3d.kv.blocks import SeqId
 from h3d.model.config import load_model_config, parse_model_config
 from h3d.model.rope import RotaryEmbedding
 
@@ -90,7 +91,7 @@ def test_a_long_chunk_in_slices_matches_transformers(
     got = runner_logits(engine, 1, ids, [PROMPT_LEN])
     delta = (got - reference(name, "one_chunk")).abs().max().item()
     assert delta <= TOL, f"{name}: max |Δ logits| = {delta:.3g} > {TOL}"
-    assert engine.runner.tiers.residency(1)[1] > 0  # blocks were written to DDR
+    assert engine.kv.residency(SeqId(1)).ddr > 0  # blocks were written to DDR
 
 
 def test_dynamic_rope_reference_depends_on_chunking(reference: Callable[..., torch.Tensor]) -> None:

@@ -24,13 +24,13 @@ TEXT = "Paged attention keeps the cache in blocks of a fixed number of tokens. "
 
 def hit_rate(engine: Engine, sid: SessionId, before: tuple[int, int]) -> float:
     """The session's HBM hit rate since the counts `before` (hits, misses)."""
-    c = engine.runner.tiers.per_session[engine.session(sid).seq]
+    c = engine.kv.counters(engine.session(sid).seq)
     hits, misses = c.hbm_hits - before[0], c.hbm_misses - before[1]
     return hits / (hits + misses)
 
 
 def counts(engine: Engine, sid: SessionId) -> tuple[int, int]:
-    c = engine.runner.tiers.per_session.get(engine.session(sid).seq)
+    c = engine.kv.counters(engine.session(sid).seq)
     return (c.hbm_hits, c.hbm_misses) if c else (0, 0)
 
 

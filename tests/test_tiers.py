@@ -49,8 +49,9 @@ from h3d.engine.session import GenerationDone, RequestFailed, SessionId, TokenDe
 from h3d.errors import H3Error, OutOfBlocks, SessionNotFound, SsdDegraded
 from h3d.kv.blocks import NONE, SeqId
 from h3d.kv.pool import KVPool
-from h3d.tiers.archive import Archive, ArchiveCorrupt, ArchiveError, ArchiveMismatch, BlockKey, CacheIdentity
+from h3d.tiers.archive import Archive
 from h3d.tiers.codecs import INT8_MAX_REL_ERROR, INT8_MIN_SCALE, Codec
+from h3d.tiers.identity import ArchiveCorrupt, ArchiveError, ArchiveMismatch, BlockKey, CacheIdentity
 from h3d.tiers.mover import Mover
 from h3d.tiers.stats import TierStats
 
@@ -209,7 +210,7 @@ def teacher_forced(engine: Engine, ids: list[list[int]], prompt_lens: list[int],
     runner = engine.runner
     seqs = [SeqId(500 + i) for i in range(len(ids))]
     for s in seqs:
-        runner.open(s)
+        runner.kv.open(s)
     plans = [
         split_sizes(p, [chunk] * (p // chunk + 1)) + [1] * (len(x) - p) for x, p in zip(ids, prompt_lens, strict=True)
     ]
@@ -229,7 +230,7 @@ def teacher_forced(engine: Engine, ids: list[list[int]], prompt_lens: list[int],
             outs[i].append(logits[start : start + n])
             start += n
     for s in seqs:
-        runner.release(s)
+        runner.kv.release(s)
     return [torch.cat(o) for o in outs]
 
 
@@ -415,7 +416,7 @@ def _spilled_engine(model: Path, folder: Path) -> tuple[Engine, SessionId, list[
     sid = engine.create_session()
     prompt = random_prompt(300, VOCAB_SIZE, seed=21)
     engine.append(sid, token_ids=prompt)
-    engine.runner.tiers.flush()
+    engine.runner.tiers.settle()
     return engine, sid, prompt
 
 
@@ -804,7 +805,7 @@ def test_full_disk_degrades_the_ssd_tier_and_serving_goes_on(
 
     first = engine.create_session()
     engine.append(first, token_ids=prompts[0])  # past the high watermark: the spill's write fails
-    tiers.flush()
+    tiers.settle()
     stats = engine.tier_stats()
     assert stats.ssd_degraded and stats.ssd_write_errors >= 1 and stats.ssd_write_count > 0
     assert [name for name, _ in tiers.notices] == ["ssd_degraded"]
@@ -816,7 +817,7 @@ def test_full_disk_degrades_the_ssd_tier_and_serving_goes_on(
     assert engine.tier_stats().recompute_evict_count > 0
     assert engine.cached_tokens(first) < 299 and engine.cached_tokens(second) == 299
     with pytest.raises(SsdDegraded):
-        engine.runner.tiers.snapshot(engine.session(second).seq)
+        engine.kv.snapshot(engine.session(second).seq)
 
     for sid, prompt in zip((first, second), prompts, strict=True):
         twin = plain.create_session()
@@ -828,7 +829,7 @@ def test_full_disk_degrades_the_ssd_tier_and_serving_goes_on(
     assert not engine.tier_stats().ssd_degraded and tiers.notices[-1][0] == "ssd_recovered"
     written = engine.tier_stats().ssd_write_count
     engine.complete(first, "", params)
-    engine.runner.tiers.snapshot(engine.session(first).seq)
+    engine.kv.snapshot(engine.session(first).seq)
     assert engine.tier_stats().ssd_write_count > written
     engine.runner.tiers.check()
     archive = engine.runner.tiers.archive
@@ -866,8 +867,9 @@ def test_a_closed_session_leaves_memory_and_reopens_where_it_stopped(
     seq = engine.session(sid).seq
     engine.close_session(sid)
     assert engine.session(sid).closed
-    hbm, ddr, ssd = engine.runner.tiers.residency(seq)
-    assert hbm == ddr == 0 and ssd == engine.runner.blocks.table(seq).num_blocks * engine.runner.blocks.num_layers
+    r = engine.kv.residency(seq)
+    blocks = engine.runner.blocks
+    assert r.hbm == r.ddr == 0 and r.archived == blocks.table(seq).num_blocks * blocks.num_layers
     assert engine.tier_stats().hbm_used_bytes == engine.tier_stats().ddr_used_bytes == 0
     engine.runner.tiers.check()
     engine.close_session(sid)  # closing a closed session changes nothing

@@ -31,291 +31,56 @@ are skipped. GB are 1e9 bytes. Imports torch and h3d's engine core only (transfo
 baselines): it runs on a bare GPU host with torch alone (no SSD archive here).
 """
 
+# Here: the modes planned and run. `h3d.bench.gpu_base`: sizes, state, model, timers, ceilings;
+# `h3d.bench.gpu_hf`: the transformers baselines; `h3d.bench.gpu_report`: the tables, from the JSON.
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gc
 import importlib
-import importlib.metadata
 import importlib.util
-import inspect
 import json
 import math
-import os
-import statistics
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
+from h3d.bench.gpu_base import (
+    BLOCK,
+    Bench,
+    Peak,
+    Sizes,
+    build_h3d,
+    ceilings,
+    decode_fields,
+    free_memory,
+    log,
+    param_bytes,
+    run_steps,
+    save,
+    selection_cost,
+    tier_fields,
+    version,
+)
+from h3d.bench.gpu_hf import run_hf
+from h3d.bench.gpu_report import H3D_MODES, HF_MODES, MARK, MODES, WARMUP, command, merge, section, summary, table
 from h3d.bench.report import write_section
 from h3d.config import EngineConfig
 from h3d.engine.runner import Chunk, ModelRunner
-from h3d.hbf.digests import block_scores
-from h3d.hbf.policy import HbfConfig
+from h3d.hbf.policy import HbfConfig, policy_named
 from h3d.kv.blocks import SeqId
-from h3d.kv.pool import KVPool
-from h3d.model.config import ModelConfig, parse_model_config
-from h3d.model.llama import CausalLM
-from h3d.model.rope import RotaryEmbedding
-from h3d.tiers.stats import TierCounters
+from h3d.kv.sizing import PoolPlan, plan_pools, slot_bytes
+from h3d.model.config import ModelConfig
 
-BLOCK = 32
-WARMUP = 4
 PROMOTE_MB = EngineConfig().promote_mb_per_step  # the daemon's default
-H3D_MODES = ("exact_full", "exact_full_eager", "exact_25pct", "exact_25pct_eager", "attention_entropy_3GiB")
-HF_MODES = ("hf_dynamic", "hf_offloaded")
-MODES = ("floor", *H3D_MODES, *HF_MODES)
-MARK = "gpu-bench"
-S = TypeVar("S")
-
-
-@dataclass(frozen=True, slots=True)
-class Sizes:
-    """What `--tiny` changes: shapes, dtype, device and budgets; the code path is the same."""
-
-    model: dict[str, Any]  # a config.json dict (HF key names)
-    dtype: torch.dtype
-    contexts: tuple[int, ...]
-    prefill_chunk: int
-    min_prefill_chunk: int  # a prefill that runs out of memory is retried with half the chunk, down to this
-    entropy_hbm_bytes: int  # attention_entropy_3GiB's HBM for KV
-    hbf: dict[str, Any]  # EngineConfig HBF keys beyond the policy
-    many_context: int
-    many_hbm_gb: float
-    copy_bytes: int  # HBM copy ceiling
-    h2d_bytes: int  # pinned H2D ceiling
-
-    @staticmethod
-    def pick(tiny: bool) -> Sizes:
-        shape = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32)
-        shape.update(num_attention_heads=32, num_key_value_heads=8, head_dim=128)
-        if tiny:
-            shape = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
-            shape.update(num_attention_heads=8, num_key_value_heads=2, head_dim=32)
-        model = {"architectures": ["LlamaForCausalLM"], **shape, "rms_norm_eps": 1e-5, "rope_theta": 500000.0}
-        model["tie_word_embeddings"] = False
-        if tiny:
-            hbf = dict(window_tokens=256, window_min_tokens=128, window_max_tokens=512, recent_tokens=64)
-            return Sizes(model, torch.float32, (512, 1024), 1024, 64, 3 << 18, hbf, 512, 0.001, 64 << 20, 0)
-        # The issue's mode: a 2,048-token window, held there (random weights give the entropy no
-        # meaning to resize on); 16-token digests, as in docs/BENCHMARKS.md's figures.
-        hbf = dict(window_tokens=2048, window_min_tokens=2048, window_max_tokens=2048, digest_tokens=16)
-        # prefill: the whole prompt in one chunk (layer by layer, in slices: `DecoderLayer.forward_rows`)
-        return Sizes(model, torch.bfloat16, (32768, 131072), 131072, 1024, 3 << 30, hbf, 32768, 40.0, 4 << 30, 1 << 30)
-
-
-@dataclass(slots=True)
-class Bench:
-    """One run's state: the model, where results go, the clock."""
-
-    args: argparse.Namespace
-    sizes: Sizes
-    device: torch.device
-    raw: dict[str, Any]  # the model's config.json dict (both implementations are built from it)
-    model: CausalLM
-    cfg: ModelConfig
-    weight_bytes: int
-    deadline: float
-    data: dict[str, Any]
-    # T -> exact_full's (logits, greedy token) per decode step
-    exact_logits: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)
-    exact_first: dict[int, int] = field(default_factory=dict)  # T -> exact_full's first token (from prefill)
-    exact_prefill: dict[int, torch.Tensor] = field(default_factory=dict)  # T -> exact_full's prefill logits
-    last_logits: torch.Tensor | None = None  # the last prefill's last-token logits
-    chunks: dict[int, int] = field(default_factory=dict)  # T -> the prefill chunk that fit in memory
-    hf: torch.nn.Module | None = None
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def record(self, mode: str, context: int, fields: dict[str, Any]) -> None:
-        self.data["modes"].setdefault(mode, {})[str(context)] = fields
-        _save(self.args.out, self.data)
-
-
-def log(msg: str) -> None:
-    print(f"[gpu-bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _save(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-# ---- the model -------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def randomize(module: torch.nn.Module, seed: int) -> None:
-    """Every weight ~ N(0, 0.02), norms 1, biases 0 (never zeros: they time faster than data)."""
-    for i, (name, p) in enumerate(module.named_parameters()):
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        elif name.endswith("bias"):
-            p.zero_()
-        else:
-            p.normal_(0.0, 0.02, generator=torch.Generator(p.device).manual_seed(seed + i))
-
-
-def build_h3d(raw: dict[str, Any], dtype: torch.dtype, device: torch.device, seed: int) -> CausalLM:
-    """h3d's model with random weights, built as `h3d.model.loader` builds it (meta, then assigned)."""
-    cfg = parse_model_config(raw)
-    with torch.device("meta"):
-        model = CausalLM(cfg, torch.device("meta"))
-    model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
-    state = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in model.named_parameters()}
-    model.load_state_dict(state, strict=True, assign=True)
-    randomize(model, seed)
-    return model.eval().requires_grad_(False)
-
-
-def build_hf(raw: dict[str, Any], dtype: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    keys = {k: v for k, v in raw.items() if k not in ("architectures", "rope_theta")}
-    config = LlamaConfig(**keys, rope_parameters={"rope_type": "default", "rope_theta": raw["rope_theta"]})
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in `dtype` on the device, never a float32 copy first
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
-    finally:
-        torch.set_default_dtype(default)
-    for p in model.parameters():  # not model.to(dtype): RoPE's inv_freq buffer stays float32, as HF keeps it
-        p.data = p.data.to(dtype)
-    randomize(model, seed + 1000)
-    return model.eval().requires_grad_(False)
-
-
-def param_bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-# ---- ceilings --------------------------------------------------------------------------------
-
-
-def _median_s(fn: Callable[[], object], reps: int, cuda: bool, warm: int = 3) -> float:
-    """Median seconds of fn(): CUDA events around each call on the GPU, perf_counter on the CPU."""
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _copy_s(src: torch.Tensor, device: torch.device, reps: int) -> float:
-    """Median seconds of one copy of `src` into a buffer on `device` (non-blocking from pinned memory)."""
-    dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-    return _median_s(lambda: dst.copy_(src, non_blocking=True), reps, device.type == "cuda")
-
-
-def ceilings(sizes: Sizes, device: torch.device) -> dict[str, float | None]:
-    """HBM copy GB/s (read + write) and pinned H2D GB/s; on the CPU, a DRAM copy and no H2D."""
-    cuda = device.type == "cuda"
-    src = torch.empty(sizes.copy_bytes // 4, dtype=torch.float32, device=device).normal_()
-    hbm = 2 * sizes.copy_bytes / _copy_s(src, device, 20) / 1e9
-    h2d = None
-    if cuda:
-        host = torch.empty(sizes.h2d_bytes // 4, dtype=torch.float32, pin_memory=True).normal_()
-        h2d = sizes.h2d_bytes / _copy_s(host, device, 10) / 1e9
-    del src
-    _free()
-    return {"hbm_copy_gbps": round(hbm, 1), "h2d_gbps": None if h2d is None else round(h2d, 2)}
-
-
-# ---- measuring -------------------------------------------------------------------------------
-
-
-class Peak:
-    """GPU memory allocated beyond what was resident when built (the weights), at its peak."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            _free()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-
-    def gb(self) -> float | None:
-        return round((torch.cuda.max_memory_allocated() - self.base) / 1e9, 3) if self.cuda else None
-
-    def restart(self) -> float | None:
-        """The peak so far; the next `gb` counts from now (against the same base)."""
-        out = self.gb()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        return out
-
-
-def run_steps(b: Bench, step: Callable[[S], S], tok: S, n: int, stop: bool) -> tuple[list[float], list[S], S]:
-    """n decode steps, each timed alone (synchronized); with `stop`, none after the deadline once one ran."""
-    times: list[float] = []
-    toks: list[S] = []
-    for _ in range(n):
-        if stop and times and time.monotonic() > b.deadline:
-            log(f"time budget spent: {len(times)} of {n} timed steps")
-            break
-        b.sync()
-        t0 = time.perf_counter()
-        tok = step(tok)
-        b.sync()
-        times.append(time.perf_counter() - t0)
-        toks.append(tok)
-    return times, toks, tok
-
-
-def decode_fields(times: list[float]) -> dict[str, Any]:
-    ms = np.array(times) * 1e3
-    p50, p90 = float(np.percentile(ms, 50)), float(np.percentile(ms, 90))
-    return {"decode_ms_per_tok": round(p50, 3), "decode_ms_p90": round(p90, 3), "steps": len(times)}
-
-
-def tier_fields(runner: ModelRunner, c0: TierCounters, lat0: int, steps: int) -> dict[str, Any]:
-    """HBM hit rate, fetched GB per step and median HBF planning since (c0, lat0), over `steps` steps."""
-    c1, lats = runner.tiers.counters, runner.tiers.latencies_us[lat0:]
-    hits, misses = c1.hbm_hits - c0.hbm_hits, c1.hbm_misses - c0.hbm_misses
-    return {
-        "hbm_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
-        "fetch_gb_per_step": round((c1.fetch_bytes - c0.fetch_bytes) / steps / 1e9, 4),
-        "promote_gb_per_step": round((c1.promote_count - c0.promote_count) * runner.hbm.slot_bytes / steps / 1e9, 4),
-        "hbf_latency_us_p50": round(float(np.median(lats)), 1) if lats else None,  # exact: no planning
-    }
 
 
 class PrefillOOM(Exception):
@@ -323,39 +88,43 @@ class PrefillOOM(Exception):
 
 
 def plan(
-    b: Bench, mode: str, tokens: int, steps: int, sessions: int = 1, hbm_bytes: int = 0
-) -> tuple[list[int], int, HbfConfig]:
-    """(HBM slots of each layer's region, DDR slots, HBF config) of a mode for `sessions` of
-    `tokens` tokens that then decode `steps` (+ warm-up) tokens."""
-    cfg, nl = b.cfg, b.cfg.num_layers
-    nb_ctx = -(-tokens // BLOCK)
+    cfg: ModelConfig, sizes: Sizes, mode: str, tokens: int, steps: int, sessions: int = 1, hbm_bytes: int = 0
+) -> tuple[PoolPlan, HbfConfig]:
+    """A mode's pools, sized as the engine sizes its own (`plan_pools`) from the settings that make
+    the mode, and its HBF config: for `sessions` of `tokens` tokens that then decode `steps` (+
+    warm-up) tokens."""
+    nl, elem = cfg.num_layers, sizes.dtype.itemsize
     nb = sessions * -(-(tokens + WARMUP + steps + 1) // BLOCK)  # every block the run writes
+    slot = slot_bytes(BLOCK, cfg.num_kv_heads, cfg.head_dim, elem)
+
+    def mib(slots: int) -> float:
+        return slots * slot / 2**20
+
+    heads, dim = cfg.num_kv_heads, cfg.head_dim
+    pools = partial(plan_pools, block_size=BLOCK, num_layers=nl, num_kv_heads=heads, head_dim=dim, elem_bytes=elem)
+
     mode = mode.removesuffix("_eager")
-    if mode == "exact_full":
-        return [nb + 2] * nl, 4 * nl, replace(EngineConfig(), policy="exact").hbf
-    if mode == "exact_25pct":
-        hbm = max(1, math.ceil(nb_ctx / 4))
-        return [hbm] * nl, (nb - hbm) * nl + 4 * nl, replace(EngineConfig(), policy="exact").hbf
+    exact = replace(EngineConfig(), policy="exact").hbf
+    if mode == "exact_full":  # every block the run writes in HBM (+2 a layer), equal regions
+        return pools(mib((nb + 2) * nl), mib(4 * nl)), exact
+    if mode == "exact_25pct":  # a quarter of the prompt's blocks in HBM, the rest in DDR
+        hbm = max(1, math.ceil(-(-tokens // BLOCK) / 4))
+        return pools(mib(hbm * nl), mib((nb - hbm) * nl + 4 * nl)), exact
     # The budget holds the digests too (they stay in HBM): the pool gets what they leave.
-    hbf = replace(EngineConfig(), policy="attention_entropy", **b.sizes.hbf).hbf
-    parts = max(1, BLOCK // hbf.digest_tokens)
-    elem = torch.empty((), dtype=b.sizes.dtype).element_size()
-    digest_bytes = nb * parts * nl * cfg.num_kv_heads * 2 * cfg.head_dim * elem
-    budget = (hbm_bytes or b.sizes.entropy_hbm_bytes) - digest_bytes
-    slots = KVPool.slots_for_budget(budget / 2**20, BLOCK, cfg.num_kv_heads, cfg.head_dim, b.sizes.dtype)
+    hbf = replace(EngineConfig(), policy="attention_entropy", **sizes.hbf).hbf
+    digest_bytes = nb * max(1, BLOCK // hbf.digest_tokens) * nl * cfg.num_kv_heads * 2 * cfg.head_dim * elem
+    hbm_mb = ((hbm_bytes or sizes.entropy_hbm_bytes) - digest_bytes) / 2**20
     # The dense layers read every block at every step: their regions hold all of them (at most
-    # half of the pool, `dense_hbm_share`), the other layers share the rest.
+    # half of the pool, `dense_hbm_share`), the other layers share the rest; no region holds more
+    # than the run writes (+2).
     dense = min(hbf.dense_layers, nl - 1)
-    dense_slots = min(nb + 2, slots // (2 * dense)) if dense else 0
-    sparse = max(1, min((slots - dense_slots * dense) // (nl - dense), nb + 2))
-    regions = [dense_slots] * dense + [sparse] * (nl - dense)
+    sparse = partial(pools, hbm_mb, dense_layers=dense, dense_hbm_share=0.5, max_region_slots=nb + 2)
+    held = sum(min(r, nb) for r in sparse(0.0).regions)
     # DDR: every block HBM does not hold, plus room for copies of half of HBM's (HBF's victims keep
     # one); a 32nd with many sessions, whose DDR (pinned) must fit in the host's memory (a victim
     # with no room for its copy stays in HBM).
-    share = 2 if sessions == 1 else 32
-    held = sum(min(r, nb) for r in regions)
-    ddr = nb * nl - held + math.ceil(held / share) + 4 * nl * sessions
-    return regions, ddr, hbf
+    ddr = nb * nl - held + math.ceil(held / (2 if sessions == 1 else 32)) + 4 * nl * sessions
+    return sparse(mib(ddr)), hbf
 
 
 def prefill(b: Bench, runner: ModelRunner, seq: SeqId, ids: list[int], chunk: int) -> tuple[float, int]:
@@ -393,21 +162,22 @@ def run_h3d(b: Bench, mode: str, ids: list[int]) -> dict[str, Any]:
             if chunk // 2 < b.sizes.min_prefill_chunk:
                 raise
             log(f"{mode}: prefill ran out of memory ({str(exc)[:120]}); again with chunks of {chunk // 2}")
-        _free()
+        free_memory()
         chunk //= 2
 
 
 def _h3d_once(b: Bench, mode: str, ids: list[int], chunk: int, steps: int) -> dict[str, Any]:
     t = len(ids)
-    hbm, ddr, hbf = plan(b, mode, t, steps)
+    pools, hbf = plan(b.cfg, b.sizes, mode, t, steps)
+    hbm, ddr = pools.regions, pools.ddr_slots
     peak = Peak(b.device)
     runner = ModelRunner(
         b.model, hbm, ddr, BLOCK, archive=None, high_watermark=0.85, hbf=hbf, promote_mb_per_step=PROMOTE_MB
     )
     runner.graphs.enabled = runner.graphs.enabled and not mode.endswith("_eager")
     seq = SeqId(1)
-    runner.open(seq)
-    if hbf.policy != "exact":
+    runner.kv.open(seq)
+    if policy_named(hbf.policy).keeps_digests:
         runner.digests.reserve(seq, -(-(t + WARMUP + steps + 1) // BLOCK))  # the budget counted them all
     prefill_s, tok = prefill(b, runner, seq, ids, chunk)
     prefill_peak = peak.restart()
@@ -442,7 +212,7 @@ def _h3d_once(b: Bench, mode: str, ids: list[int], chunk: int, steps: int) -> di
         return nxt
 
     _, warm, tok = run_steps(b, step, tok, WARMUP, stop=False)
-    before = replace(runner.tiers.counters), len(runner.tiers.latencies_us)
+    before = replace(runner.tiers.counters), len(runner.kv.promoter.latencies_us)
     replays = runner.graphs.replays
     times, timed, tok = run_steps(b, step, tok, steps, stop=True)
     slot = runner.hbm.slot_bytes
@@ -466,7 +236,7 @@ def _h3d_once(b: Bench, mode: str, ids: list[int], chunk: int, steps: int) -> di
         out["logits_max_diff_exact_full"] = round(max(float(d) for d in mine), 4)
         out["logits_max_abs_exact_full"] = round(scale, 3)
     ceil = b.data["ceilings"]
-    if hbf.policy != "exact" and ceil.get("h2d_gbps") and ceil.get("hbm_copy_gbps"):
+    if policy_named(hbf.policy).keeps_digests and ceil.get("h2d_gbps") and ceil.get("hbm_copy_gbps"):
         # The least its step can cost for what it read: the weights, the dense layers' KV and the
         # digests from HBM, the bytes it fetched over PCIe (the selections' HBM reads left out).
         elem = b.model.lm_head.weight_t.element_size()
@@ -483,9 +253,9 @@ def prefill_check(b: Bench, ids: list[int], chunk: int) -> dict[str, Any]:
     """The same prompt prefilled again in chunks of `chunk` (each chunk's attention reading the
     earlier blocks from the pool), against exact_full's one-chunk prefill: the last token's logits
     compared, and both times (side by side in one run)."""
-    hbm, ddr, hbf = plan(b, "exact_full", len(ids), 0)
-    runner = ModelRunner(b.model, hbm, ddr, BLOCK, archive=None, high_watermark=0.85, hbf=hbf)
-    runner.open(SeqId(1))
+    pools, hbf = plan(b.cfg, b.sizes, "exact_full", len(ids), 0)
+    runner = ModelRunner(b.model, pools.regions, pools.ddr_slots, BLOCK, archive=None, high_watermark=0.85, hbf=hbf)
+    runner.kv.open(SeqId(1))
     seconds, _ = prefill(b, runner, SeqId(1), ids, chunk)
     assert b.last_logits is not None
     one = b.exact_prefill[len(ids)]
@@ -534,63 +304,8 @@ def warm_up(b: Bench) -> None:
             _h3d_once(b, mode, ids, chunk, 2)
         except Exception as exc:  # the modes will meet it again, and record it
             log(f"warm-up {mode} failed: {type(exc).__name__}: {exc}")
-    _free()
+    free_memory()
     log(f"warm-up done in {time.monotonic() - t0:.1f} s")
-
-
-# ---- transformers ------------------------------------------------------------------------------
-
-
-def hf_cache(kind: str, device: torch.device) -> Any:
-    """A fresh cache for the mode; a str says why the mode is skipped."""
-    import transformers
-
-    if kind == "hf_dynamic":
-        return transformers.DynamicCache()
-    if device.type != "cuda":
-        return "an offloaded cache needs a CUDA device"
-    if "offloading" in inspect.signature(transformers.DynamicCache.__init__).parameters:
-        return transformers.DynamicCache(offloading=True)
-    if hasattr(transformers, "OffloadedCache"):
-        return transformers.OffloadedCache()
-    return f"transformers {transformers.__version__} has no offloaded cache"
-
-
-@torch.inference_mode()
-def hf_generate(b: Bench, cache: Any, ids: list[int], steps: int) -> tuple[float, list[float]]:
-    """Prefill `ids` in one forward into `cache`, then greedy decode: (prefill seconds, timed step seconds)."""
-    assert b.hf is not None
-    model = b.hf
-    params = inspect.signature(model.forward).parameters
-    kw = "cache" if "cache" in params else "past_key_values"  # renamed in later 5.x
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-    x = torch.tensor([ids], device=b.device)
-    b.sync()
-    t0 = time.perf_counter()
-    nxt = model(input_ids=x, use_cache=True, **{kw: cache}, **keep).logits[:, -1:].argmax(-1)
-    b.sync()
-    prefill_s = time.perf_counter() - t0
-
-    def step(tok: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=tok, use_cache=True, **{kw: cache}).logits[:, -1:].argmax(-1)
-
-    _, _, nxt = run_steps(b, step, nxt, WARMUP, stop=False)
-    times, _, _ = run_steps(b, step, nxt, steps, stop=True)
-    return prefill_s, times
-
-
-def run_hf(b: Bench, mode: str, ids: list[int]) -> dict[str, Any]:
-    if b.hf is None:
-        log("building transformers' LlamaForCausalLM")
-        b.hf = build_hf(b.raw, b.sizes.dtype, b.device, b.args.seed)
-        hf_generate(b, hf_cache("hf_dynamic", b.device), ids[:1024], 2)  # warm-up: its first calls
-    peak = Peak(b.device)
-    cache = hf_cache(mode, b.device)
-    if isinstance(cache, str):
-        return {"skipped": cache}
-    prefill_s, times = hf_generate(b, cache, ids, b.args.steps)
-    res: dict[str, Any] = {"prefill_s": round(prefill_s, 3), **decode_fields(times)}
-    return {**res, "peak_gpu_gb_beyond_weights": peak.gb(), "hbm_hit_rate": None, "fetch_gb_per_step": None}
 
 
 # ---- many sessions -------------------------------------------------------------------------------
@@ -598,9 +313,10 @@ def run_hf(b: Bench, mode: str, ids: list[int]) -> dict[str, Any]:
 
 def run_many(b: Bench, n: int, context: int, hbm_gb: float) -> dict[str, Any]:
     """n sessions of `context` tokens, prefilled one by one, then decoding together: one execute per step."""
-    hbm, ddr, hbf = plan(b, "attention_entropy", context, b.args.steps, n, int(hbm_gb * 1e9))
+    pools, hbf = plan(b.cfg, b.sizes, "attention_entropy", context, b.args.steps, n, int(hbm_gb * 1e9))
+    hbm, ddr = pools.regions, pools.ddr_slots
     peak = Peak(b.device)
-    slot = 2 * BLOCK * b.cfg.num_kv_heads * b.cfg.head_dim * b.model.lm_head.weight_t.element_size()
+    slot = slot_bytes(BLOCK, b.cfg.num_kv_heads, b.cfg.head_dim, b.model.lm_head.weight_t.element_size())
     log(f"many sessions: {sum(hbm) * slot / 1e9:.1f} GB of HBM pool, {ddr * slot / 1e9:.1f} GB of pinned DDR")
     t0 = time.perf_counter()
     runner = ModelRunner(
@@ -611,7 +327,7 @@ def run_many(b: Bench, n: int, context: int, hbm_gb: float) -> dict[str, Any]:
     toks, prefill_s = [], 0.0
     gen = torch.Generator().manual_seed(b.args.seed + 7)
     for seq in seqs:
-        runner.open(seq)
+        runner.kv.open(seq)
         runner.digests.reserve(seq, -(-(context + WARMUP + b.args.steps + 1) // BLOCK))
         ids = torch.randint(0, b.cfg.vocab_size, (context,), generator=gen).tolist()
         s, tok = prefill(b, runner, seq, ids, b.args.prefill_chunk or b.sizes.prefill_chunk)
@@ -627,7 +343,7 @@ def run_many(b: Bench, n: int, context: int, hbm_gb: float) -> dict[str, Any]:
         return [int(x) for x in logits.argmax(-1).tolist()]
 
     _, _, toks = run_steps(b, step, toks, WARMUP, stop=False)
-    before = replace(runner.tiers.counters), len(runner.tiers.latencies_us)
+    before = replace(runner.tiers.counters), len(runner.kv.promoter.latencies_us)
     replays = runner.graphs.replays
     times, _, _ = run_steps(b, step, toks, b.args.steps, stop=True)
     ms = np.array(times) * 1e3
@@ -664,11 +380,6 @@ def _unavailable(b: Bench, mode: str) -> str | None:
     return None
 
 
-def _summary(f: dict[str, Any]) -> str:
-    keys = ("prefill_s", "decode_ms_per_tok", "peak_gpu_gb_beyond_weights", "hbm_hit_rate", "error", "skipped")
-    return ", ".join(f"{k}={f[k]}" for k in keys if f.get(k) is not None)
-
-
 def run_mode(b: Bench, mode: str, ids: list[int]) -> dict[str, Any]:
     why = _unavailable(b, mode)
     if why is not None:
@@ -689,149 +400,14 @@ def run_context(b: Bench, t: int, modes: list[str]) -> None:
         log(f"T={t} {mode}: start")
         t0 = time.monotonic()
         fields = run_mode(b, mode, ids)
-        _free()
+        free_memory()
         if mode == "exact_full" and t == min(b.args.contexts) and t in b.exact_prefill:
             fields["prefill_vs_chunked"] = prefill_check(b, ids, max(b.sizes.min_prefill_chunk, t // 4))
-            _free()
+            free_memory()
         b.record(mode, t, fields)
-        log(f"T={t} {mode}: {_summary(fields)} ({time.monotonic() - t0:.1f} s)")
+        log(f"T={t} {mode}: {summary(fields)} ({time.monotonic() - t0:.1f} s)")
     b.hf = None  # never two models' caches at once across contexts: rebuilt for the next one
-    _free()
-
-
-# ---- the report ---------------------------------------------------------------------------------
-
-
-def _num(x: float | None) -> str:
-    if x is None:
-        return "—"
-    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
-
-
-def _ratio(x: float | None, ref: float | None) -> str:
-    return f"{x / ref:.2f}x" if x is not None and ref else "—"
-
-
-def _notes(f: dict[str, Any]) -> str:
-    notes = []
-    for key, text in (("error", "error: {}"), ("skipped", "skipped: {}")):
-        if key in f:
-            notes.append(text.format(str(f[key])[:90].replace("|", "/").replace("\n", " ")))
-    if "kv_gb" in f:
-        notes.append(f"weights {f['weight_gb']:.2f} GB + KV {f['kv_gb']:.2f} GB")
-    if f.get("pcie_floor_ms") is not None:
-        notes.append(f"PCIe floor {_num(f['pcie_floor_ms'])} ms")
-    if f.get("reads_floor_ms") is not None:
-        notes.append(f"floor of its reads {_num(f['reads_floor_ms'])} ms")
-    if f.get("peak_decode_gb_beyond_weights") is not None and f.get("hbm_regions"):
-        notes.append(f"decode peak {_num(f['peak_decode_gb_beyond_weights'])} GB")
-    if f.get("promote_gb_per_step"):
-        notes.append(f"promoted {_num(f['promote_gb_per_step'])} GB/step")
-    if f.get("graph_steps") is not None and f.get("steps") and f.get("hbm_regions"):
-        notes.append(f"graph steps {f['graph_steps']}/{f['steps']}")
-    if f.get("hbf_latency_us_p50") is not None:
-        notes.append(f"HBF planning p50 {_num(f['hbf_latency_us_p50'])} µs")
-    if "argmax_agree_exact_full" in f:
-        notes.append(
-            f"fed exact_full's tokens: same argmax {f['argmax_agree_exact_full']:.0%}, logits within "
-            f"{f['logits_max_diff_exact_full']} (of {f['logits_max_abs_exact_full']})"
-        )
-    elif "tokens_agree_exact_full" in f:  # runs saved before teacher forcing
-        notes.append(f"tokens = exact_full's: {f['tokens_agree_exact_full']:.0%}")
-    if "prefill_chunk_halved_from" in f:
-        notes.append(f"prefill OOM at chunk {f['prefill_chunk_halved_from']}, ran at {f['prefill_chunk']}")
-    if "prefill_vs_chunked" in f:
-        c = f["prefill_vs_chunked"]
-        notes.append(
-            f"prefill in {c['chunk']}-token chunks: {_num(c['prefill_s_chunked'])} s, last logits within "
-            f"{c['logits_max_diff']} (of {c['logits_max_abs']}), same argmax: {'yes' if c['same_argmax'] else 'no'}"
-        )
-    return "; ".join(notes)
-
-
-def table(data: dict[str, Any]) -> str:
-    modes = data["modes"]
-    lines = [
-        "| mode | context | prefill s | decode ms/tok | × floor | × hf_dynamic | peak GB beyond weights "
-        "| HBM hit rate | fetch GB/step | notes |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for t in sorted({int(c) for per in modes.values() for c in per}):
-        floor = modes.get("floor", {}).get(str(t), {}).get("decode_ms_per_tok")
-        hf = modes.get("hf_dynamic", {}).get(str(t), {}).get("decode_ms_per_tok")
-        for mode in MODES:
-            f = modes.get(mode, {}).get(str(t))
-            if f is None:
-                continue
-            ms = f.get("decode_ms_per_tok")
-            hit = f.get("hbm_hit_rate")
-            lines.append(
-                f"| {mode} | {t} | {_num(f.get('prefill_s'))} | {_num(ms)} "
-                f"| {_ratio(ms, floor) if mode != 'floor' else '1.00x'} | {_ratio(ms, hf)} "
-                f"| {_num(f.get('peak_gpu_gb_beyond_weights'))} | {'—' if hit is None else f'{hit:.3f}'} "
-                f"| {_num(f.get('fetch_gb_per_step'))} | {_notes(f)} |"
-            )
-    many = data.get("many_sessions")
-    if many:
-        lines += ["", "| sessions × context | tokens/s | step ms p50 | step ms p99 | HBM hit rate | notes |"]
-        lines.append("|---|---:|---:|---:|---:|---|")
-        if "error" in many or "skipped" in many:
-            lines.append(f"| — | — | — | — | — | {_notes(many)} |")
-        else:
-            lines.append(
-                f"| {many['sessions']} × {many['context']} | {_num(many['tokens_per_s'])} "
-                f"| {_num(many['step_ms_p50'])} | {_num(many['step_ms_p99'])} | {_num(many['hbm_hit_rate'])} "
-                f"| HBM for KV {many['hbm_budget_gb']} GB; fetch {_num(many['fetch_gb_per_step'])} GB/step; "
-                f"HBF planning p50 {_num(many['hbf_latency_us_p50'])} µs"
-                + (f"; pinned DDR {many['ddr_gb']} GB" if "ddr_gb" in many else "")
-                + (f"; graph steps {many['graph_steps']}/{many['steps']}" if "graph_steps" in many else "")
-                + " |"
-            )
-    return "\n".join(lines)
-
-
-def command(data: dict[str, Any]) -> str:
-    """The command that made a saved run, from what it holds."""
-    contexts = sorted({int(c) for per in data["modes"].values() for c in per})
-    steps = max((f.get("steps", 0) for per in data["modes"].values() for f in per.values()), default=0)
-    cmd = "python -m h3d.bench.gpu" + (" --tiny" if data["card"] == "cpu" else "")
-    cmd += f" --contexts {' '.join(map(str, contexts))}" + (f" --steps {steps}" if steps and steps != 32 else "")
-    many = data.get("many_sessions") or {}
-    if "sessions" in many:
-        cmd += f" --many-sessions {many['sessions']} --many-context {many['context']}"
-    return f"`{cmd}`"
-
-
-def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Saved runs (say 32K and 128K, one device call each) as one: later runs' cells win."""
-    data = json.loads(json.dumps(runs[0]))
-    for run in runs[1:]:
-        for mode, per in run["modes"].items():
-            data["modes"].setdefault(mode, {}).update(per)
-        data["many_sessions"] = run.get("many_sessions") or data.get("many_sessions")
-        for key in ("date", "card"):
-            if run[key] not in str(data[key]).split(", "):
-                data[key] = f"{data[key]}, {run[key]}"
-    return data
-
-
-def section(data: dict[str, Any], commands: list[str]) -> str:
-    c = data["ceilings"]
-    shape = (
-        "the --tiny shape (4 layers, hidden 256), fp32 on the CPU"
-        if data["card"] == "cpu"
-        else "Llama-3-8B shape (32 layers, hidden 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256), "
-        "random bf16 weights"
-    )
-    meta = (
-        f"Measured {data['date']} on {data['card']}, torch {data['torch']}, Triton {data['triton']}, "
-        f"transformers {data['transformers']}; {shape}; batch 1, block_size 32, random prompt ids. Decode is the "
-        f"median of the timed greedy steps (after {WARMUP} warm-up steps), each synchronized. Ceilings: HBM copy "
-        f"{c['hbm_copy_gbps']} GB/s (read + write), pinned H2D {c['h2d_gbps']} GB/s. `floor` = (weights + KV bytes) / "
-        "HBM copy bandwidth; × floor and × hf_dynamic are ratios of decode time (lower is better); peak GB beyond "
-        "weights is torch's peak allocation minus what was resident before the mode. GB = 1e9 bytes."
-    )
-    return f"{meta}\n\nCommand: {', '.join(commands)}\n\n{table(data)}"
+    free_memory()
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -858,50 +434,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def selection_cost(b: Bench, context: int, repeats: int = 200) -> dict[str, Any]:
-    """attention_entropy's device-side selection for one decode step of one sequence: per sparse
-    layer, the digest bound of every block for each KV head (`block_scores`, over the digests'
-    parts) and the per-head top-k of a 2,048-token window. Timed per layer as launched from Python
-    (CUDA events; the median over `repeats`), and on a GPU also for a whole step's sparse layers
-    replayed as one CUDA graph: the device's own time, without launch gaps."""
-    cfg = b.cfg
-    nb = context // BLOCK
-    parts = max(1, BLOCK // int(b.sizes.hbf.get("digest_tokens", EngineConfig().digest_tokens)))
-    g = torch.Generator(device=b.device).manual_seed(0)
-    digests = torch.randn(cfg.num_kv_heads, nb, parts, 2, cfg.head_dim, generator=g, device=b.device)
-    digests = digests.sort(dim=3).values.to(b.sizes.dtype)  # [Hkv, nb, parts, (min, max), D]
-    q = torch.randn(cfg.num_heads, cfg.head_dim, generator=g, device=b.device).to(b.sizes.dtype)
-    k = min(2048 // BLOCK, nb)
-    sparse = cfg.num_layers - EngineConfig().dense_layers
-
-    def once() -> None:
-        torch.topk(block_scores(q, digests, per_head=True), k, dim=-1)
-
-    per_layer = _median_s(once, repeats, b.device.type == "cuda", warm=10) * 1e6
-    out: dict[str, Any] = {
-        "selection_us_per_layer": round(per_layer, 1),
-        "selection_ms_per_step": round(per_layer * sparse / 1e3, 3),
-        "digest_parts": parts,
-    }
-    if b.device.type == "cuda":
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(3):
-                    once()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(sparse):
-                    once()
-            step = _median_s(graph.replay, 50, True) * 1e3
-            out["selection_ms_per_step_graph"] = round(step, 3)
-        except RuntimeError as exc:  # capture refused: the eager figures stand alone
-            out["selection_graph_error"] = str(exc)[:200]
-    return out
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     start = time.monotonic()
     sizes = Sizes.pick(args.tiny)
@@ -917,13 +449,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     date = dt.date.today().isoformat()
     args.out = args.out or Path("bench/results") / f"{date}-{'tiny' if args.tiny else 'h200'}.json"
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    data: dict[str, Any] = {"date": date, "card": card, "torch": torch.__version__, "triton": _version("triton")}
-    data.update(transformers=_version("transformers"), ceilings={}, modes={}, many_sessions=None)
+    data: dict[str, Any] = {"date": date, "card": card, "torch": torch.__version__, "triton": version("triton")}
+    data.update(transformers=version("transformers"), ceilings={}, modes={}, many_sessions=None)
     log(f"{card}: building h3d's model {'(tiny)' if args.tiny else '(Llama-3-8B shape)'}, contexts {contexts}")
     model = build_h3d(raw, sizes.dtype, device, args.seed)
     b = Bench(args, sizes, device, raw, model, model.config, param_bytes(model), start + args.max_seconds, data)
     data["ceilings"] = ceilings(sizes, device)
-    _save(args.out, data)
+    save(args.out, data)
     log(f"weights {b.weight_bytes / 1e9:.2f} GB; ceilings {data['ceilings']}")
     warm_up(b)
     for t in contexts:
@@ -935,7 +467,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             entry.update(cost, selection_share_of_step=round(cost["selection_ms_per_step"] / step, 4) if step else None)
             if step and "selection_ms_per_step_graph" in cost:
                 entry["selection_share_of_step_graph"] = round(cost["selection_ms_per_step_graph"] / step, 4)
-            _save(args.out, data)
+            save(args.out, data)
             log(f"T={t} selection on the device: {cost}")
     if args.many_sessions:
         hbm_gb = args.many_hbm_gb or sizes.many_hbm_gb
@@ -945,9 +477,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             many = {"skipped": "time budget spent"} if skip else run_many(b, args.many_sessions, many_context, hbm_gb)
         except Exception as exc:
             many = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-        _free()
+        free_memory()
         data["many_sessions"] = many
-        _save(args.out, data)
+        save(args.out, data)
         log(f"many sessions: {many}")
     log(f"done in {time.monotonic() - start:.0f} s; JSON in {args.out}")
     return data

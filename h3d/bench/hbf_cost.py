@@ -24,10 +24,11 @@ import numpy as np
 import torch
 
 from h3d.bench.report import write_section
+from h3d.config import EngineConfig
 from h3d.hbf.digests import DIGEST_TOKENS, block_scores
-from h3d.kv.blocks import BlockManager, SeqId
-from h3d.kv.pool import KVPool
-from h3d.tiers.manager import TierManager
+from h3d.hbf.policy import policy_named
+from h3d.kv.blocks import SeqId
+from h3d.kv.cache import KVCache
 
 LAYERS, KV_HEADS, HEAD_DIM, HEADS, BS = 30, 3, 64, 9, 32
 
@@ -35,13 +36,13 @@ LAYERS, KV_HEADS, HEAD_DIM, HEADS, BS = 30, 3, 64, 9, 32
 def planning(tokens: int, steps: int, seed: int = 0) -> list[float]:
     nb = tokens // BS
     hbm_per_layer = nb // 6
-    blocks = BlockManager(hbm_per_layer, nb * LAYERS, LAYERS, BS)
-    hbm = KVPool(blocks.num_slots, BS, 1, 1, torch.float32, torch.device("cpu"))
-    ddr = KVPool(len(blocks.ddr_owner), BS, 1, 1, torch.float32, torch.device("cpu"))
-    tiers = TierManager(blocks, hbm, ddr, None, 0.85)
+    kv = KVCache(
+        num_layers=LAYERS, num_kv_heads=1, head_dim=1, dtype=torch.float32, device=torch.device("cpu"),
+        hbm_regions=hbm_per_layer, ddr_slots=nb * LAYERS, block_size=BS, hbf=EngineConfig().hbf,
+    )  # fmt: skip
+    blocks, tiers = kv.blocks, kv.tiers
     seq = SeqId(1)
-    blocks.allocate(seq)
-    tiers.register(seq, "bench")
+    kv.open(seq, "bench", policy_named("attention_entropy"))
     blocks.append(seq, tokens)
     rng = np.random.default_rng(seed)
     base = np.union1d([0], np.arange(nb - 8, nb))
@@ -58,8 +59,8 @@ def planning(tokens: int, steps: int, seed: int = 0) -> list[float]:
         # What the device hands the host: every head's list, base included, as (layer, block) keys.
         keys = np.concatenate([(picks + rows).ravel(), (base[None, :] + rows[:, 0]).ravel()])
         tiers.begin_step([seq])
-        tiers.promote({seq: keys}, protect, keep)
-    return tiers.latencies_us[100:]  # after warm-up (the first steps fill HBM)
+        kv.promoter.promote({seq: keys}, protect, keep)
+    return kv.promoter.latencies_us[100:]  # after warm-up (the first steps fill HBM)
 
 
 def scoring_us(tokens: int, repeats: int = 50) -> float:

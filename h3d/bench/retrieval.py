@@ -96,7 +96,7 @@ def run(args: argparse.Namespace, probes: list[Probe]) -> dict[tuple[int, str, i
             probe = Probe(context, 0.0, {})
             for policy, budget in configs:
                 engine.set_policy(session, policy)
-                state = engine.runner.selection[seq]
+                state = engine.kv.selection(seq)
                 state.window_tokens = budget
                 state.entropies.clear()
                 # Count this run's steps from 0: with the earlier runs' steps, `resize_every` could be

@@ -27,11 +27,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from h3d.daemon import logs
+from h3d.daemon.admin import H3AdminServicer
 from h3d.daemon.auth import LOCAL, Auth
 from h3d.daemon.config import RELOADABLE, DaemonConfig, load, split_address
+from h3d.daemon.convert import expire_pin, stats_pb
 from h3d.daemon.metrics import Metrics, serve_metrics
 from h3d.daemon.notify import Notifier
-from h3d.daemon.service import H3AdminServicer, H3Servicer, State, expire_pin, handlers, stats_pb
+from h3d.daemon.rpc import State, handlers
+from h3d.daemon.service import H3Servicer
 from h3d.daemon.status import Draining
 from h3d.daemon.worker import EngineWorker, _cancel_all
 from h3d.errors import ConfigError, H3Error
@@ -319,7 +322,7 @@ def _close_idle(engine: Engine, *, ttl_s: float) -> list[SessionId]:
     idle = [
         s.id
         for s in engine.sessions.values()
-        if not s.busy and not s.closed and s.pinned_until is None and now - s.last_used_at >= ttl_s
+        if not s.busy and not s.closed and engine.kv.pinned_until(s.seq) is None and now - s.last_used_at >= ttl_s
     ]
     for sid in idle:
         engine.close_session(sid)

@@ -21,7 +21,7 @@ from h3d.errors import (
     SessionNotFound,
     SsdDegraded,
 )
-from h3d.tiers.archive import ArchiveCorrupt
+from h3d.tiers.identity import ArchiveCorrupt
 
 
 class Draining(H3Error):

@@ -111,10 +111,8 @@ class EngineWorker:
         for sid in engine.evictions:
             log.info("kv_evicted_for_capacity", session_id=sid)
         engine.evictions.clear()
-        tiers = engine.runner.tiers
-        for name, fields in tiers.notices:
+        for name, fields in engine.kv.take_notices():
             (log.info if name == "ssd_recovered" else log.warning)(name, **fields)
-        tiers.notices.clear()
 
     def _run(self) -> None:
         while True:

@@ -10,6 +10,8 @@ context of a chat session equal to the template applied to the whole conversatio
 `Conversation` is owned by its `Session` (engine thread). It keeps the closed messages and, while
 an assistant turn is open, where the turn's tokens start; the turn's text is decoded from those
 tokens when the next message closes it, so a turn cut short (cancelled, crashed) closes as well.
+`chat_piece` is what a request adds to a chat session (`h3d.engine.journal` logs it, and replays
+a conversation from its log).
 """
 
 from __future__ import annotations
@@ -71,6 +73,37 @@ class Conversation:
         ending = said[len(content) :] if said.startswith(content) else ""
         # The end-of-turn token the model produced is in the context already; the rest is not.
         self.tail = closing[len(ending) :] if ending and closing.startswith(ending) else closing
+
+
+def chat_piece(
+    chat: Conversation | None,
+    tok: Tokenizer,
+    tokens: list[int],
+    text: str | None,
+    ids: list[int],
+    role: str | None,
+    generate: bool,
+) -> tuple[tuple[Conversation, str], dict[str, object] | None] | tuple[None, None]:
+    """For a chat session (`chat`, its context `tokens`): its conversation as it will be once this
+    request's piece is added, the piece's text and its log record (nothing changes until the
+    request is accepted)."""
+    if chat is None:
+        if role:
+            raise InvalidRequest("role: only a chat session's appends have roles")
+        return None, None
+    if ids:
+        raise InvalidRequest("a chat session takes messages as text, not token ids")
+    if generate and text:
+        raise InvalidRequest("a chat generation's prompt is a message: append it first (as Engine.generate does)")
+    chat = chat.copy()
+    if generate:
+        turn: dict[str, object] = {"turn": "assistant"}
+        return (chat, chat.open_turn(tok, tokens)), turn
+    if not text:
+        raise InvalidRequest("a chat message needs text")
+    piece = chat.add(tok, role or "user", text, tokens)
+    message: dict[str, object] = dict(chat.messages[-1])
+    return (chat, piece), message
 
 
 def render(tok: Tokenizer, messages: list[dict[str, str]], generation: bool) -> str:

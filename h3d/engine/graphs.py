@@ -15,7 +15,7 @@ power of two) and replays it; between steps only its static inputs change:
   step (a few hundred bytes).
 
 Sessions under `attention_entropy` select inside the graph, through the kernels of
-`h3d.hbf.kernels` (their torch twin, `h3d.hbf.policy.select_static`, where Triton cannot run):
+`h3d.kernels.select` (their torch twin, `h3d.hbf.policy.select_static`, where Triton cannot run):
 for each sparse layer the digest bound over the session's digests, its prompt anchors first,
 each head's best blocks up to a fixed capacity k (the batch's largest room, rounded up to a
 power of two; each entry takes its own room of it), and the attention kernel's per-head lists
@@ -52,11 +52,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from h3d.hbf import kernels
 from h3d.hbf.policy import base_sizes, select_static
+from h3d.kernels import select
+from h3d.kernels.copies import paged_write
 from h3d.kv.attention import LayerKV, Pools, kernel_attention
-from h3d.kv.blocks import NONE, BlockTable, SeqId
-from h3d.kv.triton_decode import paged_write
+from h3d.kv.blocks import BlockTable, SeqId
 
 if TYPE_CHECKING:
     from h3d.engine.runner import ModelRunner, _Step
@@ -161,7 +161,7 @@ class _GraphKV:
         dense = r.hbf.dense_layers
         if hb is None or index < dense:
             lists = (table[:, None, :].expand(-1, self.hkv, -1), self.nblocks, self.tail)
-        elif kernels.available(table.device):
+        elif select.available(table.device):
             lists = self._select_kernels(index, q, scale, table)
         else:
             lists = self._select_torch(index, q, scale, table)
@@ -174,7 +174,7 @@ class _GraphKV:
         )
 
     def _select_kernels(self, index: int, q: torch.Tensor, scale: float, table: torch.Tensor) -> tuple:
-        """The HBF entries' lists from the selection kernels (`h3d.hbf.kernels`): per entry the
+        """The HBF entries' lists from the selection kernels (`h3d.kernels.select`): per entry the
         masked bounds, then one top-k and one list kernel for all of them; the first sparse
         layer's entropy from the raw bounds."""
         r, hb = self.runner, self.g.hbf
@@ -191,13 +191,13 @@ class _GraphKV:
             digests = r.digests.get(seq, index, w)  # [Hkv, W, parts, 2, D]
             raw = torch.empty((self.hkv, w), dtype=torch.float32, device=q.device) if index == dense else None
             live, take, anchors = self.parts_live[i], self.take[i], hb.anchors[index - dense, e]
-            kernels.scores(masked[e], q[i], digests, self.num_blocks[i], live, take, anchors, sinks, recent, raw)
+            select.scores(masked[e], q[i], digests, self.num_blocks[i], live, take, anchors, sinks, recent, raw)
             if raw is not None:
                 p = torch.softmax(raw.amax(dim=0) * scale, dim=-1)
                 hb.entropy[e].copy_(-(p * torch.log(p.clamp_min(1e-30))).sum())
-        top = kernels.top_room(masked, hb.index, self.room, hb.k)  # [E, Hkv, k]: the batch's in one launch
+        top = select.top_room(masked, hb.index, self.room, hb.k)  # [E, Hkv, k]: the batch's in one launch
         picked = hb.picked[index - dense]
-        kernels.lists(top, table, hb.index, self.num_blocks, self.room, heads, nblocks, picked, sinks, recent)
+        select.lists(top, table, hb.index, self.num_blocks, self.room, heads, nblocks, picked, sinks, recent)
         return heads, nblocks, self.tail
 
     def _select_torch(self, index: int, q: torch.Tensor, scale: float, table: torch.Tensor) -> tuple:
@@ -231,10 +231,10 @@ class _GraphKV:
         if hb is None:
             return
         digests = self.runner.digests
-        fused = kernels.available(k.device)
+        fused = select.available(k.device)
         for i, seq in zip(hb.entries, hb.seqs, strict=True):  # the new key into its digest (selection reads it)
             if fused:
-                kernels.fold(digests.layer(seq, index), self.pos[i : i + 1], k[i : i + 1], digests.part_tokens)
+                select.fold(digests.layer(seq, index), self.pos[i : i + 1], k[i : i + 1], digests.part_tokens)
             else:
                 digests.fold(seq, index, self.pos[i : i + 1], k[i : i + 1])
 
@@ -262,7 +262,7 @@ class DecodeGraphs:
         """A session's room past sinks + recent this step (<= 0: it would not select)."""
         r = self.runner
         sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
-        budget = max(1, r.selection[seq].window_tokens // r.blocks.block_size)
+        budget = max(1, r.kv.selection(seq).window_tokens // r.blocks.block_size)
         if num_blocks <= budget:
             return 0
         return min(budget - sinks - recent, num_blocks - sinks - recent)
@@ -273,7 +273,7 @@ class DecodeGraphs:
         digests (the graph reads those tensors). Makes the digests room for the width."""
         r = self.runner
         width = width_bucket(max(t.num_blocks for t in tables))
-        entries = [i for i, s in enumerate(seqs) if r.selection[s].policy == "attention_entropy"]
+        entries = [i for i, s in enumerate(seqs) if r.kv.policy(s).selects]
         if not entries:
             return (batch_bucket(len(seqs)), width)
         k = room_bucket(max(self._room(seqs[i], tables[i].num_blocks) for i in entries))
@@ -290,18 +290,15 @@ class DecodeGraphs:
             return False
         tables = [r.blocks.table(s) for s in seqs]
         for seq, t in zip(seqs, tables, strict=True):
-            policy = r.selection[seq].policy
-            if policy == "attention_entropy":
+            policy = r.kv.policy(seq)
+            if not policy.graphable:
+                return False
+            if policy.selects:
                 if r.hbf.dense_layers >= r.blocks.num_layers or not r.digests.has(seq):
                     return False
                 if self._room(seq, t.num_blocks) <= 0:
                     return False  # a context within its window reads every block: eager
-            elif policy != "exact":
-                return False
-            if r.tiers.archive is None:
-                continue  # every block is in HBM or DDR
-            nb = t.num_blocks
-            if ((t.hbm[:, :nb] == NONE) & (t.ddr[:, :nb] == NONE)).any():
+            if r.tiers.archive is not None and r.kv.archive_only(seq):
                 return False  # some block is in the archive only: the eager path stages it
         key = self._key(seqs, tables)
         self._applied = key  # `run` replays it (the step's tables do not change in between)
@@ -377,7 +374,7 @@ class DecodeGraphs:
             return
         r, hb = self.runner, g.hbf
         for e, seq in enumerate(hb.seqs):
-            r.selection[seq].entropies.append(hb.entropy[e].clone())
+            r.kv.selection(seq).entropies.append(hb.entropy[e].clone())
         if hb.picked_host is None:
             hb.picked_host = torch.empty(hb.picked.shape, dtype=hb.picked.dtype, pin_memory=self.capture)
         hb.picked_host.copy_(hb.picked, non_blocking=self.capture)
@@ -415,7 +412,7 @@ class DecodeGraphs:
             if count:
                 assert p.seen is not None
                 where = np.take_along_axis(p.seen[dense:, e, None, :], blocks.reshape(len(blocks), 1, -1), axis=2)
-                r.tiers.count_selected(seq, keys.ravel(), where.reshape(keys.shape).ravel() >= 0)
+                r.kv.promoter.count_selected(seq, keys.ravel(), where.reshape(keys.shape).ravel() >= 0)
             out[seq] = [keys.ravel()]
         return out
 
@@ -428,7 +425,7 @@ class DecodeGraphs:
         sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
         hb.rooms = []
         for e, (i, seq) in enumerate(zip(hb.entries, hb.seqs, strict=True)):
-            state = r.selection[seq]
+            state = r.kv.selection(seq)
             budget = max(1, state.window_tokens // r.blocks.block_size)
             room[i] = self._room(seq, tables[i].num_blocks)
             hb.rooms.append(int(room[i]))
@@ -498,9 +495,9 @@ class DecodeGraphs:
                 g.below[i] = 0
                 continue
             t, nb = tables[i], entry[2]
-            hbm, ddr = t.hbm[:, :nb], t.ddr[:, :nb]
-            in_hbm = hbm >= 0
-            locs[:, i, :nb] = np.where(in_hbm, hbm, -ddr - 1)
+            where = t.all_locations()
+            in_hbm = where >= 0
+            locs[:, i, :nb] = where
             locs[:, i, nb:] = 0
             read = in_hbm if i in whole else in_hbm[:dense]  # the layers read whole: HBF's dense ones
             g.below[i] = read.size - int(np.count_nonzero(read))

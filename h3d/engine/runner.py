@@ -1,6 +1,7 @@
 """The model runner: turns a step's chunks into one packed forward over the tiered KV cache.
 
-Owner of the KV pools (HBM and DDR), the block tables (through `BlockManager`) and the tier manager.
+The KV state it reads and writes is the KV cache's (`h3d.kv.cache.KVCache`: pools, block tables,
+tiers, digests, selection states); the runner plans and runs a step over it.
 A *chunk* is a run of a sequence's tokens whose K/V are not in the cache yet: a prefill chunk of
 many tokens or a decode step's one token; both go through the same forward.
 """
@@ -15,15 +16,13 @@ import torch
 
 from h3d.config import EngineConfig
 from h3d.engine.graphs import DecodeGraphs, _Graph
-from h3d.hbf.digests import DigestStore
-from h3d.hbf.policy import HbfConfig, SelectionState, after_step, probe_anchors, select
+from h3d.hbf.policy import HbfConfig, probe_anchors
+from h3d.kernels.copies import paged_write
 from h3d.kv.attention import LayerKV, Pools, gather_blocks, kernel_attention
-from h3d.kv.blocks import NONE, BlockManager, SeqId, first_blocks, runs_of
-from h3d.kv.pool import KVPool
-from h3d.kv.triton_decode import paged_write
+from h3d.kv.blocks import SeqId, first_blocks, runs_of
+from h3d.kv.cache import KVCache
 from h3d.model.llama import CausalLM
 from h3d.tiers.archive import Archive
-from h3d.tiers.manager import TierManager
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,20 +91,13 @@ class _Step:
         for i, seq in enumerate(self.seqs):
             t = r.blocks.table(seq)
             sel = None
-            state = r.selection[seq]
-            if self.probes[i] and state.policy in ("layerwise", "attention_entropy"):
+            state = r.kv.selection(seq)
+            if self.probes[i] and state.policy.probes_prompt:
                 self._probe(i, index, q, scale)
-            if self.query_lens[i] == 1 and state.policy != "exact":
+            if self.query_lens[i] == 1 and state.policy.selects:
                 digests = r.digests.get(seq, index, t.num_blocks)
-                sel = select(
-                    r.selection[seq],
-                    r.hbf,
-                    index,
-                    q[self.offsets[i]],
-                    digests,
-                    t.num_blocks,
-                    r.blocks.block_size,
-                    scale,
+                sel = state.policy.select(
+                    state, r.hbf, index, q[self.offsets[i]], digests, t.num_blocks, r.blocks.block_size, scale
                 )
             if isinstance(sel, torch.Tensor):
                 sel = sel.cpu().numpy()
@@ -173,7 +165,7 @@ class _Step:
             loc = r.blocks.table(seq).locations(index)[: -(-start // r.blocks.block_size)]
             prior = gather_blocks(self.pools.k, torch.from_numpy(loc).to(r.device))[:start]  # [start, Hkv, D]
             k = torch.cat([prior.to(k.dtype), k])
-        probe_anchors(r.selection[seq], r.hbf, index, q[off : off + n], k, r.blocks.block_size, scale)
+        probe_anchors(r.kv.selection(seq), r.hbf, index, q[off : off + n], k, r.blocks.block_size, scale)
 
     def write(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         r = self.runner
@@ -213,7 +205,7 @@ class _Step:
                     dev = pool.k.device
                     pool.write(torch.from_numpy(pool_rows).to(dev), k[idx].to(dev), v[idx].to(dev))
         for seq, start, off, n in zip(self.seqs, self.starts, self.offsets, self.query_lens, strict=True):
-            if r.selection[seq].policy != "exact":  # exact never reads digests: built on a switch
+            if r.kv.policy(seq).keeps_digests:  # else built on a switch to a policy that keeps them
                 r.digests.update(seq, index, start, k[off : off + n])
 
 
@@ -231,14 +223,8 @@ class _DevicePlan:
         r = step.runner
         if not (r.device.type == "cuda" or r.plan_on_device) or not all(n == 1 for n in step.query_lens):
             return False
-        if r.tiers.archive is None:
-            return True
-        for seq in step.seqs:
-            t = r.blocks.table(seq)
-            nb = t.num_blocks
-            if ((t.hbm[:, :nb] == NONE) & (t.ddr[:, :nb] == NONE)).any():
-                return False  # some block is in the archive only: each layer stages its own
-        return True
+        # A block in the archive only: each layer stages its own.
+        return r.tiers.archive is None or not any(r.kv.archive_only(seq) for seq in step.seqs)
 
     def __init__(self, step: _Step) -> None:
         self.step = step
@@ -250,8 +236,7 @@ class _DevicePlan:
         width = max(nbs)
         locs = np.zeros((r.blocks.num_layers, len(tables), width), dtype=np.int64)  # [L, B, W], 0 pads
         for i, t in enumerate(tables):
-            hbm, ddr = t.hbm[:, : t.num_blocks], t.ddr[:, : t.num_blocks]
-            locs[:, i, : t.num_blocks] = np.where(hbm >= 0, hbm, -ddr - 1)
+            locs[:, i, : t.num_blocks] = t.all_locations()
         kv = np.asarray(step.kv_lens, dtype=np.int64)
         tail = kv - (np.asarray(nbs) - 1) * bs
         packed = torch.from_numpy(np.concatenate([locs.ravel(), step.rows.ravel(), np.asarray(nbs), tail]))
@@ -273,11 +258,11 @@ class _DevicePlan:
         kv_lens = list(step.kv_lens)
         for i, seq in enumerate(step.seqs):
             t = r.blocks.table(seq)
-            state = r.selection[seq]
-            if state.policy == "exact":
+            state = r.kv.selection(seq)
+            if not state.policy.selects:
                 continue
             digests = r.digests.get(seq, index, t.num_blocks)
-            sel = select(state, r.hbf, index, q[i], digests, t.num_blocks, r.blocks.block_size, scale)
+            sel = state.policy.select(state, r.hbf, index, q[i], digests, t.num_blocks, r.blocks.block_size, scale)
             if sel is None:
                 continue
             blocks = sel if isinstance(sel, torch.Tensor) else torch.from_numpy(sel).to(q.device, non_blocking=True)
@@ -371,32 +356,37 @@ class ModelRunner:
         self.device = model.lm_head.weight_t.device
         if self.device.type == "cuda":
             model.use_attention(kernel_attention)  # decode steps through the Triton paged kernel
-        self.blocks = BlockManager(hbm_slots_per_layer, ddr_slots, cfg.num_layers, block_size)
-        dtype = model.lm_head.weight_t.dtype
-        shape = (block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-        self.hbm = KVPool(self.blocks.num_slots, *shape, self.device)
-        self.ddr = KVPool(
-            len(self.blocks.ddr_owner), *shape, torch.device("cpu"), pin_memory=self.device.type == "cuda"
-        )
-        self.pools = Pools(k=(self.hbm.k, self.ddr.k), v=(self.hbm.v, self.ddr.v))
+        hbf = hbf or replace(EngineConfig(), policy="exact").hbf
         promote = None if promote_mb_per_step is None else int(promote_mb_per_step * 2**20)
-        self.tiers = TierManager(self.blocks, self.hbm, self.ddr, archive, high_watermark, promote)
-        self.hbf = hbf or replace(EngineConfig(), policy="exact").hbf
-        self.digests = DigestStore(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype, self.device, self.hbf.digest_tokens
+        self.kv = KVCache(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=model.lm_head.weight_t.dtype,
+            device=self.device,
+            hbm_regions=hbm_slots_per_layer,
+            ddr_slots=ddr_slots,
+            block_size=block_size,
+            hbf=hbf,
+            archive=archive,
+            high_watermark=high_watermark,
+            promote_bytes_per_step=promote,
         )
-        self.selection: dict[SeqId, SelectionState] = {}
-        self._stale_digests: set[SeqId] = set()  # adopted from the archive: digests to rebuild
+        # The step's view of the cache's parts (the cache owns them).
+        self.blocks, self.tiers, self.digests, self.hbf = self.kv.blocks, self.kv.tiers, self.kv.digests, hbf
+        self.hbm, self.ddr = self.kv.hbm, self.kv.ddr
+        self.pools = Pools(k=(self.hbm.k, self.ddr.k), v=(self.hbm.v, self.ddr.v))
         self.check_invariants = check_invariants
         # Tests: the GPU's step paths on the CPU (decode planned on the device, `_DevicePlan`; K/V
         # written in one launch, `paged_write`).
         self.plan_on_device = False
         self.graphs = DecodeGraphs(self)  # exact decode steps as CUDA graphs (tests: `.enabled` on the CPU)
+        self.kv.lagged = self.graphs.take_lagged
         # Prefill's KV writes trail its compute here (CUDA; on the CPU they are written in place).
         self.transfer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def cached_tokens(self, seq: SeqId) -> int:
-        return self.blocks.table(seq).num_tokens
+        return self.kv.cached_tokens(seq)
 
     def can_fit(self, chunks: list[Chunk]) -> bool:
         """Whether the tiers can take the chunks' new blocks (evicting to the archive if there is one)."""
@@ -444,9 +434,7 @@ class ModelRunner:
         """Run the chunks; return fp32 logits of each chunk's last token where `want_logits`
         ([M, vocab]), or of every token when `all_logits` ([N, vocab])."""
         for c in chunks:
-            if c.seq in self._stale_digests:
-                self._rebuild_digests(c.seq)  # may meet a damaged record: done again after its rewrite
-                self._stale_digests.discard(c.seq)
+            self.kv.refresh_digests(c.seq)  # may meet a damaged record: done again after its rewrite
         try:
             ids, positions, step = self._prepare(chunks)
             if step.graphed:
@@ -461,8 +449,8 @@ class ModelRunner:
             if self.transfer_stream is not None:
                 torch.cuda.current_stream().wait_stream(self.transfer_stream)
             for c in chunks:
-                if self.blocks.has(c.seq):
-                    self.blocks.truncate(c.seq, c.start)
+                if self.kv.has(c.seq):
+                    self.kv.cut(c.seq, c.start)
             raise
         if step.wrote_behind and self.transfer_stream is not None:
             torch.cuda.current_stream().wait_stream(self.transfer_stream)  # the next step reads the rows
@@ -481,18 +469,20 @@ class ModelRunner:
             step.plan.resolve()
         # The previous replayed step's picks, promoted now: the host plans while the device runs
         # this step (the copies queue behind it). Then this step's own (lagged to the next one).
-        self._flush_lagged(step.protect)
+        kv = self.kv
+        kv.flush_lagged(step.protect)
         self.graphs.resolve(step)
         if step.selected:
             selected = {s: np.concatenate(keys) for s, keys in step.selected.items()}
-            self.tiers.promote(selected, step.protect, {s: self._keep(s) for s in step.seqs})
+            kv.promoter.promote(selected, step.protect, {s: kv.keep(s) for s in step.seqs})
         for seq, n in zip(step.seqs, step.query_lens, strict=True):
             if n == 1:
-                after_step(self.selection[seq], self.hbf)
-        self.tiers.fill_hbm(step.seqs, step.protect)
+                state = kv.selection(seq)
+                state.policy.after_step(state, self.hbf)
+        kv.promoter.fill_hbm(step.seqs, step.protect)
         self.tiers.end_step(step.seqs)
         if self.check_invariants:
-            self.tiers.check()
+            kv.check()
         return out
 
     @torch.inference_mode()
@@ -501,7 +491,7 @@ class ModelRunner:
         block's archive record was damaged); the blocks after it are neither read nor changed.
         Raises `ArchiveCorrupt` if a block before it is damaged too: rewrite that one first, then
         this one again."""
-        self._flush_lagged()
+        self.kv.flush_lagged()
         start = block * self.blocks.block_size
         if len(token_ids) != min(self.blocks.block_size, self.cached_tokens(seq) - start):
             raise ValueError(f"block {block} of seq {seq} holds other tokens than the {len(token_ids)} given")
@@ -515,82 +505,4 @@ class ModelRunner:
         finally:
             self.tiers.end_rewrite()
         if self.check_invariants:
-            self.tiers.check()
-
-    def _flush_lagged(self, protect: dict[SeqId, int] | None = None) -> None:
-        """Promote the last replayed step's HBF picks, if they wait (`DecodeGraphs.take_lagged`):
-        after the next step's launch, or before anything else changes the sessions' tables."""
-        lagged = self.graphs.take_lagged()
-        if lagged:
-            self.tiers.promote(lagged, protect or {}, {s: self._keep(s) for s in lagged}, counted=True)
-
-    def _keep(self, seq: SeqId) -> np.ndarray:
-        """Blocks of `seq` that HBF never evicts from HBM: sinks and the recent window."""
-        from h3d.hbf.policy import _base
-
-        return _base(self.blocks.table(seq).num_blocks, self.hbf, self.blocks.block_size)
-
-    def open(self, seq: SeqId, name: str | None = None, policy: str | None = None) -> None:
-        """Open `seq`'s block table; `name` keys its blocks in the archive (the session id)."""
-        self.blocks.allocate(seq)
-        self.tiers.register(seq, name or f"seq-{seq}")
-        self.selection[seq] = SelectionState(policy or self.hbf.policy, self.hbf.window_tokens)
-
-    def adopt(self, seq: SeqId, num_tokens: int) -> int:
-        """After a restart: take the KV of `seq`'s first tokens from the archive (see
-        `TierManager.adopt`); digests follow at its first step. Returns the tokens adopted."""
-        self._flush_lagged()
-        adopted = self.tiers.adopt(seq, num_tokens)
-        if adopted and self.selection[seq].policy != "exact":
-            self._stale_digests.add(seq)
-        return adopted
-
-    def set_policy(self, seq: SeqId, policy: str) -> None:
-        self._flush_lagged()
-        state = self.selection[seq]
-        if state.policy == "exact" and policy != "exact":
-            self._rebuild_digests(seq)
-        state.policy = policy
-
-    def _rebuild_digests(self, seq: SeqId) -> None:
-        """Digests of every written block of `seq`, from its K wherever it is (sessions under
-        `exact` do not maintain them)."""
-        t = self.blocks.table(seq)
-        self.digests.drop(seq)
-        if t.num_tokens == 0:
-            return
-        for layer in range(self.blocks.num_layers):
-            k = self.tiers.read_keys(seq, layer)  # [Hkv, num_tokens, D]
-            self.digests.update(seq, layer, 0, k.transpose(0, 1).to(self.device))
-
-    @torch.inference_mode()
-    def truncate(self, seq: SeqId, num_tokens: int) -> None:
-        """Forget `seq`'s KV past its first `num_tokens` tokens, and the cut keys' share of its
-        digests (a rewind: other tokens follow, and the bounds stay those of the kept keys)."""
-        self._flush_lagged()
-        self.blocks.truncate(seq, num_tokens)
-        if self.selection[seq].policy == "exact" or seq in self._stale_digests:
-            return  # no digests kept, or rebuilt at the next step
-        bs = self.blocks.block_size
-
-        def tail(layer: int, start: int) -> torch.Tensor:
-            keys = self.tiers.read_keys(seq, layer, first_block=start // bs)  # [Hkv, t, D]
-            return keys[:, start % bs :].transpose(0, 1).to(self.device)
-
-        self.digests.truncate(seq, num_tokens, tail)
-
-    def park(self, seq: SeqId) -> None:
-        """A closed session: its KV to the archive only (`TierManager.park`), its digests dropped
-        (rebuilt from the archive if it is reopened)."""
-        self._flush_lagged()
-        self.tiers.park(seq)
-        self.digests.drop(seq)
-        if self.selection[seq].policy != "exact":
-            self._stale_digests.add(seq)
-
-    def release(self, seq: SeqId) -> None:
-        self._flush_lagged()
-        self._stale_digests.discard(seq)
-        self.tiers.release(seq)
-        self.digests.drop(seq)
-        self.selection.pop(seq, None)
+            self.kv.check()

@@ -32,16 +32,18 @@ class FinishReason(enum.Enum):
 
 @dataclass(slots=True)
 class Session:
+    """A session as the engine keeps it: its tokens (the truth: KV is a copy of its first
+    `cached` tokens), sampling defaults, owner and chat state. Its KV state (policy, pin,
+    residency) is the KV cache's, asked by `seq` (`h3d.kv.cache.KVCache`)."""
+
     id: SessionId
     seq: SeqId
     sampling: SamplingParams
-    policy: str
     tokens: list[int] = field(default_factory=list)
     pieces: int = 0
     created_at: float = field(default_factory=time.time)
     last_used_at: float = field(default_factory=time.time)
     busy: bool = False
-    pinned_until: float | None = None  # PinSession: Unix expiry, inf for none; None: not pinned
     owner: str = ""  # who may use it (the daemon's token hash); kept in the token log
     closed: bool = False  # closed (not purged): its KV is in the archive only; its next request reopens it
     chat: Conversation | None = None  # a chat session: what is appended are messages (h3d.engine.chat)

@@ -1,5 +1,9 @@
 """HBF block selection: which blocks of a layer a decode step's attention reads.
 
+Each policy is an object (`Exact`, `Fixed`, `Layerwise`, `AttentionEntropy`; by name in
+`POLICIES`) whose capability flags tell the engine what it needs, so that nothing outside this
+module compares policy names:
+
 - `exact`: every block (lossless; the oracle).
 - `fixed`: `sink_blocks` first blocks + the blocks of the last `recent_tokens` tokens
   (StreamingLLM-like; loses whatever falls between them).
@@ -15,28 +19,35 @@
   observation window), recorded at the prompt's last prefill chunk as `layerwise` records its own.
   The digest bound is an upper bound, loose on blocks whose keys spread widely; the prompt's own
   attention finds the blocks a question is about, and the bound keeps the rest of the room for
-  what decoding asks (on the 8K retrieval benchmark the anchors found more needles at 512 and
-  1,024 tokens, docs/BENCHMARKS.md). Every `resize_every` decode steps the entropy (nats) of the
-  softmax of the block scores resizes the window: below `entropy_shrink_below` attention is
-  peaked and the window shrinks, above `entropy_grow_above` it is spread and the window grows,
-  within [`window_min_tokens`, `window_max_tokens`].
+  what decoding asks. Every `resize_every` decode steps the entropy (nats) of the softmax of the
+  block scores resizes the window: below `entropy_shrink_below` attention is peaked and the window
+  shrinks, above `entropy_grow_above` it is spread and the window grows, within
+  [`window_min_tokens`, `window_max_tokens`].
 The first `dense_layers` layers always read every block, as Quest does. Prefill is always exact.
 
 Selection runs where the digests are (the compute device): scores and top-k are tensor ops, and
 only the chosen indices come back to the host to build the attention's runs.
+
+What must stay true: sinks and the recent window are always selected; the partial block is the
+last one read; `select_static` picks what `select` picks (tests); a session's state written by
+`state_to_meta` and read by `state_from_meta` selects as before (a restart keeps it).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from h3d.errors import InvalidRequest, clip
 from h3d.hbf.digests import block_scores
 
 PROBE_QUERIES = 64
+
+Selection = np.ndarray | torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +70,9 @@ class HbfConfig:
 
 @dataclass(slots=True)
 class SelectionState:
-    """One session's HBF state (owned by the model runner)."""
+    """One session's HBF state (owned by the KV cache, `h3d.kv.cache.KVCache`)."""
 
-    policy: str
+    policy: Policy
     window_tokens: int
     steps: int = 0
     anchors: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> block indices
@@ -73,51 +84,38 @@ class SelectionState:
     anchors_version: int = 0  # bumped whenever the anchors change (a captured step copies them then)
 
 
-def _base(num_blocks: int, cfg: HbfConfig, block_size: int) -> np.ndarray:
-    """Sinks and the recent window (which always holds the last, partial block)."""
+def state_to_meta(state: SelectionState) -> dict[str, Any]:
+    """What a session's token log keeps of its HBF state (JSON), so that a restarted session
+    selects as it would have: the window, the step count, the entropies of the current resize
+    period and the prompt's anchors (probed at its last chunk)."""
+    return {
+        "window_tokens": state.window_tokens,
+        "steps": state.steps,
+        "entropies": [float(x) for x in state.entropies],
+        "anchors": {str(layer): a.tolist() for layer, a in state.anchors.items()},
+        "head_anchors": {str(layer): a.tolist() for layer, a in state.head_anchors.items()},
+    }
+
+
+def state_from_meta(state: SelectionState, meta: dict[str, Any], device: torch.device) -> None:
+    """Restore what `state_to_meta` kept into `state` (missing keys keep their values)."""
+    state.window_tokens = int(meta.get("window_tokens", state.window_tokens))
+    state.steps = int(meta.get("steps", 0))
+    state.entropies[:] = [float(x) for x in meta.get("entropies", [])]
+    state.anchors = {int(k): np.asarray(v, dtype=np.int64) for k, v in meta.get("anchors", {}).items()}
+    state.head_anchors = {
+        int(k): torch.tensor(v, dtype=torch.int64, device=device) for k, v in meta.get("head_anchors", {}).items()
+    }
+    state.anchors_version += 1
+
+
+def base_blocks(num_blocks: int, cfg: HbfConfig, block_size: int) -> np.ndarray:
+    """Sinks and the recent window (which always holds the last, partial block): what every
+    policy reads and HBF never evicts from HBM."""
     recent = max(1, math.ceil(cfg.recent_tokens / block_size))
     sinks = np.arange(min(cfg.sink_blocks, num_blocks))
     tail = np.arange(max(num_blocks - recent, 0), num_blocks)
     return np.union1d(sinks, tail)
-
-
-def select(
-    state: SelectionState,
-    cfg: HbfConfig,
-    layer: int,
-    q: torch.Tensor,
-    digests: torch.Tensor,
-    num_blocks: int,
-    block_size: int,
-    scale: float,
-) -> np.ndarray | torch.Tensor | None:
-    """Blocks of `layer` to read for query q ([H, D]), ascending: [n] for every KV head (NumPy), or
-    [Hkv, n] one row per KV head (attention_entropy: a tensor on q's device, so that a GPU step
-    needs no copy to the host); None means all of them."""
-    budget = max(1, state.window_tokens // block_size)
-    if state.policy == "exact" or layer < cfg.dense_layers or num_blocks <= budget:
-        return None
-    base = _base(num_blocks, cfg, block_size)
-    room = budget - len(base)
-    if state.policy == "fixed":
-        return base
-    if state.policy == "layerwise":
-        extra = np.setdiff1d(state.anchors.get(layer, np.empty(0, dtype=np.int64)), base)[:room]
-        return np.union1d(base, extra) if room > 0 else base
-    scores = block_scores(q, digests, per_head=True)  # [Hkv, nb]
-    if layer == cfg.dense_layers:
-        _track_entropy(state, scores.amax(dim=0) * scale)  # even with no room left: the window may grow
-    if room <= 0:
-        return base
-    where = torch.from_numpy(base).to(scores.device, non_blocking=True)  # no wait for the stream
-    masked = scores.clone()
-    anchors = state.head_anchors.get(layer)
-    take = min(int(room * cfg.anchor_share), anchors.shape[1]) if anchors is not None else 0
-    if anchors is not None and take:  # the prompt's anchors first (past a rewind some may lie past the end)
-        masked.scatter_(1, anchors[:, :take].clamp(max=num_blocks - 1), float("inf"))
-    masked[:, where] = float("-inf")
-    top = torch.topk(masked, min(room, num_blocks - len(base)), dim=-1).indices  # [Hkv, room]
-    return torch.cat([where.expand(len(top), -1), top], dim=1).sort(dim=1).values
 
 
 def base_sizes(cfg: HbfConfig, block_size: int) -> tuple[int, int]:
@@ -138,7 +136,7 @@ def select_static(
     block_size: int,
     entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`select` of `attention_entropy` with every shape fixed, for a decode step captured in a CUDA
+    """`AttentionEntropy.select` with every shape fixed, for a decode step captured in a CUDA
     graph (`h3d.engine.graphs`): no host value is read, and what changes between steps (the block
     count, the room, the anchors) comes in tensors. Valid where `select` picks (the context is
     longer than the window and there is room past sinks + recent).
@@ -183,19 +181,6 @@ def _track_entropy(state: SelectionState, logits: torch.Tensor) -> None:
     state.entropies.append(-(p * torch.log(p.clamp_min(1e-30))).sum())  # stays on the device
 
 
-def after_step(state: SelectionState, cfg: HbfConfig) -> None:
-    """Count a decode step; every `resize_every` steps resize the window from the mean entropy."""
-    state.steps += 1
-    if state.policy != "attention_entropy" or state.steps % cfg.resize_every or not state.entropies:
-        return
-    h = float(sum(state.entropies)) / len(state.entropies)  # the one read of the device's values
-    state.entropies.clear()
-    if h < cfg.entropy_shrink_below:
-        state.window_tokens = max(cfg.window_min_tokens, state.window_tokens * 3 // 4)
-    elif h > cfg.entropy_grow_above:
-        state.window_tokens = min(cfg.window_max_tokens, state.window_tokens * 5 // 4)
-
-
 def probe_anchors(
     state: SelectionState, cfg: HbfConfig, layer: int, q: torch.Tensor, k: torch.Tensor, block_size: int, scale: float
 ) -> None:
@@ -209,7 +194,7 @@ def probe_anchors(
     the largest window, best first, are `attention_entropy`'s `state.head_anchors` (both kept, so
     that a session may switch). A later prompt's anchors replace these.
     """
-    if state.policy not in ("layerwise", "attention_entropy") or layer < cfg.dense_layers:
+    if not state.policy.probes_prompt or layer < cfg.dense_layers:
         return
     m = min(PROBE_QUERIES, q.shape[0])
     t, hkv, d = k.shape
@@ -224,7 +209,7 @@ def probe_anchors(
         scores[:, t - m :].masked_fill_(late, float("-inf"))  # causal: only the last m keys can be later
         per_block[h, :t] = torch.softmax(scores, dim=-1).sum(dim=0)  # mass per key
     per_block = per_block.view(hkv, nb, block_size).sum(-1)  # [Hkv, nb]
-    base = _base(nb, cfg, block_size)
+    base = base_blocks(nb, cfg, block_size)
     per_block[:, torch.from_numpy(base).to(per_block.device)] = float("-inf")
     most = max(0, cfg.window_max_tokens // block_size - len(base))
     state.head_anchors[layer] = torch.topk(per_block, min(most, nb - len(base)), dim=-1).indices
@@ -232,3 +217,147 @@ def probe_anchors(
     room = max(0, state.window_tokens // block_size - len(base))
     top = torch.topk(per_block.sum(0), min(room, nb - len(base))).indices
     state.anchors[layer] = np.sort(top.cpu().numpy())
+
+
+class Policy:
+    """A selection policy: stateless (one instance per policy, `POLICIES`); a session's state is
+    its `SelectionState`. The flags say what the engine keeps and runs for it."""
+
+    name: ClassVar[str]
+    selects: ClassVar[bool] = True  # reads a subset of a long context's blocks (else every block)
+    keeps_digests: ClassVar[bool] = True  # digests kept as keys are written (else built on a switch)
+    probes_prompt: ClassVar[bool] = False  # records anchors from the chunk that ends a prompt
+    graphable: ClassVar[bool] = False  # its decode steps may be replayed as CUDA graphs (selecting inside)
+    resizes_window: ClassVar[bool] = False  # the window follows the attention's entropy
+
+    def __repr__(self) -> str:
+        return f"<policy {self.name}>"
+
+    def select(
+        self,
+        state: SelectionState,
+        cfg: HbfConfig,
+        layer: int,
+        q: torch.Tensor,
+        digests: torch.Tensor,
+        num_blocks: int,
+        block_size: int,
+        scale: float,
+    ) -> Selection:
+        """Blocks of `layer` to read for query q ([H, D]), ascending: [n] for every KV head (NumPy),
+        or [Hkv, n] one row per KV head (a tensor on q's device, so that a GPU step needs no copy
+        to the host); None means all of them."""
+        budget = max(1, state.window_tokens // block_size)
+        if not self.selects or layer < cfg.dense_layers or num_blocks <= budget:
+            return None
+        base = base_blocks(num_blocks, cfg, block_size)
+        return self._pick(state, cfg, layer, q, digests, num_blocks, scale, base, budget - len(base))
+
+    def _pick(
+        self,
+        state: SelectionState,
+        cfg: HbfConfig,
+        layer: int,
+        q: torch.Tensor,
+        digests: torch.Tensor,
+        num_blocks: int,
+        scale: float,
+        base: np.ndarray,
+        room: int,
+    ) -> Selection:
+        """The selection past the base (sinks + recent) of a context longer than its window."""
+        return base
+
+    def after_step(self, state: SelectionState, cfg: HbfConfig) -> None:
+        """Count a decode step of a session under this policy."""
+        state.steps += 1
+
+
+class Exact(Policy):
+    name = "exact"
+    selects = False
+    keeps_digests = False
+    graphable = True
+
+
+class Fixed(Policy):
+    name = "fixed"
+
+
+class Layerwise(Policy):
+    name = "layerwise"
+    probes_prompt = True
+
+    def _pick(
+        self,
+        state: SelectionState,
+        cfg: HbfConfig,
+        layer: int,
+        q: torch.Tensor,
+        digests: torch.Tensor,
+        num_blocks: int,
+        scale: float,
+        base: np.ndarray,
+        room: int,
+    ) -> Selection:
+        extra = np.setdiff1d(state.anchors.get(layer, np.empty(0, dtype=np.int64)), base)[:room]
+        return np.union1d(base, extra) if room > 0 else base
+
+
+class AttentionEntropy(Policy):
+    name = "attention_entropy"
+    probes_prompt = True
+    graphable = True
+    resizes_window = True
+
+    def _pick(
+        self,
+        state: SelectionState,
+        cfg: HbfConfig,
+        layer: int,
+        q: torch.Tensor,
+        digests: torch.Tensor,
+        num_blocks: int,
+        scale: float,
+        base: np.ndarray,
+        room: int,
+    ) -> Selection:
+        scores = block_scores(q, digests, per_head=True)  # [Hkv, nb]
+        if layer == cfg.dense_layers:
+            _track_entropy(state, scores.amax(dim=0) * scale)  # even with no room left: the window may grow
+        if room <= 0:
+            return base
+        where = torch.from_numpy(base).to(scores.device, non_blocking=True)  # no wait for the stream
+        masked = scores.clone()
+        anchors = state.head_anchors.get(layer)
+        take = min(int(room * cfg.anchor_share), anchors.shape[1]) if anchors is not None else 0
+        if anchors is not None and take:  # the prompt's anchors first (past a rewind some may lie past the end)
+            masked.scatter_(1, anchors[:, :take].clamp(max=num_blocks - 1), float("inf"))
+        masked[:, where] = float("-inf")
+        top = torch.topk(masked, min(room, num_blocks - len(base)), dim=-1).indices  # [Hkv, room]
+        return torch.cat([where.expand(len(top), -1), top], dim=1).sort(dim=1).values
+
+    def after_step(self, state: SelectionState, cfg: HbfConfig) -> None:
+        """Count a decode step; every `resize_every` steps resize the window from the mean entropy."""
+        state.steps += 1
+        if state.steps % cfg.resize_every or not state.entropies:
+            return
+        h = float(sum(state.entropies)) / len(state.entropies)  # the one read of the device's values
+        state.entropies.clear()
+        if h < cfg.entropy_shrink_below:
+            state.window_tokens = max(cfg.window_min_tokens, state.window_tokens * 3 // 4)
+        elif h > cfg.entropy_grow_above:
+            state.window_tokens = min(cfg.window_max_tokens, state.window_tokens * 5 // 4)
+
+    select_static = staticmethod(select_static)
+
+
+POLICIES: dict[str, Policy] = {p.name: p for p in (AttentionEntropy(), Exact(), Fixed(), Layerwise())}
+
+
+def policy_named(name: str) -> Policy:
+    """The policy called `name`; `InvalidRequest` naming the known ones for any other."""
+    policy = POLICIES.get(name)
+    if policy is None:
+        raise InvalidRequest(f"unknown policy {clip(name)!r} (known: {', '.join(POLICIES)})")
+    return policy

@@ -138,7 +138,7 @@ def reference_attention(
     """Attention for every packed sequence, by gathering every block it reads from the pools (the
     new tokens' too: `fresh` and `out` are not used). q: [N, H, D] -> [N, H, D]."""
     if layer.head_tables is not None or layer.lists is not None:  # per-KV-head lists
-        from h3d.kv.triton_decode import torch_paged_decode
+        from h3d.kernels.decode import torch_paged_decode
 
         lists = layer.lists if layer.lists is not None else _head_lists(q, pools, layer)
         return torch_paged_decode(q, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), *lists, scale)
@@ -393,11 +393,11 @@ def kernel_attention(
     q: torch.Tensor, pools: Pools, layer: LayerKV, scale: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The GPU path: a decode step (one query per sequence) goes to the Triton paged kernel
-    (`h3d.kv.triton_decode`), which reads each listed block where it is, HBM or pinned DDR, with
+    (`h3d.kernels.decode`), which reads each listed block where it is, HBM or pinned DDR, with
     no gather, one list per (sequence, KV head); prefill chunks go through `paged_attention` (SDPA
     over the runs). On the CPU the kernel runs only under Triton's interpreter (the tests' twin of
     the GPU path); otherwise its torch fallback computes the same thing."""
-    from h3d.kv.triton_decode import paged_decode
+    from h3d.kernels.decode import paged_decode
 
     if not all(n == 1 for n in layer.query_lens):
         return paged_attention(q, pools, layer, scale, out)

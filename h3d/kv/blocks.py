@@ -6,7 +6,7 @@ of the DDR pool, in the SSD archive, or in several of them (`h3d.kv.pool.KVPool`
 
 - HBM has one region of slots per layer, each with its own free list: a layer's budget is fixed and
   a session's blocks of one layer tend to sit in consecutive slots, which attention reads in place.
-  Regions may differ in size (`region_sizes`): HBF's dense layers read every block every step, so
+  Regions may differ in size (`h3d.kv.sizing`): HBF's dense layers read every block every step, so
   they may be given a larger share than the layers that read a window.
 - DDR is one region shared by all layers, so that every block of one layer can be staged there at
   once when a session's KV is larger than HBM + DDR.
@@ -27,18 +27,15 @@ What must stay true (checked by `BlockManager.check_invariants`):
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NewType
 
 import numpy as np
 
 from h3d.errors import OutOfBlocks
+from h3d.kv.slots import FREE, NULL_SLOT, LayeredAllocator, SeqId, SlotAllocator
 
-SeqId = NewType("SeqId", int)
-NULL_SLOT = 0
 NONE = -1
-_FREE = -1
 
 
 class Tier(enum.IntEnum):
@@ -83,127 +80,6 @@ def first_blocks(runs: Runs, n: int) -> Runs:
     return out
 
 
-class SlotAllocator:
-    """Free list over the slots [first, first + capacity) of one pool. Owner: BlockManager.
-
-    `owner` is shared by every allocator of a pool (indexed by slot id).
-    """
-
-    def __init__(self, first: int, capacity: int, owner: np.ndarray) -> None:
-        self.first = first
-        self.capacity = capacity
-        # A stack of free slots, lowest on top: a lone session gets ascending, contiguous slots.
-        self._stack = np.arange(first + capacity - 1, first - 1, -1, dtype=np.int64)
-        self._top = capacity
-        self.owner = owner
-
-    @property
-    def num_free(self) -> int:
-        return self._top
-
-    def allocate(self, n: int, owner: SeqId) -> np.ndarray:
-        if n > self._top:
-            raise OutOfBlocks(f"KV pool exhausted: need {n} blocks, {self._top} free")
-        slots = self._stack[self._top - n : self._top][::-1].copy()
-        self._top -= n
-        self.owner[slots] = owner
-        return slots
-
-    def release(self, slots: np.ndarray) -> None:
-        slots = slots[slots > NULL_SLOT]
-        self.owner[slots] = _FREE
-        self._stack[self._top : self._top + len(slots)] = slots[::-1]
-        self._top += len(slots)
-
-    def free_slots(self) -> np.ndarray:
-        return self._stack[: self._top]
-
-
-class LayeredAllocator:
-    """One free-list stack per layer region of the HBM pool, as rows of one array, so that a step's
-    promotions and evictions over all layers are a few vectorized operations (no per-layer loop).
-    `self[layer]` is a `SlotAllocator`-like view of one region. Regions are consecutive: layer l's
-    holds `capacities[l]` slots from `first[l]`."""
-
-    def __init__(self, capacities: np.ndarray, owner: np.ndarray) -> None:
-        capacities = np.asarray(capacities, dtype=np.int64)
-        self.capacities = capacities
-        first = 1 + np.cumsum(capacities) - capacities  # [L]
-        # Row l is layer l's stack, lowest slot on top (the highest index in use); past its
-        # capacity a row is padding, never reached.
-        width = int(capacities.max(initial=0))
-        below = np.arange(width - 1, -1, -1, dtype=np.int64)[None, :] - (width - capacities)[:, None]
-        self._stack = first[:, None] + np.maximum(below, 0)
-        self._top = capacities.copy()
-        self.first = first
-        self.owner = owner
-        self._views = [_LayerView(self, layer) for layer in range(len(capacities))]
-
-    def __getitem__(self, layer: int) -> _LayerView:
-        return self._views[layer]
-
-    def __iter__(self) -> Iterator[_LayerView]:
-        return iter(self._views)
-
-    def __len__(self) -> int:
-        return len(self._views)
-
-    @property
-    def free(self) -> np.ndarray:
-        """Free slots per layer, [L] (a copy)."""
-        return self._top.copy()
-
-    def allocate_many(self, layers: np.ndarray, owner: SeqId) -> np.ndarray:
-        """One slot in each listed layer's region (`layers` sorted ascending); returns them."""
-        if not len(layers):
-            return np.empty(0, dtype=np.int64)
-        counts = np.bincount(layers, minlength=len(self._top))
-        short = np.flatnonzero(counts > self._top)
-        if len(short):
-            layer = int(short[0])
-            raise OutOfBlocks(f"KV pool exhausted: layer {layer} needs {counts[layer]} blocks, {self._top[layer]} free")
-        rank = np.arange(len(layers)) - (np.cumsum(counts) - counts)[layers]  # position within its layer
-        slots = self._stack[layers, self._top[layers] - 1 - rank]
-        self._top -= counts
-        self.owner[slots] = owner
-        return slots
-
-    def release_many(self, layers: np.ndarray, slots: np.ndarray) -> None:
-        """Give back `slots` (`layers` sorted ascending, each slot in its layer's region)."""
-        real = slots > NULL_SLOT
-        layers, slots = layers[real], slots[real]
-        if not len(slots):
-            return
-        counts = np.bincount(layers, minlength=len(self._top))
-        rank = np.arange(len(layers)) - (np.cumsum(counts) - counts)[layers]
-        self._stack[layers, self._top[layers] + counts[layers] - 1 - rank] = slots
-        self._top += counts
-        self.owner[slots] = _FREE
-
-
-class _LayerView:
-    """One layer's region of a `LayeredAllocator`, with `SlotAllocator`'s interface."""
-
-    def __init__(self, parent: LayeredAllocator, layer: int) -> None:
-        self._parent = parent
-        self._layer = layer
-        self.first = int(parent.first[layer])
-        self.capacity = int(parent.capacities[layer])
-
-    @property
-    def num_free(self) -> int:
-        return int(self._parent._top[self._layer])
-
-    def allocate(self, n: int, owner: SeqId) -> np.ndarray:
-        return self._parent.allocate_many(np.full(n, self._layer, dtype=np.int64), owner)
-
-    def release(self, slots: np.ndarray) -> None:
-        self._parent.release_many(np.full(len(slots), self._layer, dtype=np.int64), slots)
-
-    def free_slots(self) -> np.ndarray:
-        return self._parent._stack[self._layer, : self._parent._top[self._layer]]
-
-
 @dataclass(slots=True)
 class BlockTable:
     """One session's blocks per layer: block j holds tokens [j*bs, (j+1)*bs).
@@ -231,6 +107,27 @@ class BlockTable:
         hbm = self.hbm[layer, : self.num_blocks]
         return np.where(hbm >= 0, hbm, ddr_loc(self.ddr[layer, : self.num_blocks]))
 
+    def all_locations(self) -> np.ndarray:
+        """`locations` of every layer: [L, num_blocks]."""
+        hbm = self.hbm[:, : self.num_blocks]
+        return np.where(hbm >= 0, hbm, ddr_loc(self.ddr[:, : self.num_blocks]))
+
+    def archive_only(self, layer: int | None = None, upto: int | None = None) -> np.ndarray:
+        """Blocks in neither HBM nor DDR (the archive holds them): [L, n] bool, or [n] for one
+        layer; the first `upto` blocks (all of them by default)."""
+        n = self.num_blocks if upto is None else min(upto, self.num_blocks)
+        rows = slice(None) if layer is None else layer
+        return (self.hbm[rows, :n] == NONE) & (self.ddr[rows, :n] == NONE)
+
+    def copies(self) -> tuple[int, int, int]:
+        """Block copies over all layers: (in HBM, in DDR, archived)."""
+        nb = self.num_blocks
+        return (
+            int((self.hbm[:, :nb] != NONE).sum()),
+            int((self.ddr[:, :nb] != NONE).sum()),
+            int(self.archived[:, :nb].sum()),
+        )
+
 
 class BlockManager:
     """Allocates blocks for sessions' tokens and records where their bytes are."""
@@ -238,17 +135,17 @@ class BlockManager:
     def __init__(
         self, hbm_slots_per_layer: int | Sequence[int], ddr_slots: int, num_layers: int, block_size: int
     ) -> None:
-        """`hbm_slots_per_layer`: every layer's HBM region size, or one per layer (`region_sizes`)."""
+        """`hbm_slots_per_layer`: every layer's HBM region size, or one per layer (`h3d.kv.sizing`)."""
         regions = np.broadcast_to(np.asarray(hbm_slots_per_layer, dtype=np.int64), (num_layers,)).copy()
         if (regions < 1).any():
             raise ValueError("the HBM pool needs at least one slot per layer")
         self.hbm_regions = regions  # [L] slots of each layer's region
-        self.hbm_owner = np.full(1 + int(regions.sum()), _FREE, dtype=np.int64)
+        self.hbm_owner = np.full(1 + int(regions.sum()), FREE, dtype=np.int64)
         self.hbm_alloc = LayeredAllocator(regions, self.hbm_owner)
         self.hbm_block = np.zeros_like(self.hbm_owner)  # block index held by each owned HBM slot
         self.hbm_layer = np.repeat(np.arange(num_layers, dtype=np.int64), regions)  # layer of slot s + 1
         self.hbm_layer = np.concatenate(([0], self.hbm_layer))  # indexed by slot (the null slot: 0)
-        self.ddr_owner = np.full(1 + max(ddr_slots, 0), _FREE, dtype=np.int64)
+        self.ddr_owner = np.full(1 + max(ddr_slots, 0), FREE, dtype=np.int64)
         self.ddr_alloc = SlotAllocator(1, max(ddr_slots, 0), self.ddr_owner)
         self.num_layers = num_layers
         self.block_size = block_size
@@ -309,8 +206,7 @@ class BlockManager:
         hit = cache.get(layer)
         if hit is not None and hit[0] == table.version:
             return hit[1]
-        nb = table.num_blocks
-        if ((table.hbm[layer, :nb] == NONE) & (table.ddr[layer, :nb] == NONE)).any():
+        if table.archive_only(layer).any():
             raise RuntimeError(f"seq {seq} layer {layer}: a block is in neither HBM nor DDR")
         runs = runs_of(table.locations(layer))
         cache[layer] = (table.version, runs)
@@ -560,12 +456,12 @@ class BlockManager:
             ("HBM", self.hbm_owner, self.hbm_alloc),
             ("DDR", self.ddr_owner, [self.ddr_alloc]),
         ):
-            used = int((owner != _FREE).sum())
+            used = int((owner != FREE).sum())
             free = np.concatenate([a.free_slots() for a in allocs])
-            assert owner[NULL_SLOT] == _FREE, f"{name}: the null slot was handed out"
+            assert owner[NULL_SLOT] == FREE, f"{name}: the null slot was handed out"
             assert used + len(free) == len(owner) - 1, f"{name}: free + used != capacity"
             assert np.bincount(free, minlength=len(owner)).max(initial=0) <= 1, f"{name}: a slot is free twice"
-            assert not (owner[free] != _FREE).any(), f"{name}: a free slot has an owner"
+            assert not (owner[free] != FREE).any(), f"{name}: a free slot has an owner"
             for a in allocs:
                 mine = a.free_slots()
                 assert ((mine >= a.first) & (mine < a.first + a.capacity)).all(), f"{name}: slot out of region"
@@ -573,8 +469,8 @@ class BlockManager:
         seen_ddr: set[int] = set()
         for seq, table in self._tables.items():
             self._check_table(seq, table, seen_hbm, seen_ddr)
-        assert len(seen_hbm) == int((self.hbm_owner != _FREE).sum()), "a used HBM slot belongs to no table"
-        assert len(seen_ddr) == int((self.ddr_owner != _FREE).sum()), "a used DDR slot belongs to no table"
+        assert len(seen_hbm) == int((self.hbm_owner != FREE).sum()), "a used HBM slot belongs to no table"
+        assert len(seen_ddr) == int((self.ddr_owner != FREE).sum()), "a used DDR slot belongs to no table"
 
     def _check_table(self, seq: SeqId, table: BlockTable, seen_hbm: set[int], seen_ddr: set[int]) -> None:
         nb = table.num_blocks
@@ -597,14 +493,3 @@ class BlockManager:
             last = (hbm[:, -1] != NONE) | (ddr[:, -1] != NONE)
             assert last.all() or (~last & arch[:, -1]).all(), f"seq {seq}: partial block not in HBM/DDR"
         assert (table.hbm[:, nb:] == NONE).all() and (table.ddr[:, nb:] == NONE).all(), f"seq {seq}: stale slots"
-
-
-def region_sizes(total: int, num_layers: int, dense_layers: int, dense_share: float | None) -> list[int]:
-    """HBM slots per layer region for `total` slots: equal regions (`dense_share` None), or
-    `dense_share` of them split among the first `dense_layers` layers and the rest among the
-    others; every region gets at least one slot."""
-    if dense_share is None or not 0 < dense_layers < num_layers:
-        return [max(1, total // num_layers)] * num_layers
-    dense = max(1, int(total * dense_share) // dense_layers)
-    sparse = max(1, (total - dense * dense_layers) // (num_layers - dense_layers))
-    return [dense] * dense_layers + [sparse] * (num_layers - dense_layers)

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from h3d.kernels.fused import add_rms_norm, rotary
 from h3d.kv.attention import AttentionFn, StepKV, paged_attention
-from h3d.kv.triton_decode import add_rms_norm, rotary
 from h3d.model.config import ModelConfig
 from h3d.model.rope import RotaryEmbedding, apply_rotary
 

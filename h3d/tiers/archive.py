@@ -1,116 +1,66 @@
 """The SSD cold tier: a durable, checksummed, append-only archive of KV blocks.
 
 A store is one folder, owned by one process at a time (an flock on `lock`):
-- `identity.json`: the cache the blocks belong to (model fingerprint, dtype, block geometry) and the
-  format version. Opening with another identity raises ArchiveMismatch: blocks are never reused
-  across models or layouts.
-- `seg-NNNNNN.h3kv`: append-only segments of records (`h3d.tiers.codecs.pack_record`: a header
-  naming format version, codec, dtype, geometry, fingerprint, session, layer and block, a crc32
-  of header and payload, then the payload). A batch starts a new segment once the active one has
-  passed `segment_bytes`.
-- `manifest.log`: one line per change, `<crc32 hex> <json>`: `put` maps a BlockKey to its record's
-  place, `del` drops a session. Replaying it gives the live index; the last entry for a key wins.
+- `identity.json`: the cache the blocks belong to and the format version; opening with another
+  identity raises ArchiveMismatch (`h3d.tiers.identity`);
+- `seg-NNNNNN.h3kv`: append-only segments of records (`h3d.tiers.segments`);
+- `manifest.log`: one checksummed line per change, replayed into the live index at open
+  (`h3d.tiers.manifest`).
+This module is the `Archive` itself: the lock, the index, writes, reads, deletes and recovery.
 
 Write protocol (`put_many`): append the records, fsync the segment, then append the manifest lines
 and fsync the manifest (and the folder whenever a file is created). What must stay true:
 - a manifest entry only points at record bytes that were fsynced before the entry was written, so
   a block is durable exactly when `put_many` returns;
-- segment bytes no entry points at (a crash between data and manifest) are ignored, and cut off at
-  the next open; a torn manifest tail (partial or bad-crc last lines) is truncated at open; a bad
-  line followed by good ones is real corruption and refuses to open (ArchiveCorrupt);
+- what a crash leaves (segment bytes no entry points at, a torn manifest tail) is cut off at the
+  next open, as `h3d.tiers.segments` and `h3d.tiers.manifest` say;
 - `get` returns a block only after its crc matches and its header matches this archive's identity
-  and the key asked for (ArchiveCorrupt / ArchiveMismatch otherwise).
+  and the key asked for (ArchiveCorrupt / ArchiveMismatch otherwise: `identity.verify_record`).
 
 Superseded and deleted records stay in their segments until a compaction (`compact`, or
 `compact_later` on the archive's own thread: h3d.tiers.compaction) copies the live records of mostly
 dead segments into a new one, renames a rewritten manifest over the old one and deletes those
 segments, beside puts, deletes and reads. For it, two more rules: the in-memory index always says
 what the durable manifest says, and `get` opens a record's segment while holding the index lock
-(so a segment it found is still there when it reads). At open, segments no live entry points into
-are deleted (the last one excepted), and segment numbers are never reused.
+(so a segment it found is still there when it reads).
 Files are created 0600 and the folder 0700, whatever the umask (`h3d.store.files`). The live index
-is held in memory.
+is held in memory. Every write goes through `_write_all` (the compaction's copies too).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import threading
-import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from h3d.errors import H3Error
 from h3d.store.files import create_file, make_dirs, open_or_create
 from h3d.tiers import compaction
-from h3d.tiers.codecs import (
-    CODEC_IDS,
-    CODECS_BY_ID,
-    DTYPES,
-    FORMAT_VERSION,
-    Codec,
-    RecordHeader,
-    decode,
-    encode,
-    pack_record,
-    unpack_record,
+from h3d.tiers.codecs import CODEC_IDS, DTYPES, Codec, decode, encode, pack_record
+from h3d.tiers.identity import (
+    ArchiveCorrupt,
+    ArchiveError,
+    ArchiveWriteFailed,
+    BlockKey,
+    CacheIdentity,
+    check_identity,
+    describe,
+    record_header,
+    verify_record,
 )
+from h3d.tiers.manifest import del_entry, encode_lines, put_entry, replay
+from h3d.tiers.segments import Loc, fsync_dir, open_segment, segment_path, segment_sizes, trim_segments
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SEGMENT_BYTES = 256 * 2**20
-
-
-class ArchiveError(H3Error):
-    """The SSD archive cannot do what was asked (in use, closed, or a write failed)."""
-
-
-class ArchiveCorrupt(ArchiveError):
-    """Stored bytes fail their checksum or are malformed; the message names the block, file and offset.
-    `key` is the block, when one block's record is at fault (not the whole archive)."""
-
-    def __init__(self, message: str, key: BlockKey | None = None) -> None:
-        super().__init__(message)
-        self.key = key
-
-
-class ArchiveWriteFailed(ArchiveError):
-    """A write to the archive failed (a full disk, an I/O error): nothing of it counts, and the
-    archive takes no more writes until `Archive.recover` succeeds."""
-
-
-class ArchiveMismatch(ArchiveError):
-    """Stored data belongs to another cache (model, dtype, geometry, codec, format); names the field."""
-
-
-@dataclass(frozen=True, slots=True)
-class CacheIdentity:
-    """What archived blocks are only valid for. `fingerprint` identifies the model weights (hex)."""
-
-    fingerprint: str
-    dtype: str  # "fp32", "bf16" or "fp16"
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"CacheIdentity.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class BlockKey:
-    session: str
-    layer: int
-    index: int  # block index within the session's layer
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,16 +75,6 @@ class ArchiveStats:
 
 
 @dataclass(frozen=True, slots=True)
-class _Loc:
-    segment: int
-    offset: int
-    length: int
-    num_tokens: int
-    codec: Codec
-    crc: int
-
-
-@dataclass(frozen=True, slots=True)
 class _Pending:
     key: BlockKey
     record: bytes
@@ -145,24 +85,12 @@ class _Pending:
     payload_bytes: int
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_all(fd: int, data: bytes, offset: int) -> None:
     """pwrite at an explicit offset: the offsets the manifest records are the ones written."""
     view = memoryview(data)
     while view:
         done = os.pwrite(fd, view, offset)
         view, offset = view[done:], offset + done
-
-
-def _describe(key: BlockKey) -> str:
-    return f"archived block (session {key.session!r}, layer {key.layer}, block {key.index})"
 
 
 class Archive:
@@ -191,7 +119,7 @@ class Archive:
         self._dtype = DTYPES[identity.dtype]
         self._write_lock = threading.Lock()
         self._state = threading.Lock()
-        self._index: dict[str, dict[tuple[int, int], _Loc]] = {}  # session -> (layer, index) -> place
+        self._index: dict[str, dict[tuple[int, int], Loc]] = {}  # session -> (layer, index) -> place
         self._live: dict[int, int] = {}  # segment -> bytes of its records the index points at
         self._counts = [0, 0, 0, 0]  # raw_bytes, stored_bytes, records, reads
         self._closed = False
@@ -203,11 +131,11 @@ class Archive:
         self._lock_fd = self._take_lock()
         self._seg_fd = self._man_fd = -1
         try:
-            self._check_identity()
-            ends, self._man_size = self._replay()
-            self._seg_no, self._seg_size, self._next_no = self._trim_segments(ends)
+            check_identity(self.path, identity)
+            ends, self._man_size = replay(self.path, self._place, self._forget)
+            self._seg_no, self._seg_size, self._next_no = trim_segments(self.path, self._live, ends)
             self._man_fd = os.open(self.path / "manifest.log", os.O_WRONLY | os.O_CLOEXEC)
-            self._seg_fd = self._open_segment(self._seg_no)
+            self._seg_fd = open_segment(self.path, self._seg_no)
         except BaseException:
             self._close_fds()
             raise
@@ -221,77 +149,7 @@ class Archive:
             raise ArchiveError(f"KV archive {self.path} is already open (another h3d process?)") from None
         return fd
 
-    def _check_identity(self) -> None:
-        """Create identity.json, or refuse a store written for another cache."""
-        want = {"format": FORMAT_VERSION, **{f.name: getattr(self.identity, f.name) for f in fields(CacheIdentity)}}
-        file = self.path / "identity.json"
-        if not file.exists():
-            tmp = file.with_suffix(".tmp")
-            tmp.unlink(missing_ok=True)
-            fd = create_file(tmp, os.O_WRONLY)
-            try:
-                view = memoryview(json.dumps(want, indent=1).encode())
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            tmp.replace(file)
-            _fsync_dir(self.path)
-            return
-        try:
-            found = json.loads(file.read_text())
-        except (OSError, ValueError) as e:
-            raise ArchiveCorrupt(f"{file} is unreadable ({e}); delete the folder to start a new archive") from e
-        for name, expected in want.items():
-            if found.get(name) != expected:
-                raise ArchiveMismatch(
-                    f"KV archive {self.path} belongs to another cache: {name} expected {expected!r}, found "
-                    f"{found.get(name)!r}; point the archive at another folder or delete this one"
-                )
-
-    def _replay(self) -> tuple[dict[int, int], int]:
-        """Rebuild the index from manifest.log, truncating a torn tail.
-
-        -> ({segment: end of its last record}, manifest length)."""
-        file = self.path / "manifest.log"
-        if not file.exists():
-            os.close(create_file(file, os.O_WRONLY))
-            _fsync_dir(self.path)
-        ends: dict[int, int] = {}
-        good = pos = 0
-        bad_at: int | None = None
-        with open(file, "rb") as f:
-            for line in f:
-                entry = _parse_line(line)
-                if entry is None:
-                    bad_at = pos if bad_at is None else bad_at
-                elif bad_at is not None:
-                    raise ArchiveCorrupt(
-                        f"{file} is corrupt at offset {bad_at} (valid entries follow a bad one); "
-                        "delete the archive folder to start over"
-                    )
-                else:
-                    self._apply(entry, ends, file, pos)
-                    good = pos + len(line)
-                pos += len(line)
-        if bad_at is not None:
-            log.warning("KV archive %s: dropping a torn manifest tail (%d bytes at offset %d)", file, pos - good, good)
-            os.truncate(file, good)
-        return ends, good
-
-    def _apply(self, entry: dict[str, Any], ends: dict[int, int], file: Path, pos: int) -> None:
-        try:
-            if entry["op"] == "del":
-                self._forget(entry["s"])
-                return
-            loc = _Loc(entry["seg"], entry["off"], entry["len"], entry["n"], Codec(entry["c"]), entry["crc"])
-            self._place(BlockKey(entry["s"], entry["l"], entry["i"]), loc)
-            ends[loc.segment] = max(ends.get(loc.segment, 0), loc.offset + loc.length)
-        except (KeyError, ValueError, TypeError) as e:
-            raise ArchiveMismatch(f"{file} offset {pos}: manifest entry of an unknown format ({e!r})") from e
-
-    def _place(self, key: BlockKey, loc: _Loc) -> None:
+    def _place(self, key: BlockKey, loc: Loc) -> None:
         """Point the index at `loc` for `key` (under `_state`, or while opening)."""
         blocks = self._index.setdefault(key.session, {})
         old = blocks.get((key.layer, key.index))
@@ -306,57 +164,8 @@ class Archive:
             self._live[loc.segment] -= loc.length
         return len(blocks)
 
-    def _trim_segments(self, ends: dict[int, int]) -> tuple[int, int, int]:
-        """Cut bytes no entry points at (left by a crash mid-put); delete the segments no live entry
-        points into (left by a compaction that stopped before its deletes), the last one excepted.
-        `ends`: each segment any entry names -> the end of its last record.
-        -> (active segment, its size, the next unused segment number)."""
-        (self.path / "manifest.tmp").unlink(missing_ok=True)  # a compaction's, never renamed into place
-        sizes = self._segment_sizes()
-        live = {n for n, b in self._live.items() if b > 0}
-        last = max([*sizes, *live], default=1)
-        dead = [n for n in sizes if n not in live and n != last]
-        for n in dead:
-            self._seg_path(n).unlink()
-            self._live.pop(n, None)
-            del sizes[n]
-        if dead:
-            log.info("KV archive %s: deleted %d segments that held no live record", self.path, len(dead))
-            _fsync_dir(self.path)
-        for n, size in sizes.items():
-            end = ends.get(n, 0)
-            if size > end:
-                log.warning(
-                    "KV archive %s: ignoring %d uncommitted bytes at offset %d", self._seg_path(n), size - end, end
-                )
-                os.truncate(self._seg_path(n), end)
-        next_no = max([last, *ends]) + 1  # numbers the manifest still names are never reused
-        if sizes.get(last, 0) < ends.get(last, 0):  # committed bytes went missing: never append after a hole
-            log.warning("KV archive %s: segment %d is shorter than its manifest says", self.path, last)
-            return next_no, 0, next_no + 1
-        return last, ends.get(last, 0), next_no
-
-    def _segment_sizes(self) -> dict[int, int]:
-        """Segment number -> its size on disk, for the segments there now."""
-        sizes = {}
-        for p in self.path.glob("seg-*.h3kv"):
-            if p.stem[4:].isdigit():
-                with contextlib.suppress(FileNotFoundError):  # deleted by a compaction meanwhile
-                    sizes[int(p.stem[4:])] = p.stat().st_size
-        return sizes
-
     def _seg_path(self, n: int) -> Path:
-        return self.path / f"seg-{n:06d}.h3kv"
-
-    def _open_segment(self, n: int) -> int:
-        fd, created = open_or_create(self._seg_path(n), os.O_WRONLY)
-        if created:
-            try:
-                _fsync_dir(self.path)
-            except BaseException:
-                os.close(fd)
-                raise
-        return fd
+        return segment_path(self.path, n)
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
@@ -385,7 +194,7 @@ class Archive:
             os.fsync(self._seg_fd)
             os.ftruncate(self._man_fd, self._man_size)
             os.fsync(self._man_fd)
-            _fsync_dir(self.path)  # a manifest renamed into place by a compaction whose folder fsync failed
+            fsync_dir(self.path)  # a manifest renamed into place by a compaction whose folder fsync failed
             self._broken = None
 
     def codec_for(self, layer: int) -> Codec:
@@ -402,7 +211,7 @@ class Archive:
             return
         with self._writing():
             locs = self._append_records(pending)
-            self._append_manifest([_put_entry(p.key, loc) for p, loc in zip(pending, locs, strict=True)])
+            self._append_manifest([put_entry(p.key, loc) for p, loc in zip(pending, locs, strict=True)])
             with self._state:
                 for p, loc in zip(pending, locs, strict=True):
                     self._place(p.key, loc)
@@ -410,41 +219,33 @@ class Archive:
                     self._counts[1] += p.payload_bytes
                 self._counts[2] += len(pending)
 
-    def _header(self, key: BlockKey, num_tokens: int, codec_id: int) -> RecordHeader:
-        """The header a record of `key` must carry in this archive (the reader compares all fields)."""
-        i = self.identity
-        return RecordHeader(
-            FORMAT_VERSION, codec_id, i.dtype, i.fingerprint, i.block_size, i.num_kv_heads, i.head_dim,
-            key.session, key.layer, key.index, num_tokens,
-        )  # fmt: skip
-
     def _pack_record(self, key: BlockKey, k: torch.Tensor, v: torch.Tensor) -> _Pending:
         ident = self.identity
         n = k.shape[1] if k.dim() == 3 else -1
         shape = (ident.num_kv_heads, n, ident.head_dim)
         if tuple(k.shape) != shape or tuple(v.shape) != shape or not 1 <= n <= ident.block_size:
-            raise ValueError(f"{_describe(key)}: k, v must be {list(shape)} with 1 <= n <= {ident.block_size}")
+            raise ValueError(f"{describe(key)}: k, v must be {list(shape)} with 1 <= n <= {ident.block_size}")
         if k.dtype != self._dtype or v.dtype != self._dtype:
-            raise ValueError(f"{_describe(key)}: dtype must be {self._dtype}, got {k.dtype}, {v.dtype}")
+            raise ValueError(f"{describe(key)}: dtype must be {self._dtype}, got {k.dtype}, {v.dtype}")
         codec = self.codec_for(key.layer)
         payload = encode(codec, k, v)
-        record, crc = pack_record(self._header(key, n, CODEC_IDS[codec]), payload)
+        record, crc = pack_record(record_header(ident, key, n, CODEC_IDS[codec]), payload)
         return _Pending(key, record, n, codec, crc, 2 * k.numel() * k.element_size(), len(payload))
 
     def _rotate(self) -> None:
         """Start the next segment (the new file first: a failure leaves the active one open)."""
-        fd = self._open_segment(self._next_no)
+        fd = open_segment(self.path, self._next_no)
         os.close(self._seg_fd)
         self._seg_no, self._seg_size, self._seg_fd = self._next_no, 0, fd
         self._next_no += 1
 
-    def _append_records(self, pending: list[_Pending]) -> list[_Loc]:
+    def _append_records(self, pending: list[_Pending]) -> list[Loc]:
         """Append one batch to the active segment (never split across two) and fsync it."""
         if self._seg_size >= self._segment_bytes:
             self._rotate()
         locs, offset = [], self._seg_size
         for p in pending:
-            locs.append(_Loc(self._seg_no, offset, len(p.record), p.num_tokens, p.codec, p.crc))
+            locs.append(Loc(self._seg_no, offset, len(p.record), p.num_tokens, p.codec, p.crc))
             offset += len(p.record)
         _write_all(self._seg_fd, b"".join(p.record for p in pending), self._seg_size)
         os.fsync(self._seg_fd)
@@ -452,7 +253,7 @@ class Archive:
         return locs
 
     def _append_manifest(self, entries: list[dict[str, Any]]) -> None:
-        data = _manifest_lines(entries)
+        data = encode_lines(entries)
         _write_all(self._man_fd, data, self._man_size)
         os.fsync(self._man_fd)
         self._man_size += len(data)  # only once durable: `recover` cuts back to it
@@ -464,7 +265,7 @@ class Archive:
                 n = len(self._index.get(session, {}))
             if n == 0:
                 return 0
-            self._append_manifest([{"op": "del", "s": session}])
+            self._append_manifest([del_entry(session)])
             with self._state:
                 self._forget(session)
             return n
@@ -476,7 +277,7 @@ class Archive:
 
     def disk_bytes(self) -> int:
         """Bytes the segments take on disk."""
-        return sum(self._segment_sizes().values())
+        return sum(segment_sizes(self.path).values())
 
     def compact(self, keep_ratio: float = 0.5) -> int:
         """Reclaim the space of dead records (superseded or deleted) in the segments less than
@@ -484,11 +285,11 @@ class Archive:
         (`h3d.tiers.compaction.compact` says how). Returns the bytes freed on disk."""
         return compaction.compact(self, keep_ratio)
 
-    def _rewrite_manifest(self, entries: list[dict[str, Any]], moved: list[tuple[BlockKey, _Loc]]) -> None:
+    def _rewrite_manifest(self, entries: list[dict[str, Any]], moved: list[tuple[BlockKey, Loc]]) -> None:
         """Switch to a manifest of `entries` (fsynced first, then renamed over the old one) and point
         the index at the `moved` records' new places at once: from the rename on, the index, the
         appends and the file at manifest.log are the new ones, even if the folder's fsync fails."""
-        data = _manifest_lines(entries)
+        data = encode_lines(entries)
         tmp = self.path / "manifest.tmp"
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -506,7 +307,7 @@ class Archive:
                 self._place(key, loc)
         with contextlib.suppress(OSError):
             os.close(old)
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
 
     def compact_later(self, keep_ratio: float | None = None) -> None:
         """Ask for a compaction on the archive's own thread; returns at once. `keep_ratio`:
@@ -547,45 +348,22 @@ class Archive:
             try:
                 fd = os.open(seg, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as e:
-                raise ArchiveCorrupt(f"{_describe(key)} cannot be read from {where}: {e}", key) from e
+                raise ArchiveCorrupt(f"{describe(key)} cannot be read from {where}: {e}", key) from e
         try:
             data = os.pread(fd, loc.length, loc.offset)
         except OSError as e:
-            raise ArchiveCorrupt(f"{_describe(key)} cannot be read from {where}: {e}", key) from e
+            raise ArchiveCorrupt(f"{describe(key)} cannot be read from {where}: {e}", key) from e
         finally:
             os.close(fd)
-        codec, payload = self._verify(key, loc, data, where)
+        codec, payload = verify_record(self.identity, self.codec_for(key.layer), key, loc, data, where)
         ident = self.identity
         try:
             k, v = decode(codec, payload, self._dtype, ident.num_kv_heads, loc.num_tokens, ident.head_dim)
         except ValueError as e:
-            raise ArchiveCorrupt(f"{_describe(key)} in {where} does not decode: {e}", key) from e
+            raise ArchiveCorrupt(f"{describe(key)} in {where} does not decode: {e}", key) from e
         with self._state:
             self._counts[3] += 1
         return k, v
-
-    def _verify(self, key: BlockKey, loc: _Loc, data: bytes, where: str) -> tuple[Codec, memoryview]:
-        """Check the record's crc, then that it is the block asked for, of this cache. -> (codec, payload)."""
-        try:
-            if len(data) != loc.length:
-                raise ValueError(f"record is truncated ({len(data)} of {loc.length} bytes)")
-            found, crc, payload = unpack_record(data)
-            if crc != loc.crc:
-                raise ValueError("checksum differs from the manifest's")
-        except ValueError as e:
-            raise ArchiveCorrupt(f"{_describe(key)} is corrupt: {e}, in {where}", key) from e
-        want = self._header(key, loc.num_tokens, found.codec_id)
-        for f in fields(RecordHeader):
-            expected, got = getattr(want, f.name), getattr(found, f.name)
-            if expected != got:
-                raise ArchiveMismatch(f"{_describe(key)} in {where}: {f.name} expected {expected!r}, found {got!r}")
-        codec, want_codec = CODECS_BY_ID.get(found.codec_id), self.codec_for(key.layer)
-        if codec is None or not (codec is want_codec or codec.lossless):
-            name = codec.value if codec else f"id {found.codec_id}"
-            raise ArchiveMismatch(
-                f"{_describe(key)} in {where}: codec expected {want_codec.value} (or lossless), found {name}"
-            )
-        return codec, payload
 
     def stats(self) -> ArchiveStats:
         with self._state:
@@ -624,33 +402,3 @@ class Archive:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _manifest_lines(entries: list[dict[str, Any]]) -> bytes:
-    """Manifest lines: the crc32 of the JSON body in 8 hex digits, a space, the body."""
-    out = []
-    for entry in entries:
-        body = json.dumps(entry, separators=(",", ":")).encode()
-        out.append(b"%08x %s\n" % (zlib.crc32(body), body))
-    return b"".join(out)
-
-
-def _put_entry(key: BlockKey, loc: _Loc) -> dict[str, Any]:
-    return {
-        "op": "put", "s": key.session, "l": key.layer, "i": key.index, "seg": loc.segment, "off": loc.offset,
-        "len": loc.length, "n": loc.num_tokens, "c": loc.codec.value, "crc": loc.crc,
-    }  # fmt: skip
-
-
-def _parse_line(line: bytes) -> dict[str, Any] | None:
-    """A manifest line -> its entry, or None if torn or garbled."""
-    if len(line) < 11 or not line.endswith(b"\n") or line[8:9] != b" ":
-        return None
-    body = line[9:-1]
-    try:
-        if int(line[:8], 16) != zlib.crc32(body):
-            return None
-        entry = json.loads(body)
-    except ValueError:
-        return None
-    return entry if isinstance(entry, dict) else None

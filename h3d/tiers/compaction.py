@@ -43,16 +43,19 @@ from typing import TYPE_CHECKING
 
 from h3d.store.files import create_file
 from h3d.tiers import archive as store
+from h3d.tiers.identity import ArchiveCorrupt, BlockKey, describe
+from h3d.tiers.manifest import put_entry
+from h3d.tiers.segments import Loc, fsync_dir, segment_sizes
 
 if TYPE_CHECKING:
-    from h3d.tiers.archive import Archive, BlockKey, _Loc
+    from h3d.tiers.archive import Archive
 
 log = logging.getLogger(__name__)
 
 RECLAIM_KEEP_RATIO = 0.75
 COPY_CHUNK_BYTES = 8 * 2**20  # the copies are written in pieces of about this size
 
-Plan = tuple[list[int], list[tuple["BlockKey", "_Loc"]], int | None, dict[int, int]]
+Plan = tuple[list[int], list[tuple[BlockKey, Loc]], int | None, dict[int, int]]
 
 
 def compact(a: Archive, keep_ratio: float) -> int:
@@ -80,8 +83,8 @@ def compact(a: Archive, keep_ratio: float) -> int:
                     now = {key: new for key, new in moved}
                     for s, blocks in a._index.items():
                         for li, loc in blocks.items():
-                            key = store.BlockKey(s, li[0], li[1])
-                            entries.append(store._put_entry(key, now.get(key, loc)))
+                            key = BlockKey(s, li[0], li[1])
+                            entries.append(put_entry(key, now.get(key, loc)))
                 if moved:
                     a._rewrite_manifest(entries, moved)
                 with a._state:
@@ -91,7 +94,7 @@ def compact(a: Archive, keep_ratio: float) -> int:
                 with a._state:
                     for n in gone:
                         a._live.pop(n, None)
-                store._fsync_dir(a.path)
+                fsync_dir(a.path)
         except BaseException:
             if target is not None:
                 _drop_unnamed(a, target)
@@ -117,14 +120,14 @@ def _drop_unnamed(a: Archive, target: int) -> None:
 def _plan(a: Archive, keep_ratio: float) -> Plan | None:
     """Phase 1: (victims, their live records in file order, the copies' segment or None, segment sizes)."""
     with a._writing():  # the index changes only under this lock: read here without `_state`
-        sizes = a._segment_sizes()
+        sizes = segment_sizes(a.path)
         victims = sorted(
             n for n, size in sizes.items()
             if (size and a._live.get(n, 0) < keep_ratio * size) or (not a._live.get(n, 0) and n != a._seg_no)
         )  # fmt: skip
         chosen = set(victims)
         moving = sorted(
-            ((store.BlockKey(s, li[0], li[1]), loc) for s, blocks in a._index.items()
+            ((BlockKey(s, li[0], li[1]), loc) for s, blocks in a._index.items()
              for li, loc in blocks.items() if loc.segment in chosen),
             key=lambda m: (m[1].segment, m[1].offset),
         )  # fmt: skip
@@ -138,13 +141,13 @@ def _plan(a: Archive, keep_ratio: float) -> Plan | None:
         return victims, moving, target, sizes
 
 
-def _copy_records(a: Archive, moving: list[tuple[BlockKey, _Loc]], target: int) -> list[_Loc] | None:
+def _copy_records(a: Archive, moving: list[tuple[BlockKey, Loc]], target: int) -> list[Loc] | None:
     """Phase 2: the records into the new segment `target`, fsynced. -> their new places, in order;
     None if `close` stopped it."""
     fd = create_file(a._seg_path(target), os.O_WRONLY)
     sources: dict[int, int] = {}
     try:
-        copies: list[_Loc] = []
+        copies: list[Loc] = []
         chunk: list[bytes] = []
         offset = flushed = 0
         for key, loc in moving:
@@ -154,12 +157,12 @@ def _copy_records(a: Archive, moving: list[tuple[BlockKey, _Loc]], target: int) 
                 sources[loc.segment] = os.open(a._seg_path(loc.segment), os.O_RDONLY | os.O_CLOEXEC)
             data = os.pread(sources[loc.segment], loc.length, loc.offset)
             if len(data) != loc.length:
-                raise store.ArchiveCorrupt(
-                    f"{store._describe(key)}: {a._seg_path(loc.segment)} is shorter than the manifest says; "
+                raise ArchiveCorrupt(
+                    f"{describe(key)}: {a._seg_path(loc.segment)} is shorter than the manifest says; "
                     "compaction stopped", key,
                 )  # fmt: skip
             chunk.append(data)
-            copies.append(store._Loc(target, offset, loc.length, loc.num_tokens, loc.codec, loc.crc))
+            copies.append(Loc(target, offset, loc.length, loc.num_tokens, loc.codec, loc.crc))
             offset += loc.length
             if offset - flushed >= COPY_CHUNK_BYTES:
                 store._write_all(fd, b"".join(chunk), flushed)
@@ -170,7 +173,7 @@ def _copy_records(a: Archive, moving: list[tuple[BlockKey, _Loc]], target: int) 
         os.close(fd)
         for src in sources.values():
             os.close(src)
-    store._fsync_dir(a.path)  # the new file's name is durable before any manifest names it
+    fsync_dir(a.path)  # the new file's name is durable before any manifest names it
     return copies
 
 

@@ -1,7 +1,7 @@
 """The mover: the only code that copies KV bytes between the HBM pool, the DDR pool and the archive.
 
 - HBM <-> DDR: one call moves a batch of blocks. On CUDA it is one kernel launch
-  (`h3d.kv.triton_decode.copy_blocks`: each program reads a block where it lives, pinned DDR over
+  (`h3d.kernels.copies.copy_blocks`: each program reads a block where it lives, pinned DDR over
   PCIe included, and writes it where it goes: no gather on the host, no staging copy) on a
   dedicated stream, and the compute stream waits on it (an event), so copies overlap whatever the
   host does next; on the CPU the same calls are plain tensor copies.
@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from h3d.kernels.copies import copy_blocks
 from h3d.kv.pool import KVPool
-from h3d.kv.triton_decode import copy_blocks
-from h3d.tiers.archive import Archive, BlockKey
+from h3d.tiers.archive import Archive
+from h3d.tiers.identity import BlockKey
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from h3d.kv import triton_decode
+from h3d.kernels import loader
 
 TILE = 64  # blocks per `scores` program
 
@@ -45,24 +45,14 @@ tl: Any = None
 
 
 def available(device: torch.device) -> bool:
-    return triton_decode._triton_installed() and (device.type == "cuda" or triton_decode._interpreting())
+    """Whether the selection kernels run on `device` (else its caller runs the twin, `select_static`)."""
+    return loader.runs_on(device)
 
 
 @cache
 def _kernels() -> SimpleNamespace:
-    global triton, tl
-    base = triton_decode._kernels()  # imports Triton (and checks the interpreter's mode)
-    import triton as triton_module
-    import triton.language as tl_module
-
-    triton, tl = triton_module, tl_module
-    return SimpleNamespace(
-        scores=triton.jit(_scores_kernel),
-        lists=triton.jit(_lists_kernel),
-        top=triton.jit(_top_kernel),
-        fold=triton.jit(_fold_kernel),
-        base=base,
-    )
+    """Decorate the four selection kernels, once."""
+    return loader.jit(globals(), scores=_scores_kernel, lists=_lists_kernel, top=_top_kernel, fold=_fold_kernel)
 
 
 def scores(
@@ -93,7 +83,7 @@ def scores(
         SINKS=sinks, RECENT=recent, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, P=parts, TILE=TILE,
         A_PAD=max(16, triton.next_power_of_2(max(a, 1))), RAW=raw is not None,
         PRECISION="ieee" if digests.dtype == torch.float32 else "tf32",
-        DOT=triton_decode._dot_dtype(k.base, digests.dtype),
+        DOT=loader.dot_dtype(digests.dtype),
     )  # fmt: skip
     return out
 
@@ -153,7 +143,7 @@ def fold(digests: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, part_tokens:
     )  # fmt: skip
 
 
-# ---- the kernels (decorated at the first launch, as in h3d.kv.triton_decode) ----------------------
+# ---- the kernels (decorated at the first launch: h3d.kernels.loader.jit) ------------------------
 
 
 def _scores_kernel(  # type: ignore[no-untyped-def]

@@ -36,7 +36,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from h3d.kv import triton_decode as T
+from h3d.hbf.policy import policy_named
+from h3d.kernels import decode, loader
+from h3d.kernels.copies import copy_blocks, paged_write
+from h3d.kernels.fused import add_rms_norm, rotary
 
 NUM_SLOTS = (12, 15)  # HBM, DDR (different, so that the slabs' strides differ); slot 0 is poison
 
@@ -115,13 +118,13 @@ def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
     def nan_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(T, "_empty", nan_empty)
+    monkeypatch.setattr(decode, "_empty", nan_empty)
 
 
 def check_kernel(case: Case, block_split: int | None) -> None:
     q = case[0]
     scale = q.shape[-1] ** -0.5
-    got = T.paged_decode(*case, scale, block_split=block_split)
+    got = decode.paged_decode(*case, scale, block_split=block_split)
     assert got.shape == q.shape and got.dtype == q.dtype
     assert not torch.isnan(got).any(), "the kernels left an output unwritten or read a poisoned byte"
     err = rel_err(got, oracle(case, scale))
@@ -164,7 +167,7 @@ def test_kernel_single_block(block_split: int | None) -> None:
 def test_torch_path_matches_oracle(dtype: torch.dtype, group: int) -> None:
     case = make_case(3, 2, group, 32, 16, 6, dtype, seed=100 + group)
     scale = case[0].shape[-1] ** -0.5
-    got = T.torch_paged_decode(*case, scale)
+    got = decode.torch_paged_decode(*case, scale)
     assert got.dtype == dtype and not torch.isnan(got).any()
     assert rel_err(got, oracle(case, scale)) < TOL[dtype]
 
@@ -172,31 +175,31 @@ def test_torch_path_matches_oracle(dtype: torch.dtype, group: int) -> None:
 def test_cpu_without_interpreter_takes_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     case = make_case(2, 2, 4, 32, 16, 4, torch.float32, seed=3)
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert torch.equal(T.paged_decode(*case, 0.2), T.torch_paged_decode(*case, 0.2))
+    assert torch.equal(decode.paged_decode(*case, 0.2), decode.torch_paged_decode(*case, 0.2))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(T, "_triton_installed", lambda: False)  # as on a host without Triton
-    assert not T.triton_available()
-    assert torch.equal(T.paged_decode(*case, 0.2), T.torch_paged_decode(*case, 0.2))
+    monkeypatch.setattr(loader, "triton_installed", lambda: False)  # as on a host without Triton
+    assert not loader.triton_available()
+    assert torch.equal(decode.paged_decode(*case, 0.2), decode.torch_paged_decode(*case, 0.2))
 
 
 def test_split_choice() -> None:
     cpu = torch.device("cpu")
     # 4 "SMs" off CUDA: at most 16 programs; a multiple of CHUNK = 4 blocks (bs 16), covering W.
-    assert T.choose_block_split(b=1, hkv=1, w=64, bs=16, device=cpu) == 4
-    assert T.choose_block_split(b=3, hkv=2, w=6, bs=16, device=cpu) == 4  # 2 splits: the "auto" case above
-    assert T.choose_block_split(b=8, hkv=2, w=64, bs=16, device=cpu) == 64  # wide batch: one split
-    assert T.choose_block_split(b=1, hkv=1, w=3, bs=16, device=cpu) == 4  # at least one chunk
-    assert T.choose_block_split(b=1, hkv=1, w=5, bs=64, device=cpu) == 1
+    assert decode.choose_block_split(b=1, hkv=1, w=64, bs=16, device=cpu) == 4
+    assert decode.choose_block_split(b=3, hkv=2, w=6, bs=16, device=cpu) == 4  # 2 splits: the "auto" case above
+    assert decode.choose_block_split(b=8, hkv=2, w=64, bs=16, device=cpu) == 64  # wide batch: one split
+    assert decode.choose_block_split(b=1, hkv=1, w=3, bs=16, device=cpu) == 4  # at least one chunk
+    assert decode.choose_block_split(b=1, hkv=1, w=5, bs=64, device=cpu) == 1
 
 
 def test_rejects_bad_shapes() -> None:
-    assert T.triton_available()
+    assert loader.triton_available()
     q, kp, vp, tables, nblocks, tail = make_case(1, 1, 1, 32, 16, 2, torch.float32, seed=0)
     odd = tuple(p[:, :, :12] for p in kp)  # block size 12
     with pytest.raises(ValueError, match="block size"):
-        T.paged_decode(q, odd, odd, tables, nblocks, tail, 1.0)
+        decode.paged_decode(q, odd, odd, tables, nblocks, tail, 1.0)
     with pytest.raises(ValueError, match="does not fit"):
-        T.paged_decode(torch.randn(1, 1, 64), kp, vp, tables, nblocks, tail, 1.0)
+        decode.paged_decode(torch.randn(1, 1, 64), kp, vp, tables, nblocks, tail, 1.0)
 
 
 # ---- the engine on the kernel path (the GPU's decode, here under the interpreter) ---------------
@@ -291,7 +294,7 @@ def test_decode_graph_buckets_equal_the_eager_path(checkpoint: Callable[[str], P
         runner.graphs.enabled = graphs
         out = []
         for i, ids in enumerate(prompts):
-            runner.open(SeqId(i))
+            runner.kv.open(SeqId(i))
             runner.execute([Chunk(SeqId(i), tuple(ids), 0, False)])
         pos = [len(ids) for ids in prompts]
         for step in range(12):
@@ -323,16 +326,16 @@ def test_hbf_decode_graph_equals_the_eager_path(
     (each new one runs eagerly once), windows that shrink every 16 steps (another top-k capacity).
     With the picks promoted during the next step (`lag`, the GPU default) the blocks sit elsewhere
     for a step: the same logits, the same picks promoted one step later, as many blocks read.
-    Selection through the kernels (`h3d.hbf.kernels`, `fused`) or their torch twin."""
+    Selection through the kernels (`h3d.kernels.select`, `fused`) or their torch twin."""
     import numpy as np
     from helpers import VOCAB_SIZE, make_engine, random_prompt
 
     from h3d.engine.graphs import room_bucket
     from h3d.engine.runner import Chunk
-    from h3d.hbf import kernels
+    from h3d.kernels import select
 
     if not fused:
-        monkeypatch.setattr(kernels, "available", lambda device: False)
+        monkeypatch.setattr(select, "available", lambda device: False)
     from h3d.kv.attention import kernel_attention, reference_attention
     from h3d.kv.blocks import SeqId
 
@@ -351,19 +354,19 @@ def test_hbf_decode_graph_equals_the_eager_path(
         runner.graphs.enabled = graphs
         runner.graphs.lag = lag
         for i, ids in enumerate(prompts):
-            runner.open(SeqId(i), policy="exact" if i == 3 else None)
+            runner.kv.open(SeqId(i), policy=policy_named("exact") if i == 3 else None)
             runner.execute([Chunk(SeqId(i), tuple(ids), 0, False)])  # final: HBF's anchors are probed
-        assert runner.selection[SeqId(0)].head_anchors
+        assert runner.kv.selection(SeqId(0)).head_anchors
         pos = [len(ids) for ids in prompts]
         out, picks = [], []
         calls: list[dict] = []  # every promotion's picks, in order
-        original = runner.tiers.promote
+        original = runner.kv.promoter.promote
 
         def spy(selected, protect, keep, counted=False, calls=calls, original=original):  # type: ignore[no-untyped-def]
             calls.append({s: np.unique(k) for s, k in selected.items()})  # (heads may repeat a key)
             original(selected, protect, keep, counted)
 
-        runner.tiers.promote = spy  # type: ignore[method-assign]
+        runner.kv.promoter.promote = spy  # type: ignore[method-assign]
         for step in range(40):
             batch = [0, 1, 2, 3] if step % 4 == 1 else [0] if step % 4 == 3 else [0, 1, 2]
             chunks = [Chunk(SeqId(i), ((step * 7 + i) % VOCAB_SIZE,), pos[i], True) for i in batch]
@@ -372,12 +375,12 @@ def test_hbf_decode_graph_equals_the_eager_path(
             picks.append(calls[first:])
             for i in batch:
                 pos[i] += 1
-        runner._flush_lagged()  # the last step's picks, when lagged
+        runner.kv.flush_lagged()  # the last step's picks, when lagged
         picks.append(calls[sum(len(p) for p in picks) :])
-        runner.tiers.promote = original  # type: ignore[method-assign]
+        runner.kv.promoter.promote = original  # type: ignore[method-assign]
         t = engine.tier_stats()
         assert t.ddr_hits > 0 and t.hbm_evict_count > 0  # reads from DDR, promotions that evicted
-        windows = [runner.selection[SeqId(i)].window_tokens for i in range(3)]
+        windows = [runner.kv.window_tokens(SeqId(i)) for i in range(3)]
         results.append((out, picks, (t.hbm_hits, t.hbm_misses, t.ddr_hits), windows, runner.graphs))
         engine.close()
     (graphed, g_picks, reads, windows, g), (eager, e_picks, eager_reads, e_windows, _) = results
@@ -404,14 +407,14 @@ def test_hbf_decode_graph_equals_the_eager_path(
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(("hkv", "group", "parts"), [(2, 4, 2), (1, 1, 1), (4, 8, 4)])
 def test_hbf_selection_kernels_pick_what_the_twin_picks(seed: int, hkv: int, group: int, parts: int) -> None:
-    """`h3d.hbf.kernels` (scores -> top_room -> lists) against `select_static`: the same lists per
+    """`h3d.kernels.select` (scores -> top_room -> lists) against `select_static`: the same lists per
     head (sinks first, the recent blocks last, the partial one at the end), their locations from
     the table, 0 past each list, the lengths; the raw
     bounds equal `block_scores` (past the context: -inf). Anchors past the context are clamped, a
     room below the capacity leaves the top-k's tail unused, a 70-block table spans two programs."""
-    from h3d.hbf import kernels
     from h3d.hbf.digests import block_scores
     from h3d.hbf.policy import HbfConfig, base_sizes, select_static
+    from h3d.kernels import select
 
     g = torch.Generator().manual_seed(seed)
     d, w, k = 16, 70, 16
@@ -434,17 +437,17 @@ def test_hbf_selection_kernels_pick_what_the_twin_picks(seed: int, hkv: int, gro
     digests.view(hkv, -1, 2, d)[:, live:, 1] = torch.finfo(torch.float32).min
     want = select_static(cfg, q, digests, nb, room, take, anchors, k, 1.0, bs)  # [Hkv, n_pick]
     masked = torch.empty(hkv, w)
-    kernels.scores(masked, q, digests, nb, live, take, anchors, sinks, recent, raw)
+    select.scores(masked, q, digests, nb, live, take, anchors, sinks, recent, raw)
     # The session is entry 0 of two, at batch index 2 of 3 (the other entry: lists of its own).
     entries, nbs, rooms = torch.tensor([2, 0]), torch.stack([nb, nb, nb]), torch.stack([room, room, room])
     both = torch.stack([masked, torch.zeros_like(masked)])
-    top = kernels.top_room(both, entries, rooms, k)  # [2, Hkv, k]: each row's room best, ascending
+    top = select.top_room(both, entries, rooms, k)  # [2, Hkv, k]: each row's room best, ascending
     width = sinks + k + recent + 3  # a wider row than the list: its tail is zeroed
     heads = torch.full((3, hkv, width), 99, dtype=torch.int32)
     nblocks = torch.zeros(3, hkv, dtype=torch.int32)
     picked = torch.full((2, hkv, sinks + k + recent), -7, dtype=torch.int64)
     tables = torch.stack([table, table, table]) * torch.tensor([0, 1, 1], dtype=torch.int32)[:, None]
-    kernels.lists(top, tables, entries, nbs, rooms, heads, nblocks, picked, sinks, recent)
+    select.lists(top, tables, entries, nbs, rooms, heads, nblocks, picked, sinks, recent)
     n = sinks + int(room) + recent
     assert nblocks[2].tolist() == [n] * hkv and nblocks[1].tolist() == [0] * hkv  # row 1: no entry
     got = picked[0, :, :n]  # the twin lists its top blocks best first, the kernels ascending: same sets
@@ -459,10 +462,10 @@ def test_hbf_selection_kernels_pick_what_the_twin_picks(seed: int, hkv: int, gro
 
 @pytest.mark.parametrize("seed", range(6))
 def test_top_room_kernel_takes_each_rows_best(seed: int) -> None:
-    """`h3d.hbf.kernels.top_room` writes each row's `room` highest scores' blocks (ties: the lowest
+    """`h3d.kernels.select.top_room` writes each row's `room` highest scores' blocks (ties: the lowest
     blocks), ascending, then zeros: rows with +inf (anchors), -inf (the base, past the end),
     repeated and negative values, rooms from 1 to the capacity, each entry its own batch row."""
-    from h3d.hbf import kernels
+    from h3d.kernels import select
 
     g = torch.Generator().manual_seed(seed)
     e, hkv, w, k = 2, 3, 70, 16
@@ -472,7 +475,7 @@ def test_top_room_kernel_takes_each_rows_best(seed: int) -> None:
     masked[:, :, 5] = float("inf")
     entries = torch.tensor([1, 0])
     room = torch.randint(1, k + 1, (2,), generator=g)
-    out = kernels.top_room(masked, entries, room, k)
+    out = select.top_room(masked, entries, room, k)
     for s in range(e):
         r = int(room[entries[s]])
         for h in range(hkv):
@@ -484,10 +487,10 @@ def test_top_room_kernel_takes_each_rows_best(seed: int) -> None:
 
 @pytest.mark.parametrize("pos", [0, 7, 8, 45, 63])
 def test_digest_fold_kernel_equals_the_store_update(pos: int) -> None:
-    """`h3d.hbf.kernels.fold` folds a key into the part its position falls in exactly as
+    """`h3d.kernels.select.fold` folds a key into the part its position falls in exactly as
     `DigestStore.update` does (min and max per dimension), and nothing else changes."""
-    from h3d.hbf import kernels
     from h3d.hbf.digests import DigestStore
+    from h3d.kernels import select
     from h3d.kv.blocks import SeqId
 
     g = torch.Generator().manual_seed(pos)
@@ -496,7 +499,7 @@ def test_digest_fold_kernel_equals_the_store_update(pos: int) -> None:
     store.update(seq, 1, 0, torch.randn(64, 3, 16, generator=g))
     ref = store.layer(seq, 1).clone()
     key = torch.randn(1, 3, 16, generator=g) * 3
-    kernels.fold(store.layer(seq, 1), torch.tensor([pos]), key, store.part_tokens)
+    select.fold(store.layer(seq, 1), torch.tensor([pos]), key, store.part_tokens)
     part = pos // 8
     want = ref.clone()
     want[:, part, 0] = torch.minimum(ref[:, part, 0], key[0])
@@ -520,8 +523,8 @@ def test_paged_write_stores_each_row_in_its_tier(
     k, v = qkv[:, hkv : 2 * hkv], qkv[:, 2 * hkv :]  # non-contiguous views, as in the model
     rows = torch.tensor([3, -1, 5 * bs - 1, -(7 * bs)], dtype=torch.int64)  # HBM, DDR row 0, last HBM, last DDR
     if not triton:
-        monkeypatch.setattr(T, "_triton_installed", lambda: False)
-    T.paged_write(k, v, (hk, dk), (hv, dv), rows)
+        monkeypatch.setattr(loader, "triton_installed", lambda: False)
+    paged_write(k, v, (hk, dk), (hv, dv), rows)
     want = [p.clone() for p in before]
     for n, r in enumerate(rows.tolist()):
         pk, pv, row = (want[0], want[1], r) if r >= 0 else (want[2], want[3], -r - 1)
@@ -544,13 +547,13 @@ def test_copy_blocks_moves_whole_blocks_between_pools(
     hbm = [torch.randn(hkv, 6, bs, d, generator=g).to(dtype) for _ in range(2)]  # K, V
     ddr = [torch.randn(hkv, 9, bs, d, generator=g).to(dtype) for _ in range(2)]
     if not triton:
-        monkeypatch.setattr(T, "_triton_installed", lambda: False)
+        monkeypatch.setattr(loader, "triton_installed", lambda: False)
     for src, dst, a, b in ((ddr, hbm, [7, 1, 4], [2, 5, 1]), (hbm, ddr, [3, 2], [8, 0])):
         want = [x.clone() for x in dst]
         for w, x in zip(want, src, strict=True):
             for i, j in zip(a, b, strict=True):
                 w[:, j] = x[:, i]
-        T.copy_blocks((src[0], src[1]), torch.tensor(a), (dst[0], dst[1]), torch.tensor(b))
+        copy_blocks((src[0], src[1]), torch.tensor(a), (dst[0], dst[1]), torch.tensor(b))
         for got, exp in zip(dst, want, strict=True):
             torch.testing.assert_close(got, exp, rtol=0, atol=0)
 
@@ -562,9 +565,9 @@ def test_add_rms_norm_kernel_equals_the_torch_ops(dtype: torch.dtype, monkeypatc
     g = torch.Generator().manual_seed(5)
     x, res = (torch.randn(3, 200, generator=g).to(dtype) for _ in range(2))
     w = (torch.rand(200, generator=g) + 0.5).to(dtype)
-    got_sum, got_norm = T.add_rms_norm(x, res, w, 1e-5)
-    monkeypatch.setattr(T, "_triton_installed", lambda: False)
-    want_sum, want_norm = T.add_rms_norm(x, res, w, 1e-5)
+    got_sum, got_norm = add_rms_norm(x, res, w, 1e-5)
+    monkeypatch.setattr(loader, "triton_installed", lambda: False)
+    want_sum, want_norm = add_rms_norm(x, res, w, 1e-5)
     tol = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps
     torch.testing.assert_close(got_sum, want_sum, rtol=tol, atol=0.0)
     torch.testing.assert_close(got_norm.float(), want_norm.float(), rtol=2 * tol + 1e-6, atol=1e-6)
@@ -599,6 +602,6 @@ def test_rotary_kernel_equals_the_torch_ops(dtype: torch.dtype) -> None:
     # fp32: equal; bf16: within one rounding (Triton 3.6's interpreter rounds its bf16 casts
     # differently from torch; the GPU rounds to nearest even, as torch does).
     tol = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps
-    got, want = T.rotary(x, cos, sin), apply_rotary(x, cos, sin)
+    got, want = rotary(x, cos, sin), apply_rotary(x, cos, sin)
     torch.testing.assert_close(got, want, rtol=tol, atol=4 * tol)
     assert want.abs().max() > 1.0

@@ -1,0 +1,183 @@
+"""Engine state into protobuf messages, and request fields into engine values (`sampling_from`).
+
+Everything here runs on the engine thread (`EngineWorker.call`): it reads engine state, and
+`expire_pin` drops a pin whose TTL has passed whenever a session is read. What must stay true:
+a request's values are checked before the engine sees them (InvalidRequest names the field).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from h3d._proto.h3.v1 import h3_pb2 as pb
+from h3d.engine.engine import Engine
+from h3d.engine.sampling import SamplingParams
+from h3d.engine.session import FinishReason, GenerationDone, Session, SessionId
+from h3d.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from h3d.daemon.rpc import State
+
+FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+MAX_STOP_STRINGS = 16
+
+
+def residency_pb(engine: Engine, session: Session) -> pb.TierResidency:
+    r = engine.kv.residency(session.seq)
+    return pb.TierResidency(hbm_blocks=r.hbm, ddr_blocks=r.ddr, ssd_blocks=r.archived)
+
+
+def expire_pin(engine: Engine, session: Session) -> None:
+    """Drop a session's pin once its TTL has passed (checked whenever it is read, and periodically)."""
+    until = engine.kv.pinned_until(session.seq)
+    if until is not None and until <= time.time():
+        engine.set_pin(session.id, None)
+
+
+def session_pb(engine: Engine, session: Session, with_tokens: bool = False) -> pb.Session:
+    expire_pin(engine, session)
+    s = session.sampling
+    pin = engine.kv.pinned_until(session.seq)
+    out = pb.Session(
+        session_id=session.id,
+        num_tokens=len(session.tokens),
+        cached_tokens=engine.kv.cached_tokens(session.seq),
+        policy=engine.kv.policy(session.seq).name,
+        created_at=session.created_at,
+        last_used_at=session.last_used_at,
+        busy=session.busy,
+        pinned=pin is not None,
+        pinned_until=pin if pin not in (None, math.inf) else 0.0,
+        sampling=pb.SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            stop=list(s.stop),
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        ),
+        residency=residency_pb(engine, session),
+        window_tokens=engine.kv.window_tokens(session.seq),
+        closed=session.closed,
+        chat=session.chat is not None,
+        num_messages=len(session.chat.messages) + (session.chat.open_at is not None) if session.chat else 0,
+    )
+    if s.seed is not None:
+        out.sampling.seed = s.seed
+    if with_tokens:
+        out.token_ids.extend(session.tokens)
+        out.text = engine.tokenizer.decode(session.tokens)
+    return out
+
+
+def tier_stats_pb(engine: Engine) -> pb.TierStats:
+    t = engine.tier_stats()
+    p50, p99 = engine.hbf_latency_us()
+    return pb.TierStats(
+        hbm_hit_rate=t.hbm_hit_rate,
+        hbm_hits=t.hbm_hits,
+        hbm_misses=t.hbm_misses,
+        ddr_evict_count=t.ddr_evict_count,
+        hbm_evict_count=t.hbm_evict_count,
+        ssd_read_count=t.ssd_read_count,
+        ssd_write_count=t.ssd_write_count,
+        hbf_latency_us_p50=p50,
+        hbf_latency_us_p99=p99,
+        hbm_used_bytes=t.hbm_used_bytes,
+        hbm_capacity_bytes=t.hbm_capacity_bytes,
+        ddr_used_bytes=t.ddr_used_bytes,
+        ddr_capacity_bytes=t.ddr_capacity_bytes,
+        ssd_used_bytes=t.ssd_used_bytes,
+        fetch_bytes=t.fetch_bytes,
+        kv_rebuild_blocks=t.kv_rebuild_blocks,
+        ssd_degraded=t.ssd_degraded,
+        ssd_degraded_reason=engine.kv.ssd_degraded or "",
+        ssd_write_errors=t.ssd_write_errors,
+        recompute_evict_count=t.recompute_evict_count,
+    )
+
+
+def sampling_from(base: SamplingParams, msg: pb.SamplingParams, limit: int) -> SamplingParams:
+    """`base` with the fields `msg` sets, checked (max_tokens within 1..limit). A max_tokens the
+    request leaves unset (the session's or the daemon's default) is capped at the limit."""
+    over: dict[str, Any] = {}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        if msg.HasField(name):
+            over[name] = getattr(msg, name)
+    if msg.stop:
+        if len(msg.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(msg.stop)}")
+        over["stop"] = tuple(msg.stop)
+    if msg.stop_token_ids:
+        over["stop_token_ids"] = tuple(msg.stop_token_ids)
+    if msg.ignore_eos:
+        over["ignore_eos"] = True
+    params = replace(base, **over)
+    if "max_tokens" not in over:
+        params = replace(params, max_tokens=min(params.max_tokens, limit))
+    if not 1 <= params.max_tokens <= limit:
+        raise InvalidRequest(f"max_tokens must be within 1..{limit} (max_tokens_limit), got {params.max_tokens}")
+    return params.validate()  # temperatures below sampling.MIN_TEMPERATURE sample greedily
+
+
+def check_token_ids(engine: Engine, ids: list[int], field: str) -> None:
+    vocab = engine.model.config.vocab_size
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"{field}: token id {bad} is outside the vocabulary (size {vocab})")
+
+
+def summary_pb(engine: Engine, *, sid: SessionId, done: GenerationDone, ttft_s: float) -> pb.GenerateSummary:
+    residency = residency_pb(engine, engine.session(sid)) if sid in engine.sessions else pb.TierResidency()
+    return pb.GenerateSummary(
+        finish_reason=FINISH[done.finish_reason],
+        prompt_tokens=done.prompt_tokens,
+        completion_tokens=len(done.token_ids),
+        ttft_s=ttft_s,
+        tokens_per_s=done.decode_tokens_per_s,
+        residency=residency,
+        tier_stats=tier_stats_pb(engine),
+    )
+
+
+def stats_pb(state: State, engine: Engine, ids: list[SessionId]) -> pb.Stats:
+    sessions = []
+    for sid in ids:
+        session = engine.sessions.get(sid)
+        if session is None:
+            continue
+        mine = engine.kv.counters(session.seq)
+        sessions.append(
+            pb.SessionStats(
+                session_id=sid,
+                num_tokens=len(session.tokens),
+                residency=residency_pb(engine, session),
+                hbm_hit_rate=mine.hbm_hit_rate,
+                ssd_read_count=mine.ssd_read_count,
+                window_tokens=engine.kv.window_tokens(session.seq),
+            )
+        )
+    active = len(engine.requests())
+    return pb.Stats(
+        **{"global": tier_stats_pb(engine)},
+        sessions=sessions,
+        throughput=pb.Throughput(
+            tokens_per_s=state.worker.throughput(),
+            window_s=10.0,
+            generated_tokens_total=engine.counters.generated_tokens,
+            prefill_tokens_total=engine.counters.prefill_tokens,
+            active_requests=min(active, engine.config.max_batch_size),
+            queued_requests=max(active - engine.config.max_batch_size, 0),
+            sessions=len(engine.sessions),
+        ),
+        uptime_s=time.time() - state.started,
+        draining=state.draining,
+    )

@@ -1,0 +1,190 @@
+"""What both gRPC services (`h3.v1.H3`: h3d.daemon.service, `h3.v1.H3Admin`: h3d.daemon.admin)
+share: `State` and the handler table.
+
+`State` holds the worker, which caller owns which session (the event loop's map), the bound on
+streaming requests in flight and the draining flag. The handler table (`handlers`) wraps every
+method the same way: malformed messages (invalid UTF-8 is caught while parsing) become
+INVALID_ARGUMENT, `H3Error`s become their status (`h3d.daemon.status`), anything else INTERNAL with
+the traceback in the log, and every call ends in one `rpc` log event and the metrics. What must
+stay true: no traceback reaches a client; a session is seen only by its creator (or an admin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf.message import DecodeError, Message
+
+from h3d._proto.h3.v1 import h3_pb2 as pb
+from h3d.daemon.auth import Auth, Caller
+from h3d.daemon.config import DaemonConfig
+from h3d.daemon.metrics import Metrics
+from h3d.daemon.status import Draining, Overloaded, status_of
+from h3d.daemon.worker import EngineWorker
+from h3d.engine.session import SessionId
+from h3d.errors import H3Error, InvalidRequest, SessionNotFound, clip
+
+log = structlog.get_logger("h3d.rpc")
+
+SESSION_ID = re.compile(r"[0-9a-f]{32}")
+
+
+class State:
+    """What both services share: the worker, callers' sessions, backpressure and draining."""
+
+    def __init__(self, config: DaemonConfig, worker: EngineWorker, auth: Auth, metrics: Metrics) -> None:
+        self.config = config
+        self.worker = worker
+        self.auth = auth
+        self.metrics = metrics
+        self.owners: dict[SessionId, str] = {}  # the event loop's: read and written on it only
+        self.in_flight = 0  # AppendContext + Generate streams admitted
+        self.draining = False
+        self.started = time.time()
+        self.request_ids = itertools.count(1)
+
+    def accepting(self) -> None:
+        if self.draining:
+            raise Draining("the daemon is draining: it takes no new requests")
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        """Admit one streaming request, or refuse it (RESOURCE_EXHAUSTED) past the bound."""
+        if self.in_flight >= self.config.max_pending_requests:
+            raise Overloaded(
+                f"{self.in_flight} requests are in flight (max_pending_requests={self.config.max_pending_requests}); "
+                f"retry in {self.config.retry_after_ms} ms",
+                self.config.retry_after_ms,
+            )
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    def check_owner(self, caller: Caller, session_id: str) -> SessionId:
+        if not SESSION_ID.fullmatch(session_id):
+            raise InvalidRequest(f"session_id: {clip(session_id)!r} is not a session id (32 lowercase hex digits)")
+        sid = SessionId(session_id)
+        owner = self.owners.get(sid)
+        if owner is None or (owner != caller.owner and not caller.admin):
+            raise SessionNotFound(f"no session {session_id!r}")
+        return sid
+
+
+class _Malformed:
+    """What the request deserializer returns for bytes protobuf refuses (e.g. invalid UTF-8)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _parser(cls: type[Message]) -> Callable[[bytes], Message | _Malformed]:
+    def parse(data: bytes) -> Message | _Malformed:
+        try:
+            return cls.FromString(data)
+        except (DecodeError, ValueError, UnicodeDecodeError) as exc:
+            return _Malformed(str(exc) or type(exc).__name__)
+
+    return parse
+
+
+def handlers(state: State, servicer: Any, service: str, admin: bool) -> grpc.GenericRpcHandler:
+    desc = pb.DESCRIPTOR.services_by_name[service]
+    table = {}
+    for method in desc.methods:
+        req_cls = getattr(pb, method.input_type.name)
+        resp_cls = getattr(pb, method.output_type.name)
+        impl = getattr(servicer, method.name)
+        if method.server_streaming:
+            table[method.name] = grpc.unary_stream_rpc_method_handler(
+                _stream(state, impl, method.name, admin),
+                request_deserializer=_parser(req_cls),
+                response_serializer=resp_cls.SerializeToString,
+            )
+        else:
+            table[method.name] = grpc.unary_unary_rpc_method_handler(
+                _unary(state, impl, method.name, admin),
+                request_deserializer=_parser(req_cls),
+                response_serializer=resp_cls.SerializeToString,
+            )
+    return grpc.method_handlers_generic_handler(desc.full_name, table)
+
+
+def _begin(state: State, request: Any, context: Any, admin: bool) -> Caller:
+    if isinstance(request, _Malformed):
+        raise InvalidRequest(f"malformed request (it could not be parsed): {request.reason}")
+    return state.auth.caller(context.invocation_metadata(), admin)
+
+
+async def _fail(state: State, context: Any, name: str, rid: int, exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, H3Error):
+        code = status_of(exc)
+        if isinstance(exc, Overloaded):
+            context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
+        await context.abort(code, str(exc))
+    log.error("rpc_internal_error", method=name, request_id=rid, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request {rid}); the daemon's log has the details")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _unary(state: State, impl: Any, name: str, admin: bool) -> Any:
+    async def call(request: Any, context: Any) -> Any:
+        rid, t0, code = next(state.request_ids), time.perf_counter(), grpc.StatusCode.OK
+        try:
+            return await impl(request, context, _begin(state, request, context, admin))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            if _is_abort(exc):
+                raise
+            code = status_of(exc) if isinstance(exc, H3Error) else grpc.StatusCode.INTERNAL
+            await _fail(state, context, name, rid, exc)
+        finally:
+            _record(state, name, rid, request, code, t0)
+
+    return call
+
+
+def _stream(state: State, impl: Any, name: str, admin: bool) -> Any:
+    async def call(request: Any, context: Any) -> AsyncIterator[Any]:
+        rid, t0, code = next(state.request_ids), time.perf_counter(), grpc.StatusCode.OK
+        try:
+            async for item in impl(request, context, _begin(state, request, context, admin)):
+                yield item
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away: grpc.aio cancels the handler's task or closes its generator.
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            if _is_abort(exc):
+                raise
+            code = status_of(exc) if isinstance(exc, H3Error) else grpc.StatusCode.INTERNAL
+            await _fail(state, context, name, rid, exc)
+        finally:
+            _record(state, name, rid, request, code, t0)
+
+    return call
+
+
+def _is_abort(exc: BaseException) -> bool:
+    return type(exc).__name__ == "AbortError"
+
+
+def _record(state: State, name: str, rid: int, request: Any, code: grpc.StatusCode, t0: float) -> None:
+    ms = (time.perf_counter() - t0) * 1000
+    state.metrics.rpc(name, code.name, ms / 1000)
+    session_id = clip(getattr(request, "session_id", "")) or None
+    level = log.info if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED) else log.warning
+    if name in ("GetStats", "GetSession", "ListSessions", "GetConfig") and code == grpc.StatusCode.OK:
+        level = log.debug
+    level("rpc", method=name, request_id=rid, session_id=session_id, code=code.name, ms=round(ms, 2))

@@ -1,0 +1,349 @@
+"""The KV cache: the one owner of every session's KV state.
+
+For each session (`SessionKV`): its block table (residency, written by `BlockManager` only), its
+digests (`DigestStore`), its HBF selection state (`SelectionState`, with its policy object), and
+the tier bookkeeping the tier manager reads and updates (the archive name, the pin, the last use,
+the hotness ranks, the read counters). The engine and the daemon ask about a session's KV and
+change it here, through one lifecycle API (`open`, `adopt`, `truncate`, `park`, `forget`, `pin`,
+`set_policy`, `demote`, `snapshot`, `release`) and read-only queries (`residency`, `locations`,
+`archive_only`, `cached_tokens`, `counters`, `selection`); they never reach into the block tables,
+the tier manager's maps or the selection states.
+
+Below the cache: the pools (`KVPool`, bytes), the tier manager (`h3d.tiers.manager`: which block
+moves where), HBF promotion (`h3d.tiers.promotion`) and the archive behind its tier interface.
+The model runner uses them for a step; HBF picks of a step replayed as a CUDA graph reach the
+host one step late (`lagged`), and are promoted before anything else changes a table.
+
+What must stay true:
+- a session is in `sessions` exactly when it has a block table; `release` forgets every
+  structure of it in one call;
+- every truncation (a rewind, a failed step, KV dropped to be computed again, a damaged block)
+  goes through `truncate`, which keeps the digests exact: each part's min and max of its kept keys;
+- a session whose policy keeps no digests has none; one adopted from the archive or parked has
+  `stale_digests` until its next step rebuilds them;
+- only the engine's thread calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from h3d.hbf.digests import DigestStore
+from h3d.hbf.policy import HbfConfig, Policy, SelectionState, base_blocks, policy_named
+from h3d.kv.blocks import BlockManager, BlockTable, SeqId
+from h3d.kv.pool import KVPool
+from h3d.tiers import lifecycle
+from h3d.tiers.archive import Archive, ArchiveWriteFailed
+from h3d.tiers.manager import TierManager
+from h3d.tiers.promotion import Promoter
+from h3d.tiers.stats import SessionCounters, TierStats
+
+
+@dataclass(slots=True)
+class SessionKV:
+    """One session's KV state. The cache adds and removes records; the tier manager and the
+    promoter write the tier fields (`last_used`, `hotness`, `counters`)."""
+
+    seq: SeqId
+    name: str  # keys its blocks in the archive (the session id)
+    table: BlockTable
+    selection: SelectionState
+    counters: SessionCounters = field(default_factory=SessionCounters)
+    last_used: int = 0  # the tier manager's step of its last use
+    hotness: np.ndarray | None = None  # [L, width] float32 ranks (`Promoter.rank`)
+    pinned_until: float | None = None  # Unix time, inf: until unpinned; None: not pinned
+    stale_digests: bool = False  # rebuilt from its keys at its next step
+
+    @property
+    def pinned(self) -> bool:
+        """Its HBM blocks are never demoted while it is idle."""
+        return self.pinned_until is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Residency:
+    """A session's block copies per tier, over all layers."""
+
+    hbm: int
+    ddr: int
+    archived: int
+
+
+class KVCache:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        hbm_regions: int | Sequence[int],
+        ddr_slots: int,
+        block_size: int,
+        hbf: HbfConfig,
+        archive: Archive | None = None,
+        high_watermark: float = 0.85,
+        promote_bytes_per_step: int | None = None,
+    ) -> None:
+        """`hbm_regions`: every layer's HBM region in blocks, or one size per layer."""
+        self.sessions: dict[SeqId, SessionKV] = {}
+        self.blocks = BlockManager(hbm_regions, ddr_slots, num_layers, block_size)
+        shape = (block_size, num_kv_heads, head_dim, dtype)
+        self.hbm = KVPool(self.blocks.num_slots, *shape, device)
+        self.ddr = KVPool(len(self.blocks.ddr_owner), *shape, torch.device("cpu"), pin_memory=device.type == "cuda")
+        self.tiers = TierManager(self.blocks, self.hbm, self.ddr, archive, high_watermark, self.sessions, self.cut)
+        self.promoter = Promoter(self.tiers, promote_bytes_per_step)
+        self.hbf = hbf
+        self.device = device
+        self.digests = DigestStore(num_layers, num_kv_heads, head_dim, block_size, dtype, device, hbf.digest_tokens)
+        # The HBF picks of the last step replayed as a CUDA graph, not yet promoted (the runner's
+        # graphs hand them over: `DecodeGraphs.take_lagged`).
+        self.lagged: Callable[[], dict[SeqId, np.ndarray]] = dict
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size
+
+    def has(self, seq: SeqId) -> bool:
+        return seq in self.sessions
+
+    def selection(self, seq: SeqId) -> SelectionState:
+        return self.sessions[seq].selection
+
+    def policy(self, seq: SeqId) -> Policy:
+        return self.sessions[seq].selection.policy
+
+    def counters(self, seq: SeqId) -> SessionCounters:
+        return self.sessions[seq].counters
+
+    def cached_tokens(self, seq: SeqId) -> int:
+        """Tokens whose KV is written."""
+        return self.sessions[seq].table.num_tokens
+
+    def residency(self, seq: SeqId) -> Residency:
+        hbm, ddr, archived = self.sessions[seq].table.copies()
+        return Residency(hbm, ddr, archived)
+
+    def locations(self, seq: SeqId, layer: int) -> np.ndarray:
+        """Where attention reads each block of `layer`: [num_blocks] (`BlockTable.locations`)."""
+        return self.sessions[seq].table.locations(layer)
+
+    def archive_only(self, seq: SeqId) -> bool:
+        """Whether some block of `seq` is in the archive only (a step must stage it first)."""
+        return bool(self.sessions[seq].table.archive_only().any())
+
+    def window_tokens(self, seq: SeqId) -> int:
+        """The session's HBF window now (it adapts under `attention_entropy`)."""
+        return self.sessions[seq].selection.window_tokens
+
+    def stats(self) -> TierStats:
+        """The tiers' counters and occupancy (`h3d.tiers.stats`)."""
+        return self.tiers.stats()
+
+    def hbf_latency_us(self) -> tuple[float, float]:
+        """p50 and p99 of the host-side HBF planning per step (`Promoter.latency_us`)."""
+        return self.promoter.latency_us()
+
+    # ---- the archive's health (the tier manager decides; callers ask) ------------------------
+
+    @property
+    def archive(self) -> Archive | None:
+        return self.tiers.archive
+
+    @property
+    def writable(self) -> bool:
+        """Whether blocks can be archived now (an archive, not degraded)."""
+        return self.tiers.writable
+
+    @property
+    def ssd_degraded(self) -> str | None:
+        """Why the archive takes no writes now (None: it does, or there is none)."""
+        return self.tiers.ssd_degraded
+
+    def degrade(self, error: ArchiveWriteFailed) -> None:
+        self.tiers.degrade(error)
+
+    def retry_ssd(self) -> bool:
+        return self.tiers.retry_ssd()
+
+    def take_notices(self) -> list[tuple[str, dict[str, object]]]:
+        """What the tiers noted for the daemon's log (log event, fields), once."""
+        notices, self.tiers.notices = self.tiers.notices, []
+        return notices
+
+    # ---- admission ----------------------------------------------------------------------------
+
+    def admit(self, seq: SeqId, n_tokens: int) -> None:
+        """Refuse (OutOfBlocks) `n_tokens` more tokens of `seq` that the tiers cannot hold."""
+        self.tiers.admit(seq, n_tokens)
+
+    def chunk_limit(self, seq: SeqId) -> int:
+        """Most tokens of `seq` one step may write (`TierManager.chunk_limit`)."""
+        return self.tiers.chunk_limit(seq)
+
+    def count_rebuilt(self, blocks: int) -> None:
+        """Blocks (all layers) computed again: missing or damaged in the archive."""
+        self.tiers.counters.kv_rebuild_blocks += blocks
+
+    def keep(self, seq: SeqId) -> np.ndarray:
+        """Blocks of `seq` that HBF never evicts from HBM: sinks and the recent window."""
+        return base_blocks(self.sessions[seq].table.num_blocks, self.hbf, self.block_size)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def open(self, seq: SeqId, name: str | None = None, policy: Policy | None = None) -> None:
+        """An empty cache for `seq`; `name` keys its blocks in the archive (the session id;
+        `seq-N` by default); `policy`: the configured one by default."""
+        table = self.blocks.allocate(seq)
+        state = SelectionState(policy or policy_named(self.hbf.policy), self.hbf.window_tokens)
+        self.sessions[seq] = SessionKV(seq, name or f"seq-{seq}", table, state)
+
+    def pin(self, seq: SeqId, until: float | None) -> None:
+        """Keep `seq`'s HBM blocks while it is idle until the Unix time `until` (math.inf: until
+        unpinned), or no longer (None)."""
+        self.sessions[seq].pinned_until = until
+
+    def pinned_until(self, seq: SeqId) -> float | None:
+        return self.sessions[seq].pinned_until
+
+    def set_policy(self, seq: SeqId, policy: Policy) -> None:
+        """Switch `seq`'s selection policy (from its next step); digests are built where the new
+        policy keeps them and the old one did not."""
+        self.flush_lagged()
+        state = self.sessions[seq].selection
+        if policy.keeps_digests and not state.policy.keeps_digests:
+            self._rebuild_digests(seq)
+        state.policy = policy
+
+    def adopt(self, seq: SeqId, num_tokens: int) -> int:
+        """After a restart: take the KV of `seq`'s first tokens from the archive (read lazily,
+        `h3d.tiers.lifecycle.adopt`); digests follow at its first step; the blocks left to prefill again
+        are counted (`kv_rebuild_blocks`). Returns the tokens adopted."""
+        self.flush_lagged()
+        record = self.sessions[seq]
+        adopted = lifecycle.adopt(self.tiers, seq, num_tokens)
+        if adopted and record.selection.policy.keeps_digests:
+            record.stale_digests = True
+        bs = self.block_size
+        self.count_rebuilt(-(-num_tokens // bs) - -(-adopted // bs))
+        return adopted
+
+    def truncate(self, seq: SeqId, num_tokens: int) -> None:
+        """Forget `seq`'s KV past its first `num_tokens` tokens, and the cut keys' share of its
+        digests (the bounds stay those of the kept keys)."""
+        self.flush_lagged()
+        self.cut(seq, num_tokens)
+
+    @torch.inference_mode()
+    def cut(self, seq: SeqId, num_tokens: int) -> None:
+        """`truncate` within a step (a step that failed midway, KV the tier manager drops to be
+        computed again): the lagged picks wait for the step's end."""
+        record = self.sessions[seq]
+        if num_tokens >= record.table.num_tokens:
+            return
+        self.blocks.truncate(seq, num_tokens)
+        if not record.selection.policy.keeps_digests or record.stale_digests:
+            return  # no digests kept, or rebuilt at the next step
+        if num_tokens == 0:
+            self.digests.drop(seq)
+            return
+        bs = self.block_size
+
+        def tail(layer: int, start: int) -> torch.Tensor:
+            keys = self.tiers.read_keys(seq, layer, first_block=start // bs)  # [Hkv, t, D]
+            return keys[:, start % bs :].transpose(0, 1).to(self.device)
+
+        self.digests.truncate(seq, num_tokens, tail)
+
+    def rebuild_from(self, seq: SeqId, block: int) -> int:
+        """Forget `seq`'s KV from `block` on (a damaged block that could not be rewritten): its
+        next step prefills it again. Returns the blocks dropped (counted in `kv_rebuild_blocks`)."""
+        self.flush_lagged()
+        before = self.sessions[seq].table.num_blocks
+        self.cut(seq, block * self.block_size)
+        dropped = before - self.sessions[seq].table.num_blocks
+        self.count_rebuilt(dropped)
+        return dropped
+
+    def park(self, seq: SeqId) -> None:
+        """A closed session: its KV to the archive only (`h3d.tiers.lifecycle.park`), unpinned, its digests
+        dropped (rebuilt from the archive if it is reopened)."""
+        self.flush_lagged()
+        record = self.sessions[seq]
+        lifecycle.park(self.tiers, seq)
+        record.pinned_until = None
+        self.digests.drop(seq)
+        record.stale_digests = record.selection.policy.keeps_digests
+
+    def forget(self, seq: SeqId) -> int:
+        """Forget all of `seq`'s KV, its archived records too: computed again from its tokens when
+        it is used next. Returns the block copies dropped."""
+        self.flush_lagged()
+        return lifecycle.forget(self.tiers, seq)
+
+    def demote(self, seq: SeqId, to_ssd: bool) -> int:
+        """Move an idle session's blocks down now (`h3d.tiers.lifecycle.demote`); returns the copies moved."""
+        self.flush_lagged()
+        return lifecycle.demote(self.tiers, seq, to_ssd)
+
+    def snapshot(self, seq: SeqId, partial: bool = False) -> int:
+        """Archive `seq`'s blocks durably (`h3d.tiers.lifecycle.snapshot`); returns the blocks written."""
+        return lifecycle.snapshot(self.tiers, seq, partial)
+
+    def release(self, seq: SeqId, purge_archive: bool = True) -> None:
+        """Forget `seq` entirely: its table and slots, digests, HBF state, tier bookkeeping, and
+        (with `purge_archive`) its archived records."""
+        self.flush_lagged()
+        record = self.sessions.get(seq)
+        try:
+            self.tiers.release(seq, purge_archive and record is not None)
+        finally:
+            self.digests.drop(seq)
+            self.sessions.pop(seq, None)
+
+    # ---- upkeep -------------------------------------------------------------------------------
+
+    def flush_lagged(self, protect: dict[SeqId, int] | None = None) -> None:
+        """Promote the last replayed step's HBF picks, if they wait: after the next step's launch,
+        or before anything else changes the sessions' tables."""
+        lagged = self.lagged()
+        if lagged:
+            keep = {s: self.keep(s) for s in lagged}
+            self.promoter.promote(lagged, protect or {}, keep, counted=True)
+
+    def refresh_digests(self, seq: SeqId) -> None:
+        """Rebuild `seq`'s digests if they are stale (adopted or parked); may meet a damaged
+        record, and is done again at the step after its repair."""
+        record = self.sessions[seq]
+        if record.stale_digests:
+            self._rebuild_digests(seq)
+            record.stale_digests = False
+
+    @torch.inference_mode()
+    def _rebuild_digests(self, seq: SeqId) -> None:
+        """Digests of every written block of `seq`, from its K wherever it is."""
+        table = self.sessions[seq].table
+        self.digests.drop(seq)
+        if table.num_tokens == 0:
+            return
+        for layer in range(self.blocks.num_layers):
+            k = self.tiers.read_keys(seq, layer)  # [Hkv, num_tokens, D]
+            self.digests.update(seq, layer, 0, k.transpose(0, 1).to(self.device))
+
+    def check(self) -> None:
+        """Every invariant of the bookkeeping and the copies (tests switch this on)."""
+        assert set(self.sessions) == set(self.blocks.tables()), "a session without a table, or the reverse"
+        self.tiers.check()
+
+    def close(self) -> None:
+        """Finish the archive writes in flight and release the archive (its folder stays)."""
+        self.tiers.close()
+        if self.tiers.archive is not None:
+            self.tiers.archive.close()

@@ -1,0 +1,142 @@
+"""Free lists over the slots of a KV pool: one stack for DDR (`SlotAllocator`), one per layer
+region for HBM as rows of one array (`LayeredAllocator`), so that a step's promotions and
+evictions over all layers are a few vectorized operations.
+
+Owner: `h3d.kv.blocks.BlockManager` is the only caller. What must stay true: a slot is either
+free (on exactly one stack, its owner `FREE`) or owned; the null slot (0) is never handed out; a
+lone session gets ascending, contiguous slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import NewType
+
+import numpy as np
+
+from h3d.errors import OutOfBlocks
+
+SeqId = NewType("SeqId", int)  # a session's KV, as the engine numbers them
+NULL_SLOT = 0
+FREE = -1
+
+
+class SlotAllocator:
+    """Free list over the slots [first, first + capacity) of one pool. Owner: BlockManager.
+
+    `owner` is shared by every allocator of a pool (indexed by slot id).
+    """
+
+    def __init__(self, first: int, capacity: int, owner: np.ndarray) -> None:
+        self.first = first
+        self.capacity = capacity
+        # A stack of free slots, lowest on top: a lone session gets ascending, contiguous slots.
+        self._stack = np.arange(first + capacity - 1, first - 1, -1, dtype=np.int64)
+        self._top = capacity
+        self.owner = owner
+
+    @property
+    def num_free(self) -> int:
+        return self._top
+
+    def allocate(self, n: int, owner: SeqId) -> np.ndarray:
+        if n > self._top:
+            raise OutOfBlocks(f"KV pool exhausted: need {n} blocks, {self._top} free")
+        slots = self._stack[self._top - n : self._top][::-1].copy()
+        self._top -= n
+        self.owner[slots] = owner
+        return slots
+
+    def release(self, slots: np.ndarray) -> None:
+        slots = slots[slots > NULL_SLOT]
+        self.owner[slots] = FREE
+        self._stack[self._top : self._top + len(slots)] = slots[::-1]
+        self._top += len(slots)
+
+    def free_slots(self) -> np.ndarray:
+        return self._stack[: self._top]
+
+
+class LayeredAllocator:
+    """One free-list stack per layer region of the HBM pool, as rows of one array, so that a step's
+    promotions and evictions over all layers are a few vectorized operations (no per-layer loop).
+    `self[layer]` is a `SlotAllocator`-like view of one region. Regions are consecutive: layer l's
+    holds `capacities[l]` slots from `first[l]`."""
+
+    def __init__(self, capacities: np.ndarray, owner: np.ndarray) -> None:
+        capacities = np.asarray(capacities, dtype=np.int64)
+        self.capacities = capacities
+        first = 1 + np.cumsum(capacities) - capacities  # [L]
+        # Row l is layer l's stack, lowest slot on top (the highest index in use); past its
+        # capacity a row is padding, never reached.
+        width = int(capacities.max(initial=0))
+        below = np.arange(width - 1, -1, -1, dtype=np.int64)[None, :] - (width - capacities)[:, None]
+        self._stack = first[:, None] + np.maximum(below, 0)
+        self._top = capacities.copy()
+        self.first = first
+        self.owner = owner
+        self._views = [_LayerView(self, layer) for layer in range(len(capacities))]
+
+    def __getitem__(self, layer: int) -> _LayerView:
+        return self._views[layer]
+
+    def __iter__(self) -> Iterator[_LayerView]:
+        return iter(self._views)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    @property
+    def free(self) -> np.ndarray:
+        """Free slots per layer, [L] (a copy)."""
+        return self._top.copy()
+
+    def allocate_many(self, layers: np.ndarray, owner: SeqId) -> np.ndarray:
+        """One slot in each listed layer's region (`layers` sorted ascending); returns them."""
+        if not len(layers):
+            return np.empty(0, dtype=np.int64)
+        counts = np.bincount(layers, minlength=len(self._top))
+        short = np.flatnonzero(counts > self._top)
+        if len(short):
+            layer = int(short[0])
+            raise OutOfBlocks(f"KV pool exhausted: layer {layer} needs {counts[layer]} blocks, {self._top[layer]} free")
+        rank = np.arange(len(layers)) - (np.cumsum(counts) - counts)[layers]  # position within its layer
+        slots = self._stack[layers, self._top[layers] - 1 - rank]
+        self._top -= counts
+        self.owner[slots] = owner
+        return slots
+
+    def release_many(self, layers: np.ndarray, slots: np.ndarray) -> None:
+        """Give back `slots` (`layers` sorted ascending, each slot in its layer's region)."""
+        real = slots > NULL_SLOT
+        layers, slots = layers[real], slots[real]
+        if not len(slots):
+            return
+        counts = np.bincount(layers, minlength=len(self._top))
+        rank = np.arange(len(layers)) - (np.cumsum(counts) - counts)[layers]
+        self._stack[layers, self._top[layers] + counts[layers] - 1 - rank] = slots
+        self._top += counts
+        self.owner[slots] = FREE
+
+
+class _LayerView:
+    """One layer's region of a `LayeredAllocator`, with `SlotAllocator`'s interface."""
+
+    def __init__(self, parent: LayeredAllocator, layer: int) -> None:
+        self._parent = parent
+        self._layer = layer
+        self.first = int(parent.first[layer])
+        self.capacity = int(parent.capacities[layer])
+
+    @property
+    def num_free(self) -> int:
+        return int(self._parent._top[self._layer])
+
+    def allocate(self, n: int, owner: SeqId) -> np.ndarray:
+        return self._parent.allocate_many(np.full(n, self._layer, dtype=np.int64), owner)
+
+    def release(self, slots: np.ndarray) -> None:
+        self._parent.release_many(np.full(len(slots), self._layer, dtype=np.int64), slots)
+
+    def free_slots(self) -> np.ndarray:
+        return self._parent._stack[self._layer, : self._parent._top[self._layer]]

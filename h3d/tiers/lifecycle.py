@@ -1,0 +1,149 @@
+"""A session's blocks moved as a whole, between steps: demoted, archived (snapshot, park),
+forgotten, adopted after a restart. The KV cache's lifecycle calls these (`h3d.kv.cache`); the
+tier manager's primitives do the moves.
+
+What must stay true: a DDR copy is dropped only once an archive copy is durable; a parked
+session's every block, the partial last one included, is durable in the archive before its HBM
+and DDR copies go; adoption takes only a prefix whose blocks the archive holds in every layer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from h3d.errors import NoArchive, SsdDegraded
+from h3d.kv.blocks import NONE, SeqId
+from h3d.tiers.archive import ArchiveWriteFailed, BlockKey
+from h3d.tiers.manager import TierManager
+
+
+def demote(tiers: TierManager, seq: SeqId, to_ssd: bool) -> int:
+    """Move `seq`'s blocks down now (an idle session; between steps): to DDR (HBM copies
+    dropped, copied to DDR first where needed), or to the archive (every full block archived,
+    then its HBM and DDR copies dropped; the partial last block goes to DDR). Returns the block
+    copies moved or dropped."""
+    b = tiers.blocks
+    t = b.table(seq)
+    full = t.num_tokens // b.block_size
+    moved = 0
+    if to_ssd:
+        if tiers.archive is None:
+            raise NoArchive("evicting to SSD needs an archive: configure ssd_path")
+        moved += snapshot(tiers, seq)
+    for layer in range(b.num_layers):
+        idx = np.flatnonzero(t.hbm[layer, : t.num_blocks] != NONE)
+        if to_ssd:
+            idx = idx[idx >= full]  # the full ones are archived: dropped below
+        copy = idx[t.ddr[layer, idx] == NONE]
+        if len(copy) > b.ddr_free:
+            tiers.free_ddr(len(copy) - b.ddr_free, [p for p in tiers.eviction_order([seq], None) if p[0] != seq], {})
+        if len(copy):
+            slots = b.add_ddr(seq, layer, copy)
+            tiers.mover.hbm_to_ddr(t.hbm[layer, copy].copy(), slots)
+        if len(idx):
+            b.drop_hbm(seq, layer, idx)
+            tiers.counters.hbm_evict_count += len(idx)
+            moved += len(idx)
+        if to_ssd:
+            ddr = np.flatnonzero(t.ddr[layer, :full] != NONE)
+            gone = np.flatnonzero(t.hbm[layer, :full] != NONE)
+            if len(gone):
+                b.drop_hbm(seq, layer, gone)
+                tiers.counters.hbm_evict_count += len(gone)
+                moved += len(gone)
+            if len(ddr):
+                b.drop_ddr(seq, layer, ddr)
+                tiers.counters.ddr_evict_count += len(ddr)
+                moved += len(ddr)
+    return moved
+
+
+def snapshot(tiers: TierManager, seq: SeqId, partial: bool = False) -> int:
+    """Write every full block of `seq` without an archive copy to the archive, durably, from
+    wherever it is (its copies stay). With `partial` (a checkpoint before shutdown) the last,
+    partial block is written too, without being marked archived: it stays the block new
+    tokens go to, and only a restart reads that record. Returns the blocks written."""
+    if tiers.archive is None:
+        raise NoArchive("a snapshot needs an archive: configure ssd_path")
+    tiers.settle()
+    if tiers.ssd_degraded is not None and not tiers.retry_ssd():
+        raise SsdDegraded(f"the SSD tier takes no writes now: {tiers.ssd_degraded}")
+    try:
+        return _snapshot(tiers, seq, partial)
+    except ArchiveWriteFailed as e:
+        tiers.degrade(e)
+        raise SsdDegraded(f"the SSD tier takes no writes now: {e}") from e
+
+
+def _snapshot(tiers: TierManager, seq: SeqId, partial: bool) -> int:
+    b = tiers.blocks
+    t = b.table(seq)
+    full = t.num_tokens // b.block_size
+    written = 0
+    for layer in range(b.num_layers):
+        todo = np.flatnonzero(~t.archived[layer, :full])
+        for pool, slots in ((tiers.hbm, t.hbm), (tiers.ddr, t.ddr)):
+            here = todo[slots[layer, todo] != NONE]
+            if len(here):
+                keys = [BlockKey(tiers.sessions[seq].name, layer, int(j)) for j in here]
+                tiers.mover.write_now(keys, pool, slots[layer, here].copy(), [b.block_size] * len(here))
+                b.set_archived(seq, layer, here)
+                todo = todo[~np.isin(todo, here)]
+                written += len(here)
+        if partial and full < t.num_blocks:
+            pool, slot = (
+                (tiers.hbm, t.hbm[layer, full]) if t.hbm[layer, full] != NONE else (tiers.ddr, t.ddr[layer, full])
+            )
+            key = BlockKey(tiers.sessions[seq].name, layer, full)
+            tiers.mover.write_now([key], pool, np.array([slot]), [t.num_tokens - full * b.block_size])
+            written += 1
+    tiers.counters.ssd_write_count += written
+    return written
+
+
+def park(tiers: TierManager, seq: SeqId) -> int:
+    """A closed session: every block, the partial last one included, durable in the archive,
+    then every HBM and DDR copy dropped (the state a restart leaves: the next step that uses
+    it stages its blocks back). Returns the blocks written."""
+    written = snapshot(tiers, seq, partial=True)
+    b = tiers.blocks
+    t = b.table(seq)
+    if t.num_tokens % b.block_size:
+        for layer in range(b.num_layers):  # its record is current: it is the partial block's only copy now
+            b.set_archived(seq, layer, np.array([t.num_blocks - 1]))
+    b.drop_to_archive(seq)
+    return written
+
+
+def forget(tiers: TierManager, seq: SeqId) -> int:
+    """Forget all of `seq`'s KV (its archived records too): computed again from its tokens
+    when it is used next. Returns the block copies dropped."""
+    b = tiers.blocks
+    t = b.table(seq)
+    nb = t.num_blocks
+    copies = int((t.hbm[:, :nb] != NONE).sum() + (t.ddr[:, :nb] != NONE).sum())
+    tiers.truncate(seq, 0)
+    if tiers.writable:
+        assert tiers.archive is not None
+        tiers.archive.delete_session(tiers.sessions[seq].name)
+    tiers.counters.recompute_evict_count += copies
+    return copies
+
+
+def adopt(tiers: TierManager, seq: SeqId, num_tokens: int) -> int:
+    """After a restart: give `seq` the longest prefix of its first `num_tokens` tokens whose
+    blocks the archive holds in every layer (read lazily, when a step first needs them).
+    Returns the tokens adopted; the rest are to be prefilled again."""
+    if tiers.archive is None or num_tokens <= 0:
+        return 0
+    b = tiers.blocks
+    have = tiers.archive.blocks_of(tiers.sessions[seq].name)
+    done = 0
+    for j in range(b.blocks_for(num_tokens)):
+        want = min(b.block_size, num_tokens - j * b.block_size)
+        if any(have.get((layer, j)) != want for layer in range(b.num_layers)):
+            break
+        done += want
+    if done:
+        b.adopt_archived(seq, done)
+    return done

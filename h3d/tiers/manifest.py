@@ -1,0 +1,111 @@
+"""The archive's manifest log, `manifest.log`: the durable map from blocks to their records' places.
+
+One line per change, `<crc32 hex> <json>` (`encode_lines`): `put` (`put_entry`) maps a BlockKey to
+its record's place (a `Loc`), `del` (`del_entry`) drops a session. Replaying it (`replay`) gives
+the live index; the last entry for a key wins. What must stay true:
+- a torn tail (partial or bad-crc last lines) is truncated at open; a bad line followed by good
+  ones is real corruption and refuses to open (ArchiveCorrupt); an entry of an unknown format
+  refuses too (ArchiveMismatch);
+- what `encode_lines` writes, `replay` reads back as it was.
+Appending the lines, and a compaction's rewrite renamed over the file, are the archive's
+(`h3d.tiers.archive`): an entry only points at record bytes fsynced before it was written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from h3d.store.files import create_file
+from h3d.tiers.codecs import Codec
+from h3d.tiers.identity import ArchiveCorrupt, ArchiveMismatch, BlockKey
+from h3d.tiers.segments import Loc, fsync_dir
+
+log = logging.getLogger(__name__)
+
+Place = Callable[[BlockKey, Loc], None]  # point the index at a record's place
+Forget = Callable[[str], object]  # drop a session from the index
+
+
+def replay(folder: Path, place: Place, forget: Forget) -> tuple[dict[int, int], int]:
+    """Rebuild the index from `folder`'s manifest.log (created if missing) through `place` and
+    `forget`, truncating a torn tail; delete a rewritten manifest a compaction never renamed into place.
+
+    -> ({segment: end of its last record}, manifest length)."""
+    file = folder / "manifest.log"
+    if not file.exists():
+        os.close(create_file(file, os.O_WRONLY))
+        fsync_dir(folder)
+    ends: dict[int, int] = {}
+    good = pos = 0
+    bad_at: int | None = None
+    with open(file, "rb") as f:
+        for line in f:
+            entry = _parse_line(line)
+            if entry is None:
+                bad_at = pos if bad_at is None else bad_at
+            elif bad_at is not None:
+                raise ArchiveCorrupt(
+                    f"{file} is corrupt at offset {bad_at} (valid entries follow a bad one); "
+                    "delete the archive folder to start over"
+                )
+            else:
+                _apply(entry, place, forget, ends, file, pos)
+                good = pos + len(line)
+            pos += len(line)
+    if bad_at is not None:
+        log.warning("KV archive %s: dropping a torn manifest tail (%d bytes at offset %d)", file, pos - good, good)
+        os.truncate(file, good)
+    (folder / "manifest.tmp").unlink(missing_ok=True)  # a compaction's, never renamed into place
+    return ends, good
+
+
+def _apply(entry: dict[str, Any], place: Place, forget: Forget, ends: dict[int, int], file: Path, pos: int) -> None:
+    try:
+        if entry["op"] == "del":
+            forget(entry["s"])
+            return
+        loc = Loc(entry["seg"], entry["off"], entry["len"], entry["n"], Codec(entry["c"]), entry["crc"])
+        place(BlockKey(entry["s"], entry["l"], entry["i"]), loc)
+        ends[loc.segment] = max(ends.get(loc.segment, 0), loc.offset + loc.length)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ArchiveMismatch(f"{file} offset {pos}: manifest entry of an unknown format ({e!r})") from e
+
+
+def encode_lines(entries: list[dict[str, Any]]) -> bytes:
+    """Manifest lines: the crc32 of the JSON body in 8 hex digits, a space, the body."""
+    out = []
+    for entry in entries:
+        body = json.dumps(entry, separators=(",", ":")).encode()
+        out.append(b"%08x %s\n" % (zlib.crc32(body), body))
+    return b"".join(out)
+
+
+def put_entry(key: BlockKey, loc: Loc) -> dict[str, Any]:
+    return {
+        "op": "put", "s": key.session, "l": key.layer, "i": key.index, "seg": loc.segment, "off": loc.offset,
+        "len": loc.length, "n": loc.num_tokens, "c": loc.codec.value, "crc": loc.crc,
+    }  # fmt: skip
+
+
+def del_entry(session: str) -> dict[str, Any]:
+    return {"op": "del", "s": session}
+
+
+def _parse_line(line: bytes) -> dict[str, Any] | None:
+    """A manifest line -> its entry, or None if torn or garbled."""
+    if len(line) < 11 or not line.endswith(b"\n") or line[8:9] != b" ":
+        return None
+    body = line[9:-1]
+    try:
+        if int(line[:8], 16) != zlib.crc32(body):
+            return None
+        entry = json.loads(body)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) else None

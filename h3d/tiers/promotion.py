@@ -1,0 +1,307 @@
+"""HBF promotion: the blocks a step's selections read from DDR come up into HBM for the next
+step, in place of the least valuable HBM blocks by recency + hotness.
+
+A block's value (`rank`) is its count of uses decayed by `HOT_DECAY` per step, kept in the
+session's record (`SessionKV.hotness`). All layers at once: no per-layer or per-block loop
+(`python -m h3d.bench.hbf_cost` times the planning).
+
+Owner: the hotness ranks and the promotion budget; the tier manager's counters and clock are
+read and counted here, the `BlockManager` records the moves, the `Mover` copies the bytes.
+What must stay true: never evicted for a promotion are the sinks, the recent window, blocks
+written this step, the selection itself and a block being computed again; only full blocks get a
+second copy; a victim keeps a DDR copy before its HBM slot is handed over.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from h3d.kv.blocks import NONE, SeqId
+from h3d.tiers.manager import TierManager
+
+HOT_DECAY = 0.99  # per step: a use counts ~1/e after 100 steps
+RESCALE_STEPS = 4096  # HOT_DECAY ** -4096 ~ 1e18: far from float32's limit even summed over 100 uses
+LATENCY_WINDOW = 4096
+
+
+class Promoter:
+    def __init__(self, tiers: TierManager, promote_bytes_per_step: int | None = None) -> None:
+        self.tiers = tiers
+        self.blocks = tiers.blocks
+        # HBF promotions per step (all sessions), the hottest first; None: no limit (see `promote`)
+        self.promote_blocks_per_step = (
+            None if promote_bytes_per_step is None else max(1, promote_bytes_per_step // tiers.block_bytes)
+        )
+        self.head_bytes = tiers.block_bytes // tiers.hbm.k.shape[0]  # one KV head's share of a block
+        self.latencies_us: list[float] = []  # host-side HBF planning per step (promote)
+        self.rescale_steps = RESCALE_STEPS  # how often the ranks are scaled back (see _use_weight)
+        self._hot_base = 0  # the step the ranks are scaled to (see _use_weight)
+        self._marks: np.ndarray | None = None  # see _union
+        self._slot_ok: np.ndarray | None = None  # see _evict_cold
+
+    def latency_us(self) -> tuple[float, float]:
+        """p50 and p99 of the planning per step, over the last steps (0, 0 if none)."""
+        lat = sorted(self.latencies_us)
+        if not lat:
+            return 0.0, 0.0
+        return lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+
+    def count_selected(self, seq: SeqId, keys: np.ndarray, in_hbm: np.ndarray) -> None:
+        """Count a step's selection reads (`keys` as `promote` takes them, one per reading KV head)
+        where they were when the step read them (`in_hbm`, per key), for a promotion made later
+        (`promote(..., counted=True)`): the distinct blocks, those read from DDR, the heads' bytes."""
+        size = self.blocks.num_layers * self.blocks.table(seq).capacity
+        missed = keys[~in_hbm]  # a block's keys all share its residency
+        fetched = len(missed) * self.head_bytes
+        self.tiers.count_reads(seq, len(self._union(keys, size)), len(self._union(missed, size)), fetched)
+
+    def promote(
+        self,
+        selected: dict[SeqId, np.ndarray],
+        protect: dict[SeqId, int],
+        keep: dict[SeqId, np.ndarray],
+        counted: bool = False,
+    ) -> None:
+        """HBF, between steps: bring the blocks just read from DDR into HBM for the next step (the
+        selection is the prefetch guess), evicting the least valuable HBM blocks of each layer by
+        recency + hotness; never the sinks, the recent window, blocks written this step or the
+        selection itself. `selected[seq]` holds the (layer, block) pairs the step's selections
+        read, as keys `layer * table.capacity + block` (`BlockTable.capacity`), in any order and repeated
+        where several KV heads read a block; their reads are counted here (`count_reads`). All
+        layers at once: no per-layer or per-block loop. Times the decisions (`hbf_latency_us`):
+        the union of the heads' picks, the counts, the choice of victims and the table updates,
+        not the copies. `counted`: the reads were counted already (`count_selected`), as the step
+        that made them saw them.
+
+        At most `promote_blocks_per_step` blocks move per step (`promote_mb_per_step`), shared
+        equally by the sessions, each session's hottest first: a block read from DDR in place
+        costs its heads' share of it over PCIe, a promotion the whole block, and selections that
+        change from step to step would otherwise spend the link on copies read once."""
+        t0 = time.perf_counter()
+        copy_s = 0.0
+        weight = np.float32(self._use_weight())
+        limit = self.promote_blocks_per_step
+        share = None if limit is None else max(1, limit // max(1, len(selected)))
+        for seq, keys in selected.items():
+            if len(keys):
+                copy_s += self._promote_seq(seq, keys, protect, keep[seq], weight, share, counted)
+        self.latencies_us.append((time.perf_counter() - t0 - copy_s) * 1e6)
+        if len(self.latencies_us) > 2 * LATENCY_WINDOW:
+            del self.latencies_us[:-LATENCY_WINDOW]
+
+    def _union(self, keys: np.ndarray, size: int) -> np.ndarray:
+        """The distinct keys, ascending (a mark per key in a reused [size] buffer: no sort)."""
+        if self._marks is None or len(self._marks) < size:
+            self._marks = np.zeros(max(size, 2 * len(self._marks) if self._marks is not None else 0), dtype=bool)
+        marks = self._marks
+        marks[keys] = True
+        at = np.flatnonzero(marks[:size])
+        marks[at] = False  # the buffer is all False again
+        return at
+
+    def _promote_seq(
+        self,
+        seq: SeqId,
+        keys: np.ndarray,
+        protect: dict[SeqId, int],
+        keep: np.ndarray,
+        weight: np.float32,
+        limit: int | None,
+        counted: bool = False,
+    ) -> float:
+        """Count and promote one session's selected pairs (at most `limit` moves); returns the
+        seconds spent copying bytes."""
+        b = self.blocks
+        t = b.table(seq)
+        width = t.capacity
+        at = self._union(keys, b.num_layers * width)  # [n] distinct pairs, by layer then block
+        rank = self.rank(seq, width).ravel()  # a view: writes land in the [L, width] array
+        rank[at] += weight  # a use (see _rank); `at` is distinct: one add each
+        in_hbm = t.hbm.ravel().take(at)  # [n] slot or NONE
+        miss = np.flatnonzero(in_hbm < 0)
+        if not counted:  # each key is one KV head's read: what crossed PCIe is its share of the block
+            head_misses = int(np.count_nonzero(t.hbm.ravel().take(keys) < 0))
+            self.tiers.count_reads(seq, len(at), len(miss), head_misses * self.head_bytes)
+        if not len(miss):
+            return 0.0
+        m_at = at.take(miss)
+        m_layers = m_at // width
+        # Only full blocks get a second copy (the partial one keeps its single home for writes),
+        # and only from DDR (a block read from DDR may have been archived and dropped since).
+        src = t.ddr.ravel().take(m_at)
+        ok = (m_at - m_layers * width < t.num_tokens // b.block_size) & (src >= 0)
+        if not ok.all():
+            m_at, m_layers, src = m_at[ok], m_layers[ok], src[ok]
+        if limit is not None and len(m_at) > limit:  # the hottest `limit`, kept in (layer, block) order
+            hottest = np.sort(np.argpartition(-rank.take(m_at), limit - 1)[:limit])
+            m_at, m_layers, src = m_at[hottest], m_layers[hottest], src[hottest]
+        m_blocks = m_at - m_layers * width
+        need = np.bincount(m_layers, minlength=b.num_layers)  # [L] missing per layer
+        free = b.hbm_alloc.free
+        short = need - free
+        if not (short > 0).any():  # room for all: no eviction
+            slots = b.add_hbm_many(seq, m_layers, m_blocks)
+            return self._copy_up(src, slots)
+        # Worth of a layer's promotion: the least rank among its missing blocks (a victim must be
+        # worth less); -inf where the layer needs no victim.
+        starts = np.cumsum(need) - need
+        has = need > 0
+        worth = np.full(b.num_layers, -np.inf, dtype=np.float32)
+        worth[has] = np.nextafter(np.minimum.reduceat(rank.take(m_at), starts[has]), np.float32(-np.inf))
+        worth[short <= 0] = -np.inf
+        v_layers, v_blocks, v_slots, copy_s = self._evict_cold(seq, short, worth, in_hbm, protect, keep)
+        self.tiers.counters.hbm_evict_count += len(v_slots)
+        if len(v_slots) == len(m_layers):
+            # A victim for every missing block (each layer got as many as it needs, in layer
+            # order): the r-th missing block takes the r-th victim's slot.
+            b.move_hbm_many(seq, v_layers, v_blocks, m_blocks, v_slots)
+            return copy_s + self._copy_up(src, v_slots)
+        # A layer's r-th missing block takes its r-th victim's slot, then a free slot, while any
+        # is left.
+        got = np.bincount(v_layers, minlength=b.num_layers)
+        within = np.arange(len(m_layers)) - starts[m_layers]
+        reuse = within < got[m_layers]
+        fresh = ~reuse & (within < (got + free)[m_layers])
+        slots = np.empty(len(m_layers), dtype=np.int64)
+        if len(v_slots):
+            b.move_hbm_many(seq, v_layers, v_blocks, m_blocks[reuse], v_slots)
+            slots[reuse] = v_slots
+        if fresh.any():
+            slots[fresh] = b.add_hbm_many(seq, m_layers[fresh], m_blocks[fresh])
+        placed = reuse | fresh
+        return copy_s + self._copy_up(src[placed], slots[placed])
+
+    def _copy_up(self, src: np.ndarray, slots: np.ndarray) -> float:
+        """DDR slots -> HBM slots (the promoted blocks' bytes); returns the seconds it took."""
+        if not len(slots):
+            return 0.0
+        self.tiers.counters.promote_count += len(slots)
+        c0 = time.perf_counter()
+        self.tiers.mover.ddr_to_hbm(src, slots)
+        return time.perf_counter() - c0
+
+    def _slot_mask(self, size: int) -> np.ndarray:
+        """A reused bool buffer of `size` + 1 entries (see `_evict_cold`)."""
+        if self._slot_ok is None or len(self._slot_ok) != size + 1:
+            self._slot_ok = np.zeros(size + 1, dtype=bool)
+        return self._slot_ok
+
+    def rank(self, seq: SeqId, width: int) -> np.ndarray:
+        """Each block's value for HBM, [L, width]: its count of uses decayed by HOT_DECAY per step
+        (recency + hotness over ~100 steps), kept scaled by HOT_DECAY ** -(now - base) so that a use
+        adds one number (`_use_weight`) and the unused blocks need no update (0: never used). The
+        partial last block is ranked too, but never promoted or evicted."""
+        record = self.tiers.sessions[seq]
+        rank = record.hotness
+        if rank is None or rank.shape[1] < width:
+            grown = np.zeros((self.blocks.num_layers, width), dtype=np.float32)
+            if rank is not None:
+                grown[:, : rank.shape[1]] = rank
+            record.hotness = rank = grown
+        return rank
+
+    def _use_weight(self) -> float:
+        """What a use adds to a block's rank this step: HOT_DECAY ** -(step - base). Every
+        `rescale_steps` the ranks are multiplied back down (float32 holds ~8,000 steps of growth)."""
+        age = self.tiers.step - self._hot_base
+        if age >= self.rescale_steps:
+            shrink = np.float32(HOT_DECAY**age)
+            for record in self.tiers.sessions.values():
+                if record.hotness is not None:
+                    record.hotness *= shrink
+            self._hot_base, age = self.tiers.step, 0
+        return float(HOT_DECAY**-age)
+
+    def _evict_cold(
+        self,
+        seq: SeqId,
+        count: np.ndarray,
+        worth: np.ndarray,
+        sel_slots: np.ndarray,
+        protect: dict[SeqId, int],
+        keep: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """Choose up to `count[l]` of the session's HBM blocks of each layer l with the lowest value,
+        only those worth at most `worth[l]` (so a selection larger than HBM does not churn it).
+        Never the selection (`sel_slots`: its blocks' HBM slots, NONE where not in HBM), `keep`,
+        blocks from `protect[seq]` on or the partial block; ties go to the lowest slot. Victims
+        without a DDR copy get one now (as many as DDR has room for); the caller hands their slots
+        over (`BlockManager.move_hbm_many`). Returns the victims' layers (sorted), blocks and HBM
+        slots, and the seconds spent copying."""
+        b = self.blocks
+        t = b.table(seq)
+        limit = min(t.num_tokens // b.block_size, protect.get(seq, t.num_blocks))
+        none = np.empty(0, dtype=np.int64)
+        if limit <= 0:
+            return none, none, none, 0.0
+        # Slot space: whether each HBM slot's block may be given up, with one spare entry at the
+        # end that NONE (-1) indexes, so that lists with NONE in them mask without a filter.
+        held = b.hbm_block  # block in each slot
+        ok = self._slot_mask(len(held))
+        np.equal(b.hbm_owner, seq, out=ok[:-1])
+        ok[:-1] &= held < limit
+        ok[sel_slots] = False
+        ok[t.hbm[:, keep].ravel()] = False
+        cand = np.flatnonzero(ok[1:-1]) + 1  # [c] slots, ascending: grouped by layer
+        rank = self.rank(seq, t.capacity)
+        c_layers = b.hbm_layer.take(cand)
+        value = rank.ravel().take(c_layers * rank.shape[1] + held.take(cand))
+        # Only blocks worth less than their layer's promotion (usually few: the sort stays small);
+        # within each layer the lowest values first (lexsort is stable: ties keep the lower slot),
+        # at most count[l] of them.
+        cheap = np.flatnonzero(value <= worth.take(c_layers))
+        if not len(cheap):
+            return none, none, none, 0.0
+        c_layers, cand, value = c_layers.take(cheap), cand.take(cheap), value.take(cheap)
+        order = np.lexsort((value, c_layers))
+        c_layers, cand = c_layers.take(order), cand.take(order)
+        per = np.bincount(c_layers, minlength=b.num_layers)
+        take = np.flatnonzero(np.arange(len(cand)) - (np.cumsum(per) - per).take(c_layers) < count.take(c_layers))
+        victims, v_layers = cand.take(take), c_layers.take(take)
+        v_blocks = held.take(victims)
+        copy = t.ddr.ravel().take(v_layers * t.ddr.shape[1] + v_blocks) < 0
+        n_copy = np.count_nonzero(copy)
+        if n_copy > b.ddr_free:
+            # No DDR room for every victim's copy: evict those with one, and as many others as fit,
+            # the least valuable first (layer by layer: the victims' order).
+            fits = ~copy | (np.cumsum(copy) <= b.ddr_free)
+            victims, v_layers, v_blocks, copy = victims[fits], v_layers[fits], v_blocks[fits], copy[fits]
+            n_copy = np.count_nonzero(copy)
+        copy_s = 0.0
+        if n_copy:
+            slots = b.add_ddr_many(seq, v_layers[copy], v_blocks[copy])
+            c0 = time.perf_counter()
+            self.tiers.mover.hbm_to_ddr(victims[copy], slots)
+            copy_s = time.perf_counter() - c0
+        return v_layers, v_blocks, victims, copy_s
+
+    def fill_hbm(self, batch: list[SeqId], protect: dict[SeqId, int]) -> None:
+        """After a step: copy the batch's full blocks that only DDR holds (staged back from the
+        archive after a restart or a reopening, or demoted while their session was idle) into free
+        HBM slots of their layers, within `promote_blocks_per_step`. Nothing is evicted for them,
+        so `exact`'s fixed resident subset stays fixed once HBM is full; blocks written this step
+        are left alone. Without this a restored session would read from DDR for good."""
+        b = self.blocks
+        free = b.hbm_alloc.free.copy()  # [L]
+        budget = self.promote_blocks_per_step or b.hbm_capacity
+        for seq in batch:
+            if budget <= 0 or not free.any():
+                return
+            t = b.table(seq)
+            full = min(t.num_tokens // b.block_size, protect.get(seq, t.num_blocks))
+            if self.tiers.rewriting is not None and self.tiers.rewriting[0] == seq:
+                full = min(full, self.tiers.rewriting[1])
+            layers = np.flatnonzero(free > 0)
+            li, blocks = np.nonzero((t.hbm[layers, :full] == NONE) & (t.ddr[layers, :full] != NONE))
+            if not len(li):
+                continue
+            lay = layers[li]  # sorted: np.nonzero walks rows first
+            within = np.arange(len(lay)) - np.searchsorted(lay, lay)  # rank within its layer
+            ok = within < free[lay]
+            lay, blocks = lay[ok][:budget], blocks[ok][:budget]
+            src = t.ddr[lay, blocks]
+            self._copy_up(src, b.add_hbm_many(seq, lay, blocks))
+            free -= np.bincount(lay, minlength=b.num_layers)
+            budget -= len(lay)
