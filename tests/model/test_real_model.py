@@ -20,7 +20,7 @@ from h3d.engine.engine import Engine
 from h3d.engine.runner import Chunk
 from h3d.engine.sampling import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = (
     "The Amazon River in South America is the largest river by discharge volume of water in the world. "
     "It flows through Peru, Colombia and Brazil before reaching the Atlantic Ocean. Its basin covers"

@@ -13,7 +13,7 @@
 - Slow: the embedded SmolLM2 on 2,000 tokens of real text, with 10% of its KV in HBM.
 
 The crash between an archive's data and manifest writes is covered by
-tests/test_archive.py::test_crash_between_data_and_manifest.
+tests/tiers/test_archive.py::test_crash_between_data_and_manifest.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from h3d.tiers.identity import ArchiveCorrupt, ArchiveError, ArchiveMismatch, Bl
 from h3d.tiers.mover import Mover
 from h3d.tiers.stats import TierStats
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "llama_gqa4_tied"  # 3 layers, 2 KV heads of 16: 768 bytes of fp32 K+V per token
 BS = 16
 SLOT_BYTES = 2 * BS * 2 * 16 * 4  # one layer's K+V of one block: 4 KiB

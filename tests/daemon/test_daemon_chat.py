@@ -1,4 +1,4 @@
-"""Chat sessions, Resume, bounded input and the owner map, through a real daemon (tests/daemon.py).
+"""Chat sessions, Resume, bounded input and the owner map, through a real daemon (tests/live_daemon.py).
 
 Chat's oracle is `h3d generate --chat` on the same model: the conversation rendered at once.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon import RunningDaemon, running_daemon
+from live_daemon import RunningDaemon, running_daemon
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3d._proto.h3.v1 import h3_pb2 as pb

@@ -11,14 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from daemon import running_daemon
+from live_daemon import running_daemon
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.daemon.config import RELOADABLE, DaemonConfig, key_types, load
 from h3d.daemon.metrics import Histogram, Metrics
 from h3d.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _toml(tmp_path: Path, text: str) -> str:

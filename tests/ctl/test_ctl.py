@@ -1,4 +1,4 @@
-"""h3ctl against a real `h3d serve` (tests/daemon.py) on the tiny llama_gqa4_tied checkpoint.
+"""h3ctl against a real `h3d serve` (tests/live_daemon.py) on the tiny llama_gqa4_tied checkpoint.
 
 One module-scoped daemon serves most tests; `test_drain_then_resume` drains it (and resumes it),
 so it comes last. Generation is checked token for token against the in-process engine on the same model.
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon import RunningDaemon, running_daemon
+from live_daemon import RunningDaemon, running_daemon
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.config import EngineConfig

@@ -24,7 +24,7 @@ from h3d.config import EngineConfig, SamplingDefaults
 from h3d.daemon.config import DEFAULT_DATA_DIR, RELOADABLE, DaemonConfig, key_types, load
 from h3d.daemon.notify import Notifier
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "h3d.service"
 EXAMPLE = ROOT / "systemd" / "h3d.toml"
 README = ROOT / "systemd" / "README.md"

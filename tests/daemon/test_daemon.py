@@ -37,7 +37,7 @@ from typing import Any
 
 import grpc
 import pytest
-from daemon import RunningDaemon, running_daemon
+from live_daemon import RunningDaemon, running_daemon
 from google.protobuf import descriptor_pb2
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc

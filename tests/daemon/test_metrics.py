@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from daemon import running_daemon
+from live_daemon import running_daemon
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.daemon.metrics import Metrics
