@@ -65,7 +65,7 @@ class EngineConfig:
     dense_hbm_share: float | None = None
     digest_tokens: int = 8  # tokens per key digest (min/max); digests cost 1/digest_tokens of the KV
     anchor_share: float = 0.5  # attention_entropy: share of the window past sinks + recent for prompt anchors
-    # Calibrated on the retrieval benchmark (docs/BENCHMARKS.md); the seed had 0.8 / 1.5.
+    # Calibrated on the retrieval benchmark (docs/BENCHMARKS.md, "Calibrating the entropy thresholds").
     entropy_shrink_below: float = 3.0
     entropy_grow_above: float = 3.3
     max_batch_size: int = 64

@@ -172,7 +172,7 @@ ENGINE: tuple[Key, ...] = (
         "every 16 decode steps, the mean entropy (nats) of the softmax of block scores at the first sparse "
         "layer shrinks the window by 1/4 below this, grows it by 1/4 above `entropy_grow_above`. Calibrated on "
         "the retrieval benchmark (docs/BENCHMARKS.md: every prompt below 3.0 was served by a 512-token window; "
-        "two of the four 8K prompts never found sit above 3.3; the seed's 0.8 / 1.5 would grow every window "
+        "two of the four 8K prompts never found sit above 3.3; thresholds below 2.0 would grow every window "
         "there); the entropy follows the context's length more than the prompt's difficulty",
         help="every 16 decode steps, a mean block-score entropy (nats) below this shrinks the adaptive window by 1/4",
     ),

@@ -55,7 +55,7 @@ def _notes(f: dict[str, Any]) -> str:
             f"fed exact_full's tokens: same argmax {f['argmax_agree_exact_full']:.0%}, logits within "
             f"{f['logits_max_diff_exact_full']} (of {f['logits_max_abs_exact_full']})"
         )
-    elif "tokens_agree_exact_full" in f:  # runs saved before teacher forcing
+    elif "tokens_agree_exact_full" in f:  # a saved run without teacher forcing: its tokens compared
         notes.append(f"tokens = exact_full's: {f['tokens_agree_exact_full']:.0%}")
     if "prefill_chunk_halved_from" in f:
         notes.append(f"prefill OOM at chunk {f['prefill_chunk_halved_from']}, ran at {f['prefill_chunk']}")

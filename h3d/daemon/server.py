@@ -36,7 +36,7 @@ from h3d.daemon.notify import Notifier
 from h3d.daemon.rpc import State, handlers
 from h3d.daemon.service import H3Servicer
 from h3d.daemon.status import Draining
-from h3d.daemon.worker import EngineWorker, _cancel_all
+from h3d.daemon.worker import EngineWorker, cancel_all
 from h3d.errors import ConfigError, H3Error
 
 if TYPE_CHECKING:
@@ -211,7 +211,7 @@ class Daemon:
             await asyncio.sleep(0.05)
         left = self.state.in_flight
         if left:
-            await self.worker.call(lambda e: _cancel_all(e, list(e.requests())))
+            await self.worker.call(lambda e: cancel_all(e, list(e.requests())))
             end = time.monotonic() + 10
             while self.state.in_flight and time.monotonic() < end:
                 await asyncio.sleep(0.02)

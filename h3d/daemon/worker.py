@@ -78,7 +78,7 @@ class EngineWorker:
         except asyncio.CancelledError:
             # The client left while the submit was queued: cancel what it created (commands run
             # in order, so this runs after it).
-            self._commands.put((lambda engine: _cancel_all(engine, made), None))
+            self._commands.put((lambda engine: cancel_all(engine, made), None))
             self._wake.set()
             raise
 
@@ -200,6 +200,6 @@ def _drop_unsampled_kv(engine: Engine, session_id: SessionId) -> None:
             log.exception("engine_rewind_failed", session_id=session_id)
 
 
-def _cancel_all(engine: Engine, rids: list[RequestId]) -> None:
+def cancel_all(engine: Engine, rids: list[RequestId]) -> None:
     for rid in rids:
         engine.cancel(rid)

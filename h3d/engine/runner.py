@@ -72,6 +72,7 @@ class _Step:
         self.graphed = graphed
         self.graph: _Graph | None = None
         self.plan = _DevicePlan(self) if not graphed and _DevicePlan.applies(self) else None
+        runner.device_planned_steps += self.plan is not None
         self._fresh: tuple[int, torch.Tensor, torch.Tensor] = _NO_FRESH  # (layer, k, v) of the last write
         self._device_rows: torch.Tensor | None = None
         # Prefill only: attention takes every chunk's K/V as computed, so the step's writes may
@@ -371,6 +372,7 @@ class ModelRunner:
             archive=archive,
             high_watermark=high_watermark,
             promote_bytes_per_step=promote,
+            kinds=cfg.layer_kinds,
         )
         # The step's view of the cache's parts (the cache owns them).
         self.blocks, self.tiers, self.digests, self.hbf = self.kv.blocks, self.kv.tiers, self.kv.digests, hbf
@@ -380,6 +382,7 @@ class ModelRunner:
         # Tests: the GPU's step paths on the CPU (decode planned on the device, `_DevicePlan`; K/V
         # written in one launch, `paged_write`).
         self.plan_on_device = False
+        self.device_planned_steps = 0  # steps planned on the device (`_DevicePlan`), for tests
         self.graphs = DecodeGraphs(self)  # exact decode steps as CUDA graphs (tests: `.enabled` on the CPU)
         self.kv.lagged = self.graphs.take_lagged
         # Prefill's KV writes trail its compute here (CUDA; on the CPU they are written in place).

@@ -13,7 +13,7 @@ Why the wait policy: by default libgomp's threads spin (`GOMP_SPINCOUNT`, 300,00
 end of each parallel region, waiting for the slowest. When another job holds one of the cores, the
 thread that shares that core is descheduled for whole time slices while its partner spins on the
 other core, and each of the hundreds of parallel regions of a decode step waits for it: on a
-2-core host with one busy core decode ran at 0.8-5 tokens/s against 16.5 with PASSIVE
+2-core host with one busy core decode ran several times slower than with PASSIVE
 (docs/BENCHMARKS.md, "CPU threads on a shared host"). A passive thread sleeps at once, which
 gives its core to the other job or to its partner.
 """

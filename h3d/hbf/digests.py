@@ -6,8 +6,8 @@ the block, so ranking blocks by it never ranks a block below its true best key's
 A block's digest is kept per `digest_tokens` tokens (config key, default `DIGEST_TOKENS` = 8: four
 parts of a 32-token block) and its bound is the larger of its parts': the bound of a narrower range
 is tighter, so a block holding one relevant token stands out more (Quest found 16-token pages
-better than larger ones; on the 8K retrieval benchmark 16-token parts found 14 of exact's 17
-needles and 8-token parts all 17, docs/BENCHMARKS.md).
+better than larger ones; on the 8K retrieval benchmark 8-token parts found more needles than
+16-token ones: docs/BENCHMARKS.md, "Retrieval quality per HBF policy and budget").
 
 Digests live on the compute device for every block of every session (they are what selection
 reads each step): per session a tensor [L, Hkv, capacity * parts, 2, D] in the KV dtype, grown by

@@ -219,6 +219,20 @@ def probe_anchors(
     state.anchors[layer] = np.sort(top.cpu().numpy())
 
 
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One layer's selection of a context longer than its window: the query and what it is
+    scored against, and the room the window leaves past the base."""
+
+    layer: int
+    q: torch.Tensor  # [H, D] the decode token's queries
+    digests: torch.Tensor  # [Hkv, nb, parts, 2, D]
+    num_blocks: int
+    scale: float
+    base: np.ndarray  # sinks and the recent window (`base_blocks`)
+    room: int  # blocks the window leaves past the base (<= 0: none)
+
+
 class Policy:
     """A selection policy: stateless (one instance per policy, `POLICIES`); a session's state is
     its `SelectionState`. The flags say what the engine keeps and runs for it."""
@@ -251,22 +265,11 @@ class Policy:
         if not self.selects or layer < cfg.dense_layers or num_blocks <= budget:
             return None
         base = base_blocks(num_blocks, cfg, block_size)
-        return self._pick(state, cfg, layer, q, digests, num_blocks, scale, base, budget - len(base))
+        return self._pick(state, cfg, Window(layer, q, digests, num_blocks, scale, base, budget - len(base)))
 
-    def _pick(
-        self,
-        state: SelectionState,
-        cfg: HbfConfig,
-        layer: int,
-        q: torch.Tensor,
-        digests: torch.Tensor,
-        num_blocks: int,
-        scale: float,
-        base: np.ndarray,
-        room: int,
-    ) -> Selection:
-        """The selection past the base (sinks + recent) of a context longer than its window."""
-        return base
+    def _pick(self, state: SelectionState, cfg: HbfConfig, w: Window) -> Selection:
+        """The selection of a context longer than its window (`w`)."""
+        return w.base
 
     def after_step(self, state: SelectionState, cfg: HbfConfig) -> None:
         """Count a decode step of a session under this policy."""
@@ -288,20 +291,9 @@ class Layerwise(Policy):
     name = "layerwise"
     probes_prompt = True
 
-    def _pick(
-        self,
-        state: SelectionState,
-        cfg: HbfConfig,
-        layer: int,
-        q: torch.Tensor,
-        digests: torch.Tensor,
-        num_blocks: int,
-        scale: float,
-        base: np.ndarray,
-        room: int,
-    ) -> Selection:
-        extra = np.setdiff1d(state.anchors.get(layer, np.empty(0, dtype=np.int64)), base)[:room]
-        return np.union1d(base, extra) if room > 0 else base
+    def _pick(self, state: SelectionState, cfg: HbfConfig, w: Window) -> Selection:
+        extra = np.setdiff1d(state.anchors.get(w.layer, np.empty(0, dtype=np.int64)), w.base)[: w.room]
+        return np.union1d(w.base, extra) if w.room > 0 else w.base
 
 
 class AttentionEntropy(Policy):
@@ -310,31 +302,20 @@ class AttentionEntropy(Policy):
     graphable = True
     resizes_window = True
 
-    def _pick(
-        self,
-        state: SelectionState,
-        cfg: HbfConfig,
-        layer: int,
-        q: torch.Tensor,
-        digests: torch.Tensor,
-        num_blocks: int,
-        scale: float,
-        base: np.ndarray,
-        room: int,
-    ) -> Selection:
-        scores = block_scores(q, digests, per_head=True)  # [Hkv, nb]
-        if layer == cfg.dense_layers:
-            _track_entropy(state, scores.amax(dim=0) * scale)  # even with no room left: the window may grow
-        if room <= 0:
-            return base
-        where = torch.from_numpy(base).to(scores.device, non_blocking=True)  # no wait for the stream
+    def _pick(self, state: SelectionState, cfg: HbfConfig, w: Window) -> Selection:
+        scores = block_scores(w.q, w.digests, per_head=True)  # [Hkv, nb]
+        if w.layer == cfg.dense_layers:
+            _track_entropy(state, scores.amax(dim=0) * w.scale)  # even with no room left: the window may grow
+        if w.room <= 0:
+            return w.base
+        where = torch.from_numpy(w.base).to(scores.device, non_blocking=True)  # no wait for the stream
         masked = scores.clone()
-        anchors = state.head_anchors.get(layer)
-        take = min(int(room * cfg.anchor_share), anchors.shape[1]) if anchors is not None else 0
+        anchors = state.head_anchors.get(w.layer)
+        take = min(int(w.room * cfg.anchor_share), anchors.shape[1]) if anchors is not None else 0
         if anchors is not None and take:  # the prompt's anchors first (past a rewind some may lie past the end)
-            masked.scatter_(1, anchors[:, :take].clamp(max=num_blocks - 1), float("inf"))
+            masked.scatter_(1, anchors[:, :take].clamp(max=w.num_blocks - 1), float("inf"))
         masked[:, where] = float("-inf")
-        top = torch.topk(masked, min(room, num_blocks - len(base)), dim=-1).indices  # [Hkv, room]
+        top = torch.topk(masked, min(w.room, w.num_blocks - len(w.base)), dim=-1).indices  # [Hkv, room]
         return torch.cat([where.expand(len(top), -1), top], dim=1).sort(dim=1).values
 
     def after_step(self, state: SelectionState, cfg: HbfConfig) -> None:

@@ -37,17 +37,19 @@ Split heuristic (`block_split=None`), from shapes only (no device sync, so CUDA-
 at most `4 * SMs` programs; `splits = (4 * SMs) // (B * Hkv)` (at least 1, and no more than one per
 `CHUNK` blocks of the table width `W`); `block_split = cdiv(W, splits)` rounded up to a multiple of
 `CHUNK`. A wide batch (B * Hkv >= 4 * SMs) gets one split and no merge; one long sequence gets many.
-The cap of about 4 programs per SM came from a one-off sweep of `block_split` on an H200 (its
-script was not kept; `python -m h3d.bench.gpu` times the kernel inside whole decode steps).
+The cap of about 4 programs per SM is where a sweep of `block_split` read fastest: fewer programs
+leave bandwidth unused, slightly more leave a partial last wave (docs/BENCHMARKS.md, "GPU: h3d
+against transformers on the H200", the paged decode kernel alone).
 
 The DDR slab: on CUDA it is a pinned host tensor, passed to the kernel as is. Triton's launcher
 resolves each pointer argument with `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER)`,
 which succeeds for pinned (cudaHostAlloc'd) memory and, under unified addressing, gives the same
 address: the kernel then reads those rows over PCIe (zero-copy). Pageable host memory is refused
-here (`h3d.kernels.loader.addressable`) with a clear error (the GPU cannot address it). Checked on
-an H200 (torch 2.11, Triton 3.6): outputs within tolerance of the float64 oracle with pinned DDR
-slabs, and a CUDA graph of a call replays to the same output; in `python -m h3d.bench.gpu`,
-`exact_25pct` (75 % of the blocks read from pinned DDR) generates exactly `exact_full`'s tokens.
+here (`h3d.kernels.loader.addressable`) with a clear error (the GPU cannot address it). What must
+stay true on a card: with pinned DDR slabs the outputs are within tolerance of the float64 oracle,
+and a CUDA graph of a call replays to the same output; `python -m h3d.bench.gpu` checks it end to
+end, its `exact_25pct` (75 % of the blocks read from pinned DDR) giving `exact_full`'s logits
+(docs/BENCHMARKS.md, "GPU: h3d against transformers on the H200").
 
 Fallback: the Triton kernels run on CUDA tensors, or on CPU tensors when `TRITON_INTERPRET=1`
 (Triton's interpreter). Otherwise (CPU without the interpreter, or no Triton installed)
@@ -60,6 +62,7 @@ core imports this module with torch alone, and importing it does not fix the int
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import cache
 from types import SimpleNamespace
 from typing import Any
@@ -85,8 +88,11 @@ MIN_TILE = 64  # key rows per loop step of a program: CHUNK = max(1, MIN_TILE //
 PROGRAMS_PER_SM = 4  # the split heuristic's target (module docstring)
 
 
+Alloc = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]  # (shape, dtype, device)
+
+
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Every buffer the wrapper allocates (output, split workspace); tests poison it with NaN."""
+    """`paged_decode`'s default `alloc`: uninitialized memory (every byte read is written first)."""
     return torch.empty(shape, dtype=dtype, device=device)
 
 
@@ -100,15 +106,19 @@ def paged_decode(
     scale: float,
     *,
     block_split: int | None = None,
+    alloc: Alloc = _empty,
 ) -> torch.Tensor:
     """Decode attention over per-(sequence, KV head) block lists. See the module docstring.
 
     q: [B, H, D]; k_pools, v_pools: (HBM, DDR) slabs [Hkv, S_tier, bs, D]; tables: [B, Hkv, W]
     int32; nblocks: [B, Hkv] int32 (>= 1); tail: [B] int32 in 1..bs -> [B, H, D] in q's dtype.
+    `alloc`: how the kernels' path allocates every buffer it writes (the output, the split
+    workspace); the kernels write each byte they read, so one that fills them with NaN (a test)
+    gives the same output.
     """
     _check(q, k_pools, v_pools, tables, nblocks, tail)
     if loader.runs_on(q.device):
-        return _triton_paged_decode(q, k_pools, v_pools, tables, nblocks, tail, scale, block_split)
+        return _triton_paged_decode(q, k_pools, v_pools, tables, nblocks, tail, scale, block_split, alloc)
     return torch_paged_decode(q, k_pools, v_pools, tables, nblocks, tail, scale)
 
 
@@ -206,6 +216,7 @@ def _triton_paged_decode(
     tail: torch.Tensor,
     scale: float,
     block_split: int | None,
+    alloc: Alloc,
 ) -> torch.Tensor:
     kernels = _kernels()
     b, h, d = q.shape
@@ -226,10 +237,10 @@ def _triton_paged_decode(
         raise ValueError(f"paged_decode: block_split must be >= 1, got {block_split}")
     splits = max(1, -(-w // block_split))
     chunk = max(1, MIN_TILE // bs)
-    out = _empty((b, h, d), q.dtype, q.device)
+    out = alloc((b, h, d), q.dtype, q.device)
     if splits > 1:
-        part_o = _empty((b, h, splits, d), torch.float32, q.device)  # [B, H, S, D]
-        part_lse = _empty((b, h, splits), torch.float32, q.device)  # [B, H, S] (log2)
+        part_o = alloc((b, h, splits, d), torch.float32, q.device)  # [B, H, S, D]
+        part_lse = alloc((b, h, splits), torch.float32, q.device)  # [B, H, S] (log2)
     else:  # unused: the split kernel writes `out`
         part_o = part_lse = out
     big = d * chunk * bs >= 128 * 128

@@ -3,9 +3,10 @@
 A decode step replayed as a CUDA graph (`h3d.engine.graphs`) selects, for each session under
 `attention_entropy` and each sparse layer, the blocks each KV head reads. Written as torch ops
 (`h3d.hbf.policy.select_static`, the twin) that is about forty small kernels per session and
-layer, which the graph launches one after another: on the H200 the launch of such a graph alone
-took 3.4 ms of host time at 128K tokens (0.9 ms with these kernels). Here it is a kernel per
-session and layer, and two kernels per layer for the whole batch:
+layer, which the graph launches one after another: the launch of such a graph alone takes several
+times the host time of one with these kernels (docs/BENCHMARKS.md, "GPU: h3d against transformers
+on the H200", Decode). Here it is a kernel per session and layer, and two kernels per layer for
+the whole batch:
 
 - `scores`, grid `(Hkv, cdiv(W, TILE))`: the digest bound of `TILE` blocks for one KV head (each
   part's `hi . max(q, 0) + lo . min(q, 0)` for the head's `G` query heads, two `tl.dot`s with fp32
@@ -13,8 +14,9 @@ session and layer, and two kernels per layer for the whole batch:
   masks: past the session's blocks -inf, its first `take` prompt anchors +inf, sinks and the recent
   window -inf (they are listed anyway). Optionally the unmasked bounds too (the entropy's input).
 - `top_room`, grid `(E, Hkv)`, every session of the batch in one launch: each head's `room`
-  best blocks (the room-th largest score found by bisection over its bits). On the H200 at 128K
-  it took 21 µs per layer where `torch.topk` and its sort took 35 µs.
+  best blocks (the room-th largest score found by bisection over its bits), faster than
+  `torch.topk` and its sort at these sizes (docs/BENCHMARKS.md, "GPU: h3d against transformers on
+  the H200", Decode: `top_room`).
 - `lists`, grid `(E, Hkv)`, every session of the batch in one launch: the head's list (sinks,
   its `room` best, the recent blocks, the partial block last), as block indices for the host
   (promotion) and as locations for the attention kernel, with its length; padding entries are 0

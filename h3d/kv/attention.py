@@ -236,9 +236,10 @@ def _chunk_attention(
     and over the chunk's own K/V where `fresh` holds them.
 
     A chunk that starts its sequence with its K/V at hand needs no mask at all (`causal_attention`).
-    Otherwise SDPA's CPU kernel accumulates in fp32 and reads the keys once per query tile, about 3x
-    faster than materializing the [n, T] scores here; the unwritten tail of the last block is
-    sliced off and the boolean mask is causal.
+    Otherwise SDPA's CPU kernel accumulates in fp32 and reads the keys once per query tile, faster
+    than materializing the [n, T] scores here (docs/BENCHMARKS.md, "CPU: h3d against transformers
+    on the embedded model", layout choices); the unwritten tail of the last block is sliced off and
+    the boolean mask is causal.
     """
     n = q.shape[0]
     prior = kv_len - n if fresh is not None else kv_len  # keys read from the pools
@@ -266,18 +267,25 @@ def _chunk_attention(
     return res[0].transpose(0, 1)
 
 
-GROUP_BYTES = 128 << 20  # `causal_attention`: the largest output one SDPA call writes
+GROUP_BYTES = 128 << 20  # `causal_attention`: the largest output one SDPA call writes (by default)
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    group_bytes: int = GROUP_BYTES,
 ) -> torch.Tensor:
     """A chunk that starts its sequence: causal attention over its own tokens. q: [n, H, D];
     k, v: [n, Hkv, D] -> [n, H, D].
 
     One torch SDPA call with `is_causal` per group of KV heads (the call transformers makes for a
     whole prompt: flash kernels on CUDA, no mask tensor, GQA without repeated K/V), each group's
-    output at most GROUP_BYTES, copied into `out` (a new tensor if None). `out` may be q itself:
+    output at most `group_bytes` (one KV head at least), copied into `out` (a new tensor if None).
+    `out` may be q itself:
     a group's queries are read before its output is written, and the groups are disjoint, so a long
     prompt needs no second [n, H, D] buffer. On CUDA the math kernel is never taken (its scores
     would be [G, n, n]); where no other kernel takes GQA, a group's K/V are repeated over its
@@ -287,17 +295,17 @@ def causal_attention(
     hkv = k.shape[1]
     per = h // hkv
     res = torch.empty_like(q) if out is None else out
-    step = max(1, min(hkv, GROUP_BYTES // max(1, n * per * d * q.element_size())))
+    step = max(1, min(hkv, group_bytes // max(1, n * per * d * q.element_size())))
     kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, n, D]
     for g in range(0, hkv, step):
         e = min(g + step, hkv)
         qg = q[:, g * per : e * per].transpose(0, 1)[None]  # [1, G, n, D]
-        part = _causal_sdpa(qg, kt[:, g:e], vt[:, g:e], scale, per, fast_only=q.is_cuda)  # [1, G, n, D]
+        part = causal_sdpa(qg, kt[:, g:e], vt[:, g:e], scale, per, fast_only=q.is_cuda)  # [1, G, n, D]
         res[:, g * per : e * per] = part[0].transpose(0, 1)
     return res
 
 
-def _causal_sdpa(
+def causal_sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, per: int, fast_only: bool
 ) -> torch.Tensor:
     """SDPA with `is_causal` for q [1, G, n, D] over k, v [1, G / per, n, D]; `fast_only`: never the

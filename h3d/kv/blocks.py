@@ -16,12 +16,16 @@ A block's *location* as seen by attention is one int: its HBM slot (>= 0) when i
 `-(ddr_slot + 1)` (see `hbm_loc` / `ddr_loc`). Only full blocks may have several copies; the last,
 partially filled block of a session has exactly one home (HBM or DDR), where new tokens are written.
 
-Owner: `BlockManager` is the only writer of free lists, slot owners and residency; the tier manager
-(`h3d.tiers.manager`) decides what moves and calls it once the bytes have moved.
+Each block of one layer is an entry (`h3d.kv.entries`): its residency is kept there, and a
+session's `BlockTable` points to its entries by id, so that several tables may later point to one.
+
+Owner: `BlockManager` is the only writer of free lists, slot owners, entries and residency; the
+tier manager (`h3d.tiers.manager`) decides what moves and calls it once the bytes have moved.
 What must stay true (checked by `BlockManager.check_invariants`):
 - no slot is owned twice, and free + used = capacity, per pool;
 - a table points only at slots owned by its session, each HBM slot in its layer's region;
-- every block is in at least one tier; the last partial block is in HBM or DDR.
+- every block is in at least one tier; the last partial block is in HBM or DDR;
+- an entry is free exactly when no table points to it; its count is the cells that point to it.
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from h3d.errors import OutOfBlocks
+from h3d.kv.entries import NONE, NULL_ENTRY, Entries
 from h3d.kv.slots import FREE, NULL_SLOT, LayeredAllocator, SeqId, SlotAllocator
-
-NONE = -1
+from h3d.model.config import LayerKind
 
 
 class Tier(enum.IntEnum):
@@ -84,13 +88,14 @@ def first_blocks(runs: Runs, n: int) -> Runs:
 class BlockTable:
     """One session's blocks per layer: block j holds tokens [j*bs, (j+1)*bs).
 
-    `num_tokens` is the number of tokens whose KV is written; the last block may be partly filled.
-    `version` changes with every residency change (it keys the runs cache).
+    `ids[layer, j]` is the block's entry (`h3d.kv.entries`), where its residency is kept; past
+    `num_blocks` the null entry. `num_tokens` is the number of tokens whose KV is written; the
+    last block may be partly filled. `version` changes with every residency change (it keys the
+    runs cache).
     """
 
-    hbm: np.ndarray  # [L, capacity] int64 HBM slot or NONE
-    ddr: np.ndarray  # [L, capacity] int64 DDR slot or NONE
-    archived: np.ndarray  # [L, capacity] bool: a durable archive copy exists
+    entries: Entries
+    ids: np.ndarray  # [L, capacity] int64 entry ids
     num_blocks: int = 0
     num_tokens: int = 0
     version: int = 0
@@ -99,43 +104,86 @@ class BlockTable:
     @property
     def capacity(self) -> int:
         """Blocks per layer the table has room for; a (layer, block) pair's key is
-        `layer * capacity + block` (`TierManager.promote`)."""
-        return self.hbm.shape[1]
+        `layer * capacity + block` (`Promoter.promote`)."""
+        return self.ids.shape[1]
+
+    @property
+    def hbm(self) -> np.ndarray:
+        """[L, capacity] HBM slot of each block or NONE (a copy: residency changes go through
+        `BlockManager`)."""
+        return self.entries.hbm[self.ids]
+
+    @property
+    def ddr(self) -> np.ndarray:
+        """[L, capacity] DDR slot of each block or NONE (a copy)."""
+        return self.entries.ddr[self.ids]
+
+    @property
+    def archived(self) -> np.ndarray:
+        """[L, capacity] whether a durable archive copy of each block exists (a copy)."""
+        return self.entries.archived[self.ids]
+
+    def layer_hbm(self, layer: int) -> np.ndarray:
+        """[num_blocks] HBM slot of each block of `layer` or NONE (a copy)."""
+        return self.entries.hbm[self.ids[layer, : self.num_blocks]]
+
+    def layer_ddr(self, layer: int) -> np.ndarray:
+        """[num_blocks] DDR slot of each block of `layer` or NONE (a copy)."""
+        return self.entries.ddr[self.ids[layer, : self.num_blocks]]
+
+    def layer_archived(self, layer: int) -> np.ndarray:
+        """[num_blocks] whether each block of `layer` has a durable archive copy (a copy)."""
+        return self.entries.archived[self.ids[layer, : self.num_blocks]]
+
+    def take(self, field: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """`field` (an entry array: `entries.hbm`, `.ddr`, ...) of the blocks at `keys`
+        (`layer * capacity + block`): what a step's selections read, without a whole-table copy."""
+        return field.take(self.ids.ravel().take(keys))
 
     def locations(self, layer: int) -> np.ndarray:
         """Where attention reads each block of `layer`: [num_blocks] (see module docstring)."""
-        hbm = self.hbm[layer, : self.num_blocks]
-        return np.where(hbm >= 0, hbm, ddr_loc(self.ddr[layer, : self.num_blocks]))
+        ids = self.ids[layer, : self.num_blocks]
+        hbm = self.entries.hbm[ids]
+        return np.where(hbm >= 0, hbm, ddr_loc(self.entries.ddr[ids]))
 
     def all_locations(self) -> np.ndarray:
         """`locations` of every layer: [L, num_blocks]."""
-        hbm = self.hbm[:, : self.num_blocks]
-        return np.where(hbm >= 0, hbm, ddr_loc(self.ddr[:, : self.num_blocks]))
+        ids = self.ids[:, : self.num_blocks]
+        hbm = self.entries.hbm[ids]
+        return np.where(hbm >= 0, hbm, ddr_loc(self.entries.ddr[ids]))
 
     def archive_only(self, layer: int | None = None, upto: int | None = None) -> np.ndarray:
         """Blocks in neither HBM nor DDR (the archive holds them): [L, n] bool, or [n] for one
         layer; the first `upto` blocks (all of them by default)."""
         n = self.num_blocks if upto is None else min(upto, self.num_blocks)
-        rows = slice(None) if layer is None else layer
-        return (self.hbm[rows, :n] == NONE) & (self.ddr[rows, :n] == NONE)
+        ids = self.ids[:, :n] if layer is None else self.ids[layer, :n]
+        return (self.entries.hbm[ids] == NONE) & (self.entries.ddr[ids] == NONE)
 
     def copies(self) -> tuple[int, int, int]:
         """Block copies over all layers: (in HBM, in DDR, archived)."""
-        nb = self.num_blocks
-        return (
-            int((self.hbm[:, :nb] != NONE).sum()),
-            int((self.ddr[:, :nb] != NONE).sum()),
-            int(self.archived[:, :nb].sum()),
-        )
+        ids = self.ids[:, : self.num_blocks]
+        e = self.entries
+        return int((e.hbm[ids] != NONE).sum()), int((e.ddr[ids] != NONE).sum()), int(e.archived[ids].sum())
 
 
 class BlockManager:
     """Allocates blocks for sessions' tokens and records where their bytes are."""
 
     def __init__(
-        self, hbm_slots_per_layer: int | Sequence[int], ddr_slots: int, num_layers: int, block_size: int
+        self,
+        hbm_slots_per_layer: int | Sequence[int],
+        ddr_slots: int,
+        num_layers: int,
+        block_size: int,
+        kinds: Sequence[LayerKind] | None = None,
     ) -> None:
-        """`hbm_slots_per_layer`: every layer's HBM region size, or one per layer (`h3d.kv.sizing`)."""
+        """`hbm_slots_per_layer`: every layer's HBM region size, or one per layer (`h3d.kv.sizing`);
+        `kinds`: each layer's kind (all full attention by default)."""
+        self.kinds = tuple(kinds) if kinds is not None else (LayerKind.FULL,) * num_layers
+        if len(self.kinds) != num_layers:
+            raise ValueError(f"{len(self.kinds)} layer kinds for {num_layers} layers")
+        if any(kind is not LayerKind.FULL for kind in self.kinds):
+            raise ValueError("sliding-window layers are not supported by the block tables yet")
         regions = np.broadcast_to(np.asarray(hbm_slots_per_layer, dtype=np.int64), (num_layers,)).copy()
         if (regions < 1).any():
             raise ValueError("the HBM pool needs at least one slot per layer")
@@ -149,6 +197,7 @@ class BlockManager:
         self.ddr_alloc = SlotAllocator(1, max(ddr_slots, 0), self.ddr_owner)
         self.num_layers = num_layers
         self.block_size = block_size
+        self.entries = Entries(1 + (int(regions.sum()) + max(ddr_slots, 0)))  # what the pools hold, at first
         self._tables: dict[SeqId, BlockTable] = {}
 
     # ---- queries ----------------------------------------------------------------------------
@@ -219,14 +268,16 @@ class BlockManager:
         """Open an empty table for `seq`."""
         if seq in self._tables:
             raise ValueError(f"sequence {seq} already has a block table")
-        shape = (self.num_layers, 4)
-        table = BlockTable(
-            hbm=np.full(shape, NONE, dtype=np.int64),
-            ddr=np.full(shape, NONE, dtype=np.int64),
-            archived=np.zeros(shape, dtype=bool),
-        )
+        table = BlockTable(self.entries, np.full((self.num_layers, 4), NULL_ENTRY, dtype=np.int64))
         self._tables[seq] = table
         return table
+
+    def _rows(self, table: BlockTable, blocks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """Pool rows of the tokens at `offsets` of `blocks` ([n] each), in every layer: [L, n]:
+        `slot * block_size + offset`, >= 0 in HBM, else `-(row + 1)` in DDR."""
+        ids = table.ids[:, blocks]  # [L, n]
+        hbm, ddr = self.entries.hbm[ids], self.entries.ddr[ids]
+        return np.where(hbm >= 0, hbm * self.block_size + offsets, -(ddr * self.block_size + offsets) - 1)
 
     def append(self, seq: SeqId, n_tokens: int) -> np.ndarray:
         """Reserve room for `n_tokens` more tokens; returns their rows, [L, n_tokens].
@@ -236,32 +287,31 @@ class BlockManager:
         `-(row + 1)` in DDR. The caller makes room first (`can_append`).
         """
         table = self._tables[seq]
+        e = self.entries
         start, end = table.num_tokens, table.num_tokens + n_tokens
         new = self.blocks_for(end) - table.num_blocks
         if new > 0:
             if not self.can_append(seq, n_tokens):
                 raise OutOfBlocks(f"KV pools exhausted: need {new} blocks per layer")
             self._grow(table, table.num_blocks + new)
-            cols = slice(table.num_blocks, table.num_blocks + new)
+            first = table.num_blocks
+            ids = e.allocate(self.num_layers * new).reshape(self.num_layers, new)
+            table.ids[:, first : first + new] = ids
             for layer, alloc in enumerate(self.hbm_alloc):
                 in_hbm = min(new, alloc.num_free)
                 slots = alloc.allocate(in_hbm, seq)
-                table.hbm[layer, cols][:in_hbm] = slots
-                self.hbm_block[slots] = np.arange(cols.start, cols.start + in_hbm)
-                table.ddr[layer, cols][in_hbm:] = self.ddr_alloc.allocate(new - in_hbm, seq)
+                e.hbm[ids[layer, :in_hbm]] = slots
+                self.hbm_block[slots] = np.arange(first, first + in_hbm)
+                e.ddr[ids[layer, in_hbm:]] = self.ddr_alloc.allocate(new - in_hbm, seq)
             table.num_blocks += new
             table.version += 1
         if start % self.block_size:
             last = start // self.block_size
-            if ((table.hbm[:, last] == NONE) & (table.ddr[:, last] == NONE)).any():
+            if self.homeless(seq, last):
                 raise RuntimeError(f"seq {seq}: the partial block {last} has no HBM or DDR home to write to")
         table.num_tokens = end
         positions = np.arange(start, end, dtype=np.int64)  # [n]
-        blocks = positions // self.block_size
-        offsets = positions % self.block_size
-        hbm = table.hbm[:, blocks]  # [L, n]
-        ddr = table.ddr[:, blocks]  # [L, n]
-        return np.where(hbm >= 0, hbm * self.block_size + offsets, -(ddr * self.block_size + offsets) - 1)
+        return self._rows(table, positions // self.block_size, positions % self.block_size)
 
     def adopt_archived(self, seq: SeqId, num_tokens: int) -> None:
         """Open `seq`'s table over `num_tokens` tokens whose blocks are all in the archive only (a
@@ -271,7 +321,9 @@ class BlockManager:
             raise ValueError(f"sequence {seq} already holds tokens")
         nb = self.blocks_for(num_tokens)
         self._grow(table, nb)
-        table.archived[:, :nb] = True
+        ids = self.entries.allocate(self.num_layers * nb).reshape(self.num_layers, nb)
+        table.ids[:, :nb] = ids
+        self.entries.archived[ids] = True
         table.num_blocks, table.num_tokens = nb, num_tokens
         table.version += 1
 
@@ -282,24 +334,32 @@ class BlockManager:
         and the block no longer counts as archived. Returns the rows of its tokens, [L, n], as
         `append` does."""
         table = self._tables[seq]
-        for layer in range(self.num_layers):
-            if table.hbm[layer, block] != NONE and table.ddr[layer, block] != NONE:
-                self.ddr_alloc.release(table.ddr[layer, block : block + 1])
-                table.ddr[layer, block] = NONE
-            if table.hbm[layer, block] == NONE and table.ddr[layer, block] == NONE:
-                table.ddr[layer, block] = self.ddr_alloc.allocate(1, seq)[0]
-        table.archived[:, block] = False
+        e = self.entries
+        for i in table.ids[:, block].tolist():
+            if e.hbm[i] != NONE and e.ddr[i] != NONE:
+                self.ddr_alloc.release(e.ddr[i : i + 1])
+                e.ddr[i] = NONE
+            if e.hbm[i] == NONE and e.ddr[i] == NONE:
+                e.ddr[i] = self.ddr_alloc.allocate(1, seq)[0]
+        e.archived[table.ids[:, block]] = False
         table.version += 1
         positions = np.arange(block * self.block_size, min((block + 1) * self.block_size, table.num_tokens))
-        offsets = positions % self.block_size
-        hbm = table.hbm[:, block, None]  # [L, 1]
-        ddr = table.ddr[:, block, None]
-        return np.where(hbm >= 0, hbm * self.block_size + offsets, -(ddr * self.block_size + offsets) - 1)
+        return self._rows(table, np.full(len(positions), block), positions % self.block_size)
 
     def homeless(self, seq: SeqId, block: int) -> int:
         """Layers in which `block` of `seq` is in neither HBM nor DDR."""
-        table = self._tables[seq]
-        return int(((table.hbm[:, block] == NONE) & (table.ddr[:, block] == NONE)).sum())
+        ids = self._tables[seq].ids[:, block]
+        return int(((self.entries.hbm[ids] == NONE) & (self.entries.ddr[ids] == NONE)).sum())
+
+    def _release(self, table: BlockTable, first: int, end: int) -> None:
+        """Give back the slots and entries of blocks [first, end) of every layer."""
+        ids = table.ids[:, first:end]  # [L, n]
+        e = self.entries
+        for layer, alloc in enumerate(self.hbm_alloc):
+            alloc.release(e.hbm[ids[layer]])
+        self.ddr_alloc.release(e.ddr[ids.ravel()])
+        e.release(ids.ravel())
+        table.ids[:, first:end] = NULL_ENTRY
 
     def truncate(self, seq: SeqId, num_tokens: int) -> None:
         """Forget tokens past `num_tokens` (a step that failed midway): their blocks are released."""
@@ -307,61 +367,47 @@ class BlockManager:
         if num_tokens >= table.num_tokens:
             return
         keep = self.blocks_for(num_tokens)
-        for layer, alloc in enumerate(self.hbm_alloc):
-            alloc.release(table.hbm[layer, keep : table.num_blocks])
-            self.ddr_alloc.release(table.ddr[layer, keep : table.num_blocks])
-        table.hbm[:, keep:] = NONE
-        table.ddr[:, keep:] = NONE
-        table.archived[:, keep:] = False
+        self._release(table, keep, table.num_blocks)
         table.num_blocks, table.num_tokens = keep, num_tokens
         table.version += 1
 
     def free(self, seq: SeqId) -> BlockTable | None:
         table = self._tables.pop(seq, None)
         if table is not None:
-            for layer, alloc in enumerate(self.hbm_alloc):
-                alloc.release(table.hbm[layer, : table.num_blocks])
-                self.ddr_alloc.release(table.ddr[layer, : table.num_blocks])
+            self._release(table, 0, table.num_blocks)
         return table
 
     def _grow(self, table: BlockTable, blocks: int) -> None:
-        cap = table.hbm.shape[1]
+        cap = table.ids.shape[1]
         if blocks <= cap:
             return
-        width = max(blocks, 2 * cap)
-        for name, fill in (("hbm", NONE), ("ddr", NONE), ("archived", False)):
-            old = getattr(table, name)
-            grown = np.full((self.num_layers, width), fill, dtype=old.dtype)
-            grown[:, :cap] = old
-            setattr(table, name, grown)
+        grown = np.full((self.num_layers, max(blocks, 2 * cap)), NULL_ENTRY, dtype=np.int64)
+        grown[:, :cap] = table.ids
+        table.ids = grown
 
     # ---- residency changes (called by the tier manager once bytes have moved) ---------------
 
     def add_hbm(self, seq: SeqId, layer: int, blocks: np.ndarray) -> np.ndarray:
         """Give `blocks` of `layer` HBM slots (their bytes are to be copied there); returns them."""
         table = self._tables[seq]
-        assert (table.hbm[layer, blocks] == NONE).all(), "block already in HBM"
+        ids = table.ids[layer, blocks]
+        assert (self.entries.hbm[ids] == NONE).all(), "block already in HBM"
         slots = self.hbm_alloc[layer].allocate(len(blocks), seq)
-        table.hbm[layer, blocks] = slots
+        self.entries.hbm[ids] = slots
         self.hbm_block[slots] = blocks
         table.version += 1
         return slots
 
     def add_ddr(self, seq: SeqId, layer: int, blocks: np.ndarray) -> np.ndarray:
-        table = self._tables[seq]
-        assert (table.ddr[layer, blocks] == NONE).all(), "block already in DDR"
-        slots = self.ddr_alloc.allocate(len(blocks), seq)
-        table.ddr[layer, blocks] = slots
-        table.version += 1
-        return slots
+        return self.add_ddr_many(seq, np.full(len(blocks), layer, dtype=np.int64), blocks)
 
     def drop_hbm(self, seq: SeqId, layer: int, blocks: np.ndarray) -> None:
         table = self._tables[seq]
+        e, ids = self.entries, table.ids[layer, blocks]
         full = blocks < table.num_tokens // self.block_size
-        other = (table.ddr[layer, blocks] != NONE) | (table.archived[layer, blocks] & full)
-        self._check_other_copy(table, layer, blocks, other, "HBM")
-        self.hbm_alloc[layer].release(table.hbm[layer, blocks])
-        table.hbm[layer, blocks] = NONE
+        self._check_other_copy(layer, blocks, (e.ddr[ids] != NONE) | (e.archived[ids] & full), "HBM")
+        self.hbm_alloc[layer].release(e.hbm[ids])
+        e.hbm[ids] = NONE
         table.version += 1
 
     def add_hbm_many(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray) -> np.ndarray:
@@ -369,7 +415,7 @@ class BlockManager:
         caller has checked that none is in HBM (`check_invariants` catches a slip)."""
         table = self._tables[seq]
         slots = self.hbm_alloc.allocate_many(layers, seq)
-        table.hbm[layers, blocks] = slots
+        self.entries.hbm[table.ids[layers, blocks]] = slots
         self.hbm_block[slots] = blocks
         table.version += 1
         return slots
@@ -377,9 +423,10 @@ class BlockManager:
     def add_ddr_many(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray) -> np.ndarray:
         """`add_ddr` for (layer, block) pairs of several layers at once."""
         table = self._tables[seq]
-        assert (table.ddr[layers, blocks] == NONE).all(), "block already in DDR"
+        ids = table.ids[layers, blocks]
+        assert (self.entries.ddr[ids] == NONE).all(), "block already in DDR"
         slots = self.ddr_alloc.allocate(len(blocks), seq)
-        table.ddr[layers, blocks] = slots
+        self.entries.ddr[ids] = slots
         table.version += 1
         return slots
 
@@ -390,60 +437,58 @@ class BlockManager:
         and a promotion in one): `slots` are the old blocks' slots, which must have a DDR copy;
         the new blocks are not in HBM (the caller checked). Their bytes are to be copied in."""
         table = self._tables[seq]
-        width = table.hbm.shape[1]
-        was, now = layers * width + old, layers * width + new
-        other = table.ddr.ravel().take(was) != NONE
+        e, flat, width = self.entries, table.ids.ravel(), table.capacity
+        was, now = flat.take(layers * width + old), flat.take(layers * width + new)
+        other = e.ddr.take(was) != NONE
         if not other.all():
             i = int(np.flatnonzero(~other)[0])
             raise RuntimeError(f"dropping the only usable copy of block {old[i]} of layer {layers[i]} from HBM")
-        hbm = table.hbm.ravel()
-        hbm[was] = NONE
-        hbm[now] = slots
+        e.hbm[was] = NONE
+        e.hbm[now] = slots
         self.hbm_block[slots] = new
         table.version += 1
 
     def drop_ddr(self, seq: SeqId, layer: int, blocks: np.ndarray) -> None:
         table = self._tables[seq]
+        e, ids = self.entries, table.ids[layer, blocks]
         full = blocks < table.num_tokens // self.block_size
-        other = (table.hbm[layer, blocks] != NONE) | (table.archived[layer, blocks] & full)
-        self._check_other_copy(table, layer, blocks, other, "DDR")
-        self.ddr_alloc.release(table.ddr[layer, blocks])
-        table.ddr[layer, blocks] = NONE
+        self._check_other_copy(layer, blocks, (e.hbm[ids] != NONE) | (e.archived[ids] & full), "DDR")
+        self.ddr_alloc.release(e.ddr[ids])
+        e.ddr[ids] = NONE
         table.version += 1
 
     def drop_to_archive(self, seq: SeqId) -> None:
         """Drop every HBM and DDR copy of `seq`'s blocks, all of which the archive holds (its
         partial last block too, written as it is now): a closed session, like after a restart."""
         table = self._tables[seq]
-        nb = table.num_blocks
-        if not table.archived[:, :nb].all():
+        e, ids = self.entries, table.ids[:, : table.num_blocks]
+        if not e.archived[ids].all():
             raise RuntimeError(f"seq {seq}: dropping every copy of blocks the archive lacks")
         for layer, alloc in enumerate(self.hbm_alloc):
-            alloc.release(table.hbm[layer, :nb])
-            self.ddr_alloc.release(table.ddr[layer, :nb])
-        table.hbm[:, :nb] = NONE
-        table.ddr[:, :nb] = NONE
+            alloc.release(e.hbm[ids[layer]])
+        self.ddr_alloc.release(e.ddr[ids.ravel()])
+        e.hbm[ids] = NONE
+        e.ddr[ids] = NONE
         table.version += 1
 
     def unadd_ddr(self, seq: SeqId, layer: int, blocks: np.ndarray) -> None:
         """Give back the DDR slots `add_ddr` just took for `blocks` when their bytes never arrived
         (a failed archive read): the blocks stay where they were, in the archive."""
         table = self._tables[seq]
-        self.ddr_alloc.release(table.ddr[layer, blocks])
-        table.ddr[layer, blocks] = NONE
+        ids = table.ids[layer, blocks]
+        self.ddr_alloc.release(self.entries.ddr[ids])
+        self.entries.ddr[ids] = NONE
         table.version += 1
 
     def set_archived(self, seq: SeqId, layer: int, blocks: np.ndarray, value: bool = True) -> None:
         table = self._tables[seq]
+        e, ids = self.entries, table.ids[layer, blocks]
         if not value:
-            other = (table.hbm[layer, blocks] != NONE) | (table.ddr[layer, blocks] != NONE)
-            self._check_other_copy(table, layer, blocks, other, "the archive")
-        table.archived[layer, blocks] = value
+            self._check_other_copy(layer, blocks, (e.hbm[ids] != NONE) | (e.ddr[ids] != NONE), "the archive")
+        e.archived[ids] = value
         table.version += 1
 
-    def _check_other_copy(
-        self, table: BlockTable, layer: int, blocks: np.ndarray, other: np.ndarray, tier: str
-    ) -> None:
+    def _check_other_copy(self, layer: int, blocks: np.ndarray, other: np.ndarray, tier: str) -> None:
         if not other.all():
             bad = int(blocks[~other][0])
             raise RuntimeError(f"dropping the only usable copy of block {bad} of layer {layer} from {tier}")
@@ -471,6 +516,20 @@ class BlockManager:
             self._check_table(seq, table, seen_hbm, seen_ddr)
         assert len(seen_hbm) == int((self.hbm_owner != FREE).sum()), "a used HBM slot belongs to no table"
         assert len(seen_ddr) == int((self.ddr_owner != FREE).sum()), "a used DDR slot belongs to no table"
+        self._check_entries()
+
+    def _check_entries(self) -> None:
+        e = self.entries
+        cells = [t.ids[:, : t.num_blocks].ravel() for t in self._tables.values()]
+        pointed = np.bincount(np.concatenate([np.empty(0, dtype=np.int64), *cells]), minlength=e.capacity)
+        assert pointed[NULL_ENTRY] == 0, "a table points at the null entry inside its blocks"
+        assert (pointed == e.refs).all(), "an entry's reference count is not the number of cells pointing to it"
+        free = e.free_ids()
+        assert len(free) + e.num_used == e.capacity - 1 and not (pointed[free] > 0).any(), "a free entry is in use"
+        for name, field, empty in (("hbm", e.hbm, NONE), ("ddr", e.ddr, NONE), ("archived", e.archived, False)):
+            assert (field[free] == empty).all() and field[NULL_ENTRY] == empty, f"a free entry has a {name} copy"
+        for table in self._tables.values():
+            assert (table.ids[:, table.num_blocks :] == NULL_ENTRY).all(), "a table points past its blocks"
 
     def _check_table(self, seq: SeqId, table: BlockTable, seen_hbm: set[int], seen_ddr: set[int]) -> None:
         nb = table.num_blocks

@@ -1,13 +1,14 @@
 """The KV cache: the one owner of every session's KV state.
 
-For each session (`SessionKV`): its block table (residency, written by `BlockManager` only), its
-digests (`DigestStore`), its HBF selection state (`SelectionState`, with its policy object), and
-the tier bookkeeping the tier manager reads and updates (the archive name, the pin, the last use,
-the hotness ranks, the read counters). The engine and the daemon ask about a session's KV and
-change it here, through one lifecycle API (`open`, `adopt`, `truncate`, `park`, `forget`, `pin`,
-`set_policy`, `demote`, `snapshot`, `release`) and read-only queries (`residency`, `locations`,
-`archive_only`, `cached_tokens`, `counters`, `selection`); they never reach into the block tables,
-the tier manager's maps or the selection states.
+For each session (`SessionKV`): its block table (pointing to its blocks' entries, whose
+residency `BlockManager` alone writes), its digests (`DigestStore`), its HBF selection state
+(`SelectionState`, with its policy object), and the tier bookkeeping the tier manager reads and
+updates (the archive name, the pin, the last use, the read counters). A block's own metadata
+(residency, hotness) is its entry's (`h3d.kv.entries`). The engine and the daemon ask about a
+session's KV and change it here, through one lifecycle API (`open`, `adopt`, `truncate`, `park`,
+`forget`, `pin`, `set_policy`, `demote`, `snapshot`, `release`) and read-only queries
+(`residency`, `locations`, `archive_only`, `cached_tokens`, `counters`, `selection`); they never
+reach into the block tables, the tier manager's maps or the selection states.
 
 Below the cache: the pools (`KVPool`, bytes), the tier manager (`h3d.tiers.manager`: which block
 moves where), HBF promotion (`h3d.tiers.promotion`) and the archive behind its tier interface.
@@ -36,6 +37,7 @@ from h3d.hbf.digests import DigestStore
 from h3d.hbf.policy import HbfConfig, Policy, SelectionState, base_blocks, policy_named
 from h3d.kv.blocks import BlockManager, BlockTable, SeqId
 from h3d.kv.pool import KVPool
+from h3d.model.config import LayerKind
 from h3d.tiers import lifecycle
 from h3d.tiers.archive import Archive, ArchiveWriteFailed
 from h3d.tiers.manager import TierManager
@@ -46,7 +48,7 @@ from h3d.tiers.stats import SessionCounters, TierStats
 @dataclass(slots=True)
 class SessionKV:
     """One session's KV state. The cache adds and removes records; the tier manager and the
-    promoter write the tier fields (`last_used`, `hotness`, `counters`)."""
+    promoter write the tier fields (`last_used`, `counters`)."""
 
     seq: SeqId
     name: str  # keys its blocks in the archive (the session id)
@@ -54,7 +56,6 @@ class SessionKV:
     selection: SelectionState
     counters: SessionCounters = field(default_factory=SessionCounters)
     last_used: int = 0  # the tier manager's step of its last use
-    hotness: np.ndarray | None = None  # [L, width] float32 ranks (`Promoter.rank`)
     pinned_until: float | None = None  # Unix time, inf: until unpinned; None: not pinned
     stale_digests: bool = False  # rebuilt from its keys at its next step
 
@@ -89,10 +90,13 @@ class KVCache:
         archive: Archive | None = None,
         high_watermark: float = 0.85,
         promote_bytes_per_step: int | None = None,
+        kinds: Sequence[LayerKind] | None = None,
     ) -> None:
-        """`hbm_regions`: every layer's HBM region in blocks, or one size per layer."""
+        """`hbm_regions`: every layer's HBM region in blocks, or one size per layer; `kinds`: each
+        layer's kind (`ModelConfig.layer_kinds`; all full attention by default)."""
         self.sessions: dict[SeqId, SessionKV] = {}
-        self.blocks = BlockManager(hbm_regions, ddr_slots, num_layers, block_size)
+        self._archive = archive
+        self.blocks = BlockManager(hbm_regions, ddr_slots, num_layers, block_size, kinds)
         shape = (block_size, num_kv_heads, head_dim, dtype)
         self.hbm = KVPool(self.blocks.num_slots, *shape, device)
         self.ddr = KVPool(len(self.blocks.ddr_owner), *shape, torch.device("cpu"), pin_memory=device.type == "cuda")
@@ -155,7 +159,9 @@ class KVCache:
 
     @property
     def archive(self) -> Archive | None:
-        return self.tiers.archive
+        """The SSD archive (the cold tier today), whose space the engine keeps within
+        `ssd_capacity_mb`."""
+        return self._archive
 
     @property
     def writable(self) -> bool:

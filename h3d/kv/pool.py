@@ -18,10 +18,10 @@ PAGE = 4096
 
 class _Registered:
     """Pageable host memory page-locked for the GPU by `cudaHostRegister`, in pieces of PIN_PIECE
-    bytes: one `cudaHostAlloc` of ~100 GB fails on the H200 host, while the same memory registered
-    piece by piece is one contiguous range the kernels read in place (under unified addressing a
-    registered page's device address is its host address). Unregistered when the tensor that
-    holds this object goes."""
+    bytes: one `cudaHostAlloc` of ~100 GB can fail (docs/BENCHMARKS.md, "GPU: h3d against
+    transformers on the H200", Many sessions), while the same memory registered piece by piece is
+    one contiguous range the kernels read in place (under unified addressing a registered page's
+    device address is its host address). Unregistered when the tensor that holds this object goes."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         base = tensor.data_ptr()

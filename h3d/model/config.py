@@ -7,6 +7,7 @@ rather than computed wrongly later.
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,13 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
 }
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+class LayerKind(enum.Enum):
+    """How a layer's attention reads its KV, which decides what its blocks need from the tiers."""
+
+    FULL = "full"  # every block of the context may be read: tiered, selected by HBF
+    SLIDING = "sliding"  # only the last `sliding_window` tokens' blocks (refused until supported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +62,12 @@ class ModelConfig:
     o_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """Each layer's kind: full attention in every architecture h3d runs (sliding-window
+        configurations are refused by `parse_model_config`)."""
+        return (LayerKind.FULL,) * self.num_layers
 
     @property
     def kv_bytes_per_token(self) -> int:

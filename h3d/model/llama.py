@@ -26,8 +26,9 @@ SLICE_BYTES = 256 << 20  # a long forward's slice: about this much of MLP activa
 class Linear(nn.Module):
     """y = x @ weight_t (+ bias), the weight stored transposed ([in, out]).
 
-    On the CPU, MKL reads an [in, out] matrix for a single row of x about 25 % faster than the
-    [out, in] layout of nn.Linear (decode is bound by reading the weights).
+    On the CPU, MKL reads an [in, out] matrix for a single row of x faster than the [out, in]
+    layout of nn.Linear, and decode is bound by reading the weights (docs/BENCHMARKS.md, "CPU: h3d
+    against transformers on the embedded model", layout choices).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:

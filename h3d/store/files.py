@@ -5,6 +5,11 @@ files are created 0600 and folders 0700. The mode given to `open`/`mkdir` is AND
 umask (022 outside systemd gives 0644 to a plain `open(..., "w")`), so both are set again with
 `fchmod`/`chmod` right after creation: no umask widens them, and none narrows them below what the
 daemon needs itself. What exists already keeps its mode (an operator's choice). Pure Python.
+
+`FileOps` is the file system calls the token log and the archive make while they run, as one
+object passed in (`TokenStore(files=...)`, `Archive(files=...)`), the real calls by default: a
+test subclasses it to stand for a full disk, a short write, a crash between two calls or a slow
+disk, and the code under test runs as it does in production.
 """
 
 from __future__ import annotations
@@ -29,10 +34,16 @@ def create_file(path: Path, flags: int) -> int:
 
 def open_or_create(path: Path, flags: int) -> tuple[int, bool]:
     """Open `path` with `flags`, creating it (mode FILE_MODE) if missing. -> (descriptor, whether created)."""
+    return FileOps().open_or_create(path, flags)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync the folder `path`: the names created, renamed or deleted in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        return create_file(path, flags), True
-    except FileExistsError:
-        return os.open(path, flags | os.O_CLOEXEC), False
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def make_dirs(path: Path) -> None:
@@ -52,3 +63,63 @@ def make_dirs(path: Path) -> None:
         os.chmod(d, DIR_MODE)
     if not path.is_dir():
         raise NotADirectoryError(f"{path} is not a folder")
+
+
+class FileOps:
+    """The file system calls of a running token log (`h3d.store.tokenlog`) or archive
+    (`h3d.tiers.archive`, its compactions too): each method is one call, made as the method says
+    and nothing more, so a subclass that overrides one sees every such call, in order, on the
+    thread that makes it. Subclass it to inject a fault: raise OSError (ENOSPC: a full disk) or a
+    BaseException (the process dying at that point) from a method, write part of the data
+    (`super().write_all(fd, data[:n], offset)`, then raise: a torn write), return less than asked
+    from `write` (a short write), sleep or wait in one (a slow disk). Stateless: one object may
+    serve any number of stores.
+
+    Not on it: reads (`os.pread`, reading a whole file), closes and creating the store's folder;
+    and what runs while an archive opens (its lock, the identity file, replaying and cutting back
+    the manifest and the segments), which reads what the calls here left.
+    """
+
+    def open(self, path: Path, flags: int) -> int:
+        """An existing file opened with `flags` (and O_CLOEXEC). -> the descriptor."""
+        return os.open(path, flags | os.O_CLOEXEC)
+
+    def create(self, path: Path, flags: int) -> int:
+        """A new file, mode FILE_MODE (`create_file`: refused if `path` exists). -> the descriptor."""
+        return create_file(path, flags)
+
+    def open_or_create(self, path: Path, flags: int) -> tuple[int, bool]:
+        """`create`, or `open` if `path` exists already. -> (descriptor, whether created)."""
+        try:
+            return self.create(path, flags), True
+        except FileExistsError:
+            return self.open(path, flags), False
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        """One `os.write` at the file's position. -> the bytes written (fewer than `data`: a short write)."""
+        return os.write(fd, data)
+
+    def write_all(self, fd: int, data: bytes, offset: int) -> None:
+        """All of `data` at `offset` (`os.pwrite` until done): the offsets asked for are the ones written."""
+        view = memoryview(data)
+        while view:
+            done = os.pwrite(fd, view, offset)
+            view, offset = view[done:], offset + done
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def fsync_dir(self, path: Path) -> None:
+        """`fsync_dir(path)` (its own method: a folder's fsync does not go through `fsync`)."""
+        fsync_dir(path)
+
+    def truncate(self, fd: int, size: int) -> None:
+        """`os.ftruncate`: the file cut back (or extended with zeros) to `size` bytes."""
+        os.ftruncate(fd, size)
+
+    def replace(self, src: Path, dst: Path) -> None:
+        """`os.replace`: `src` renamed over `dst` at once."""
+        os.replace(src, dst)
+
+    def unlink(self, path: Path, missing_ok: bool = False) -> None:
+        path.unlink(missing_ok=missing_ok)

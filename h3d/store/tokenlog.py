@@ -18,6 +18,12 @@ record and truncates the file there: what follows it was never acknowledged as d
 
 Files are created 0600 and a folder it creates 0700, whatever the umask (`h3d.store.files`).
 
+Seams (what a test passes in or reads, never a private name): every file system call but reads and
+closes goes through `files`, an `h3d.store.files.FileOps` (the real calls by default: a subclass
+stands for a short write, a failing or counted fsync); the group commit's time is `clock`'s
+(`time.monotonic` by default); `open_sessions` and `unsynced` say what the store holds;
+`record` is the record format.
+
 Owner: the files under the folder. Pure Python (no torch).
 """
 
@@ -28,11 +34,12 @@ import os
 import struct
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from h3d.store.files import create_file, make_dirs
+from h3d.store.files import FileOps, make_dirs
 
 MAGIC = b"H3"
 HEADER = struct.Struct("<2sBII")  # magic, kind, length, crc
@@ -62,15 +69,20 @@ class _Log:
 
 @dataclass
 class TokenStore:
+    """The logs of one folder. `files`: its file system calls; `clock`: seconds, monotonic, that
+    `fsync_interval_ms` is measured on. `syncs` counts the group-commit fsyncs (`sync`)."""
+
     folder: Path
     fsync_interval_ms: float = 50.0
-    _logs: dict[str, _Log] = field(default_factory=dict)
-    _last_sync: float = 0.0
+    files: FileOps = field(default_factory=FileOps)
+    clock: Callable[[], float] = time.monotonic
     syncs: int = 0
+    _logs: dict[str, _Log] = field(default_factory=dict, init=False)
+    _last_sync: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         make_dirs(self.folder)
-        self._last_sync = time.monotonic()
+        self._last_sync = self.clock()
 
     # ---- writing ----------------------------------------------------------------------------
 
@@ -80,34 +92,35 @@ class TokenStore:
         if session_id in self._logs or path.exists():
             raise ValueError(f"session {session_id} already has a token log")
         tmp = path.with_suffix(".tmp")
-        data = _record(META, json.dumps(meta).encode()) + (_record(TOKENS, _pack(tokens)) if tokens else b"")
-        tmp.unlink(missing_ok=True)  # a create that failed midway: never acknowledged
-        fd = create_file(tmp, os.O_WRONLY)
+        data = record(META, json.dumps(meta).encode()) + (record(TOKENS, _pack(tokens)) if tokens else b"")
+        files = self.files
+        files.unlink(tmp, missing_ok=True)  # a create that failed midway: never acknowledged
+        fd = files.create(tmp, os.O_WRONLY)
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
+                view = view[files.write(fd, view) :]
+            files.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
-        _fsync_dir(self.folder)
+        files.replace(tmp, path)
+        files.fsync_dir(self.folder)
         self._open(session_id, path)
 
     def append(self, session_id: str, tokens: list[int]) -> None:
         if tokens:
-            self._write(session_id, _record(TOKENS, _pack(tokens)))
+            self._write(session_id, record(TOKENS, _pack(tokens)))
 
     def append_message(self, session_id: str, message: dict[str, Any], tokens: list[int]) -> None:
         """A chat message and the tokens it adds to the context, as one record."""
         head = json.dumps(message).encode()
-        self._write(session_id, _record(MESSAGE, struct.pack("<I", len(head)) + head + _pack(tokens)))
+        self._write(session_id, record(MESSAGE, struct.pack("<I", len(head)) + head + _pack(tokens)))
 
     def set_meta(self, session_id: str, meta: dict[str, Any]) -> None:
-        self._write(session_id, _record(META, json.dumps(meta).encode()))
+        self._write(session_id, record(META, json.dumps(meta).encode()))
 
     def cut(self, session_id: str, num_tokens: int) -> None:
-        self._write(session_id, _record(CUT, struct.pack("<Q", num_tokens)))
+        self._write(session_id, record(CUT, struct.pack("<Q", num_tokens)))
 
     def delete(self, session_id: str) -> None:
         """Forget a closed session: a CLOSED record (durable), then the file goes."""
@@ -115,12 +128,12 @@ class TokenStore:
         if log is None:
             return
         try:
-            os.write(log.fd, _record(CLOSED, b""))
-            os.fsync(log.fd)
+            self.files.write(log.fd, record(CLOSED, b""))
+            self.files.fsync(log.fd)
         finally:
             os.close(log.fd)
-        self._path(session_id).unlink(missing_ok=True)
-        _fsync_dir(self.folder)
+        self.files.unlink(self._path(session_id), missing_ok=True)
+        self.files.fsync_dir(self.folder)
 
     def sync(self, session_id: str | None = None) -> None:
         """fsync one session's log (or every dirty one) now."""
@@ -129,15 +142,15 @@ class TokenStore:
             logs = [log for log in self._logs.values() if log.dirty]
         for log in logs:
             if log.dirty:
-                os.fsync(log.fd)
+                self.files.fsync(log.fd)
                 log.dirty = False
                 self.syncs += 1
         if session_id is None:
-            self._last_sync = time.monotonic()
+            self._last_sync = self.clock()
 
     def sync_due(self) -> None:
         """Group commit: fsync the dirty logs if `fsync_interval_ms` has passed since the last time."""
-        if (time.monotonic() - self._last_sync) * 1000 >= self.fsync_interval_ms:
+        if (self.clock() - self._last_sync) * 1000 >= self.fsync_interval_ms:
             self.sync()
 
     def close(self) -> None:
@@ -146,23 +159,36 @@ class TokenStore:
             os.close(log.fd)
         self._logs.clear()
 
+    def open_sessions(self) -> frozenset[str]:
+        """The sessions whose logs this store holds open (created, or restored by `load_all`)."""
+        return frozenset(self._logs)
+
+    def unsynced(self, session_id: str) -> bool:
+        """Whether `session_id`'s log has writes no fsync has covered yet (False for an unknown one)."""
+        log = self._logs.get(session_id)
+        return log is not None and log.dirty
+
     # ---- reading ----------------------------------------------------------------------------
 
     def load_all(self) -> list[Restored]:
         """Every session log in the folder, oldest first (by creation time); torn tails cut off,
         logs of closed sessions deleted. The logs stay open for appending."""
         out = []
+        files = self.files
         for tmp in self.folder.glob("*.tmp"):
-            tmp.unlink()  # a create that never finished: its session was never acknowledged
+            files.unlink(tmp)  # a create that never finished: its session was never acknowledged
         for path in sorted(self.folder.glob(f"*{SUFFIX}")):
             restored = read_log(path)
             if restored.closed:
-                path.unlink()
+                files.unlink(path)
                 continue
             if restored.truncated_bytes:
-                with open(path, "r+b") as f:
-                    f.truncate(path.stat().st_size - restored.truncated_bytes)
-                    os.fsync(f.fileno())
+                fd = files.open(path, os.O_WRONLY)
+                try:
+                    files.truncate(fd, path.stat().st_size - restored.truncated_bytes)
+                    files.fsync(fd)
+                finally:
+                    os.close(fd)
             self._open(restored.session_id, path)
             out.append(restored)
         return sorted(out, key=lambda r: (_created_at(r.meta), r.session_id))
@@ -178,14 +204,14 @@ class TokenStore:
         old = self._logs.pop(session_id, None)
         if old is not None:
             os.close(old.fd)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        fd = self.files.open(path, os.O_WRONLY | os.O_APPEND)
         self._logs[session_id] = _Log(fd=fd, size=os.fstat(fd).st_size)
 
     def _write(self, session_id: str, data: bytes) -> None:
         log = self._logs[session_id]
-        written = os.write(log.fd, data)
+        written = self.files.write(log.fd, data)
         if written != len(data):  # a short write (full disk): never leave half a record behind
-            os.ftruncate(log.fd, log.size)
+            self.files.truncate(log.fd, log.size)
             raise OSError(28, "short write to the token log (disk full?)")
         log.size += written
         log.dirty = True
@@ -253,18 +279,11 @@ def _created_at(meta: dict[str, Any]) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
-def _record(kind: int, payload: bytes) -> bytes:
+def record(kind: int, payload: bytes) -> bytes:
+    """One record of `kind` (META, TOKENS, ...) framing `payload`, as the log holds it (module docstring)."""
     crc = zlib.crc32(payload, zlib.crc32(bytes([kind]) + struct.pack("<I", len(payload))))
     return HEADER.pack(MAGIC, kind, len(payload), crc) + payload
 
 
 def _pack(tokens: list[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}I", *tokens)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

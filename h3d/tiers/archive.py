@@ -8,10 +8,10 @@ A store is one folder, owned by one process at a time (an flock on `lock`):
   (`h3d.tiers.manifest`).
 This module is the `Archive` itself: the lock, the index, writes, reads, deletes and recovery.
 
-Write protocol (`put_many`): append the records, fsync the segment, then append the manifest lines
+Write protocol (`put`): append the records, fsync the segment, then append the manifest lines
 and fsync the manifest (and the folder whenever a file is created). What must stay true:
 - a manifest entry only points at record bytes that were fsynced before the entry was written, so
-  a block is durable exactly when `put_many` returns;
+  a block is durable exactly when `put` returns;
 - what a crash leaves (segment bytes no entry points at, a torn manifest tail) is cut off at the
   next open, as `h3d.tiers.segments` and `h3d.tiers.manifest` say;
 - `get` returns a block only after its crc matches and its header matches this archive's identity
@@ -24,7 +24,15 @@ segments, beside puts, deletes and reads. For it, two more rules: the in-memory 
 what the durable manifest says, and `get` opens a record's segment while holding the index lock
 (so a segment it found is still there when it reads).
 Files are created 0600 and the folder 0700, whatever the umask (`h3d.store.files`). The live index
-is held in memory. Every write goes through `_write_all` (the compaction's copies too).
+is held in memory.
+
+Seams (what a test passes in or reads, never a private name): every file system call the open
+archive makes (writes, fsyncs, truncations, renames, deletes, and opening a segment or the
+manifest; the compaction's too) goes through `files`, an `h3d.store.files.FileOps` (the real
+calls by default), so a subclass stands for a full disk, a crash between two calls or a slow
+disk; `copy_chunk_bytes` and `compaction_hooks` are the compaction's
+(`h3d.tiers.compaction`); `compaction_stats`, `active_segment` and `closing` say where the
+archive stands; `abandon` lets it go as a process exit would.
 """
 
 from __future__ import annotations
@@ -41,9 +49,10 @@ from typing import Any
 
 import torch
 
-from h3d.store.files import create_file, make_dirs, open_or_create
+from h3d.store.files import FileOps, make_dirs, open_or_create
 from h3d.tiers import compaction
 from h3d.tiers.codecs import CODEC_IDS, DTYPES, Codec, decode, encode, pack_record
+from h3d.tiers.compaction import COPY_CHUNK_BYTES, CompactionHooks, CompactionStats
 from h3d.tiers.identity import (
     ArchiveCorrupt,
     ArchiveError,
@@ -56,7 +65,7 @@ from h3d.tiers.identity import (
     verify_record,
 )
 from h3d.tiers.manifest import del_entry, encode_lines, put_entry, replay
-from h3d.tiers.segments import Loc, fsync_dir, open_segment, segment_path, segment_sizes, trim_segments
+from h3d.tiers.segments import Loc, open_segment, segment_path, segment_sizes, trim_segments
 
 log = logging.getLogger(__name__)
 
@@ -85,18 +94,16 @@ class _Pending:
     payload_bytes: int
 
 
-def _write_all(fd: int, data: bytes, offset: int) -> None:
-    """pwrite at an explicit offset: the offsets the manifest records are the ones written."""
-    view = memoryview(data)
-    while view:
-        done = os.pwrite(fd, view, offset)
-        view, offset = view[done:], offset + done
-
-
 class Archive:
     """An open store. Every public method may be called from any thread.
 
     `codec` applies to every layer except those in `lossless_layers`, which always use RAW_ZSTD.
+    `files`: the file system calls it makes while open (the real ones by default); the attribute
+    may be replaced while the archive is open (a test filling the disk under a running engine),
+    and the calls made after that go to the new one. `copy_chunk_bytes`: a compaction writes its
+    copies in pieces of about this size; `compaction_hooks`: where a caller steps into a
+    compaction (`h3d.tiers.compaction.CompactionHooks`; none by default).
+
     `_write_lock` serializes writers (held across their fsyncs); `_state` guards the index and
     counters only, so readers never wait for a writer's fsync. `_compact_lock` serializes
     compactions, which take `_write_lock` only to plan and to switch the manifest.
@@ -110,12 +117,20 @@ class Archive:
         lossless_layers: frozenset[int] = frozenset(),
         *,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        files: FileOps | None = None,
+        copy_chunk_bytes: int = COPY_CHUNK_BYTES,
+        compaction_hooks: CompactionHooks | None = None,
     ) -> None:
+        if copy_chunk_bytes < 1:
+            raise ValueError(f"copy_chunk_bytes must be >= 1, got {copy_chunk_bytes}")
         self.path = Path(path)
+        self.files = files if files is not None else FileOps()
         self.identity = identity
         self.codec = codec
         self.lossless_layers = frozenset(lossless_layers)
         self._segment_bytes = segment_bytes
+        self._copy_chunk_bytes = copy_chunk_bytes
+        self._compaction_hooks = compaction_hooks if compaction_hooks is not None else CompactionHooks()
         self._dtype = DTYPES[identity.dtype]
         self._write_lock = threading.Lock()
         self._state = threading.Lock()
@@ -134,8 +149,8 @@ class Archive:
             check_identity(self.path, identity)
             ends, self._man_size = replay(self.path, self._place, self._forget)
             self._seg_no, self._seg_size, self._next_no = trim_segments(self.path, self._live, ends)
-            self._man_fd = os.open(self.path / "manifest.log", os.O_WRONLY | os.O_CLOEXEC)
-            self._seg_fd = open_segment(self.path, self._seg_no)
+            self._man_fd = self.files.open(self.path / "manifest.log", os.O_WRONLY)
+            self._seg_fd = open_segment(self.files, self.path, self._seg_no)
         except BaseException:
             self._close_fds()
             raise
@@ -190,17 +205,17 @@ class Archive:
             self._check_open()
             if self._broken is None:
                 return
-            os.ftruncate(self._seg_fd, self._seg_size)
-            os.fsync(self._seg_fd)
-            os.ftruncate(self._man_fd, self._man_size)
-            os.fsync(self._man_fd)
-            fsync_dir(self.path)  # a manifest renamed into place by a compaction whose folder fsync failed
+            self.files.truncate(self._seg_fd, self._seg_size)
+            self.files.fsync(self._seg_fd)
+            self.files.truncate(self._man_fd, self._man_size)
+            self.files.fsync(self._man_fd)
+            self.files.fsync_dir(self.path)  # a manifest renamed into place by a compaction whose folder fsync failed
             self._broken = None
 
     def codec_for(self, layer: int) -> Codec:
         return Codec.RAW_ZSTD if layer in self.lossless_layers else self.codec
 
-    def put_many(self, items: list[tuple[BlockKey, torch.Tensor, torch.Tensor]]) -> None:
+    def put(self, items: list[tuple[BlockKey, torch.Tensor, torch.Tensor]]) -> None:
         """Archive blocks: each k, v [Hkv, n, D] CPU of the identity's dtype, 1 <= n <= block_size.
 
         Durable once this returns; a key put again supersedes its older record. Encoding runs
@@ -234,7 +249,7 @@ class Archive:
 
     def _rotate(self) -> None:
         """Start the next segment (the new file first: a failure leaves the active one open)."""
-        fd = open_segment(self.path, self._next_no)
+        fd = open_segment(self.files, self.path, self._next_no)
         os.close(self._seg_fd)
         self._seg_no, self._seg_size, self._seg_fd = self._next_no, 0, fd
         self._next_no += 1
@@ -247,18 +262,18 @@ class Archive:
         for p in pending:
             locs.append(Loc(self._seg_no, offset, len(p.record), p.num_tokens, p.codec, p.crc))
             offset += len(p.record)
-        _write_all(self._seg_fd, b"".join(p.record for p in pending), self._seg_size)
-        os.fsync(self._seg_fd)
+        self.files.write_all(self._seg_fd, b"".join(p.record for p in pending), self._seg_size)
+        self.files.fsync(self._seg_fd)
         self._seg_size = offset
         return locs
 
     def _append_manifest(self, entries: list[dict[str, Any]]) -> None:
         data = encode_lines(entries)
-        _write_all(self._man_fd, data, self._man_size)
-        os.fsync(self._man_fd)
+        self.files.write_all(self._man_fd, data, self._man_size)
+        self.files.fsync(self._man_fd)
         self._man_size += len(data)  # only once durable: `recover` cuts back to it
 
-    def delete_session(self, session: str) -> int:
+    def remove(self, session: str) -> int:
         """Forget every block of `session` (one durable tombstone line). -> number of blocks removed."""
         with self._writing():
             with self._state:
@@ -291,13 +306,12 @@ class Archive:
         appends and the file at manifest.log are the new ones, even if the folder's fsync fails."""
         data = encode_lines(entries)
         tmp = self.path / "manifest.tmp"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        fd = create_file(tmp, os.O_WRONLY)
+        self.files.unlink(tmp, missing_ok=True)
+        fd = self.files.create(tmp, os.O_WRONLY)
         try:
-            _write_all(fd, data, 0)
-            os.fsync(fd)
-            os.replace(tmp, self.path / "manifest.log")
+            self.files.write_all(fd, data, 0)
+            self.files.fsync(fd)
+            self.files.replace(tmp, self.path / "manifest.log")
         except BaseException:
             os.close(fd)
             raise
@@ -307,7 +321,7 @@ class Archive:
                 self._place(key, loc)
         with contextlib.suppress(OSError):
             os.close(old)
-        fsync_dir(self.path)
+        self.files.fsync_dir(self.path)
 
     def compact_later(self, keep_ratio: float | None = None) -> None:
         """Ask for a compaction on the archive's own thread; returns at once. `keep_ratio`:
@@ -322,6 +336,16 @@ class Archive:
     def wait_compactions(self, timeout: float | None = None) -> bool:
         """Wait for the background compactions asked for. -> False if `timeout` passed first."""
         return self._compactor.wait(timeout)
+
+    def compaction_stats(self) -> CompactionStats:
+        """The background compactions (`compact_later`) since open: runs completed, bytes they freed,
+        the last failure (`h3d.tiers.compaction.Compactor`)."""
+        return self._compactor.stats()
+
+    @property
+    def active_segment(self) -> int:
+        """The number of the segment appends go to now (`seg-NNNNNN.h3kv`)."""
+        return self._seg_no
 
     def contains(self, key: BlockKey) -> bool:
         with self._state:
@@ -346,7 +370,7 @@ class Archive:
             seg = self._seg_path(loc.segment)
             where = f"{seg} at offset {loc.offset}"
             try:
-                fd = os.open(seg, os.O_RDONLY | os.O_CLOEXEC)
+                fd = self.files.open(seg, os.O_RDONLY)
             except OSError as e:
                 raise ArchiveCorrupt(f"{describe(key)} cannot be read from {where}: {e}", key) from e
         try:
@@ -365,6 +389,10 @@ class Archive:
             self._counts[3] += 1
         return k, v
 
+    def stored_bytes(self) -> int:
+        """Bytes of the records written (compressed), `ArchiveStats.stored_bytes`."""
+        return self.stats().stored_bytes
+
     def stats(self) -> ArchiveStats:
         with self._state:
             live = sum(len(blocks) for blocks in self._index.values())
@@ -380,6 +408,11 @@ class Archive:
         if self._broken is not None:
             raise ArchiveWriteFailed(f"KV archive {self.path}: an earlier write failed ({self._broken})")
 
+    @property
+    def closing(self) -> bool:
+        """`close` (or `abandon`) has been called: a compaction in progress stops before its next record."""
+        return self._stopping.is_set()
+
     def close(self) -> None:
         """Release the files and the folder lock. Idempotent; waits for a put in progress, stops a
         compaction in progress (what it copied is dropped)."""
@@ -389,6 +422,17 @@ class Archive:
             if self._closed:
                 return
             self._closed = True
+        self._close_fds()
+
+    def abandon(self) -> None:
+        """Let the archive go as the process's exit would, without `close`: its descriptors closed at
+        once (the folder lock goes with the last one), no lock taken, nothing waited for or cleaned
+        up (what a put or a compaction in progress left on disk is the next open's to clean up, as
+        after a crash). For a process going away (a forked child dropping its copy of the parent's
+        archive, a test standing for a crash); the archive is closed afterwards, and a call in
+        progress on another thread may fail on a closed descriptor."""
+        self._stopping.set()
+        self._closed = True
         self._close_fds()
 
     def _close_fds(self) -> None:

@@ -21,10 +21,15 @@ compaction between two records (its copies are deleted: nothing names them).
 Where it runs: `Archive.compact` in the calling thread; `Archive.compact_later` on the archive's
 own thread (`Compactor`), so the engine thread only asks. One background thread runs the
 compactions asked for, one at a time, and requests that arrive while one runs are merged into the
-next (the largest keep ratio wins). A failure is logged and kept in `last_error`, never raised to
-whoever asked: a compaction that stopped leaves the store as it was, and one whose switch failed
-leaves the archive refusing writes until `recover`, as any failed write does (the tier manager
-sees it at its next write).
+next (the largest keep ratio wins). A failure is logged and kept (`CompactionStats.last_error`),
+never raised to whoever asked: a compaction that stopped leaves the store as it was, and one whose
+switch failed leaves the archive refusing writes until `recover`, as any failed write does (the
+tier manager sees it at its next write).
+
+Seams: every file system call goes through the archive's `files` (`h3d.store.files.FileOps`), the
+copies are written in pieces of the archive's `copy_chunk_bytes` (`COPY_CHUNK_BYTES` by default),
+and the archive's `compaction_hooks` (`CompactionHooks`) are called at the points they name; the
+background thread's counters are `Compactor.stats` (`Archive.compaction_stats`).
 
 `RECLAIM_KEEP_RATIO`: a segment is rewritten once more than a quarter of it is dead. Copying its
 live three quarters costs at most three bytes written per byte freed, and afterwards every segment is at
@@ -39,13 +44,12 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from h3d.store.files import create_file
-from h3d.tiers import archive as store
 from h3d.tiers.identity import ArchiveCorrupt, BlockKey, describe
 from h3d.tiers.manifest import put_entry
-from h3d.tiers.segments import Loc, fsync_dir, segment_sizes
+from h3d.tiers.segments import Loc, segment_sizes
 
 if TYPE_CHECKING:
     from h3d.tiers.archive import Archive
@@ -53,9 +57,30 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECLAIM_KEEP_RATIO = 0.75
-COPY_CHUNK_BYTES = 8 * 2**20  # the copies are written in pieces of about this size
+COPY_CHUNK_BYTES = 8 * 2**20  # the copies are written in pieces of about this size (by default)
 
 Plan = tuple[list[int], list[tuple[BlockKey, Loc]], int | None, dict[int, int]]
+
+
+class CompactionHooks:
+    """Where a caller steps into a compaction (`Archive(compaction_hooks=...)`): a test pausing one
+    midway to act beside it, a benchmark timing its phases. Each method runs on the compacting
+    thread with no archive lock held, so puts, deletes and reads go on while it runs; what it raises
+    stops the compaction as a failure at that point would (the store stays as it was, the copies
+    are deleted). The default does nothing."""
+
+    def copied(self, segment: int, records: int) -> None:
+        """Phase 2 is done: `records` live records are copied into segment `segment`, fsynced, and its
+        name is durable; the switch (phase 3) has not begun."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionStats:
+    """A `Compactor`'s counters since it started."""
+
+    runs: int  # background compactions completed
+    freed_bytes: int  # what they freed on disk
+    last_error: str | None  # the last one's failure, if one failed
 
 
 def compact(a: Archive, keep_ratio: float) -> int:
@@ -71,6 +96,8 @@ def compact(a: Archive, keep_ratio: float) -> int:
             if copies is None and target is not None:  # stopped by close
                 _drop_unnamed(a, target)
                 return 0
+            if target is not None and copies is not None:
+                a._compaction_hooks.copied(target, len(copies))
             copies = copies or []
             with a._writing():  # the index changes only under this lock: read here without `_state`
                 moved = [
@@ -90,11 +117,11 @@ def compact(a: Archive, keep_ratio: float) -> int:
                 with a._state:
                     gone = [n for n in [*victims, *([target] if target else [])] if not a._live.get(n, 0)]
                 for n in gone:
-                    a._seg_path(n).unlink(missing_ok=True)
+                    a.files.unlink(a._seg_path(n), missing_ok=True)
                 with a._state:
                     for n in gone:
                         a._live.pop(n, None)
-                fsync_dir(a.path)
+                a.files.fsync_dir(a.path)
         except BaseException:
             if target is not None:
                 _drop_unnamed(a, target)
@@ -114,7 +141,7 @@ def _drop_unnamed(a: Archive, target: int) -> None:
         named = a._live.get(target, 0) > 0
     if not named:
         with contextlib.suppress(OSError):
-            os.unlink(a._seg_path(target))
+            a.files.unlink(a._seg_path(target))
 
 
 def _plan(a: Archive, keep_ratio: float) -> Plan | None:
@@ -144,7 +171,7 @@ def _plan(a: Archive, keep_ratio: float) -> Plan | None:
 def _copy_records(a: Archive, moving: list[tuple[BlockKey, Loc]], target: int) -> list[Loc] | None:
     """Phase 2: the records into the new segment `target`, fsynced. -> their new places, in order;
     None if `close` stopped it."""
-    fd = create_file(a._seg_path(target), os.O_WRONLY)
+    fd = a.files.create(a._seg_path(target), os.O_WRONLY)
     sources: dict[int, int] = {}
     try:
         copies: list[Loc] = []
@@ -154,7 +181,7 @@ def _copy_records(a: Archive, moving: list[tuple[BlockKey, Loc]], target: int) -
             if a._stopping.is_set():
                 return None
             if loc.segment not in sources:
-                sources[loc.segment] = os.open(a._seg_path(loc.segment), os.O_RDONLY | os.O_CLOEXEC)
+                sources[loc.segment] = a.files.open(a._seg_path(loc.segment), os.O_RDONLY)
             data = os.pread(sources[loc.segment], loc.length, loc.offset)
             if len(data) != loc.length:
                 raise ArchiveCorrupt(
@@ -164,16 +191,16 @@ def _copy_records(a: Archive, moving: list[tuple[BlockKey, Loc]], target: int) -
             chunk.append(data)
             copies.append(Loc(target, offset, loc.length, loc.num_tokens, loc.codec, loc.crc))
             offset += loc.length
-            if offset - flushed >= COPY_CHUNK_BYTES:
-                store._write_all(fd, b"".join(chunk), flushed)
+            if offset - flushed >= a._copy_chunk_bytes:
+                a.files.write_all(fd, b"".join(chunk), flushed)
                 chunk, flushed = [], offset
-        store._write_all(fd, b"".join(chunk), flushed)
-        os.fsync(fd)
+        a.files.write_all(fd, b"".join(chunk), flushed)
+        a.files.fsync(fd)
     finally:
         os.close(fd)
         for src in sources.values():
             os.close(src)
-    fsync_dir(a.path)  # the new file's name is durable before any manifest names it
+    a.files.fsync_dir(a.path)  # the new file's name is durable before any manifest names it
     return copies
 
 
@@ -188,9 +215,9 @@ class Compactor:
         self._running = False
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.runs = 0
-        self.freed_bytes = 0
-        self.last_error: str | None = None
+        self._runs = 0
+        self._freed_bytes = 0
+        self._last_error: str | None = None
 
     def request(self, keep_ratio: float) -> None:
         """Run a compaction soon; returns at once. Ignored once closed."""
@@ -202,6 +229,11 @@ class Compactor:
                 self._thread = threading.Thread(target=self._loop, name="h3d-compact", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    def stats(self) -> CompactionStats:
+        """The compactions this thread ran: completed, bytes freed, the last failure (a snapshot)."""
+        with self._cond:
+            return CompactionStats(self._runs, self._freed_bytes, self._last_error)
 
     @property
     def busy(self) -> bool:
@@ -236,12 +268,12 @@ class Compactor:
             try:
                 freed = self._compact(keep_ratio)
                 with self._cond:
-                    self.runs += 1
-                    self.freed_bytes += freed
+                    self._runs += 1
+                    self._freed_bytes += freed
             except Exception as e:  # logged, never raised: see the module's docstring
                 log.warning("%s: background compaction failed: %s", self._name, e)
                 with self._cond:
-                    self.last_error = str(e)
+                    self._last_error = str(e)
             finally:
                 with self._cond:
                     self._running = False

@@ -31,22 +31,22 @@ def demote(tiers: TierManager, seq: SeqId, to_ssd: bool) -> int:
             raise NoArchive("evicting to SSD needs an archive: configure ssd_path")
         moved += snapshot(tiers, seq)
     for layer in range(b.num_layers):
-        idx = np.flatnonzero(t.hbm[layer, : t.num_blocks] != NONE)
+        idx = np.flatnonzero(t.layer_hbm(layer) != NONE)
         if to_ssd:
             idx = idx[idx >= full]  # the full ones are archived: dropped below
-        copy = idx[t.ddr[layer, idx] == NONE]
+        copy = idx[t.layer_ddr(layer)[idx] == NONE]
         if len(copy) > b.ddr_free:
             tiers.free_ddr(len(copy) - b.ddr_free, [p for p in tiers.eviction_order([seq], None) if p[0] != seq], {})
         if len(copy):
             slots = b.add_ddr(seq, layer, copy)
-            tiers.mover.hbm_to_ddr(t.hbm[layer, copy].copy(), slots)
+            tiers.mover.hbm_to_ddr(t.layer_hbm(layer)[copy].copy(), slots)
         if len(idx):
             b.drop_hbm(seq, layer, idx)
             tiers.counters.hbm_evict_count += len(idx)
             moved += len(idx)
         if to_ssd:
-            ddr = np.flatnonzero(t.ddr[layer, :full] != NONE)
-            gone = np.flatnonzero(t.hbm[layer, :full] != NONE)
+            ddr = np.flatnonzero(t.layer_ddr(layer)[:full] != NONE)
+            gone = np.flatnonzero(t.layer_hbm(layer)[:full] != NONE)
             if len(gone):
                 b.drop_hbm(seq, layer, gone)
                 tiers.counters.hbm_evict_count += len(gone)
@@ -81,19 +81,18 @@ def _snapshot(tiers: TierManager, seq: SeqId, partial: bool) -> int:
     full = t.num_tokens // b.block_size
     written = 0
     for layer in range(b.num_layers):
-        todo = np.flatnonzero(~t.archived[layer, :full])
-        for pool, slots in ((tiers.hbm, t.hbm), (tiers.ddr, t.ddr)):
-            here = todo[slots[layer, todo] != NONE]
+        todo = np.flatnonzero(~t.layer_archived(layer)[:full])
+        hbm, ddr = t.layer_hbm(layer), t.layer_ddr(layer)
+        for pool, slots in ((tiers.hbm, hbm), (tiers.ddr, ddr)):
+            here = todo[slots[todo] != NONE]
             if len(here):
                 keys = [BlockKey(tiers.sessions[seq].name, layer, int(j)) for j in here]
-                tiers.mover.write_now(keys, pool, slots[layer, here].copy(), [b.block_size] * len(here))
+                tiers.mover.write_now(keys, pool, slots[here], [b.block_size] * len(here))
                 b.set_archived(seq, layer, here)
                 todo = todo[~np.isin(todo, here)]
                 written += len(here)
         if partial and full < t.num_blocks:
-            pool, slot = (
-                (tiers.hbm, t.hbm[layer, full]) if t.hbm[layer, full] != NONE else (tiers.ddr, t.ddr[layer, full])
-            )
+            pool, slot = (tiers.hbm, hbm[full]) if hbm[full] != NONE else (tiers.ddr, ddr[full])
             key = BlockKey(tiers.sessions[seq].name, layer, full)
             tiers.mover.write_now([key], pool, np.array([slot]), [t.num_tokens - full * b.block_size])
             written += 1
@@ -125,7 +124,7 @@ def forget(tiers: TierManager, seq: SeqId) -> int:
     tiers.truncate(seq, 0)
     if tiers.writable:
         assert tiers.archive is not None
-        tiers.archive.delete_session(tiers.sessions[seq].name)
+        tiers.archive.remove(tiers.sessions[seq].name)
     tiers.counters.recompute_evict_count += copies
     return copies
 

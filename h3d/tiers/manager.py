@@ -30,7 +30,7 @@ import torch
 from h3d.errors import OutOfBlocks
 from h3d.kv.blocks import NONE, BlockManager, SeqId
 from h3d.kv.pool import KVPool
-from h3d.tiers.archive import Archive
+from h3d.tiers.backend import ColdTier
 from h3d.tiers.identity import ArchiveWriteFailed, BlockKey
 from h3d.tiers.mover import Mover, Transfer
 from h3d.tiers.stats import TierCounters, TierStats
@@ -47,7 +47,7 @@ class TierManager:
         blocks: BlockManager,
         hbm: KVPool,
         ddr: KVPool,
-        archive: Archive | None,
+        archive: ColdTier | None,
         high_watermark: float,
         sessions: dict[SeqId, SessionKV],
         truncate: Callable[[SeqId, int], None],
@@ -81,7 +81,7 @@ class TierManager:
         self.settle()
         self.blocks.free(seq)
         if purge_archive and self.archive is not None:
-            self.archive.delete_session(self.sessions[seq].name)
+            self.archive.remove(self.sessions[seq].name)
 
     # ---- admission --------------------------------------------------------------------------
 
@@ -317,10 +317,10 @@ class TierManager:
         seq, layer = pair
         t = self.blocks.table(seq)
         limit = min(t.num_tokens // self.blocks.block_size, protect.get(seq, t.num_blocks))
-        ddr = t.ddr[layer, :limit] != NONE
+        ddr = t.layer_ddr(layer)[:limit] != NONE
         if self.rewriting is not None and self.rewriting[0] == seq and self.rewriting[1] < limit:
             ddr[self.rewriting[1]] = False
-        spare = (t.hbm[layer, :limit] != NONE) | t.archived[layer, :limit]
+        spare = (t.layer_hbm(layer)[:limit] != NONE) | t.layer_archived(layer)[:limit]
         return np.flatnonzero(ddr & spare), np.flatnonzero(ddr & ~spare)
 
     def free_ddr(self, need: int, order: list[Pair], protect: dict[SeqId, int]) -> None:
@@ -365,7 +365,7 @@ class TierManager:
         t = self.blocks.table(seq)
         keys = [BlockKey(self.sessions[seq].name, layer, int(j)) for j in idx]
         tokens = [self.blocks.block_size] * len(idx)  # only full blocks are archived
-        transfer = self.mover.submit_write(keys, self.ddr, t.ddr[layer, idx].copy(), tokens)
+        transfer = self.mover.submit_write(keys, self.ddr, t.layer_ddr(layer)[idx].copy(), tokens)
         self._spilling[transfer.id] = [(seq, layer, idx)]
         self.counters.ssd_write_count += len(idx)
 
@@ -395,16 +395,16 @@ class TierManager:
         b = self.blocks
         for seq in sorted(idle, key=lambda s: self.sessions[s].last_used):
             t = b.table(seq)
-            idx = np.flatnonzero(t.hbm[layer, : t.num_blocks] != NONE)[:count]
+            idx = np.flatnonzero(t.layer_hbm(layer) != NONE)[:count]
             if not len(idx):
                 continue
-            copy = idx[t.ddr[layer, idx] == NONE]
+            copy = idx[t.layer_ddr(layer)[idx] == NONE]
             if len(copy) > b.ddr_free:
                 order = [p for p in self.eviction_order(batch, None) if p != (seq, layer)]
                 self.free_ddr(len(copy) - b.ddr_free, order, protect)
             if len(copy):
                 slots = b.add_ddr(seq, layer, copy)
-                self.mover.hbm_to_ddr(t.hbm[layer, copy].copy(), slots)
+                self.mover.hbm_to_ddr(t.layer_hbm(layer)[copy].copy(), slots)
             b.drop_hbm(seq, layer, idx)
             self.counters.hbm_evict_count += len(idx)
             count -= len(idx)
@@ -417,11 +417,12 @@ class TierManager:
         b = self.blocks
         t = b.table(seq)
         parts = []
+        hbm, ddr = t.layer_hbm(layer), t.layer_ddr(layer)
         for j in range(first_block, t.num_blocks):
-            if t.hbm[layer, j] != NONE:
-                k = self.hbm.k[:, int(t.hbm[layer, j])]
-            elif t.ddr[layer, j] != NONE:
-                k = self.ddr.k[:, int(t.ddr[layer, j])]
+            if hbm[j] != NONE:
+                k = self.hbm.k[:, int(hbm[j])]
+            elif ddr[j] != NONE:
+                k = self.ddr.k[:, int(ddr[j])]
             else:
                 assert self.archive is not None
                 k = self.archive.get(BlockKey(self.sessions[seq].name, layer, j))[0]
@@ -435,7 +436,7 @@ class TierManager:
         hbm_cap = b.hbm_capacity
         hbm_used = hbm_cap - int(b.hbm_alloc.free.sum())
         ddr_used = b.ddr_alloc.capacity - b.ddr_free
-        ssd = self.archive.stats().stored_bytes if self.archive is not None else 0
+        ssd = self.archive.stored_bytes() if self.archive is not None else 0
         return TierStats(
             **asdict(c),
             hbm_hit_rate=c.hbm_hit_rate,
@@ -454,16 +455,17 @@ class TierManager:
         for seq, t in self.blocks.tables().items():
             full = t.num_tokens // self.blocks.block_size
             for layer in range(self.blocks.num_layers):
-                both = np.flatnonzero((t.hbm[layer, :full] != NONE) & (t.ddr[layer, :full] != NONE))
+                hbm, ddr = t.layer_hbm(layer), t.layer_ddr(layer)
+                both = np.flatnonzero((hbm[:full] != NONE) & (ddr[:full] != NONE))
                 if len(both):
-                    hk, hv = self.hbm.read(self._index(self.hbm, t.hbm[layer, both]))
-                    dk, dv = self.ddr.read(self._index(self.ddr, t.ddr[layer, both]))
+                    hk, hv = self.hbm.read(self._index(self.hbm, hbm[both]))
+                    dk, dv = self.ddr.read(self._index(self.ddr, ddr[both]))
                     assert torch_equal(hk, dk) and torch_equal(hv, dv), f"seq {seq} layer {layer}: HBM != DDR"
-                archived = np.flatnonzero(t.archived[layer, :full] & (t.ddr[layer, :full] != NONE))
+                archived = np.flatnonzero(t.layer_archived(layer)[:full] & (ddr[:full] != NONE))
                 for j in archived[:4]:  # a sample: reading the archive is slow
                     assert self.archive is not None
                     ak, av = self.archive.get(BlockKey(self.sessions[seq].name, layer, int(j)))
-                    dk, dv = self.ddr.read(self._index(self.ddr, t.ddr[layer, [j]]))
+                    dk, dv = self.ddr.read(self._index(self.ddr, ddr[[j]]))
                     assert torch_equal(ak, dk[:, 0]) and torch_equal(av, dv[:, 0]), (
                         f"seq {seq} layer {layer}: SSD != DDR"
                     )

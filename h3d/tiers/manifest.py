@@ -21,10 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from h3d.store.files import create_file
+from h3d.store.files import create_file, fsync_dir
 from h3d.tiers.codecs import Codec
 from h3d.tiers.identity import ArchiveCorrupt, ArchiveMismatch, BlockKey
-from h3d.tiers.segments import Loc, fsync_dir
+from h3d.tiers.segments import Loc
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@
   dedicated stream, and the compute stream waits on it (an event), so copies overlap whatever the
   host does next; on the CPU the same calls are plain tensor copies.
 - DDR -> SSD: `submit_write` copies the blocks' bytes out and hands them to one worker thread
-  (`put_many` appends, fsyncs, then commits the manifest). Each write in flight is a `Transfer`
+  (`put` appends, fsyncs, then commits the manifest). Each write in flight is a `Transfer`
   in `in_flight`; `poll` returns the finished ones, in one place, so the caller frees DDR copies
   only once their archive write is durable. `write_now` does the same and waits.
 - SSD -> DDR: `read` decodes and verifies records into DDR slots; the step that needs the blocks
@@ -24,7 +24,7 @@ import torch
 
 from h3d.kernels.copies import copy_blocks
 from h3d.kv.pool import KVPool
-from h3d.tiers.archive import Archive
+from h3d.tiers.backend import ColdTier
 from h3d.tiers.identity import BlockKey
 
 
@@ -38,7 +38,7 @@ class Transfer:
 
 
 class Mover:
-    def __init__(self, hbm: KVPool, ddr: KVPool, archive: Archive | None) -> None:
+    def __init__(self, hbm: KVPool, ddr: KVPool, archive: ColdTier | None) -> None:
         self.hbm = hbm
         self.ddr = ddr
         self.archive = archive
@@ -78,7 +78,7 @@ class Mover:
         """Start archiving blocks (their first `tokens` tokens) from `pool`; the bytes are copied now."""
         assert self.archive is not None and self._writer is not None
         items = self._items(keys, pool, slots, tokens)
-        transfer = Transfer(next(self._ids), tuple(keys), self._writer.submit(self.archive.put_many, items))
+        transfer = Transfer(next(self._ids), tuple(keys), self._writer.submit(self.archive.put, items))
         self.in_flight[transfer.id] = transfer
         return transfer
 

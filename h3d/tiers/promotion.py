@@ -1,8 +1,8 @@
 """HBF promotion: the blocks a step's selections read from DDR come up into HBM for the next
 step, in place of the least valuable HBM blocks by recency + hotness.
 
-A block's value (`rank`) is its count of uses decayed by `HOT_DECAY` per step, kept in the
-session's record (`SessionKV.hotness`). All layers at once: no per-layer or per-block loop
+A block's value (`rank`) is its count of uses decayed by `HOT_DECAY` per step, kept on its entry
+(`Entries.hotness`). All layers at once: no per-layer or per-block loop
 (`python -m h3d.bench.hbf_cost` times the planning).
 
 Owner: the hotness ranks and the promotion budget; the tier manager's counters and clock are
@@ -116,13 +116,14 @@ class Promoter:
         b = self.blocks
         t = b.table(seq)
         width = t.capacity
+        e = b.entries
         at = self._union(keys, b.num_layers * width)  # [n] distinct pairs, by layer then block
-        rank = self.rank(seq, width).ravel()  # a view: writes land in the [L, width] array
-        rank[at] += weight  # a use (see _rank); `at` is distinct: one add each
-        in_hbm = t.hbm.ravel().take(at)  # [n] slot or NONE
+        at_ids = t.ids.ravel().take(at)  # [n] their entries
+        e.hotness[at_ids] += weight  # a use (see `rank`); `at` is distinct: one add each
+        in_hbm = e.hbm.take(at_ids)  # [n] slot or NONE
         miss = np.flatnonzero(in_hbm < 0)
         if not counted:  # each key is one KV head's read: what crossed PCIe is its share of the block
-            head_misses = int(np.count_nonzero(t.hbm.ravel().take(keys) < 0))
+            head_misses = int(np.count_nonzero(t.take(e.hbm, keys) < 0))
             self.tiers.count_reads(seq, len(at), len(miss), head_misses * self.head_bytes)
         if not len(miss):
             return 0.0
@@ -130,12 +131,12 @@ class Promoter:
         m_layers = m_at // width
         # Only full blocks get a second copy (the partial one keeps its single home for writes),
         # and only from DDR (a block read from DDR may have been archived and dropped since).
-        src = t.ddr.ravel().take(m_at)
+        src = e.ddr.take(at_ids.take(miss))
         ok = (m_at - m_layers * width < t.num_tokens // b.block_size) & (src >= 0)
         if not ok.all():
             m_at, m_layers, src = m_at[ok], m_layers[ok], src[ok]
         if limit is not None and len(m_at) > limit:  # the hottest `limit`, kept in (layer, block) order
-            hottest = np.sort(np.argpartition(-rank.take(m_at), limit - 1)[:limit])
+            hottest = np.sort(np.argpartition(-t.take(e.hotness, m_at), limit - 1)[:limit])
             m_at, m_layers, src = m_at[hottest], m_layers[hottest], src[hottest]
         m_blocks = m_at - m_layers * width
         need = np.bincount(m_layers, minlength=b.num_layers)  # [L] missing per layer
@@ -149,7 +150,7 @@ class Promoter:
         starts = np.cumsum(need) - need
         has = need > 0
         worth = np.full(b.num_layers, -np.inf, dtype=np.float32)
-        worth[has] = np.nextafter(np.minimum.reduceat(rank.take(m_at), starts[has]), np.float32(-np.inf))
+        worth[has] = np.nextafter(np.minimum.reduceat(t.take(e.hotness, m_at), starts[has]), np.float32(-np.inf))
         worth[short <= 0] = -np.inf
         v_layers, v_blocks, v_slots, copy_s = self._evict_cold(seq, short, worth, in_hbm, protect, keep)
         self.tiers.counters.hbm_evict_count += len(v_slots)
@@ -188,19 +189,14 @@ class Promoter:
             self._slot_ok = np.zeros(size + 1, dtype=bool)
         return self._slot_ok
 
-    def rank(self, seq: SeqId, width: int) -> np.ndarray:
-        """Each block's value for HBM, [L, width]: its count of uses decayed by HOT_DECAY per step
-        (recency + hotness over ~100 steps), kept scaled by HOT_DECAY ** -(now - base) so that a use
-        adds one number (`_use_weight`) and the unused blocks need no update (0: never used). The
-        partial last block is ranked too, but never promoted or evicted."""
-        record = self.tiers.sessions[seq]
-        rank = record.hotness
-        if rank is None or rank.shape[1] < width:
-            grown = np.zeros((self.blocks.num_layers, width), dtype=np.float32)
-            if rank is not None:
-                grown[:, : rank.shape[1]] = rank
-            record.hotness = rank = grown
-        return rank
+    def rank(self, seq: SeqId) -> np.ndarray:
+        """Each block's value for HBM, [L, num_blocks] (a copy): its count of uses decayed by
+        HOT_DECAY per step (recency + hotness over ~100 steps), kept on its entry scaled by
+        HOT_DECAY ** -(now - base) so that a use adds one number (`_use_weight`) and the unused
+        blocks need no update (0: never used). The partial last block is ranked too, but never
+        promoted or evicted."""
+        t = self.blocks.table(seq)
+        return self.blocks.entries.hotness[t.ids[:, : t.num_blocks]]
 
     def _use_weight(self) -> float:
         """What a use adds to a block's rank this step: HOT_DECAY ** -(step - base). Every
@@ -208,9 +204,7 @@ class Promoter:
         age = self.tiers.step - self._hot_base
         if age >= self.rescale_steps:
             shrink = np.float32(HOT_DECAY**age)
-            for record in self.tiers.sessions.values():
-                if record.hotness is not None:
-                    record.hotness *= shrink
+            self.blocks.entries.hotness *= shrink
             self._hot_base, age = self.tiers.step, 0
         return float(HOT_DECAY**-age)
 
@@ -243,11 +237,11 @@ class Promoter:
         np.equal(b.hbm_owner, seq, out=ok[:-1])
         ok[:-1] &= held < limit
         ok[sel_slots] = False
-        ok[t.hbm[:, keep].ravel()] = False
+        e, width = b.entries, t.capacity
+        ok[e.hbm[t.ids[:, keep]].ravel()] = False
         cand = np.flatnonzero(ok[1:-1]) + 1  # [c] slots, ascending: grouped by layer
-        rank = self.rank(seq, t.capacity)
         c_layers = b.hbm_layer.take(cand)
-        value = rank.ravel().take(c_layers * rank.shape[1] + held.take(cand))
+        value = t.take(e.hotness, c_layers * width + held.take(cand))
         # Only blocks worth less than their layer's promotion (usually few: the sort stays small);
         # within each layer the lowest values first (lexsort is stable: ties keep the lower slot),
         # at most count[l] of them.
@@ -261,7 +255,7 @@ class Promoter:
         take = np.flatnonzero(np.arange(len(cand)) - (np.cumsum(per) - per).take(c_layers) < count.take(c_layers))
         victims, v_layers = cand.take(take), c_layers.take(take)
         v_blocks = held.take(victims)
-        copy = t.ddr.ravel().take(v_layers * t.ddr.shape[1] + v_blocks) < 0
+        copy = t.take(e.ddr, v_layers * width + v_blocks) < 0
         n_copy = np.count_nonzero(copy)
         if n_copy > b.ddr_free:
             # No DDR room for every victim's copy: evict those with one, and as many others as fit,
@@ -294,14 +288,15 @@ class Promoter:
             if self.tiers.rewriting is not None and self.tiers.rewriting[0] == seq:
                 full = min(full, self.tiers.rewriting[1])
             layers = np.flatnonzero(free > 0)
-            li, blocks = np.nonzero((t.hbm[layers, :full] == NONE) & (t.ddr[layers, :full] != NONE))
+            ids = t.ids[layers, :full]
+            li, blocks = np.nonzero((b.entries.hbm[ids] == NONE) & (b.entries.ddr[ids] != NONE))
             if not len(li):
                 continue
             lay = layers[li]  # sorted: np.nonzero walks rows first
             within = np.arange(len(lay)) - np.searchsorted(lay, lay)  # rank within its layer
             ok = within < free[lay]
             lay, blocks = lay[ok][:budget], blocks[ok][:budget]
-            src = t.ddr[lay, blocks]
+            src = b.entries.ddr[t.ids[lay, blocks]]
             self._copy_up(src, b.add_hbm_many(seq, lay, blocks))
             free -= np.bincount(lay, minlength=b.num_layers)
             budget -= len(lay)

@@ -9,7 +9,8 @@ true:
   cut off at the next open (`trim_segments`);
 - at open, segments no live entry points into are deleted (the last one excepted), segment numbers
   are never reused, and nothing is appended after a hole (committed bytes gone missing);
-- a segment's name is durable (its folder fsynced, `fsync_dir`) before any manifest entry names it.
+- a segment's name is durable (its folder fsynced, `h3d.store.files.fsync_dir`) before any manifest
+  entry names it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3d.store.files import open_or_create
+from h3d.store.files import FileOps, fsync_dir
 from h3d.tiers.codecs import Codec
 
 log = logging.getLogger(__name__)
@@ -38,14 +39,6 @@ class Loc:
     crc: int
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def segment_path(folder: Path, n: int) -> Path:
     return folder / f"seg-{n:06d}.h3kv"
 
@@ -60,12 +53,13 @@ def segment_sizes(folder: Path) -> dict[int, int]:
     return sizes
 
 
-def open_segment(folder: Path, n: int) -> int:
-    """Segment `n` opened for writing, created (and its name made durable) if missing. -> the descriptor."""
-    fd, created = open_or_create(segment_path(folder, n), os.O_WRONLY)
+def open_segment(files: FileOps, folder: Path, n: int) -> int:
+    """Segment `n` opened for writing through `files`, created (and its name made durable) if missing.
+    -> the descriptor."""
+    fd, created = files.open_or_create(segment_path(folder, n), os.O_WRONLY)
     if created:
         try:
-            fsync_dir(folder)
+            files.fsync_dir(folder)
         except BaseException:
             os.close(fd)
             raise

@@ -37,13 +37,13 @@ from typing import Any
 
 import grpc
 import pytest
-from live_daemon import RunningDaemon, running_daemon
 from google.protobuf import descriptor_pb2
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from live_daemon import RunningDaemon, running_daemon
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d._proto.h3.v1 import h3_pb2_grpc as rpc

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from live_daemon import RunningDaemon, running_daemon
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from live_daemon import RunningDaemon, running_daemon
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.config import EngineConfig

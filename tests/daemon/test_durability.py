@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-from live_daemon import running_daemon
 from helpers import VOCAB_SIZE, random_prompt
+from live_daemon import running_daemon
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.config import EngineConfig

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from live_daemon import running_daemon
 from google.protobuf import json_format
+from live_daemon import running_daemon
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.config import EngineConfig

@@ -454,8 +454,8 @@ def test_promotions_per_step_are_capped_hottest_first() -> None:
     seq = SeqId(1)
     blocks.append(seq, 30 * bs)  # blocks 0-7 in HBM, 8-29 in DDR
     t = blocks.table(seq)
-    rank = kv.promoter.rank(seq, t.capacity)
-    rank[0, 12], rank[0, 14] = 5.0, 3.0  # read often before
+    kv.blocks.entries.hotness[t.ids[0, [12, 14]]] = [5.0, 3.0]  # read often before
+    assert kv.promoter.rank(seq)[0, [12, 14]].tolist() == [5.0, 3.0]
     keys = np.array([10, 11, 12, 13, 14, 10, 12])  # two heads read 10 and 12
     tiers.begin_step([seq])
     kv.promoter.promote({seq: keys}, {seq: 30}, {seq: np.array([0, 29])})

@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton (it reads the variable then)
 
@@ -111,20 +110,15 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
-@pytest.fixture
-def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every buffer the wrapper allocates starts as NaN."""
-
-    def nan_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(decode, "_empty", nan_empty)
+def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`paged_decode`'s `alloc` here: every buffer the wrapper allocates starts as NaN."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
 def check_kernel(case: Case, block_split: int | None) -> None:
     q = case[0]
     scale = q.shape[-1] ** -0.5
-    got = decode.paged_decode(*case, scale, block_split=block_split)
+    got = decode.paged_decode(*case, scale, block_split=block_split, alloc=poisoned)
     assert got.shape == q.shape and got.dtype == q.dtype
     assert not torch.isnan(got).any(), "the kernels left an output unwritten or read a poisoned byte"
     err = rel_err(got, oracle(case, scale))
@@ -134,7 +128,6 @@ def check_kernel(case: Case, block_split: int | None) -> None:
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.mark.usefixtures("poisoned")
 # 1 and 2 blocks per split; auto (2 splits of 4 here); 6 = one split, two loop steps, no merge.
 @pytest.mark.parametrize("block_split", [1, 2, None, 6], ids=["split1", "split2", "auto", "whole"])
 @pytest.mark.parametrize("group", [1, 4, 8], ids=["gqa1", "gqa4", "gqa8"])
@@ -144,7 +137,6 @@ def test_kernel_matches_oracle(dtype: torch.dtype, group: int, block_split: int 
     check_kernel(case, block_split)
 
 
-@pytest.mark.usefixtures("poisoned")
 @pytest.mark.parametrize(("bs", "d", "group", "block_split"), [(32, 64, 3, None), (64, 32, 2, 1), (16, 128, 5, 3)])
 def test_kernel_other_shapes(bs: int, d: int, group: int, block_split: int | None) -> None:
     """Other block sizes (one block per loop step at bs 64), head dims, and group sizes that are not
@@ -152,7 +144,6 @@ def test_kernel_other_shapes(bs: int, d: int, group: int, block_split: int | Non
     check_kernel(make_case(2, 2, group, d, bs, 5, torch.float32, seed=bs + d + group), block_split)
 
 
-@pytest.mark.usefixtures("poisoned")
 @pytest.mark.parametrize("block_split", [1, None])
 def test_kernel_single_block(block_split: int | None) -> None:
     """A sequence of one (partial) block, listed in a table wider than the list (poisoned padding)."""
@@ -208,7 +199,7 @@ def test_rejects_bad_shapes() -> None:
 @pytest.mark.parametrize("planned", [False, True], ids=["host-planned", "device-planned"])
 @pytest.mark.parametrize("policy", ["exact", "attention_entropy", "fixed"])
 def test_engine_decode_through_the_kernel_equals_the_reference(
-    checkpoint: Callable[[str], Path], policy: str, planned: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Callable[[str], Path], policy: str, planned: bool, tmp_path: Path
 ) -> None:
     """The engine's decode steps through `kernel_attention` (as on CUDA) and the CPU fast path give
     the reference attention's logits: with blocks in HBM and DDR (a small HBM), with per-KV-head
@@ -217,7 +208,7 @@ def test_engine_decode_through_the_kernel_equals_the_reference(
     device) is run here too, against the host-planned reference."""
     from helpers import VOCAB_SIZE, make_engine, random_prompt, runner_logits
 
-    from h3d.engine.runner import Chunk, _DevicePlan
+    from h3d.engine.runner import Chunk
     from h3d.kv.attention import kernel_attention, paged_attention, reference_attention
     from h3d.kv.blocks import SeqId
 
@@ -234,13 +225,6 @@ def test_engine_decode_through_the_kernel_equals_the_reference(
     prompts = [random_prompt(150, VOCAB_SIZE, seed=1), random_prompt(97, VOCAB_SIZE, seed=2)]
     logits = []
     reads: list[tuple[int, int, int]] = []
-    plans: list[int] = []  # one entry per decode step planned on the device
-    init = _DevicePlan.__init__
-
-    def counting(plan: _DevicePlan, step: Any) -> None:
-        plans.append(1)
-        init(plan, step)
-
     for n, fn in enumerate((kernel_attention, paged_attention, reference_attention)):
         # With an archive too (the daemon always has one): nothing is archive-only here, so the
         # device plan still applies.
@@ -248,16 +232,12 @@ def test_engine_decode_through_the_kernel_equals_the_reference(
         engine = make_engine(checkpoint("llama_gqa4_tied"), **overrides, **archive)
         engine.model.use_attention(fn)
         engine.runner.plan_on_device = planned and fn is not reference_attention
-        plans.clear()
-        if engine.runner.plan_on_device:
-            monkeypatch.setattr(_DevicePlan, "__init__", counting)
         out = [runner_logits(engine, i, ids, [len(ids) - 6, 1, 1, 1, 1, 1, 1]) for i, ids in enumerate(prompts)]
         both = [Chunk(SeqId(i), (7,), len(ids), True) for i, ids in enumerate(prompts)]
         out.append(engine.runner.execute(both))  # a batch of two decode steps
         assert engine.tier_stats().ddr_hits > 0  # the kernel read blocks in DDR
         if engine.runner.plan_on_device:
-            monkeypatch.undo()
-            assert len(plans) == 2 * 6 + 1  # every decode step was planned on the device
+            assert engine.runner.device_planned_steps == 2 * 6 + 1  # every decode step was planned on the device
         logits.append(torch.cat(out))
         t = engine.tier_stats()
         reads.append((t.hbm_hits, t.hbm_misses, t.ddr_hits))

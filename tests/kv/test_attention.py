@@ -404,13 +404,12 @@ def test_chunks_attend_to_their_own_kv_as_written(
     ("n", "heads", "group_bytes"), [(1, (4, 4), None), (37, (8, 2), None), (64, (8, 2), 1), (50, (6, 3), 5000)]
 )
 def test_causal_attention_in_head_groups_into_its_queries_buffer(
-    n: int, heads: tuple[int, int], group_bytes: int | None, monkeypatch: pytest.MonkeyPatch
+    n: int, heads: tuple[int, int], group_bytes: int | None
 ) -> None:
     """`causal_attention` (a chunk that starts its sequence: is_causal, no mask) equals the masked
-    SDPA, in one call or one KV head group at a time (GROUP_BYTES small), and written into q's own
+    SDPA, in one call or one KV head group at a time (`group_bytes` small), and written into q's own
     buffer (out=q) as the long-prompt path does."""
-    if group_bytes is not None:
-        monkeypatch.setattr(A, "GROUP_BYTES", group_bytes)
+    group_bytes = A.GROUP_BYTES if group_bytes is None else group_bytes
     g = torch.Generator().manual_seed(n)
     h, hkv = heads
     q = torch.randn(n, h, 32, generator=g)
@@ -420,9 +419,9 @@ def test_causal_attention_in_head_groups_into_its_queries_buffer(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=0.2,
         enable_gqa=True,
     )[0].transpose(0, 1)  # fmt: skip
-    torch.testing.assert_close(A.causal_attention(q, k, v, 0.2), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(A.causal_attention(q, k, v, 0.2, group_bytes=group_bytes), want, rtol=1e-5, atol=1e-5)
     buf = q.clone()
-    assert A.causal_attention(buf, k, v, 0.2, out=buf) is buf
+    assert A.causal_attention(buf, k, v, 0.2, out=buf, group_bytes=group_bytes) is buf
     torch.testing.assert_close(buf, want, rtol=1e-5, atol=1e-5)
 
 
@@ -432,8 +431,8 @@ def test_causal_sdpa_repeats_kv_where_no_fast_kernel_takes_gqa(monkeypatch: pyte
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 4, 40, 32, generator=g)
     k, v = torch.randn(1, 1, 40, 32, generator=g), torch.randn(1, 1, 40, 32, generator=g)
-    want = A._causal_sdpa(q, k, v, 0.2, 4, fast_only=False)
-    torch.testing.assert_close(A._causal_sdpa(q, k, v, 0.2, 4, fast_only=True), want, rtol=1e-5, atol=1e-5)
+    want = A.causal_sdpa(q, k, v, 0.2, 4, fast_only=False)
+    torch.testing.assert_close(A.causal_sdpa(q, k, v, 0.2, 4, fast_only=True), want, rtol=1e-5, atol=1e-5)
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def no_gqa(*args, enable_gqa=False, **kw):  # type: ignore[no-untyped-def]
@@ -442,4 +441,4 @@ def test_causal_sdpa_repeats_kv_where_no_fast_kernel_takes_gqa(monkeypatch: pyte
         return sdpa(*args, **kw)
 
     monkeypatch.setattr(A.F, "scaled_dot_product_attention", no_gqa)
-    torch.testing.assert_close(A._causal_sdpa(q, k, v, 0.2, 4, fast_only=True), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(A.causal_sdpa(q, k, v, 0.2, 4, fast_only=True), want, rtol=1e-5, atol=1e-5)

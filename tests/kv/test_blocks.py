@@ -583,3 +583,62 @@ def test_region_sizes_give_the_dense_layers_their_share() -> None:
     assert (t.hbm[:2, :5] != NONE).all() and (t.hbm[2:, :2] != NONE).all() and (t.ddr[2:, 2:5] != NONE).all()
     assert bm.hbm_layer[t.hbm[3, :2]].tolist() == [3, 3] and bm.slots_per_layer == 2 and bm.hbm_capacity == 16
     bm.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 40)), min_size=1, max_size=40))
+def test_entries_are_free_exactly_when_nothing_points_to_them(ops: list[tuple[bool, int]]) -> None:
+    """Entries allocated and released in any order (growing past their first capacity): ids are
+    never handed out twice while held, a released entry comes back reset, the counts add up."""
+    from h3d.kv.entries import NONE as NO_SLOT
+    from h3d.kv.entries import NULL_ENTRY, Entries
+
+    e = Entries(capacity=8)
+    held: list[np.ndarray] = []
+    for take, n in ops:
+        if take or not held:
+            ids = e.allocate(n)
+            assert NULL_ENTRY not in ids.tolist() and (e.refs[ids] == 1).all()
+            assert not set(ids.tolist()) & {i for h in held for i in h.tolist()}, "an entry handed out twice"
+            assert (e.hbm[ids] == NO_SLOT).all() and not e.archived[ids].any() and not e.hotness[ids].any()
+            e.hbm[ids], e.archived[ids], e.hotness[ids] = 7, True, 1.5  # as a table would use them
+            held.append(ids)
+        else:
+            ids = held.pop(n % len(held))
+            e.release(ids)
+            assert (e.refs[ids] == 0).all() and (e.hbm[ids] == NO_SLOT).all() and not e.archived[ids].any()
+        assert e.num_used == sum(len(h) for h in held) and e.num_used + len(e.free_ids()) == e.capacity - 1
+    assert e.hbm[NULL_ENTRY] == NO_SLOT and e.refs[NULL_ENTRY] == 0
+
+
+def test_a_tables_blocks_are_entries_it_points_to() -> None:
+    """A table's residency is its entries': truncating releases the cut blocks' entries, freeing a
+    table releases all of them, and the checks catch a table pointing past its blocks."""
+    bm = BlockManager(4, 8, 2, 4)
+    seq = SeqId(1)
+    bm.allocate(seq)
+    bm.append(seq, 10)  # 3 blocks a layer
+    t = bm.table(seq)
+    ids = t.ids[:, :3].copy()
+    assert bm.entries.num_used == 6 and (bm.entries.refs[ids] == 1).all()
+    assert (t.hbm[:, :3] == bm.entries.hbm[ids]).all() and (t.layer_hbm(1) == bm.entries.hbm[ids[1]]).all()
+    bm.truncate(seq, 4)  # one block left a layer
+    assert bm.entries.num_used == 2 and (bm.entries.refs[ids[:, 1:]] == 0).all() and (t.ids[:, 1:] == 0).all()
+    bm.check_invariants()
+    t.ids[0, 2] = ids[0, 0]  # a cell past the table's blocks
+    with pytest.raises(AssertionError, match=r"stale slots|past its blocks"):
+        bm.check_invariants()
+    t.ids[0, 2] = 0
+    bm.free(seq)
+    assert bm.entries.num_used == 0
+    bm.check_invariants()
+
+
+def test_layers_of_a_kind_the_tables_cannot_hold_are_refused() -> None:
+    from h3d.model.config import LayerKind
+
+    assert BlockManager(4, 4, 2, 4, [LayerKind.FULL] * 2).kinds == (LayerKind.FULL, LayerKind.FULL)
+    with pytest.raises(ValueError, match="sliding-window layers are not supported"):
+        BlockManager(4, 4, 2, 4, [LayerKind.FULL, LayerKind.SLIDING])
+    with pytest.raises(ValueError, match="1 layer kinds for 2 layers"):
+        BlockManager(4, 4, 2, 4, [LayerKind.FULL])

@@ -10,8 +10,6 @@ import os
 import struct
 import tempfile
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from h3d.store import tokenlog
-from h3d.store.tokenlog import CLOSED, CUT, HEADER, META, SUFFIX, TOKENS, TokenStore, _record, read_log
+from h3d.store.files import FileOps
+from h3d.store.tokenlog import CLOSED, CUT, HEADER, META, SUFFIX, TOKENS, TokenStore, read_log, record
 
 U32_MAX = 2**32 - 1
 NEVER = 1e15  # an fsync interval (ms) longer than any machine's uptime: sync_due() never fires on its own
@@ -30,13 +29,19 @@ NEVER = 1e15  # an fsync interval (ms) longer than any machine's uptime: sync_du
 # ---- helpers --------------------------------------------------------------------------------------
 
 
-@contextmanager
-def no_fsync() -> Iterator[None]:
-    """Skip the real fsyncs in tests that write hundreds of logs: what they check is the bytes, not
+class NoFsync(FileOps):
+    """Skips the real fsyncs, for tests that write hundreds of logs: what they check is the bytes, not
     durability (which a test cannot observe without a crash)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tokenlog.os, "fsync", lambda fd: None)
-        yield
+
+    def fsync(self, fd: int) -> None:
+        pass
+
+    def fsync_dir(self, path: Path) -> None:
+        pass
+
+
+NO_FSYNC = NoFsync()
+REAL = FileOps()
 
 
 @dataclass
@@ -55,13 +60,15 @@ def log_path(folder: Path, sid: str) -> Path:
     return folder / f"{sid}{SUFFIX}"
 
 
-def write_log(folder: Path, sid: str, meta: dict[str, Any], first: list[int], ops: list[Op]) -> list[State]:
+def write_log(
+    folder: Path, sid: str, meta: dict[str, Any], first: list[int], ops: list[Op], files: FileOps = REAL
+) -> list[State]:
     """Write a log through the store; return the state at every record boundary, in order (the first
     one is the empty file). Cuts are given as lengths ≤ the current length."""
-    store = TokenStore(folder, fsync_interval_ms=NEVER)
+    store = TokenStore(folder, fsync_interval_ms=NEVER, files=files)
     store.create(sid, meta, first)
     path = log_path(folder, sid)
-    states = [State(0, [], {}), State(len(_record(META, json.dumps(meta).encode())), [], dict(meta))]
+    states = [State(0, [], {}), State(len(record(META, json.dumps(meta).encode())), [], dict(meta))]
     if first:
         states.append(State(path.stat().st_size, list(first), dict(meta)))
     assert states[-1].end == path.stat().st_size
@@ -92,8 +99,8 @@ def state_at(states: list[State], offset: int) -> State:
     return [s for s in states if s.end <= offset][-1]
 
 
-def reopen(folder: Path) -> tuple[TokenStore, list[tokenlog.Restored]]:
-    store = TokenStore(folder, fsync_interval_ms=NEVER)
+def reopen(folder: Path, files: FileOps = REAL) -> tuple[TokenStore, list[tokenlog.Restored]]:
+    store = TokenStore(folder, fsync_interval_ms=NEVER, files=files)
     return store, store.load_all()
 
 
@@ -170,7 +177,7 @@ def test_round_trip_without_first_tokens(tmp_path: Path) -> None:
     store = TokenStore(tmp_path)
     store.create("empty", {"created_at": 1.0}, [])
     store.close()
-    assert log_path(tmp_path, "empty").stat().st_size == len(_record(META, json.dumps({"created_at": 1.0}).encode()))
+    assert log_path(tmp_path, "empty").stat().st_size == len(record(META, json.dumps({"created_at": 1.0}).encode()))
     restored = only(TokenStore(tmp_path).load_all(), "empty")
     assert (restored.tokens, restored.meta, restored.truncated_bytes) == ([], {"created_at": 1.0}, 0)
 
@@ -248,9 +255,9 @@ def test_record_layout_matches_the_docstring(tmp_path: Path) -> None:
     ),
 )
 def test_random_operations_match_a_model(first: list[int], meta: dict[str, Any], ops: list[Op]) -> None:
-    with tempfile.TemporaryDirectory() as d, no_fsync():
+    with tempfile.TemporaryDirectory() as d:
         folder = Path(d)
-        store = TokenStore(folder, fsync_interval_ms=NEVER)
+        store = TokenStore(folder, fsync_interval_ms=NEVER, files=NO_FSYNC)
         store.create("s", meta, first)
         model, last_meta = list(first), meta
         for kind, arg in ops:
@@ -266,10 +273,10 @@ def test_random_operations_match_a_model(first: list[int], meta: dict[str, Any],
                 last_meta = arg
             else:  # a restart in the middle: the reopened store carries on
                 store.close()
-                store, restored = reopen(folder)
+                store, restored = reopen(folder, NO_FSYNC)
                 assert only(restored, "s").tokens == model
         store.close()
-        restored_one = only(TokenStore(folder).load_all(), "s")
+        restored_one = only(TokenStore(folder, files=NO_FSYNC).load_all(), "s")
         assert restored_one.tokens == model
         assert restored_one.meta == last_meta
         assert restored_one.truncated_bytes == 0
@@ -279,7 +286,7 @@ def test_random_operations_match_a_model(first: list[int], meta: dict[str, Any],
 # ---- 3. torn tail --------------------------------------------------------------------------------
 
 
-def check_torn(folder: Path, states: list[State], data: bytes, offset: int, sid: str = "s") -> None:
+def check_torn(folder: Path, states: list[State], data: bytes, offset: int, files: FileOps, sid: str = "s") -> None:
     """The first `offset` bytes of a log: read_log gives the last whole record's state; load_all cuts
     the file there on disk, and a later append lands right after it."""
     sub = folder / "torn"  # one folder for every case (creating and removing folders is slow)
@@ -292,7 +299,7 @@ def check_torn(folder: Path, states: list[State], data: bytes, offset: int, sid:
     assert (r.session_id, r.tokens, r.meta, r.closed) == (sid, want.tokens, want.meta, False)
     assert r.truncated_bytes == offset - want.end
 
-    store, restored = reopen(sub)
+    store, restored = reopen(sub, files)
     r2 = only(restored, sid)
     assert (r2.tokens, r2.meta, r2.truncated_bytes) == (want.tokens, want.meta, offset - want.end)
     assert path.stat().st_size == want.end
@@ -308,25 +315,26 @@ def test_torn_tail_at_every_offset(tmp_path: Path) -> None:
     states = write_log(tmp_path, "s", META0, [5, 6], FIXED_OPS)
     data = log_path(tmp_path, "s").read_bytes()
     assert len(states) == 3 + len(FIXED_OPS)  # every op wrote one record
-    with no_fsync():
-        for offset in range(len(data) + 1):
-            check_torn(tmp_path, states, data, offset)
+    for offset in range(len(data) + 1):
+        check_torn(tmp_path, states, data, offset, NO_FSYNC)
 
 
 @settings(max_examples=60, deadline=None)
 @given(first=st.lists(token, max_size=6), meta=metas, ops=raw_ops, where=st.floats(min_value=0.0, max_value=1.0))
 def test_torn_tail_random_log(first: list[int], meta: dict[str, Any], ops: list[Op], where: float) -> None:
-    with tempfile.TemporaryDirectory() as d, no_fsync():
+    with tempfile.TemporaryDirectory() as d:
         folder = Path(d)
-        states = write_log(folder, "s", meta, first, concrete(first, ops))
+        states = write_log(folder, "s", meta, first, concrete(first, ops), NO_FSYNC)
         data = log_path(folder, "s").read_bytes()
-        check_torn(folder, states, data, round(where * len(data)))
+        check_torn(folder, states, data, round(where * len(data)), NO_FSYNC)
 
 
 # ---- 4. corruption -------------------------------------------------------------------------------
 
 
-def check_corrupt(folder: Path, states: list[State], data: bytes, pos: int, mask: int, with_store: bool) -> None:
+def check_corrupt(
+    folder: Path, states: list[State], data: bytes, pos: int, mask: int, with_store: bool, files: FileOps
+) -> None:
     """Byte `pos` xor `mask`: reading stops at the start of the record that holds it."""
     i = max(k for k, s in enumerate(states) if s.end <= pos)  # the record starts at states[i].end
     want = states[i]
@@ -340,7 +348,7 @@ def check_corrupt(folder: Path, states: list[State], data: bytes, pos: int, mask
     assert (r.tokens, r.meta, r.closed) == (want.tokens, want.meta, False), (pos, mask)
     assert r.truncated_bytes == len(data) - want.end, (pos, mask)
     if with_store:
-        store, restored = reopen(sub)
+        store, restored = reopen(sub, files)
         assert only(restored, "s").tokens == want.tokens
         assert path.read_bytes() == data[: want.end]
         store.append("s", [9])
@@ -352,10 +360,9 @@ def test_corrupt_byte_anywhere(tmp_path: Path) -> None:
     states = write_log(tmp_path, "s", META0, [5, 6], FIXED_OPS)
     data = log_path(tmp_path, "s").read_bytes()
     starts = {s.end for s in states}
-    with no_fsync():
-        for pos in range(len(data)):
-            mask = (0xFF, 0x01, 0x80, 0x5A)[pos % 4]  # every byte flipped, in a few ways
-            check_corrupt(tmp_path, states, data, pos, mask, with_store=pos in starts or pos % 5 == 0)
+    for pos in range(len(data)):
+        mask = (0xFF, 0x01, 0x80, 0x5A)[pos % 4]  # every byte flipped, in a few ways
+        check_corrupt(tmp_path, states, data, pos, mask, pos in starts or pos % 5 == 0, NO_FSYNC)
 
 
 @settings(max_examples=60, deadline=None)
@@ -369,18 +376,18 @@ def test_corrupt_byte_anywhere(tmp_path: Path) -> None:
 def test_corrupt_byte_random_log(
     first: list[int], meta: dict[str, Any], ops: list[Op], where: float, mask: int
 ) -> None:
-    with tempfile.TemporaryDirectory() as d, no_fsync():
+    with tempfile.TemporaryDirectory() as d:
         folder = Path(d)
-        states = write_log(folder, "s", meta, first, concrete(first, ops))
+        states = write_log(folder, "s", meta, first, concrete(first, ops), NO_FSYNC)
         data = log_path(folder, "s").read_bytes()
-        check_corrupt(folder, states, data, int(where * len(data)), mask, with_store=True)
+        check_corrupt(folder, states, data, int(where * len(data)), mask, True, NO_FSYNC)
 
 
 def test_garbage_after_the_last_record_is_cut(tmp_path: Path) -> None:
     states = write_log(tmp_path, "s", META0, [5], [("append", [6])])
     path = log_path(tmp_path, "s")
     good = path.read_bytes()
-    for junk in (b"\x00" * 40, b"H3", b"H3\x02\xff\xff\xff\xff", _record(TOKENS, b"\x01\x00\x00\x00")[:-1] + b"\x02"):
+    for junk in (b"\x00" * 40, b"H3", b"H3\x02\xff\xff\xff\xff", record(TOKENS, b"\x01\x00\x00\x00")[:-1] + b"\x02"):
         path.write_bytes(good + junk)
         r = read_log(path)
         assert (r.tokens, r.truncated_bytes) == (states[-1].tokens, len(junk))
@@ -411,7 +418,7 @@ def test_crash_between_closed_record_and_unlink(tmp_path: Path) -> None:
     store.create("alive", {"created_at": 2.0}, [4])
     store.close()
     path = log_path(tmp_path, "dead")
-    path.write_bytes(path.read_bytes() + _record(CLOSED, b""))
+    path.write_bytes(path.read_bytes() + record(CLOSED, b""))
 
     r = read_log(path)
     assert (r.closed, r.tokens, r.truncated_bytes) == (True, [1, 2, 3], 0)
@@ -419,7 +426,7 @@ def test_crash_between_closed_record_and_unlink(tmp_path: Path) -> None:
     store2 = TokenStore(tmp_path)
     assert [r.session_id for r in store2.load_all()] == ["alive"]
     assert not path.exists()
-    assert "dead" not in store2._logs
+    assert "dead" not in store2.open_sessions()
     store2.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["alive.h3log"]
 
@@ -428,7 +435,7 @@ def test_torn_closed_record_keeps_the_session(tmp_path: Path) -> None:
     """A CLOSED record that did not make it whole: the close was never durable, the session stays."""
     write_log(tmp_path, "s", META0, [1], [])
     path = log_path(tmp_path, "s")
-    closed = _record(CLOSED, b"")
+    closed = record(CLOSED, b"")
     path.write_bytes(path.read_bytes() + closed[:-1])
     store, restored = reopen(tmp_path)
     r = only(restored, "s")
@@ -445,7 +452,7 @@ def test_leftover_tmp_file_is_removed(tmp_path: Path) -> None:
     store.create("real", {"created_at": 1.0}, [1])
     store.close()
     # an unfinished create, complete content and all: it was never acknowledged
-    (tmp_path / "half.tmp").write_bytes(_record(META, b'{"created_at": 0.5}') + _record(TOKENS, struct.pack("<I", 9)))
+    (tmp_path / "half.tmp").write_bytes(record(META, b'{"created_at": 0.5}') + record(TOKENS, struct.pack("<I", 9)))
     (tmp_path / "real.tmp").write_bytes(b"H3")  # a second create of an existing id that never finished
     store2 = TokenStore(tmp_path)
     restored = store2.load_all()
@@ -465,7 +472,7 @@ def test_unsafe_session_ids_are_refused(tmp_path: Path, sid: str) -> None:
         store.create(sid, {"created_at": 1.0}, [1])
     assert list(folder.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
-    assert store._logs == {}
+    assert store.open_sessions() == frozenset()
 
 
 @pytest.mark.parametrize("sid", ["abc", "A-1_b", "0", "x" * 100])
@@ -479,25 +486,28 @@ def test_safe_session_ids_are_accepted(tmp_path: Path, sid: str) -> None:
 # ---- 8. group commit -----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The fds os.fsync was called on (the call still happens)."""
-    calls: list[int] = []
-    real = os.fsync
+class CountedFsyncs(FileOps):
+    """Records the file each fsync was called on, by inode (the call still happens)."""
 
-    def counting(fd: int) -> None:
-        calls.append(fd)
-        real(fd)
+    def __init__(self) -> None:
+        self.calls: list[int] = []
 
-    monkeypatch.setattr(tokenlog.os, "fsync", counting)
-    return calls
+    def fsync(self, fd: int) -> None:
+        self.calls.append(os.fstat(fd).st_ino)
+        super().fsync(fd)
 
 
-def test_sync_due_with_zero_interval_syncs_dirty_logs_only(tmp_path: Path, fsyncs: list[int]) -> None:
-    store = TokenStore(tmp_path, fsync_interval_ms=0)
+def inode(folder: Path, sid: str) -> int:
+    return log_path(folder, sid).stat().st_ino
+
+
+def test_sync_due_with_zero_interval_syncs_dirty_logs_only(tmp_path: Path) -> None:
+    counted = CountedFsyncs()
+    fsyncs = counted.calls
+    store = TokenStore(tmp_path, fsync_interval_ms=0, files=counted)
     store.create("a", {"created_at": 1.0}, [1])
     store.create("b", {"created_at": 2.0}, [2])
-    a, b = store._logs["a"].fd, store._logs["b"].fd
+    a, b = inode(tmp_path, "a"), inode(tmp_path, "b")
     fsyncs.clear()  # create's own fsyncs (the file, the folder) are not group commits
     assert store.syncs == 0
 
@@ -520,22 +530,24 @@ def test_sync_due_with_zero_interval_syncs_dirty_logs_only(tmp_path: Path, fsync
     assert store.syncs == 4 and fsyncs[-1] == b
 
 
-def test_sync_due_with_huge_interval_waits_for_explicit_sync(tmp_path: Path, fsyncs: list[int]) -> None:
-    store = TokenStore(tmp_path, fsync_interval_ms=NEVER)
+def test_sync_due_with_huge_interval_waits_for_explicit_sync(tmp_path: Path) -> None:
+    counted = CountedFsyncs()
+    fsyncs = counted.calls
+    store = TokenStore(tmp_path, fsync_interval_ms=NEVER, files=counted)
     store.create("a", {"created_at": 1.0}, [1])
     store.create("b", {"created_at": 2.0}, [2])
-    a, b = store._logs["a"].fd, store._logs["b"].fd
+    a, b = inode(tmp_path, "a"), inode(tmp_path, "b")
     fsyncs.clear()
     store.append("a", [3])
     store.append("b", [4])
     for _ in range(3):
         store.sync_due()
     assert (store.syncs, fsyncs) == (0, [])
-    assert store._logs["a"].dirty and store._logs["b"].dirty
+    assert store.unsynced("a") and store.unsynced("b")
 
     store.sync("a")  # one session
     assert (store.syncs, fsyncs) == (1, [a])
-    assert not store._logs["a"].dirty and store._logs["b"].dirty
+    assert not store.unsynced("a") and store.unsynced("b")
     store.sync("a")  # clean: nothing
     store.sync("nobody")  # unknown: nothing
     assert (store.syncs, fsyncs) == (1, [a])
@@ -549,10 +561,9 @@ def test_sync_due_with_huge_interval_waits_for_explicit_sync(tmp_path: Path, fsy
     assert (store.syncs, fsyncs) == (2, [a, b])
 
 
-def test_sync_due_fires_once_the_interval_has_passed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sync_due_fires_once_the_interval_has_passed(tmp_path: Path) -> None:
     clock = [10_000.0]
-    monkeypatch.setattr(tokenlog.time, "monotonic", lambda: clock[0])
-    store = TokenStore(tmp_path, fsync_interval_ms=500)
+    store = TokenStore(tmp_path, fsync_interval_ms=500, clock=lambda: clock[0])
     store.create("a", {"created_at": 1.0}, [1])
     store.sync()  # the last group commit: t = 10 000 s
     store.append("a", [2])
@@ -577,26 +588,26 @@ def test_sync_due_fires_once_the_interval_has_passed(tmp_path: Path, monkeypatch
 
 @pytest.mark.parametrize("kind", ["append", "meta", "cut"])
 @pytest.mark.parametrize("keep", ["one", "half", "all_but_one"])
-def test_short_write_leaves_the_file_as_it_was(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, keep: str
-) -> None:
-    store = TokenStore(tmp_path, fsync_interval_ms=NEVER)
+def test_short_write_leaves_the_file_as_it_was(tmp_path: Path, kind: str, keep: str) -> None:
+    path = log_path(tmp_path, "s")
+    shorted: list[int] = []
+    armed = [False]
+
+    class ShortWrite(FileOps):
+        """Once armed, the first write to the log writes only part of the data (a full disk)."""
+
+        def write(self, fd: int, data: bytes | memoryview) -> int:
+            if armed[0] and not shorted and os.path.samestat(os.fstat(fd), path.stat()):
+                shorted.append(len(data))
+                n = {"one": 1, "half": len(data) // 2, "all_but_one": len(data) - 1}[keep]
+                return super().write(fd, data[:n])
+            return super().write(fd, data)
+
+    store = TokenStore(tmp_path, fsync_interval_ms=NEVER, files=ShortWrite())
     store.create("s", {"created_at": 1.0}, [1, 2, 3])
     store.append("s", [4])
-    path = log_path(tmp_path, "s")
     before = path.read_bytes()
-    fd = store._logs["s"].fd
-    real_write = os.write
-    shorted: list[int] = []
-
-    def short_write(f: int, data: bytes) -> int:
-        if f == fd and not shorted:
-            shorted.append(len(data))
-            n = {"one": 1, "half": len(data) // 2, "all_but_one": len(data) - 1}[keep]
-            return real_write(f, data[:n])
-        return real_write(f, data)
-
-    monkeypatch.setattr(tokenlog.os, "write", short_write)
+    armed[0] = True
     with pytest.raises(OSError):
         if kind == "append":
             store.append("s", [5, 6, 7])
@@ -637,7 +648,7 @@ def test_out_of_range_token_writes_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [_record(TOKENS, b"\x01\x02\x03"), _record(TOKENS, b"\x01\x00\x00\x00\x02"), _record(CUT, b"\x01")],
+    [record(TOKENS, b"\x01\x02\x03"), record(TOKENS, b"\x01\x00\x00\x00\x02"), record(CUT, b"\x01")],
     ids=["tokens-3-bytes", "tokens-5-bytes", "cut-1-byte"],
 )
 def test_malformed_but_checksummed_record_stops_reading(tmp_path: Path, bad: bytes) -> None:
@@ -661,7 +672,7 @@ def test_one_odd_meta_does_not_stop_every_restore(tmp_path: Path, meta_json: byt
     write_log(tmp_path, "good", {"created_at": 1.0}, [1], [])
     write_log(tmp_path, "odd", {"created_at": 2.0}, [2], [])
     path = log_path(tmp_path, "odd")
-    path.write_bytes(path.read_bytes() + _record(META, meta_json))
+    path.write_bytes(path.read_bytes() + record(META, meta_json))
     store, restored = reopen(tmp_path)
     store.close()
     assert "good" in [r.session_id for r in restored]

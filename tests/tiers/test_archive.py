@@ -3,11 +3,13 @@ survives reopen, corruption, foreign stores and a crash between the data and man
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,8 +17,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from h3d.store.files import FileOps
 from h3d.tiers.archive import Archive
 from h3d.tiers.codecs import INT8_MAX_REL_ERROR, INT8_MIN_SCALE, Codec, decode, encode
+from h3d.tiers.compaction import COPY_CHUNK_BYTES, CompactionHooks
 from h3d.tiers.identity import ArchiveCorrupt, ArchiveError, ArchiveMismatch, BlockKey, CacheIdentity
 
 NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -122,9 +126,9 @@ def test_archive_round_trip(kv: tuple[torch.Tensor, torch.Tensor], codec: Codec)
         with Archive(Path(d), identity_for(k), codec) as a:
             if codec is Codec.INT8_DELTA_ZSTD and not finite:
                 with pytest.raises(ValueError):
-                    a.put_many([(key, k, v)])
+                    a.put([(key, k, v)])
                 return
-            a.put_many([(key, k, v)])
+            a.put([(key, k, v)])
         with Archive(Path(d), identity_for(k), codec) as a:
             k2, v2 = a.get(key)
     if codec is Codec.RAW_ZSTD:
@@ -137,14 +141,14 @@ def test_archive_round_trip(kv: tuple[torch.Tensor, torch.Tensor], codec: Codec)
 def test_lossless_layers_are_bit_exact_under_int8(tmp_path: Path) -> None:
     k, v = any_bits((3, 32, 64), torch.float32, 1), any_bits((3, 32, 64), torch.float32, 2)
     with Archive(tmp_path, IDENT, Codec.INT8_DELTA_ZSTD, lossless_layers=frozenset({0, 5})) as a:
-        a.put_many([(BlockKey("s", 0, 0), k, v), (BlockKey("s", 5, 0), k, v)])
+        a.put([(BlockKey("s", 0, 0), k, v), (BlockKey("s", 5, 0), k, v)])
         for layer in (0, 5):
             k2, v2 = a.get(BlockKey("s", layer, 0))
             assert same_bits(k, k2) and same_bits(v, v2)
         with pytest.raises(ValueError):  # layer 1 is int8, which cannot hold NaN
-            a.put_many([(BlockKey("s", 1, 0), k, v)])
+            a.put([(BlockKey("s", 1, 0), k, v)])
         kf = values((3, 32, 64), torch.float32, "unit", 3)
-        a.put_many([(BlockKey("s", 1, 0), kf, kf)])
+        a.put([(BlockKey("s", 1, 0), kf, kf)])
         assert not same_bits(a.get(BlockKey("s", 1, 0))[0], kf)  # lossy indeed
         check_int8_bound(kf, a.get(BlockKey("s", 1, 0))[0])
 
@@ -155,7 +159,7 @@ def block(seed: int, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
 
 def put(a: Archive, key: BlockKey, seed: int, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     k, v = block(seed, n)
-    a.put_many([(key, k, v)])
+    a.put([(key, k, v)])
     return k, v
 
 
@@ -181,7 +185,7 @@ def test_persistence_supersede_and_delete(tmp_path: Path) -> None:
         assert_holds(a, BlockKey("a", 0, 0), newer)
         assert_holds(a, BlockKey("a", 1, 0), a2)
         assert a.get(BlockKey("a", 1, 0))[0].shape == (3, 5, 64)
-        assert a.delete_session("a") == 2 and a.delete_session("a") == 0
+        assert a.remove("a") == 2 and a.remove("a") == 0
         assert not a.contains(BlockKey("a", 0, 0)) and a.contains(BlockKey("b", 0, 0))
         with pytest.raises(KeyError):
             a.get(BlockKey("a", 0, 0))
@@ -257,7 +261,7 @@ def test_lossy_record_refused_when_layer_now_lossless(tmp_path: Path) -> None:
             a.get(BlockKey("s", 0, 0))
         a.get(BlockKey("s", 1, 0))  # still int8 for layer 1
     with Archive(tmp_path, IDENT, Codec.INT8_DELTA_ZSTD, lossless_layers=frozenset({1})) as a:
-        a.put_many([(BlockKey("s", 1, 0), *raw)])
+        a.put([(BlockKey("s", 1, 0), *raw)])
     with Archive(tmp_path, IDENT, Codec.INT8_DELTA_ZSTD) as a:  # a lossless record is always acceptable
         assert_holds(a, BlockKey("s", 1, 0), raw)
 
@@ -266,20 +270,52 @@ class Crash(BaseException):
     """Stands for the process dying: not an Exception, so nothing on the way catches it."""
 
 
+def is_file(fd: int, path: Path) -> bool:
+    """Whether `fd` is open on the file now at `path`."""
+    return os.path.samestat(os.fstat(fd), path.stat())
+
+
+class FullDisk(FileOps):
+    """Every write fails as on a full disk (nothing of it reaches the file)."""
+
+    def write_all(self, fd: int, data: bytes, offset: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+class CrashAtManifestAppend(FileOps):
+    """The process dies as a write to the manifest begins: what came before it (the records, written
+    and fsynced) is on disk, nothing of the manifest's lines is."""
+
+    def __init__(self, manifest: Path) -> None:
+        self.manifest = manifest
+
+    def write_all(self, fd: int, data: bytes, offset: int) -> None:
+        if is_file(fd, self.manifest):
+            raise Crash
+        super().write_all(fd, data, offset)
+
+
+def until(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Wait for `condition` to hold. -> False if `timeout` seconds passed first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
 @pytest.mark.parametrize("tail", [b"", b'1234abcd {"op":"put","s":"zz",', b'deadbeef {"op":"del","s":"a"}\n'])
-def test_crash_between_data_and_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tail: bytes) -> None:
+def test_crash_between_data_and_manifest(tmp_path: Path, tail: bytes) -> None:
     a = Archive(tmp_path, IDENT)
     committed = put(a, BlockKey("a", 0, 0), 1)
     manifest, seg = tmp_path / "manifest.log", tmp_path / "seg-000001.h3kv"
     good_manifest, good_seg = manifest.stat().st_size, seg.stat().st_size
 
-    def crash(self: Archive, entries: list[dict[str, object]]) -> None:
-        raise Crash
-
-    monkeypatch.setattr(Archive, "_append_manifest", crash)
+    a.files = CrashAtManifestAppend(manifest)
     with pytest.raises(Crash):
         put(a, BlockKey("a", 1, 0), 2)  # its record reached the segment and was fsynced, not the manifest
-    monkeypatch.undo()
+    a.files = FileOps()
     a.close()
     assert seg.stat().st_size > good_seg
     with open(manifest, "ab") as f:
@@ -337,9 +373,9 @@ def test_rejects_bad_blocks(tmp_path: Path) -> None:
         k, v = block(1)
         for bad in [(k.to(torch.float16), v.to(torch.float16)), (k[:2], v[:2]), (k[:, :0], v[:, :0])]:
             with pytest.raises(ValueError):
-                a.put_many([(BlockKey("s", 0, 0), *bad)])
+                a.put([(BlockKey("s", 0, 0), *bad)])
         with pytest.raises(ValueError):
-            a.put_many([(BlockKey("s", 0, 0), torch.zeros(3, 33, 64), torch.zeros(3, 33, 64))])
+            a.put([(BlockKey("s", 0, 0), torch.zeros(3, 33, 64), torch.zeros(3, 33, 64))])
         assert a.keys() == frozenset()
 
 
@@ -371,7 +407,7 @@ def test_strided_views_are_archived(tmp_path: Path) -> None:
     assert not k.is_contiguous()
     for codec in Codec:
         with Archive(tmp_path / codec.value, IDENT, codec) as a:
-            a.put_many([(BlockKey("s", 0, 0), k, v)])
+            a.put([(BlockKey("s", 0, 0), k, v)])
             k2, v2 = a.get(BlockKey("s", 0, 0))
         if codec is Codec.RAW_ZSTD:
             assert same_bits(k, k2) and same_bits(v, v2)
@@ -379,17 +415,13 @@ def test_strided_views_are_archived(tmp_path: Path) -> None:
             check_int8_bound(k, k2)
 
 
-def test_failed_write_refuses_more_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_write_refuses_more_writes(tmp_path: Path) -> None:
     with Archive(tmp_path, IDENT) as a:
         kept = put(a, BlockKey("a", 0, 0), 1)
-
-        def full(self: Archive, pending: list[object]) -> None:
-            raise OSError(28, "No space left on device")
-
-        monkeypatch.setattr(Archive, "_append_records", full)
+        a.files = FullDisk()
         with pytest.raises(ArchiveError, match="No space left"):
             put(a, BlockKey("a", 1, 0), 2)
-        monkeypatch.undo()
+        a.files = FileOps()  # space is back, but nothing says what the failed write left
         with pytest.raises(ArchiveError, match="earlier write failed"):
             put(a, BlockKey("a", 1, 0), 2)
         assert_holds(a, BlockKey("a", 0, 0), kept)  # reads still work
@@ -406,7 +438,7 @@ def sessions_of(a: Archive, names: list[str], blocks_each: int = 4, seed: int = 
     out = {}
     for s, name in enumerate(names):
         items = [(BlockKey(name, 0, i), *block(seed + 100 * s + i)) for i in range(blocks_each)]
-        a.put_many(items)
+        a.put(items)
         out.update({key: (k, v) for key, k, v in items})
     return out
 
@@ -427,7 +459,7 @@ def test_a_segment_with_no_live_record_goes_without_copies(tmp_path: Path) -> No
     assert len(segments) == 3
     manifest = (tmp_path / "manifest.log").stat()
     disk, b_size = a.disk_bytes(), segments[1].stat().st_size
-    a.delete_session("b")
+    a.remove("b")
     a.compact_later()
     assert a.wait_compactions(timeout=30)
     assert sorted(tmp_path.glob("seg-*.h3kv")) == [segments[0], segments[2]]
@@ -442,36 +474,32 @@ def test_a_segment_with_no_live_record_goes_without_copies(tmp_path: Path) -> No
         assert reopened.disk_bytes() == reopened.live_bytes()
 
 
-def test_compaction_beside_puts_deletes_and_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """While a background compaction copies records (held there by the test), another thread
-    supersedes a block being moved, deletes a session being moved, puts a new one and reads: none
-    of it is undone by the compaction's switch (the superseded block keeps its new value, the
-    deleted session stays deleted), the dead bytes are gone after it, and the store reopens equal."""
-    from h3d.tiers import compaction
-
-    a = Archive(tmp_path, IDENT)
-    held = sessions_of(a, ["dead", "s1", "s2", "s3"])
-    a.delete_session("dead")
+def test_compaction_beside_puts_deletes_and_reads(tmp_path: Path) -> None:
+    """While a background compaction copies records (held there by the test, its copies made and
+    its switch not begun), another thread supersedes a block being moved, deletes a session being
+    moved, puts a new one and reads: none of it is undone by the compaction's switch (the
+    superseded block keeps its new value, the deleted session stays deleted), the dead bytes are
+    gone after it, and the store reopens equal."""
     copied, go_on = threading.Event(), threading.Event()
-    copy = compaction._copy_records
 
-    def held_copy(*args: object) -> object:
-        out = copy(*args)  # type: ignore[arg-type]
-        copied.set()
-        assert go_on.wait(30)
-        return out
+    class HeldAfterCopying(CompactionHooks):
+        def copied(self, segment: int, records: int) -> None:
+            copied.set()
+            assert go_on.wait(30)
 
-    monkeypatch.setattr(compaction, "_copy_records", held_copy)
+    a = Archive(tmp_path, IDENT, compaction_hooks=HeldAfterCopying())
+    held = sessions_of(a, ["dead", "s1", "s2", "s3"])
+    a.remove("dead")
     a.compact_later(keep_ratio=1.0)
     assert copied.wait(30) and a.compacting
     held = {key: kv for key, kv in held.items() if key.session not in ("dead", "s2")}
     held[BlockKey("s1", 0, 1)] = put(a, BlockKey("s1", 0, 1), 999)  # supersedes a block in flight
-    assert a.delete_session("s2") == 4  # a session in flight
+    assert a.remove("s2") == 4  # a session in flight
     held |= sessions_of(a, ["s4"], seed=50)
     assert_store(a, held)  # reads while the copies wait
     go_on.set()
     assert a.wait_compactions(timeout=30) and not a.compacting
-    assert a._compactor.last_error is None and a._compactor.runs == 1
+    assert a.compaction_stats().last_error is None and a.compaction_stats().runs == 1
     assert_store(a, held)
     a.compact(keep_ratio=1.0)  # the records deleted or superseded during the first: gone too
     assert a.disk_bytes() == a.live_bytes()
@@ -481,22 +509,21 @@ def test_compaction_beside_puts_deletes_and_reads(tmp_path: Path, monkeypatch: p
         assert reopened.disk_bytes() == reopened.live_bytes()
 
 
-def test_reads_race_compactions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reads_race_compactions(tmp_path: Path) -> None:
     """Readers on other threads never see a segment vanish under them: `get` opens the segment
     while holding the index lock, and a compaction deletes a segment only after the index has left
     it. (Readers dawdle between finding a record and opening its segment, to widen the window.)"""
-    a = Archive(tmp_path, IDENT, segment_bytes=1)
+
+    class DawdlingReaders(FileOps):
+        def open(self, path: Path, flags: int) -> int:
+            if threading.current_thread().name.startswith("reader"):
+                time.sleep(0.002)
+            return super().open(path, flags)
+
+    a = Archive(tmp_path, IDENT, segment_bytes=1, files=DawdlingReaders())
     stable = sessions_of(a, ["stable"], blocks_each=6)
     errors: list[BaseException] = []
     stop = threading.Event()
-    seg_path = Archive._seg_path
-
-    def dawdling(self: Archive, n: int) -> Path:
-        if threading.current_thread().name.startswith("reader"):
-            time.sleep(0.002)
-        return seg_path(self, n)
-
-    monkeypatch.setattr(Archive, "_seg_path", dawdling)
 
     def reader() -> None:
         try:
@@ -512,8 +539,8 @@ def test_reads_race_compactions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     try:
         for r in range(12):
             churn = [(BlockKey(f"churn{r}", 0, i), *block(1000 + 10 * r + i)) for i in range(6)]
-            a.put_many([(key, *kv) for key, kv in stable.items()] + churn)  # the same bytes, in a mixed segment
-            a.delete_session(f"churn{r}")
+            a.put([(key, *kv) for key, kv in stable.items()] + churn)  # the same bytes, in a mixed segment
+            a.remove(f"churn{r}")
             assert a.compact(keep_ratio=1.0) > 0  # moves the stable records, deletes the segments they were in
     finally:
         stop.set()
@@ -524,66 +551,57 @@ def test_reads_race_compactions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.parametrize("point", ["copying", "before the rename", "before the deletes", "between deletes", "close"])
-def test_compaction_stopped_at_any_point_leaves_the_same_store(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str
-) -> None:
+def test_compaction_stopped_at_any_point_leaves_the_same_store(tmp_path: Path, point: str) -> None:
     """A crash (the process dies: nothing after it runs) at each point of a compaction, or a close
     during its copy: the store reopens to the same blocks with the same bytes, cleans up what the
     compaction left (at open, or by compacting again) and takes writes."""
-    import h3d.tiers.archive as archive_mod
-    from h3d.tiers import compaction
-
-    a = Archive(tmp_path, IDENT, segment_bytes=150_000)  # two sessions a segment: three victims
+    chunk = 1 if point == "close" else COPY_CHUNK_BYTES  # "close": a write after each record copied
+    a = Archive(tmp_path, IDENT, segment_bytes=150_000, copy_chunk_bytes=chunk)  # two sessions a segment
     held = sessions_of(a, ["a", "b", "c", "d", "e", "f"], blocks_each=2)
-    assert len(list(tmp_path.glob("seg-*.h3kv"))) == 3
+    assert len(list(tmp_path.glob("seg-*.h3kv"))) == 3  # three victims
     for name in ("a", "c", "e"):
-        a.delete_session(name)
+        a.remove(name)
     held = {key: kv for key, kv in held.items() if key.session in ("b", "d", "f")}
-    write_all, replace, unlink = archive_mod._write_all, os.replace, Path.unlink
     started = threading.Event()
-    deletes = [0]
 
-    def crash_mid_write(fd: int, data: bytes, offset: int) -> None:
-        write_all(fd, data[: len(data) // 2], offset)
-        raise Crash
+    class Dying(FileOps):
+        """The process dies at `point` (or, for "close", each write waits for `close` to begin)."""
 
-    def crash_at_rename(src: object, dst: object) -> None:
-        if str(dst).endswith("manifest.log"):
-            raise Crash
-        replace(src, dst)  # type: ignore[arg-type]
+        deletes = 0  # the segments deleted so far
 
-    def crash_at_delete(self: Path, missing_ok: bool = False) -> None:
-        deletes[0] += 1
-        if point == "before the deletes" or deletes[0] > 1:
-            raise Crash
-        unlink(self, missing_ok=missing_ok)
+        def write_all(self, fd: int, data: bytes, offset: int) -> None:
+            if point == "copying":  # half the copies written
+                super().write_all(fd, data[: len(data) // 2], offset)
+                raise Crash
+            if point == "close":
+                started.set()
+                assert until(lambda: a.closing)
+            super().write_all(fd, data, offset)
 
-    def slow_write(fd: int, data: bytes, offset: int) -> None:
-        started.set()
-        assert a._stopping.wait(30)
-        write_all(fd, data, offset)
+        def replace(self, src: Path, dst: Path) -> None:
+            if point == "before the rename" and dst.name == "manifest.log":
+                raise Crash
+            super().replace(src, dst)
 
-    if point == "copying":
-        monkeypatch.setattr(archive_mod, "_write_all", crash_mid_write)
-    elif point == "before the rename":
-        monkeypatch.setattr(os, "replace", crash_at_rename)
-    elif point in ("before the deletes", "between deletes"):
-        monkeypatch.setattr(Path, "unlink", crash_at_delete)
-    else:
-        monkeypatch.setattr(compaction, "COPY_CHUNK_BYTES", 1)  # a write after each record copied
-        monkeypatch.setattr(archive_mod, "_write_all", slow_write)
+        def unlink(self, path: Path, missing_ok: bool = False) -> None:
+            if point in ("before the deletes", "between deletes") and path.name.startswith("seg-"):
+                self.deletes += 1
+                if point == "before the deletes" or self.deletes > 1:
+                    raise Crash
+            super().unlink(path, missing_ok)
+
+    a.files = Dying()
     names = {p.name for p in tmp_path.glob("seg-*.h3kv")}
     if point == "close":
         a.compact_later(keep_ratio=1.0)
         assert started.wait(30)
         a.close()  # stops it between two records: its copies are deleted
-        assert a._compactor.runs == 1 and a._compactor.freed_bytes == 0
-        assert {p.name for p in tmp_path.glob("seg-*.h3kv")} <= names | {f"seg-{a._seg_no:06d}.h3kv"}
+        assert a.compaction_stats().runs == 1 and a.compaction_stats().freed_bytes == 0
+        assert {p.name for p in tmp_path.glob("seg-*.h3kv")} <= names | {f"seg-{a.active_segment:06d}.h3kv"}
     else:
         with pytest.raises(Crash):
             a.compact(keep_ratio=1.0)
-        a._close_fds()  # the process is gone: its descriptors and its lock with it
-    monkeypatch.undo()
+        a.abandon()  # the process is gone: its descriptors and its lock with it
     with Archive(tmp_path, IDENT, segment_bytes=150_000) as reopened:
         assert_store(reopened, held)
         reopened.compact(keep_ratio=1.0)
@@ -604,8 +622,8 @@ def test_archive_files_are_private_whatever_the_umask(tmp_path: Path, umask: int
     try:
         a = Archive(root / "kv" / "archive", IDENT, segment_bytes=1)
         sessions_of(a, ["a", "b", "c"])
-        a.delete_session("a")
-        a.put_many([(BlockKey("b", 0, 0), *block(5))])  # b's segment is part dead now
+        a.remove("a")
+        a.put([(BlockKey("b", 0, 0), *block(5))])  # b's segment is part dead now
         assert a.compact(keep_ratio=1.0) > 0  # copies to a new segment, rewrites the manifest
         a.close()
         with Archive(root / "kv" / "archive", IDENT, segment_bytes=1) as reopened:

@@ -18,6 +18,7 @@ from helpers import VOCAB_SIZE, make_engine, random_prompt
 
 from h3d.engine.sampling import SamplingParams
 from h3d.errors import SessionNotFound
+from h3d.store.files import FileOps
 from h3d.tiers.archive import Archive
 
 MODEL = "llama_gqa4_tied"
@@ -84,12 +85,10 @@ def test_purge_frees_the_archive_space_and_keeps_the_other_sessions(
 
 
 def test_purge_with_a_failing_archive_still_deletes_the_session(
-    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
     """The purge's tombstone is refused (a full disk): the SSD tier is marked degraded, and the
     session is deleted all the same (its log, its memory, its id); the others keep serving."""
-    import h3d.tiers.archive as archive_mod
-
     kw = {"ssd_path": str(tmp_path / "archive"), "session_log_path": str(tmp_path / "sessions")}
     engine = make_engine(checkpoint(MODEL), ssd_retry_interval_s=3600, **kw)
     twin = make_engine(checkpoint(MODEL))
@@ -100,10 +99,13 @@ def test_purge_with_a_failing_archive_still_deletes_the_session(
     twin.append(t, token_ids=random_prompt(90, VOCAB_SIZE, seed=2))
     engine.close_session(gone)  # archived
 
-    def full_disk(fd: int, data: bytes, offset: int) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
+    class FullDisk(FileOps):
+        def write_all(self, fd: int, data: bytes, offset: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(archive_mod, "_write_all", full_disk)
+    archive = engine.runner.tiers.archive
+    assert archive is not None
+    archive.files = FullDisk()  # the disk fills up under the running engine
     engine.close_session(gone, purge=True)
     assert engine.tier_stats().ssd_degraded
     with pytest.raises(SessionNotFound):

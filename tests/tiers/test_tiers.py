@@ -770,26 +770,23 @@ def test_real_model_damaged_blocks_are_rebuilt_after_a_restart(smol_dir: Path, t
 # ---- (d) a full disk: the SSD tier degrades, serving goes on, and it recovers ---------------------
 
 
-def test_full_disk_degrades_the_ssd_tier_and_serving_goes_on(
-    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_full_disk_degrades_the_ssd_tier_and_serving_goes_on(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
     """Archive writes fail with ENOSPC: the SSD tier is marked degraded (no request fails, no DDR
     copy is dropped), DDR is freed by forgetting an idle session's KV, which is computed again
     when it is used next (its generation equals an untiered engine's); once writes succeed again
     the tier recovers and archives, and the archive reopens clean."""
     import errno
 
-    import h3d.tiers.archive as archive_mod
+    from h3d.store.files import FileOps
 
     disk_full = [True]
-    write_all = archive_mod._write_all
 
-    def full_disk(fd: int, data: bytes, offset: int) -> None:
-        if disk_full[0]:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        write_all(fd, data, offset)
+    class FullDisk(FileOps):
+        def write_all(self, fd: int, data: bytes, offset: int) -> None:
+            if disk_full[0]:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            super().write_all(fd, data, offset)
 
-    monkeypatch.setattr(archive_mod, "_write_all", full_disk)
     engine = make_engine(
         checkpoint(MODEL),
         prefill_chunk_tokens=64,
@@ -798,6 +795,8 @@ def test_full_disk_degrades_the_ssd_tier_and_serving_goes_on(
         ssd_path=str(tmp_path / "archive"),
         ssd_retry_interval_s=3600,
     )
+    assert engine.runner.tiers.archive is not None
+    engine.runner.tiers.archive.files = FullDisk()  # before its first write
     plain = make_engine(checkpoint(MODEL))
     tiers = engine.runner.tiers
     prompts = [random_prompt(300, VOCAB_SIZE, seed=60 + i) for i in range(2)]
@@ -936,9 +935,7 @@ def test_ssd_capacity_evicts_closed_sessions_coldest_first_and_reclaims_disk(
 
 
 @pytest.mark.parametrize("crash", ["before the manifest", "before the old segments go", None])
-def test_compaction_keeps_the_store_whatever_point_it_stops_at(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crash: str | None
-) -> None:
+def test_compaction_keeps_the_store_whatever_point_it_stops_at(tmp_path: Path, crash: str | None) -> None:
     """Compaction copies live records to a new segment, renames a rewritten manifest over the old
     one, then deletes the old segments. Stopped before the rename or before the deletes (a crash),
     or run through, the reopened store holds the same blocks with the same bytes, and the dead
@@ -948,20 +945,30 @@ def test_compaction_keeps_the_store_whatever_point_it_stops_at(
     blocks = {BlockKey(f"s{s}", layer, i): torch.randn(2, 2, 16, 16, generator=g) for s in range(3)
               for layer in range(2) for i in range(4)}  # fmt: skip
     archive = Archive(tmp_path, identity, Codec.RAW_ZSTD)
-    archive.put_many([(key, kv[0], kv[1]) for key, kv in blocks.items()])
-    archive.delete_session("s0")  # dead records: a third of the segment
+    archive.put([(key, kv[0], kv[1]) for key, kv in blocks.items()])
+    archive.remove("s0")  # dead records: a third of the segment
     live = {key: kv for key, kv in blocks.items() if key.session != "s0"}
     disk = archive.disk_bytes()
-    if crash == "before the manifest":
-        monkeypatch.setattr(Archive, "_rewrite_manifest", _raise_enospc)
-    elif crash == "before the old segments go":
-        monkeypatch.setattr(Path, "unlink", _raise_enospc)
+    from h3d.store.files import FileOps
+
+    class NoSpace(FileOps):  # ENOSPC at the rewritten manifest's rename, or at a segment's delete
+        def replace(self, src: Path, dst: Path) -> None:
+            if crash == "before the manifest":
+                _raise_enospc()
+            super().replace(src, dst)
+
+        def unlink(self, path: Path, missing_ok: bool = False) -> None:
+            if crash == "before the old segments go" and path.name.startswith("seg-"):
+                _raise_enospc()
+            super().unlink(path, missing_ok)
+
+    archive.files = NoSpace()
     if crash is None:
         assert archive.compact(keep_ratio=1.0) > 0 and archive.disk_bytes() < disk
     else:
         with pytest.raises(ArchiveError):
             archive.compact(keep_ratio=1.0)
-        monkeypatch.undo()
+        archive.files = FileOps()
     archive.close()
     with Archive(tmp_path, identity, Codec.RAW_ZSTD) as reopened:
         assert reopened.keys() == frozenset(live)
@@ -970,7 +977,7 @@ def test_compaction_keeps_the_store_whatever_point_it_stops_at(
             assert torch.equal(k, kv[0]) and torch.equal(v, kv[1])
         if crash is None:
             assert reopened.disk_bytes() == reopened.live_bytes()
-        reopened.put_many([(BlockKey("s9", 0, 0), *live[BlockKey("s1", 0, 0)])])  # and it takes writes
+        reopened.put([(BlockKey("s9", 0, 0), *live[BlockKey("s1", 0, 0)])])  # and it takes writes
 
 
 def _raise_enospc(*args: object, **kwargs: object) -> None:

@@ -1,0 +1,62 @@
+"""The tiers below DDR, behind one small interface.
+
+A cold tier holds archived KV blocks by key (`BlockKey`: session, layer, block index), each a
+record of the block's K and V that comes back bit for bit (or within its codec's stated error),
+and refuses what it cannot vouch for (`ArchiveCorrupt`). The SSD archive (`h3d.tiers.archive`)
+is the first; a remote store shared by several daemons is the next. LMCache's storage backend is
+the model: contains / put / get / remove / close, with the durability rule stated on `put`.
+
+The tier manager (`h3d.tiers.manager`), the mover (`h3d.tiers.mover`) and a session's lifecycle
+(`h3d.tiers.lifecycle`) use a cold tier only through this interface. What a tier keeps is decided
+above it: which blocks are written (spill past `ddr_high_watermark`, snapshots), which are
+forgotten (closed sessions past `ssd_capacity_mb`), and which sessions are pinned (the KV cache's
+`SessionKV.pinned_until`): a tier evicts nothing on its own, so it has no pins of its own.
+
+What must stay true of every implementation: a block is durable when `put` returns (a DDR copy
+is dropped only after that), and nothing else is; `contains` and `blocks_of` say what a `get`
+would return; a failed write raises `ArchiveWriteFailed` and leaves what was durable before.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from h3d.tiers.identity import BlockKey
+
+
+class ColdTier(Protocol):
+    def contains(self, key: BlockKey) -> bool:
+        """Whether a durable record of `key` is held."""
+        ...
+
+    def put(self, items: list[tuple[BlockKey, torch.Tensor, torch.Tensor]]) -> None:
+        """Store blocks ((key, k [Hkv, n, D], v [Hkv, n, D]) each), durably when it returns;
+        a record of the same key is replaced. Raises `ArchiveWriteFailed`."""
+        ...
+
+    def get(self, key: BlockKey) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's (k, v), each [Hkv, n, D]. Raises `ArchiveCorrupt` for a damaged or missing
+        record."""
+        ...
+
+    def blocks_of(self, session: str) -> dict[tuple[int, int], int]:
+        """The session's held blocks: (layer, index) -> tokens in the record."""
+        ...
+
+    def remove(self, session: str) -> int:
+        """Forget every block of `session`, durably; returns the records dropped."""
+        ...
+
+    def stored_bytes(self) -> int:
+        """Bytes the held records take in the tier (as stored: compressed)."""
+        ...
+
+    def recover(self) -> None:
+        """After a failed write: back to the last durable state, taking writes again."""
+        ...
+
+    def close(self) -> None:
+        """Finish and release (what is durable stays)."""
+        ...
