@@ -40,8 +40,8 @@ def build_runner(config: EngineConfig, model: CausalLM) -> ModelRunner:
         check_invariants=config.check_invariants,
         hbf=config.hbf,
         promote_mb_per_step=config.promote_mb_per_step,
+        ssd_retry_interval_s=config.ssd_retry_interval_s,
     )
-    runner.kv.tiers.ssd_retry_interval_s = config.ssd_retry_interval_s
     return runner
 
 

@@ -16,7 +16,7 @@ import torch
 
 from h3d.config import EngineConfig
 from h3d.engine.graphs import DecodeGraphs, _Graph
-from h3d.hbf.policy import HbfConfig, probe_anchors
+from h3d.hbf.policy import Exact, HbfConfig, probe_anchors
 from h3d.kernels.copies import paged_write
 from h3d.kv.attention import LayerKV, Pools, gather_blocks, kernel_attention
 from h3d.kv.blocks import SeqId, first_blocks, runs_of
@@ -351,13 +351,14 @@ class ModelRunner:
         check_invariants: bool = False,
         hbf: HbfConfig | None = None,
         promote_mb_per_step: float | None = None,
+        ssd_retry_interval_s: float = 10.0,
     ) -> None:
         cfg = model.config
         self.model = model
         self.device = model.lm_head.weight_t.device
         if self.device.type == "cuda":
             model.use_attention(kernel_attention)  # decode steps through the Triton paged kernel
-        hbf = hbf or replace(EngineConfig(), policy="exact").hbf
+        hbf = hbf or replace(EngineConfig(), policy=Exact.name).hbf
         promote = None if promote_mb_per_step is None else int(promote_mb_per_step * 2**20)
         self.kv = KVCache(
             num_layers=cfg.num_layers,
@@ -373,6 +374,7 @@ class ModelRunner:
             high_watermark=high_watermark,
             promote_bytes_per_step=promote,
             kinds=cfg.layer_kinds,
+            ssd_retry_interval_s=ssd_retry_interval_s,
         )
         # The step's view of the cache's parts (the cache owns them).
         self.blocks, self.tiers, self.digests, self.hbf = self.kv.blocks, self.kv.tiers, self.kv.digests, hbf

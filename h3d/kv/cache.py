@@ -91,6 +91,7 @@ class KVCache:
         high_watermark: float = 0.85,
         promote_bytes_per_step: int | None = None,
         kinds: Sequence[LayerKind] | None = None,
+        ssd_retry_interval_s: float = 10.0,
     ) -> None:
         """`hbm_regions`: every layer's HBM region in blocks, or one size per layer; `kinds`: each
         layer's kind (`ModelConfig.layer_kinds`; all full attention by default)."""
@@ -100,7 +101,9 @@ class KVCache:
         shape = (block_size, num_kv_heads, head_dim, dtype)
         self.hbm = KVPool(self.blocks.num_slots, *shape, device)
         self.ddr = KVPool(len(self.blocks.ddr_owner), *shape, torch.device("cpu"), pin_memory=device.type == "cuda")
-        self.tiers = TierManager(self.blocks, self.hbm, self.ddr, archive, high_watermark, self.sessions, self.cut)
+        self.tiers = TierManager(
+            self.blocks, self.hbm, self.ddr, archive, high_watermark, self.sessions, self.cut, ssd_retry_interval_s
+        )
         self.promoter = Promoter(self.tiers, promote_bytes_per_step)
         self.hbf = hbf
         self.device = device

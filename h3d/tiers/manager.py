@@ -51,6 +51,7 @@ class TierManager:
         high_watermark: float,
         sessions: dict[SeqId, SessionKV],
         truncate: Callable[[SeqId, int], None],
+        ssd_retry_interval_s: float = 10.0,
     ) -> None:
         """`sessions`: the KV cache's records (read here; their tier fields written here);
         `truncate`: the cache's cut of a session's KV (which keeps its digests exact)."""
@@ -67,7 +68,7 @@ class TierManager:
         self._spilling: dict[int, list[tuple[SeqId, int, np.ndarray]]] = {}  # transfer id -> blocks
         self.rewriting: tuple[SeqId, int] | None = None  # (seq, block) being computed again: never moved
         self.ssd_degraded: str | None = None  # why the archive takes no writes now
-        self.ssd_retry_interval_s = 10.0
+        self.ssd_retry_interval_s = ssd_retry_interval_s
         self._ssd_retry_at = 0.0
         self.notices: list[tuple[str, dict[str, object]]] = []  # (log event, fields) for the daemon's log
 
