@@ -109,7 +109,9 @@ class _Step:
                 kv_lens.append(self.kv_lens[i])
                 heads.append(None)
                 # (A selection's reads are counted with its promotion, `TierManager.promote`.)
-                r.tiers.count_reads(seq, sum(c for _, _, c in seq_runs), sum(c for tier, _, c in seq_runs if tier))
+                total = sum(c for _, _, c in seq_runs)
+                staged = r.tiers.staged_reads(t.ids[index, :total])  # runs cover the first `total` blocks
+                r.tiers.count_reads(seq, total, sum(c for tier, _, c in seq_runs if tier), staged=staged)
             else:
                 union = sel if sel.ndim == 1 else np.unique(sel)  # what must be readable (and promoted)
                 # One key per KV head that reads the block (promotion counts the heads' bytes).

@@ -2,7 +2,8 @@
 
 A session's `BlockTable` points to entries by id (`BlockTable.ids`, [layers, blocks]); an entry
 holds where the block's bytes are (its HBM slot, its DDR slot, whether a durable archive copy
-exists), its hotness for HBF promotion and how many tables point to it. The archive key of a
+exists), its hotness for HBF promotion, the step it was last staged from the archive at, and how
+many tables point to it. The archive key of a
 block and its digest row follow from the position it has in its session's table (session name,
 layer, index). Entries are arrays indexed by id, so that a step's reads and moves over many
 blocks are a few vectorized gathers and scatters.
@@ -33,6 +34,7 @@ class Entries:
         self.archived = np.zeros(capacity, dtype=bool)  # [E] a durable archive copy exists
         self.hotness = np.zeros(capacity, dtype=np.float32)  # [E] `Promoter.rank`'s value
         self.refs = np.zeros(capacity, dtype=np.int32)  # [E] table cells pointing to it
+        self.staged_at = np.full(capacity, -1, dtype=np.int64)  # [E] the step it last came from the archive
         # Free ids as a stack, lowest on top (entry 0 is never handed out).
         self._stack = np.arange(capacity - 1, 0, -1, dtype=np.int64)
         self._top = capacity - 1
@@ -68,6 +70,7 @@ class Entries:
         self.ddr[gone] = NONE
         self.archived[gone] = False
         self.hotness[gone] = 0.0
+        self.staged_at[gone] = -1
         self._stack[self._top : self._top + len(gone)] = gone[::-1]
         self._top += len(gone)
 
@@ -77,7 +80,8 @@ class Entries:
     def _grow(self, used: int) -> None:
         old = self.capacity
         new = max(2 * old, used + 1)
-        for name, fill in (("hbm", NONE), ("ddr", NONE), ("archived", False), ("hotness", 0.0), ("refs", 0)):
+        fills = {"hbm": NONE, "ddr": NONE, "archived": False, "hotness": 0.0, "refs": 0, "staged_at": -1}
+        for name, fill in fills.items():
             arr = getattr(self, name)
             grown = np.full(new, fill, dtype=arr.dtype)
             grown[:old] = arr

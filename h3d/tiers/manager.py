@@ -66,6 +66,7 @@ class TierManager:
         self.counters = TierCounters()
         self.step = 0  # steps begun (`begin_step`): the clock of last uses and hotness
         self._spilling: dict[int, list[tuple[SeqId, int, np.ndarray]]] = {}  # transfer id -> blocks
+        self._staged_step = -1  # the last step that staged blocks from the archive
         self.rewriting: tuple[SeqId, int] | None = None  # (seq, block) being computed again: never moved
         self.ssd_degraded: str | None = None  # why the archive takes no writes now
         self.ssd_retry_interval_s = ssd_retry_interval_s
@@ -221,6 +222,8 @@ class TierManager:
                 b.unadd_ddr(seq, layer, block)
                 raise
             b.set_archived(seq, layer, block, False)  # its DDR copy is its one home from now on
+        b.entries.staged_at[t.ids[layers, last]] = self.step  # its reads this step are SSD reads
+        self._staged_step = self.step
         self.counters.ssd_read_count += len(layers)
         self.sessions[seq].counters.ssd_read_count += len(layers)
 
@@ -247,6 +250,7 @@ class TierManager:
                 self.free_ddr(short, order, protect)
             for seq, gone in missing:
                 slots = b.add_ddr(seq, layer, gone)
+                b.entries.staged_at[b.table(seq).ids[layer, gone]] = self.step
                 keys = [BlockKey(self.sessions[seq].name, layer, int(j)) for j in gone]
                 try:
                     self.mover.read(keys, slots)
@@ -262,7 +266,7 @@ class TierManager:
             self.counters.ssd_read_count += staged
             for seq, gone in missing:
                 self.sessions[seq].counters.ssd_read_count += len(gone)
-            self.counters.ddr_hits -= staged  # count_reads will find them in DDR: they came from SSD
+            self._staged_step = self.step  # their reads this step count as SSD reads (`staged_reads`)
 
     def _pinned(self) -> set[SeqId]:
         return {seq for seq, record in self.sessions.items() if record.pinned}
@@ -278,13 +282,21 @@ class TierManager:
     def end_rewrite(self) -> None:
         self.rewriting = None
 
-    def count_reads(self, seq: SeqId, total: int, below: int, fetched: int | None = None) -> None:
-        """Count the blocks a layer's attention reads for `seq`: `total`, of which `below` HBM;
-        `fetched`: the bytes that crossed, when not `below` whole blocks (per-head selections)."""
+    def staged_reads(self, ids: np.ndarray) -> int:
+        """How many of the blocks (entry ids) read this step were staged from the archive during
+        it: their reads are SSD reads, not DDR hits."""
+        if self._staged_step != self.step:
+            return 0
+        return int(np.count_nonzero(self.blocks.entries.staged_at.take(ids) == self.step))
+
+    def count_reads(self, seq: SeqId, total: int, below: int, fetched: int | None = None, staged: int = 0) -> None:
+        """Count the blocks a layer's attention reads for `seq`: `total`, of which `below` HBM,
+        of which `staged` came from the archive this step (`staged_reads`); `fetched`: the bytes
+        that crossed, when not `below` whole blocks (per-head selections)."""
         c = self.counters
         c.hbm_hits += total - below
         c.hbm_misses += below
-        c.ddr_hits += below
+        c.ddr_hits += below - staged
         c.fetch_bytes += below * self.block_bytes if fetched is None else fetched
         mine = self.sessions[seq].counters
         mine.hbm_hits += total - below

@@ -124,7 +124,8 @@ class Promoter:
         miss = np.flatnonzero(in_hbm < 0)
         if not counted:  # each key is one KV head's read: what crossed PCIe is its share of the block
             head_misses = int(np.count_nonzero(t.take(e.hbm, keys) < 0))
-            self.tiers.count_reads(seq, len(at), len(miss), head_misses * self.head_bytes)
+            staged = self.tiers.staged_reads(at_ids.take(miss))
+            self.tiers.count_reads(seq, len(at), len(miss), head_misses * self.head_bytes, staged)
         if not len(miss):
             return 0.0
         m_at = at.take(miss)

@@ -10,8 +10,10 @@ class TierCounters:
     """Cumulative counts since the engine started.
 
     A *needed* block is one that a step's attention reads. `hbm_hits` were in HBM already;
-    `hbm_misses` were read from DDR (`ddr_hits`) or staged from the SSD archive first
-    (`ssd_read_count`). `fetch_bytes` counts the bytes read from below HBM (DDR reads and
+    `hbm_misses` were read from DDR (`ddr_hits`: in DDR before the step) or staged from the SSD
+    archive during it (counted in `ssd_read_count`, which also counts the blocks a step staged and
+    its selections then did not read: `hbm_misses <= ddr_hits + ssd_read_count`, equal under
+    `exact`). `fetch_bytes` counts the bytes read from below HBM (DDR reads and
     archive reads; a per-head HBF selection reads only its heads' share of a block).
     `hbm_evict_count` counts HBM->DDR demotions, `ddr_evict_count` blocks whose DDR copy was
     dropped for their archive copy, `promote_count` DDR->HBM promotions (HBF).

@@ -982,3 +982,30 @@ def test_compaction_keeps_the_store_whatever_point_it_stops_at(tmp_path: Path, c
 
 def _raise_enospc(*args: object, **kwargs: object) -> None:
     raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("policy", ["exact", "attention_entropy"])
+def test_reads_of_blocks_staged_from_the_archive_count_as_ssd_reads(
+    policy: str, checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A block staged from the archive and read in the same step is an SSD read, not a DDR hit,
+    whichever path counts it (the eager exact path, or HBF's promotion, which counts only what
+    the selections read): `ddr_hits` never goes negative and the misses are DDR or SSD reads."""
+    slot = 2 * 16 * 2 * 16 * 4  # llama_gqa4_tied: one layer's K+V of a 16-token block
+    engine = make_engine(
+        checkpoint("llama_gqa4_tied"), policy=policy, ssd_path=str(tmp_path / "ssd"), hbm_mb=3 * 6 * slot / 2**20,
+        ddr_mb=60 * slot / 2**20, window_tokens=64, window_min_tokens=64, recent_tokens=32, dense_layers=1,
+        prefill_chunk_tokens=128,
+    )  # fmt: skip
+    s = engine.create_session()
+    engine.append(s, token_ids=random_prompt(600, VOCAB_SIZE, seed=4))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine.complete(s, "", params)
+    engine.close_session(s)  # its KV to the archive only: the next steps stage it back
+    engine.complete(s, "", params)
+    t = engine.tier_stats()
+    assert t.ssd_read_count > 0 and t.hbm_misses > 0
+    assert t.ddr_hits >= 0 and t.hbm_misses <= t.ddr_hits + t.ssd_read_count
+    if policy == "exact":  # every staged block is read by the step that staged it
+        assert t.hbm_misses == t.ddr_hits + t.ssd_read_count
+    engine.close()
