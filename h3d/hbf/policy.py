@@ -330,8 +330,6 @@ class AttentionEntropy(Policy):
         elif h > cfg.entropy_grow_above:
             state.window_tokens = min(cfg.window_max_tokens, state.window_tokens * 5 // 4)
 
-    select_static = staticmethod(select_static)
-
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (AttentionEntropy(), Exact(), Fixed(), Layerwise())}
 

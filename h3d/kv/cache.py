@@ -7,7 +7,7 @@ updates (the archive name, the pin, the last use, the read counters). A block's 
 (residency, hotness) is its entry's (`h3d.kv.entries`). The engine and the daemon ask about a
 session's KV and change it here, through one lifecycle API (`open`, `adopt`, `truncate`, `park`,
 `forget`, `pin`, `set_policy`, `demote`, `snapshot`, `release`) and read-only queries
-(`residency`, `locations`, `archive_only`, `cached_tokens`, `counters`, `selection`); they never
+(`residency`, `archive_only`, `cached_tokens`, `counters`, `selection`); they never
 reach into the block tables, the tier manager's maps or the selection states.
 
 Below the cache: the pools (`KVPool`, bytes), the tier manager (`h3d.tiers.manager`: which block
@@ -137,10 +137,6 @@ class KVCache:
     def residency(self, seq: SeqId) -> Residency:
         hbm, ddr, archived = self.sessions[seq].table.copies()
         return Residency(hbm, ddr, archived)
-
-    def locations(self, seq: SeqId, layer: int) -> np.ndarray:
-        """Where attention reads each block of `layer`: [num_blocks] (`BlockTable.locations`)."""
-        return self.sessions[seq].table.locations(layer)
 
     def archive_only(self, seq: SeqId) -> bool:
         """Whether some block of `seq` is in the archive only (a step must stage it first)."""

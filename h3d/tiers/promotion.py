@@ -122,9 +122,10 @@ class Promoter:
         e.hotness[at_ids] += weight  # a use (see `rank`); `at` is distinct: one add each
         in_hbm = e.hbm.take(at_ids)  # [n] slot or NONE
         miss = np.flatnonzero(in_hbm < 0)
+        m_ids = at_ids.take(miss)  # [m] the missing blocks' entries
         if not counted:  # each key is one KV head's read: what crossed PCIe is its share of the block
             head_misses = int(np.count_nonzero(t.take(e.hbm, keys) < 0))
-            staged = self.tiers.staged_reads(at_ids.take(miss))
+            staged = self.tiers.staged_reads(m_ids)
             self.tiers.count_reads(seq, len(at), len(miss), head_misses * self.head_bytes, staged)
         if not len(miss):
             return 0.0
@@ -132,13 +133,13 @@ class Promoter:
         m_layers = m_at // width
         # Only full blocks get a second copy (the partial one keeps its single home for writes),
         # and only from DDR (a block read from DDR may have been archived and dropped since).
-        src = e.ddr.take(at_ids.take(miss))
+        src = e.ddr.take(m_ids)
         ok = (m_at - m_layers * width < t.num_tokens // b.block_size) & (src >= 0)
         if not ok.all():
-            m_at, m_layers, src = m_at[ok], m_layers[ok], src[ok]
+            m_at, m_layers, src, m_ids = m_at[ok], m_layers[ok], src[ok], m_ids[ok]
         if limit is not None and len(m_at) > limit:  # the hottest `limit`, kept in (layer, block) order
-            hottest = np.sort(np.argpartition(-t.take(e.hotness, m_at), limit - 1)[:limit])
-            m_at, m_layers, src = m_at[hottest], m_layers[hottest], src[hottest]
+            hottest = np.sort(np.argpartition(-e.hotness.take(m_ids), limit - 1)[:limit])
+            m_at, m_layers, src, m_ids = m_at[hottest], m_layers[hottest], src[hottest], m_ids[hottest]
         m_blocks = m_at - m_layers * width
         need = np.bincount(m_layers, minlength=b.num_layers)  # [L] missing per layer
         free = b.hbm_alloc.free
@@ -151,7 +152,7 @@ class Promoter:
         starts = np.cumsum(need) - need
         has = need > 0
         worth = np.full(b.num_layers, -np.inf, dtype=np.float32)
-        worth[has] = np.nextafter(np.minimum.reduceat(t.take(e.hotness, m_at), starts[has]), np.float32(-np.inf))
+        worth[has] = np.nextafter(np.minimum.reduceat(e.hotness.take(m_ids), starts[has]), np.float32(-np.inf))
         worth[short <= 0] = -np.inf
         v_layers, v_blocks, v_slots, copy_s = self._evict_cold(seq, short, worth, in_hbm, protect, keep)
         self.tiers.counters.hbm_evict_count += len(v_slots)
