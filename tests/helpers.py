@@ -18,7 +18,7 @@ import torch
 
 from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
-from h3d.engine.runner import Chunk
+from h3d.engine.step import Chunk
 from h3d.kv.blocks import SeqId
 
 # Special tokens of the test tokenizer (trained in conftest.py); their ids are fixed by the order
@@ -150,7 +150,7 @@ def runner_logits(
     pos = start
     for n in split_sizes(len(ids), chunk_sizes):
         part = tuple(ids[pos - start : pos - start + n])
-        outs.append(runner.execute([Chunk(SeqId(seq), part, pos, True)], all_logits=True))
+        outs.append(runner.step([Chunk(SeqId(seq), part, pos, True)], all_logits=True))
         pos += n
     return torch.cat(outs)
 

@@ -74,7 +74,8 @@ from h3d.bench.gpu_hf import run_hf
 from h3d.bench.gpu_report import H3D_MODES, HF_MODES, MARK, MODES, WARMUP, command, merge, section, summary, table
 from h3d.bench.report import write_section
 from h3d.config import EngineConfig
-from h3d.engine.runner import Chunk, ModelRunner
+from h3d.engine.runner import ModelRunner
+from h3d.engine.step import Chunk
 from h3d.hbf.policy import HbfConfig, policy_named
 from h3d.kv.blocks import SeqId
 from h3d.kv.sizing import PoolPlan, plan_pools, slot_bytes
@@ -137,7 +138,7 @@ def prefill(b: Bench, runner: ModelRunner, seq: SeqId, ids: list[int], chunk: in
     for i, a in enumerate(starts):
         e = min(a + chunk, len(ids))
         try:
-            logits = runner.execute([Chunk(seq, tuple(ids[a:e]), a, want_logits=e == len(ids), final=e == len(ids))])
+            logits = runner.step([Chunk(seq, tuple(ids[a:e]), a, want_logits=e == len(ids), final=e == len(ids))])
         except torch.OutOfMemoryError as exc:
             raise PrefillOOM(f"at {a} tokens, chunk {chunk}: {exc}") from None
         if len(starts) >= 8 and (i + 1) % (len(starts) // 4) == 0:
@@ -197,7 +198,7 @@ def _h3d_once(b: Bench, mode: str, ids: list[int], chunk: int, steps: int) -> di
 
     def step(tok: int) -> int:
         nonlocal pos
-        logits = runner.execute([Chunk(seq, (tok,), pos, True)])[0]
+        logits = runner.step([Chunk(seq, (tok,), pos, True)])[0]
         i = pos - t
         pos += 1
         nxt = int(logits.argmax())
@@ -338,7 +339,7 @@ def run_many(b: Bench, n: int, context: int, hbm_gb: float) -> dict[str, Any]:
 
     def step(cur: list[int]) -> list[int]:
         nonlocal pos
-        logits = runner.execute([Chunk(s, (t,), pos, True) for s, t in zip(seqs, cur, strict=True)])
+        logits = runner.step([Chunk(s, (t,), pos, True) for s, t in zip(seqs, cur, strict=True)])
         pos += 1
         return [int(x) for x in logits.argmax(-1).tolist()]
 
@@ -355,6 +356,47 @@ def run_many(b: Bench, n: int, context: int, hbm_gb: float) -> dict[str, Any]:
     out.update(peak_gpu_gb_beyond_weights=peak.gb(), steps=len(times), **tier_fields(runner, *before, len(times)))
     out["graph_steps"] = runner.graphs.replays - replays
     out["ddr_gb"] = round(ddr * runner.hbm.slot_bytes / 1e9, 3)
+    return out
+
+
+def run_batch_change(b: Bench, context: int) -> dict[str, Any]:
+    """Three sessions of `context` tokens under attention_entropy, decoding in batches whose members
+    change: other sessions in the same slots, the same ones in other slots, one alone, all three.
+    Counted: the captures made at steps whose batch is new while no new graph was made (its shape
+    had one already): 0 when a graph depends on shapes only."""
+    n = 3
+    schedule = [(1, 2), (2, 3), (3, 1), (2, 1), (1,), (2,), (3,), (1, 2, 3), (3, 2, 1), (2, 3, 1), (1, 2), (3,)]
+    pools, hbf = plan(b.cfg, b.sizes, "attention_entropy", context, len(schedule), n)
+    runner = ModelRunner(
+        b.model, pools.regions, pools.ddr_slots, BLOCK, archive=None, high_watermark=0.85, hbf=hbf,
+        promote_mb_per_step=PROMOTE_MB,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(b.args.seed + 11)
+    tok, pos = {}, {}
+    for i in range(1, n + 1):
+        seq = SeqId(i)
+        runner.kv.open(seq)
+        runner.digests.reserve(seq, -(-(context + len(schedule) + 1) // BLOCK))
+        ids = torch.randint(0, b.cfg.vocab_size, (context,), generator=gen).tolist()
+        _, tok[seq] = prefill(b, runner, seq, ids, b.args.prefill_chunk or b.sizes.prefill_chunk)
+        pos[seq] = context
+    g = runner.graphs
+    seen: set[tuple[int, ...]] = set()
+    changes = on_change = 0
+    built, captures, replays = g.built, g.captures, g.replays
+    for batch in schedule:
+        seqs = [SeqId(i) for i in batch]
+        before = g.built, g.captures
+        logits = runner.step([Chunk(s, (tok[s],), pos[s], True) for s in seqs])
+        for s, row in zip(seqs, logits, strict=True):
+            tok[s], pos[s] = int(row.argmax()), pos[s] + 1
+        if batch not in seen and g.built == before[0]:
+            changes += 1
+            on_change += g.captures - before[1]
+        seen.add(batch)
+    out: dict[str, Any] = {"sessions": n, "context": context, "steps": len(schedule), "batch_changes": changes}
+    out.update(captures_on_batch_change=on_change, graphs_built=g.built - built, captures=g.captures - captures)
+    out["graph_steps"] = g.replays - replays
     return out
 
 
@@ -469,6 +511,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 entry["selection_share_of_step_graph"] = round(cost["selection_ms_per_step_graph"] / step, 4)
             save(args.out, data)
             log(f"T={t} selection on the device: {cost}")
+    if "attention_entropy_3GiB" in args.modes and time.monotonic() < b.deadline:
+        context = max(min(contexts) // 4, 2 * sizes.hbf["window_tokens"])  # selecting: past the window
+        log(f"batch change: 3 sessions x {context} tokens")
+        try:
+            data["batch_change"] = run_batch_change(b, context)
+        except Exception as exc:
+            traceback.print_exc()
+            data["batch_change"] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+        free_memory()
+        save(args.out, data)
+        log(f"batch change: {data['batch_change']}")
     if args.many_sessions:
         hbm_gb = args.many_hbm_gb or sizes.many_hbm_gb
         log(f"many sessions: {args.many_sessions} x {many_context} tokens, {hbm_gb} GB of HBM for KV")

@@ -127,6 +127,7 @@ class EngineWorker:
                 continue
             before = self.engine.counters.generated_tokens
             try:
+                self.engine.upkeep()
                 events = self.engine.step()
             except Exception:
                 # A bug: fail every request in flight rather than spin on it; the daemon goes on.

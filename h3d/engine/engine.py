@@ -1,10 +1,12 @@
 """The engine: sessions, requests and the step loop over one model.
 
 `Engine` owns every session and request; it is single-threaded (the daemon gives it a thread of
-its own and serializes calls). Each `step()` reads as three verbs: `_schedule` picks the chunks of
-this step (every decoding request's next token, then prefill chunks within
-`prefill_chunk_tokens`), `runner.execute` runs them in one forward, `_commit` samples and emits
-events. Requests join and leave between steps (continuous batching).
+its own and serializes calls). Each `step()` reads as four verbs on values (`h3d.engine.step`):
+`schedule` picks the chunks of this step (every decoding request's next token, then prefill chunks
+within `prefill_chunk_tokens`), the runner plans them (`plan`) and runs them in one forward
+(`execute`), and the commit counts, promotes and updates the cache (`runner.commit`), then
+samples and emits events (`commit`). Upkeep between steps (`upkeep`) is a call of its own.
+Requests join and leave between steps (continuous batching).
 """
 
 from __future__ import annotations
@@ -18,14 +20,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
 from h3d.config import EngineConfig
 from h3d.engine.build import build_runner
 from h3d.engine.chat import Conversation, chat_piece, end_of_turn
 from h3d.engine.detok import IncrementalDetokenizer
 from h3d.engine.journal import log_piece, restore_sessions, session_meta
-from h3d.engine.runner import Chunk
 from h3d.engine.sampling import SamplingParams, make_generator, sample_batch
 from h3d.engine.session import (
     AppendDone,
@@ -40,6 +39,7 @@ from h3d.engine.session import (
     SessionId,
     TokenDelta,
 )
+from h3d.engine.step import Chunk, SchedulerOutput, StepReport
 from h3d.engine.stops import generation_done, stop_reason, visible_text
 from h3d.engine.upkeep import BlockRepair, enforce_ssd_capacity, park_kv, purge_kv
 from h3d.errors import (
@@ -91,6 +91,7 @@ class Engine:
         self.rebuilds: list[str] = []  # why KV was dropped to be prefilled again (the daemon logs them)
         self.evictions: list[SessionId] = []  # closed sessions whose archived KV ssd_capacity_mb evicted
         self._repairer = BlockRepair(self.runner, self.rebuilds)  # damaged blocks' KV computed again
+        self._upkept = 0  # the step of the last upkeep
         if config.session_log_path is not None:
             self.journal = TokenStore(Path(config.session_log_path), config.fsync_interval_ms)
             restored = restore_sessions(
@@ -358,41 +359,40 @@ class Engine:
     def step(self) -> list[Event]:
         """Advance every request by one forward pass; return the events it produced.
 
-        A request that fails with an expected error (`H3Error`: no room, an unreadable archive
-        record) ends with a `RequestFailed` event; the others go on. Anything else is a bug and
-        propagates."""
+        schedule -> plan -> execute -> commit (`h3d.engine.step`). A request that fails with an
+        expected error (`H3Error`: no room, an unreadable archive record) ends with a
+        `RequestFailed` event; the others go on. Anything else is a bug and propagates."""
         events: list[Event] = []
         for req in list(self._requests.values()):
             if req.cancelled:
                 events.append(self._finish(req, FinishReason.CANCELLED))
             elif not req.generate and self._pending(req) <= 0:
                 events.append(self._finish_append(req))
-        chunks, reqs = self._schedule()
+        out = self.schedule()
         events += self._ended
         self._ended = []
-        if chunks:
-            try:
-                logits = self.runner.execute(chunks)
-            except ArchiveCorrupt as exc:
-                # The runner left no half-written KV behind. A damaged block is never used: its
-                # KV is computed again from the token log, and the step runs again next time.
-                if self._repairer.repair_for(exc, self.sessions):
-                    return events
-                return events + [self._fail(req, exc) for req in reqs]
-            except H3Error as exc:
-                # The runner left no half-written KV behind; the sessions keep their tokens.
-                return events + [self._fail(req, exc) for req in reqs]
-            self.counters.steps += 1
-            if self.counters.steps % 64 == 0:
-                enforce_ssd_capacity(self.kv, self.config.ssd_capacity_mb, self.sessions.values(), self.evictions)
-            self.counters.prefill_tokens += sum(len(c.token_ids) for c in chunks if len(c.token_ids) > 1)
-            if self.journal is not None:
-                for chunk, req in zip(chunks, reqs, strict=True):
-                    probed = self.kv.policy(chunk.seq).probes_prompt
-                    if chunk.final and len(chunk.token_ids) > 1 and probed:
-                        self._save_meta(req.session)  # its new anchors
-            events += self._commit(chunks, reqs, logits)
-        return events
+        if not out.chunks:
+            return events
+        try:
+            report = self.runner.execute(self.runner.plan(out.chunks))
+        except ArchiveCorrupt as exc:
+            # The runner left no half-written KV behind. A damaged block is never used: its
+            # KV is computed again from the token log, and the step runs again next time.
+            if self._repairer.repair_for(exc, self.sessions):
+                return events
+            return events + [self._fail(req, exc) for req in out.requests]
+        except H3Error as exc:
+            # The runner left no half-written KV behind; the sessions keep their tokens.
+            return events + [self._fail(req, exc) for req in out.requests]
+        self.runner.commit(report)
+        return events + self.commit(out, report)
+
+    def upkeep(self) -> None:
+        """Between steps, every 64th: the archive kept within `ssd_capacity_mb` (closed sessions'
+        KV evicted, coldest first). The daemon's engine thread and `run` call it."""
+        if self.counters.steps - self._upkept >= 64:
+            self._upkept = self.counters.steps
+            enforce_ssd_capacity(self.kv, self.config.ssd_capacity_mb, self.sessions.values(), self.evictions)
 
     def take_events(self) -> list[Event]:
         """Events of requests that ended outside a step (their session was closed), once."""
@@ -421,7 +421,9 @@ class Engine:
         target = len(req.session.tokens) - (0 if req.generate else 1)
         return target - self.kv.cached_tokens(req.session.seq)
 
-    def _schedule(self) -> tuple[list[Chunk], list[Request]]:
+    def schedule(self) -> SchedulerOutput:
+        """This step's chunks: every decoding request's next token (up to `max_batch_size`), then
+        prefill chunks of the others within `prefill_chunk_tokens`."""
         budget = self.config.prefill_chunk_tokens
         chunks: list[Chunk] = []
         reqs: list[Request] = []
@@ -451,9 +453,19 @@ class Engine:
             chunks.append(chunk)
             reqs.append(req)
             budget -= take
-        return chunks, reqs
+        return SchedulerOutput(tuple(chunks), tuple(reqs))
 
-    def _commit(self, chunks: list[Chunk], reqs: list[Request], logits: torch.Tensor) -> list[Event]:
+    def commit(self, out: SchedulerOutput, report: StepReport) -> list[Event]:
+        """The engine's half of a step's commit (the runner's came first): counters, anchors kept
+        in the token log, sampling where a chunk reached the end of its context, stop rules, and
+        the events."""
+        chunks, reqs, logits = out.chunks, out.requests, report.logits
+        self.counters.steps += 1
+        self.counters.prefill_tokens += sum(len(c.token_ids) for c in chunks if len(c.token_ids) > 1)
+        if self.journal is not None:
+            for probed, req in zip(report.plan.probes, reqs, strict=True):
+                if probed:
+                    self._save_meta(req.session)  # its new anchors
         events: list[Event] = []
         sampling = [r for r, c in zip(reqs, chunks, strict=True) if c.want_logits]
         tokens = sample_batch(logits, [r.params for r in sampling], [r.generator for r in sampling])
@@ -507,6 +519,7 @@ class Engine:
     def run(self, request_id: RequestId) -> Iterator[Event]:
         """Step until `request_id` ends, yielding its events (other requests advance too)."""
         while request_id in self._requests:
+            self.upkeep()
             for event in self.step():
                 if event.request_id == request_id:
                     if isinstance(event, RequestFailed):

@@ -3,38 +3,55 @@
 A decode step of a Llama-8B shape issues a few hundred kernels (32 layers of norms, projections,
 RoPE, the cache write, the paged attention kernel and its merge, the MLP); launched one by one from
 Python they cost more host time than the GPU needs for them. `DecodeGraphs` captures the forward
-once per *bucket* (batch padded to a power of two, block-table width rounded up to a quarter of a
-power of two) and replays it; between steps only its static inputs change:
+once per `GraphKey` and replays it. The key is shapes only, never sessions:
 
-- `locs` [L, B, W] int32: every layer's block locations (HBM slot, or -(DDR slot + 1): the kernel
-  reads pinned DDR in place), copied to the device only when some session's table changed (a new
-  block, a move between tiers);
-- `small` int64: the new tokens' cache rows [L, B] (HBM, or pinned DDR written in place by
-  `paged_write`), list lengths [B], last-block fill [B], token ids, positions and sequence ends
-  [B], and for HBF entries the room past sinks + recent and the anchors taken [B], copied every
-  step (a few hundred bytes).
+- the batch padded to a power of two (`batch_bucket`);
+- the block-table width rounded up to a quarter of a power of two (`width_bucket`);
+- the selection capacity `k` of the slots under `attention_entropy` (their largest room past
+  sinks + recent, rounded up to a power of two: `room_bucket`; 0 when no slot selects);
+- `mixed`: some slot that does not select reads whole tables beside selecting ones (the attention
+  kernel's lists are then a table wide, not `sinks + k + recent`).
 
-Sessions under `attention_entropy` select inside the graph, through the kernels of
-`h3d.kernels.select` (their torch twin, `h3d.hbf.policy.select_static`, where Triton cannot run):
-for each sparse layer the digest bound over the session's digests, its prompt anchors first,
-each head's best blocks up to a fixed capacity k (the batch's largest room, rounded up to a
-power of two; each entry takes its own room of it), and the attention kernel's per-head lists
-gathered from `locs`; the new key is folded into its digest and the first sparse layer's entropy
-written to a buffer. The blocks each head read come back to the host after the step (`resolve`:
-an asynchronous copy), and are promoted during the next step (`take_lagged`), so that the host's
-planning overlaps the device's work; their reads are counted against the locations the step
-read. Such a graph reads the sessions' own digest
-tensors, so it belongs to one batch of sessions (its key names them and where their digests
-are); it is captured the second time that batch comes (a batch seen once runs eagerly), and
-replayed while it lasts.
+A graph reads its sessions only through static buffers indexed by batch slot (`StaticInputs`,
+named views of one pinned host tensor and its device copy); between steps the host writes each
+slot's values there, so any batch of sessions of the same shape replays the same graph:
 
-Padding entries of the batch feed token 0 at position 0, write into the null slot (row 0, never
-read: lists mask it) and attend to that one token; their outputs are dropped.
+- `tables["locs"]` [L, B, W] int32: every layer's block locations (HBM slot, or -(DDR slot + 1):
+  the kernel reads pinned DDR in place), copied only when some slot's table changed (another
+  session in the slot, a new block, a move between tiers);
+- `small` int64, copied every step (a few hundred bytes): `rows` [L, B] (the new tokens' cache
+  rows), and per slot `nblocks`, `tail` (the last block's fill), `token`, `pos`, `ends`, and for
+  selection `room` (0: the slot does not select), `take` (anchors first), `parts_live`,
+  `dig_base` (the slot's extent in the digest arena) and `dig_row` (the arena row its new key
+  folds into);
+- `_Hbf.anchors` [Ls, B, Hkv, A]: each slot's prompt anchors, copied when the slot's session or
+  its anchors changed.
+
+Selecting slots select inside the graph, through the kernels of `h3d.kernels.select` (their torch
+twin, `h3d.hbf.policy.select_static`, where Triton cannot run): for each sparse layer the digest
+bound of every slot in one launch (reading the digest arena, `h3d.hbf.digests`, at each slot's
+base row), its prompt anchors first, each head's best blocks up to `k` (each slot its own room),
+and the attention kernel's per-head lists gathered from `locs`; the new key is folded into its
+digest and the first sparse layer's entropy written to a buffer. The blocks each head read come
+back to the host after the step (`resolve`: an asynchronous copy), and are promoted during the next
+step (`take_lagged`), so that the host's planning overlaps the device's work; their reads are
+counted against the locations the step read.
+
+How many graphs: batch buckets (log2 of `max_batch_size`, + 1) x width buckets (four per doubling
+of the longest context, from 16 blocks) x (1 + the capacities: powers of two from 8 to
+`window_max_tokens / block_size`, each plain or mixed); at most `MAX_GRAPHS` are kept (the least
+recently used beyond are dropped). What each holds: its static buffers (`nbytes`: for 32 slots of
+a 128K-token Llama-8B, W = 4096, about 34 MB, mostly `locs` twice) and the intermediates of its
+forward, in one memory pool that all graphs share (they never run at once). A graph whose digest
+arena was replaced since its capture (the arena grew or shrank) is captured again.
+
+Padding slots feed token 0 at position 0, write into the null slot (row 0, never read: lists mask
+it) and attend to that one token; their outputs are dropped.
 
 When it applies (`applies`): every chunk is one decode token, every session is under `exact`, or
 under `attention_entropy` with a context longer than its window (and room past sinks + recent),
 and every block is in HBM or DDR (none to stage from the archive). Anything else runs eagerly
-(`h3d.engine.runner._Step`).
+(`h3d.engine.stepkv`).
 
 No host synchronization inside a step: the inputs' copies are asynchronous (pinned staging), and
 the staging buffers are rewritten only after the previous step's copy has completed (an event).
@@ -45,6 +62,7 @@ table caching and the cache writes are the GPU path's, only the replay differs.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -52,6 +70,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from h3d.engine.step import Reads
 from h3d.hbf.policy import base_sizes, select_static
 from h3d.kernels import select
 from h3d.kernels.copies import paged_write
@@ -59,11 +78,12 @@ from h3d.kv.attention import LayerKV, Pools, kernel_attention
 from h3d.kv.blocks import BlockTable, SeqId
 
 if TYPE_CHECKING:
-    from h3d.engine.runner import ModelRunner, _Step
+    from h3d.engine.runner import ModelRunner
+    from h3d.engine.step import StepPlan, StepReport
 
 MAX_BATCH = 256
 MAX_GRAPHS = 32  # least recently used graphs beyond this are dropped (their memory returns to the pool)
-SMALL = 7  # per-entry int64 inputs after the rows: nblocks, tail, token, position, end, room, take
+SLOT_INPUTS = ("nblocks", "tail", "token", "pos", "ends", "room", "take", "parts_live", "dig_base", "dig_row")
 
 
 def batch_bucket(b: int) -> int:
@@ -85,23 +105,58 @@ def room_bucket(room: int) -> int:
     return max(8, 1 << max(0, (room - 1).bit_length()))
 
 
+@dataclass(frozen=True, slots=True)
+class GraphKey:
+    """What a captured step depends on: shapes, never sessions (see the module docstring)."""
+
+    batch: int
+    width: int
+    k: int = 0  # selection capacity; 0: no slot selects
+    mixed: bool = False  # with k: some slot that does not select reads its whole table
+
+
+class StaticInputs:
+    """Named static buffers of one dtype: each a view of one packed host tensor (pinned on CUDA)
+    and of its device copy, so that a step's inputs reach the device in one copy (`upload`)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device, pin: bool):
+        total = sum(math.prod(shape) for shape in shapes.values())
+        self._host = torch.zeros(total, dtype=dtype, pin_memory=pin)
+        self._device = self._host.to(device, copy=True)
+        self.host: dict[str, np.ndarray] = {}  # the host's views (numpy, written between steps)
+        self.device: dict[str, torch.Tensor] = {}  # the graph's views
+        at = 0
+        for name, shape in shapes.items():
+            size = math.prod(shape)
+            self.host[name] = self._host[at : at + size].numpy().reshape(shape)
+            self.device[name] = self._device[at : at + size].view(shape)
+            at += size
+
+    def upload(self, non_blocking: bool) -> None:
+        self._device.copy_(self._host, non_blocking=non_blocking)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self._host.numel() * self._host.element_size()
+
+
 @dataclass(slots=True)
 class _Hbf:
-    """A graph's `attention_entropy` entries: who they are, their static inputs and outputs."""
+    """A selecting graph's own buffers: per slot, inputs copied when the slot's session changes,
+    outputs read after the step, and the lists the attention kernel reads."""
 
-    entries: tuple[int, ...]  # batch indices under attention_entropy
-    seqs: tuple[SeqId, ...]  # their sessions (the graph reads their digests)
     k: int  # top-k capacity
-    anchors: torch.Tensor  # [Ls, E, Hkv, A] int64: each sparse layer's prompt anchors (0 pads: a sink)
-    picked: torch.Tensor  # [Ls, E, Hkv, n] int64: the blocks each head read (the step's output)
-    entropy: torch.Tensor  # [E] fp32: the first sparse layer's block-score entropy (output)
-    mixed: bool  # some real entry is under exact (its lists are whole tables)
-    index: torch.Tensor  # [E] int64: `entries` on the device
-    heads: torch.Tensor  # [B, Hkv, NW] int32: the kernels' lists (rows past the batch stay 0)
-    nblocks: torch.Tensor  # [B, Hkv] int32: their lengths (padding rows: 1)
-    versions: list[int] = field(default_factory=list)  # per entry: the anchors_version copied in
-    rooms: list[int] = field(default_factory=list)  # per entry: this step's room (host copy)
+    anchors: torch.Tensor  # [Ls, B, Hkv, A] int64: each sparse layer's prompt anchors (0 pads: a sink)
+    picked: torch.Tensor  # [Ls, B, Hkv, n] int64: the blocks each head read (the step's output)
+    entropy: torch.Tensor  # [B] fp32: the first sparse layer's block-score entropy (output)
+    heads: torch.Tensor  # [B, Hkv, NW] int32: the kernels' lists (NW: n, or max(n, W) when mixed)
+    nblocks: torch.Tensor  # [B, Hkv] int32: their lengths
+    anchored: list[tuple[SeqId, int] | None]  # per slot: (session, anchors_version) in `anchors`
     picked_host: torch.Tensor | None = None  # where `picked` is copied after a step
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.anchors, self.picked, self.heads, self.nblocks))
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,57 +164,57 @@ class _Pending:
     """A replayed step's HBF picks on their way to the host (see `DecodeGraphs.resolve`)."""
 
     seqs: tuple[SeqId, ...]
+    slots: tuple[int, ...]  # each session's batch slot
     rooms: tuple[int, ...]
-    picked: torch.Tensor  # [Ls, E, Hkv, n] host copy (pinned on CUDA)
+    picked: torch.Tensor  # [Ls, B, Hkv, n] host copy (pinned on CUDA)
     done: torch.cuda.Event | None  # the copy's completion (CUDA)
     seen: np.ndarray | None  # [L, E, W] the locations the step read (HBM slot >= 0, DDR < 0), if lagged
 
 
 @dataclass(slots=True)
 class _Graph:
-    """One bucket's static buffers, and its captured graph (None on the CPU)."""
+    """One key's static buffers, and its captured graph (None on the CPU)."""
 
-    batch: int
-    width: int
-    locs_host: torch.Tensor  # [L, B, W] int32 (pinned on CUDA)
-    small_host: torch.Tensor  # [L * B + SMALL * B] int64 (pinned on CUDA)
-    locs: torch.Tensor  # device copies of the two
-    small: torch.Tensor
+    key: GraphKey
+    small: StaticInputs  # int64, every step: "rows" [L, B] and SLOT_INPUTS [B]
+    tables: StaticInputs  # int32, when a table changed: "locs" [L, B, W]
     hbf: _Hbf | None = None
     hidden: torch.Tensor | None = None  # the forward's output [B, hidden] (static under a graph)
     graph: torch.cuda.CUDAGraph | None = None
-    tables: list[tuple[SeqId, int, int]] = field(default_factory=list)  # per entry: (seq, version, blocks) in locs
-    below: list[int] = field(default_factory=list)  # per entry: its blocks in DDR (the layers it reads whole)
+    generation: int = -1  # the digest arena's generation the graph was captured against
+    # per slot, what `locs` holds: (session, table version, blocks, whether it selects)
+    slots: list[tuple[SeqId, int, int, bool]] = field(default_factory=list)
+    below: list[int] = field(default_factory=list)  # per slot: its blocks in DDR (the layers it reads whole)
+    selecting: tuple[tuple[int, SeqId, int], ...] = ()  # this step's (slot, session, room) that select
     copied: torch.cuda.Event | None = None  # the last input copy (the staging is reused after it)
+
+    @property
+    def nbytes(self) -> int:
+        """The static buffers' bytes (host and device); the forward's intermediates are in the shared pool."""
+        return self.small.nbytes + self.tables.nbytes + (self.hbf.nbytes if self.hbf is not None else 0)
 
 
 class _GraphKV:
     """The static-buffer view of the KV cache for one decode step (a `StepKV`)."""
 
     def __init__(self, pools: Pools, runner: ModelRunner, g: _Graph) -> None:
-        nl, b = runner.blocks.num_layers, g.batch
         hkv = runner.hbm.k.shape[0]
+        inputs = g.small.device
         self.pools = pools
         self.runner = runner
         self.g = g
-        self.rows = g.small[: nl * b].view(nl, b)
-        nblocks, tail, _, pos, ends, room, take = g.small[nl * b :].view(SMALL, b)
-        self.seq_ends = ends
-        self.num_blocks, self.pos, self.room, self.take = nblocks, pos, room, take
-        if g.hbf is not None:  # parts that hold a key: up to the new token's
-            self.parts_live = pos // runner.digests.part_tokens + 1
-        self.nblocks = nblocks.to(torch.int32)[:, None].expand(-1, hkv)
-        self.tail = tail.to(torch.int32)
-        self.locs = g.locs
+        self.inputs = inputs
+        self.rows = inputs["rows"]  # [L, B]
+        self.seq_ends = inputs["ends"]
+        self.nblocks = inputs["nblocks"].to(torch.int32)[:, None].expand(-1, hkv)  # [B, Hkv]
+        self.tail = inputs["tail"].to(torch.int32)
+        self.locs = g.tables.device["locs"]  # [L, B, W]
         self.hkv = hkv
-        self.query_lens = (1,) * b
-        self.mixed = g.hbf is not None and g.hbf.mixed
+        self.query_lens = (1,) * g.key.batch
 
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
         table = self.locs[index]  # [B, W]
-        hb, r = self.g.hbf, self.runner
-        dense = r.hbf.dense_layers
-        if hb is None or index < dense:
+        if self.g.hbf is None or index < self.runner.hbf.dense_layers:
             lists = (table[:, None, :].expand(-1, self.hkv, -1), self.nblocks, self.tail)
         elif select.available(table.device):
             lists = self._select_kernels(index, q, scale, table)
@@ -174,69 +229,74 @@ class _GraphKV:
         )
 
     def _select_kernels(self, index: int, q: torch.Tensor, scale: float, table: torch.Tensor) -> tuple:
-        """The HBF entries' lists from the selection kernels (`h3d.kernels.select`): per entry the
-        masked bounds, then one top-k and one list kernel for all of them; the first sparse
-        layer's entropy from the raw bounds."""
-        r, hb = self.runner, self.g.hbf
+        """Every slot's lists from the selection kernels (`h3d.kernels.select`): the masked
+        bounds, one top-k and one list kernel, each one launch for the batch; the first sparse
+        layer's entropy from the raw bounds. Slots that do not select (room 0) list their tables."""
+        r, hb, x = self.runner, self.g.hbf, self.inputs
         assert hb is not None
         dense = r.hbf.dense_layers
         sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
-        w = table.shape[1]
-        heads, nblocks = hb.heads, hb.nblocks
-        if hb.mixed:  # exact entries read every block
-            heads[:, :, :w] = table[:, None, :]
-            nblocks.copy_(self.nblocks)
-        masked = torch.empty((len(hb.seqs), self.hkv, w), dtype=torch.float32, device=q.device)
-        for e, (i, seq) in enumerate(zip(hb.entries, hb.seqs, strict=True)):
-            digests = r.digests.get(seq, index, w)  # [Hkv, W, parts, 2, D]
-            raw = torch.empty((self.hkv, w), dtype=torch.float32, device=q.device) if index == dense else None
-            live, take, anchors = self.parts_live[i], self.take[i], hb.anchors[index - dense, e]
-            select.scores(masked[e], q[i], digests, self.num_blocks[i], live, take, anchors, sinks, recent, raw)
-            if raw is not None:
-                p = torch.softmax(raw.amax(dim=0) * scale, dim=-1)
-                hb.entropy[e].copy_(-(p * torch.log(p.clamp_min(1e-30))).sum())
-        top = select.top_room(masked, hb.index, self.room, hb.k)  # [E, Hkv, k]: the batch's in one launch
-        picked = hb.picked[index - dense]
-        select.lists(top, table, hb.index, self.num_blocks, self.room, heads, nblocks, picked, sinks, recent)
-        return heads, nblocks, self.tail
+        b, w = table.shape
+        masked = torch.empty((b, self.hkv, w), dtype=torch.float32, device=q.device)
+        raw = torch.empty_like(masked) if index == dense else None
+        select.scores(
+            masked, q, r.digests.arena(index), r.digests.parts, x["dig_base"], x["nblocks"], x["parts_live"],
+            x["take"], hb.anchors[index - dense], sinks, recent, raw,
+        )  # fmt: skip
+        if raw is not None:
+            self._entropy(raw.amax(dim=1), scale)
+        top = select.top_room(masked, x["room"], hb.k)  # [B, Hkv, k]
+        select.lists(top, table, x["nblocks"], x["room"], hb.heads, hb.nblocks, hb.picked[index - dense], sinks, recent)
+        return hb.heads, hb.nblocks, self.tail
+
+    def _entropy(self, bound: torch.Tensor, scale: float) -> None:
+        """Each slot's entropy of its block scores [B, W] (-inf past its blocks; a slot that does
+        not select has no finite score and gets 0)."""
+        hb = self.g.hbf
+        assert hb is not None
+        p = torch.softmax(bound * scale, dim=-1).nan_to_num(0.0)
+        hb.entropy.copy_(-(p * torch.log(p.clamp_min(1e-30))).sum(dim=-1))
 
     def _select_torch(self, index: int, q: torch.Tensor, scale: float, table: torch.Tensor) -> tuple:
-        """The kernels' twin (a CPU without Triton's interpreter): `select_static`, then the
-        lists gathered from the table."""
-        r, hb = self.runner, self.g.hbf
+        """The kernels' twin (a CPU without Triton's interpreter): `select_static` for each slot,
+        its lists gathered from the table, or its whole table where the slot does not select (no
+        host value is read: a slot's choice is a `where`; what a slot that does not select
+        computes, entropy included, is never read)."""
+        r, hb, x = self.runner, self.g.hbf, self.inputs
         assert hb is not None
         dense = r.hbf.dense_layers
         sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
         n = sinks + hb.k + recent
         b, w = table.shape
-        heads = torch.zeros((b, self.hkv, max(n, w) if self.mixed else n), dtype=table.dtype, device=table.device)
-        if self.mixed:  # exact entries read every block
-            heads[:, :, :w] = table[:, None, :]
-        nblocks = self.nblocks.clone()
-        for e, (i, seq) in enumerate(zip(hb.entries, hb.seqs, strict=True)):
-            digests = r.digests.get(seq, index, w)  # [Hkv, W, parts, 2, D]
+        nw = hb.heads.shape[2]
+        arena, parts = r.digests.arena(index), r.digests.parts  # [Hkv, rows, 2, D]
+        span = torch.arange(w * parts, device=table.device)
+        whole = torch.zeros((b, nw), dtype=table.dtype, device=table.device)
+        whole[:, : min(w, nw)] = table[:, :nw]
+        for i in range(b):
+            rows = (x["dig_base"][i] + span).clamp(max=arena.shape[1] - 1)
+            digests = arena.index_select(1, rows).view(self.hkv, w, parts, 2, -1)
             blocks = select_static(
-                r.hbf, q[i], digests, self.num_blocks[i], self.room[i], self.take[i], hb.anchors[index - dense, e],
-                hb.k, scale, r.blocks.block_size, entropy=hb.entropy[e] if index == dense else None,
+                r.hbf, q[i], digests, x["nblocks"][i], x["room"][i], x["take"][i], hb.anchors[index - dense, i],
+                hb.k, scale, r.blocks.block_size, entropy=hb.entropy[i] if index == dense else None,
             )  # fmt: skip
-            hb.picked[index - dense, e].copy_(blocks)
-            heads[i] = 0
-            heads[i, :, :n] = table[i][blocks]
-            nblocks[i] = (self.room[i] + sinks + recent).to(torch.int32)
-        return heads, nblocks, self.tail
+            hb.picked[index - dense, i].copy_(blocks)
+            listed = torch.zeros((self.hkv, nw), dtype=table.dtype, device=table.device)
+            listed[:, :n] = table[i][blocks.clamp(0, w - 1)]
+            selects = x["room"][i] > 0
+            hb.heads[i] = torch.where(selects, listed, whole[i])
+            hb.nblocks[i] = torch.where(selects, x["room"][i] + sinks + recent, self.nblocks[i])
+        return hb.heads, hb.nblocks, self.tail
 
     def write(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         paged_write(k, v, (self.pools.k[0], self.pools.k[1]), (self.pools.v[0], self.pools.v[1]), self.rows[index])
-        hb = self.g.hbf
-        if hb is None:
+        if self.g.hbf is None:
             return
-        digests = self.runner.digests
-        fused = select.available(k.device)
-        for i, seq in zip(hb.entries, hb.seqs, strict=True):  # the new key into its digest (selection reads it)
-            if fused:
-                select.fold(digests.layer(seq, index), self.pos[i : i + 1], k[i : i + 1], digests.part_tokens)
-            else:
-                digests.fold(seq, index, self.pos[i : i + 1], k[i : i + 1])
+        digests = self.runner.digests  # each selecting slot's new key into its digest (selection reads it)
+        if select.available(k.device):
+            select.fold(digests.arena(index), self.inputs["dig_row"], k)
+        else:
+            digests.fold(index, self.inputs["dig_row"], k)
 
 
 class DecodeGraphs:
@@ -247,16 +307,20 @@ class DecodeGraphs:
         self.capture = runner.device.type == "cuda"
         # On by default on CUDA; tests turn it on on the CPU (with `kernel_attention`).
         self.enabled = self.capture
-        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._graphs: OrderedDict[GraphKey, _Graph] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self._seen: OrderedDict[tuple, None] = OrderedDict()  # recent HBF batches' keys (a graph is made at the second)
-        self._applied: tuple | None = None  # the key `applies` found for the step `run` replays next
-        self.replays = 0  # steps run through a bucket (counted on the CPU too)
-        self.captures = 0
+        self.replays = 0  # steps run through a graph's buffers (counted on the CPU too)
+        self.built = 0  # graphs made (static buffers; on CUDA each is then captured)
+        self.captures = 0  # captures (CUDA): one per graph made, and again after the digest arena moved
         # HBF picks promoted during the next step (`resolve`); tests turn it off to compare a
         # step's promotions with the eager path's.
         self.lag = True
-        self._lagged: _Pending | None = None
+        self._lagged: _Pending | None = None  # the last replayed step's picks, until a report takes them
+
+    @property
+    def nbytes(self) -> int:
+        """The static buffers of the graphs kept (their intermediates are in the shared pool)."""
+        return sum(g.nbytes for g in self._graphs.values())
 
     def _room(self, seq: SeqId, num_blocks: int) -> int:
         """A session's room past sinks + recent this step (<= 0: it would not select)."""
@@ -267,87 +331,78 @@ class DecodeGraphs:
             return 0
         return min(budget - sinks - recent, num_blocks - sinks - recent)
 
-    def _key(self, seqs: list[SeqId], tables: list[BlockTable]) -> tuple:
-        """The graph a step of these sessions replays: (batch bucket, table width) for exact ones;
-        with HBF entries also their top-k capacity, their batch indices, and their sessions and
-        digests (the graph reads those tensors). Makes the digests room for the width."""
+    def _key(self, seqs: list[SeqId], tables: list[BlockTable]) -> GraphKey:
+        """The graph a step of these sessions replays (their shapes only). Gives every selecting
+        session's digests room for the new key's part (their extents may move: read after)."""
         r = self.runner
-        width = width_bucket(max(t.num_blocks for t in tables))
-        entries = [i for i, s in enumerate(seqs) if r.kv.policy(s).selects]
-        if not entries:
-            return (batch_bucket(len(seqs)), width)
-        k = room_bucket(max(self._room(seqs[i], tables[i].num_blocks) for i in entries))
-        for i in entries:
-            r.digests.ensure(seqs[i], width * r.digests.parts)
-        who = tuple((i, seqs[i], r.digests.data_ptr(seqs[i])) for i in entries)
-        return (batch_bucket(len(seqs)), width, k, len(seqs), who)
+        batch, width = batch_bucket(len(seqs)), width_bucket(max(t.num_blocks for t in tables))
+        selecting = [i for i, s in enumerate(seqs) if r.kv.policy(s).selects]
+        if not selecting:
+            return GraphKey(batch, width)
+        for i in selecting:
+            r.digests.ensure(seqs[i], tables[i].num_blocks * r.digests.parts)
+        k = room_bucket(max(self._room(seqs[i], tables[i].num_blocks) for i in selecting))
+        return GraphKey(batch, width, k, mixed=len(selecting) < len(seqs))
 
-    def applies(self, seqs: list[SeqId], query_lens: list[int], rows: np.ndarray) -> bool:
+    def applies(self, seqs: list[SeqId]) -> GraphKey | None:
+        """The graph a decode step of these sessions replays, or None where it runs eagerly. The
+        planner asks only for decode steps with nothing to stage from the archive."""
         r = self.runner
-        if not self.enabled or len(seqs) > MAX_BATCH or any(n != 1 for n in query_lens):
-            return False
+        if not self.enabled or len(seqs) > MAX_BATCH:
+            return None
         if r.model.model.layers[0].self_attn.attention is not kernel_attention:  # type: ignore[union-attr]
-            return False
+            return None
         tables = [r.blocks.table(s) for s in seqs]
         for seq, t in zip(seqs, tables, strict=True):
             policy = r.kv.policy(seq)
             if not policy.graphable:
-                return False
+                return None
             if policy.selects:
                 if r.hbf.dense_layers >= r.blocks.num_layers or not r.digests.has(seq):
-                    return False
+                    return None
                 if self._room(seq, t.num_blocks) <= 0:
-                    return False  # a context within its window reads every block: eager
-            if r.tiers.archive is not None and r.kv.archive_only(seq):
-                return False  # some block is in the archive only: the eager path stages it
-        key = self._key(seqs, tables)
-        self._applied = key  # `run` replays it (the step's tables do not change in between)
-        if len(key) == 2 or key in self._graphs:
-            return True
-        # An HBF batch's graph belongs to its sessions: made the second time the batch comes.
-        if key in self._seen:
-            return True
-        self._seen[key] = None
-        while len(self._seen) > 2 * MAX_GRAPHS:
-            self._seen.popitem(last=False)
-        return False
+                    return None  # a context within its window reads every block: eager
+        return self._key(seqs, tables)
 
     @torch.inference_mode()
-    def run(self, step: _Step, ids: list[int]) -> torch.Tensor:
-        """The step's forward: hidden states [len(seqs), hidden]. The step's blocks are already
-        appended; `step.rows`: [L, B] the new tokens' rows."""
+    def run(self, plan: StepPlan, ids: list[int], report: StepReport) -> torch.Tensor:
+        """The planned step's forward through its graph (`plan.graph`): hidden states
+        [len(seqs), hidden]. The step's blocks are already appended (`plan.rows`: [L, B] the new
+        tokens' rows); the whole tables it read go into the report's reads, and its graph into
+        `report.replay` (its picks are read after the step: `resolve`)."""
         r = self.runner
-        seqs, rows = step.seqs, step.rows
+        seqs, rows, key = plan.seqs, plan.rows, plan.graph
+        assert key is not None, "a graph step's plan names its graph"
         tables = [r.blocks.table(s) for s in seqs]
         b = len(seqs)
-        key, self._applied = self._applied, None
-        assert key is not None, "run() follows applies() for the same step"
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._allocate(key)
             while len(self._graphs) > MAX_GRAPHS:
                 self._graphs.popitem(last=False)
         self._graphs.move_to_end(key)
+        if g.hbf is not None and g.generation != r.digests.generation:
+            g.graph = None  # captured against a digest arena since replaced: captured again
+            g.generation = r.digests.generation
         if g.copied is not None:
             g.copied.synchronize()  # the staging buffers are free again (normally long since)
-        nl, bb = r.blocks.num_layers, g.batch
-        small = g.small_host.numpy()
-        small[: nl * bb].reshape(nl, bb)[:, :b] = rows
-        small[: nl * bb].reshape(nl, bb)[:, b:] = 0  # padding entries write into the null slot
-        nblocks, tail, tok, pos, ends, room, take = small[nl * bb :].reshape(SMALL, bb)
+        x = g.small.host
+        x["rows"][:, :b] = rows
+        x["rows"][:, b:] = 0  # padding slots write into the null slot
         bs = r.blocks.block_size
         for i, t in enumerate(tables):
-            nblocks[i], tail[i] = t.num_blocks, t.num_tokens - (t.num_blocks - 1) * bs
-            tok[i], pos[i], ends[i] = ids[i], t.num_tokens - 1, t.num_tokens
-        nblocks[b:], tail[b:], tok[b:], pos[b:], ends[b:] = 1, 1, 0, 0, 1
-        room[:], take[:] = 0, 0
+            x["nblocks"][i], x["tail"][i] = t.num_blocks, t.num_tokens - (t.num_blocks - 1) * bs
+            x["token"][i], x["pos"][i], x["ends"][i] = ids[i], t.num_tokens - 1, t.num_tokens
+        for name, pad in (("nblocks", 1), ("tail", 1), ("token", 0), ("pos", 0), ("ends", 1)):
+            x[name][b:] = pad
+        for name in ("room", "take", "parts_live", "dig_base", "dig_row"):
+            x[name][:] = 0  # no selection; the null extent
         if g.hbf is not None:
-            self._hbf_inputs(g, tables, room, take)
+            self._hbf_inputs(g, seqs, tables)
         changed = self._fill_tables(g, seqs, tables)
-        nonblocking = self.capture
-        g.small.copy_(g.small_host, non_blocking=nonblocking)
+        g.small.upload(non_blocking=self.capture)
         if changed:
-            g.locs.copy_(g.locs_host, non_blocking=nonblocking)
+            g.tables.upload(non_blocking=self.capture)
         if self.capture:
             g.copied = torch.cuda.Event()
             g.copied.record()
@@ -358,23 +413,26 @@ class DecodeGraphs:
         else:
             g.hidden = self._forward(g)
         self.replays += 1
-        self._count_reads(g, seqs, tables)
-        step.graph = g
+        report.reads += self._reads(g, tables)
+        report.replay = g
         assert g.hidden is not None
         return g.hidden[:b]
 
-    def resolve(self, step: _Step) -> None:
-        """After a replayed step (and the launch of its logits): its HBF entries' picks go to the
-        host as (layer, block) keys for promotion, their entropies to their sessions' states (left
-        on the device). With `lag` the picks are copied out asynchronously and promoted during
-        the next step (`take_lagged`: the host's planning then overlaps the device's work);
-        without, the host waits for them here and `step.selected` gets them."""
-        g = step.graph
-        if g is None or g.hbf is None:
+    def resolve(self, report: StepReport) -> None:
+        """After a replayed step (and the launch of its logits): its selecting slots' picks go to
+        the host as (layer, block) keys for promotion, their entropies to their sessions' states
+        (left on the device). With `lag` the picks are copied out asynchronously and promoted by
+        the next step's commit (`take_pending`: the host's planning then overlaps the device's
+        work); without, the host waits for them here and the report's picks get them."""
+        g = report.replay
+        if g is None or g.hbf is None or not g.selecting:
             return
         r, hb = self.runner, g.hbf
-        for e, seq in enumerate(hb.seqs):
-            r.kv.selection(seq).entropies.append(hb.entropy[e].clone())
+        slots = tuple(i for i, _, _ in g.selecting)
+        seqs = tuple(seq for _, seq, _ in g.selecting)
+        rooms = tuple(room for _, _, room in g.selecting)
+        for i, seq in zip(slots, seqs, strict=True):
+            r.kv.selection(seq).entropies.append(hb.entropy[i].clone())
         if hb.picked_host is None:
             hb.picked_host = torch.empty(hb.picked.shape, dtype=hb.picked.dtype, pin_memory=self.capture)
         hb.picked_host.copy_(hb.picked, non_blocking=self.capture)
@@ -382,32 +440,44 @@ class DecodeGraphs:
         if done is not None:
             done.record()
         if self.lag:  # counted later, against where this step read (the tables change meanwhile)
-            seen = g.locs_host.numpy()[:, list(hb.entries), :].copy()  # [L, E, W]
-            self._lagged = _Pending(hb.seqs, tuple(hb.rooms), hb.picked_host, done, seen)
+            seen = g.tables.host["locs"][:, list(slots), :].copy()  # [L, E, W]
+            self._lagged = _Pending(seqs, slots, rooms, hb.picked_host, done, seen)
+            report.lagged = True
         else:  # promote counts them against the tables, unchanged since the step
-            step.selected.update(self._keys(_Pending(hb.seqs, tuple(hb.rooms), hb.picked_host, done, None)))
+            pending = _Pending(seqs, slots, rooms, hb.picked_host, done, None)
+            report.picks.update({s: k[0] for s, k in self._keys(pending).items()})
+
+    def take_pending(self) -> _Pending | None:
+        """The previous replayed step's picks on their way to the host, if any (a step's report
+        takes them: its commit applies them, `picks`)."""
+        pending, self._lagged = self._lagged, None
+        return pending
+
+    def picks(self, pending: _Pending) -> dict[SeqId, np.ndarray]:
+        """A lagged step's picks as (layer, block) keys per session, their reads counted as that
+        step made them (against the locations it read), for promotion now."""
+        return {s: k[0] for s, k in self._keys(pending, count=True).items()}
 
     def take_lagged(self) -> dict[SeqId, np.ndarray]:
-        """The previous replayed step's HBF picks as (layer, block) keys per session, their reads
-        counted as that step made them (against the locations it read), for promotion now; {} if
-        none wait. Called during the next step, or before anything changes the sessions' tables."""
-        pending, self._lagged = self._lagged, None
-        return {} if pending is None else {s: k[0] for s, k in self._keys(pending, count=True).items()}
+        """The previous replayed step's picks (`picks`), {} if none wait: for what changes the
+        sessions' tables between steps (`KVCache.flush_lagged`)."""
+        pending = self.take_pending()
+        return {} if pending is None else self.picks(pending)
 
     def _keys(self, p: _Pending, count: bool = False) -> dict[SeqId, list[np.ndarray]]:
         r = self.runner
         if p.done is not None:
             p.done.synchronize()  # normally long since
-        picked = p.picked.numpy()  # [Ls, E, Hkv, n]
+        picked = p.picked.numpy()  # [Ls, B, Hkv, n]
         sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
         dense = r.hbf.dense_layers
         layers = np.arange(dense, r.blocks.num_layers, dtype=np.int64)[:, None, None]
         out: dict[SeqId, list[np.ndarray]] = {}
-        for e, seq in enumerate(p.seqs):
+        for e, (seq, slot, room) in enumerate(zip(p.seqs, p.slots, p.rooms, strict=True)):
             if not r.blocks.has(seq):
                 continue  # released since
-            n = sinks + p.rooms[e] + recent
-            blocks = picked[:, e, :, :n]  # [Ls, Hkv, n]
+            n = sinks + room + recent
+            blocks = picked[:, slot, :, :n]  # [Ls, Hkv, n]
             keys = blocks + layers * r.blocks.table(seq).capacity
             if count:
                 assert p.seen is not None
@@ -416,80 +486,78 @@ class DecodeGraphs:
             out[seq] = [keys.ravel()]
         return out
 
-    def _hbf_inputs(self, g: _Graph, tables: list[BlockTable], room: np.ndarray, take: np.ndarray) -> None:
-        """Each HBF entry's room and anchors taken (the small buffer), and its anchors copied into
-        the graph's buffer when they changed."""
-        r, hb = self.runner, g.hbf
+    def _hbf_inputs(self, g: _Graph, seqs: list[SeqId], tables: list[BlockTable]) -> None:
+        """Each selecting slot's room, anchors taken and digest rows (the small buffer), and its
+        anchors copied into the graph's buffer when the slot's session or its anchors changed."""
+        r, hb, x = self.runner, g.hbf, g.small.host
         assert hb is not None
         dense, a = r.hbf.dense_layers, hb.anchors.shape[-1]
         sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
-        hb.rooms = []
-        for e, (i, seq) in enumerate(zip(hb.entries, hb.seqs, strict=True)):
+        pt = r.digests.part_tokens
+        selecting = []
+        for i, (seq, t) in enumerate(zip(seqs, tables, strict=True)):
             state = r.kv.selection(seq)
+            if not state.policy.selects:
+                continue
             budget = max(1, state.window_tokens // r.blocks.block_size)
-            room[i] = self._room(seq, tables[i].num_blocks)
-            hb.rooms.append(int(room[i]))
+            room = self._room(seq, t.num_blocks)
+            selecting.append((i, seq, room))
             first = state.head_anchors.get(dense)
             width = min(a, first.shape[1]) if first is not None else 0
-            take[i] = min(int((budget - sinks - recent) * r.hbf.anchor_share), width)
-            if hb.versions[e] == state.anchors_version:
+            base, pos = r.digests.base(seq), t.num_tokens - 1
+            x["room"][i], x["take"][i] = room, min(int((budget - sinks - recent) * r.hbf.anchor_share), width)
+            x["parts_live"][i], x["dig_base"][i], x["dig_row"][i] = pos // pt + 1, base, base + pos // pt
+            if hb.anchored[i] == (seq, state.anchors_version):
                 continue
-            hb.versions[e] = state.anchors_version
-            hb.anchors[:, e].zero_()
+            hb.anchored[i] = (seq, state.anchors_version)
+            hb.anchors[:, i].zero_()
             for layer in range(dense, r.blocks.num_layers):
                 anchors = state.head_anchors.get(layer)
                 if anchors is not None:
                     m = min(a, anchors.shape[1])
-                    hb.anchors[layer - dense, e, :, :m].copy_(anchors[:, :m])
+                    hb.anchors[layer - dense, i, :, :m].copy_(anchors[:, :m])
+        g.selecting = tuple(selecting)
 
-    def _allocate(self, key: tuple) -> _Graph:
+    def _allocate(self, key: GraphKey) -> _Graph:
         r = self.runner
-        nl = r.blocks.num_layers
-        batch, width = key[0], key[1]
-        pin = self.capture
-        locs_host = torch.zeros((nl, batch, width), dtype=torch.int32, pin_memory=pin)
-        small_host = torch.zeros(nl * batch + SMALL * batch, dtype=torch.int64, pin_memory=pin)
-        dev = r.device
-        g = _Graph(batch, width, locs_host, small_host, locs_host.to(dev, copy=True), small_host.to(dev, copy=True))
-        if len(key) > 2:
-            k, real, who = key[2], key[3], key[4]
+        nl, b, w, dev, pin = r.blocks.num_layers, key.batch, key.width, r.device, self.capture
+        small = StaticInputs({"rows": (nl, b), **{name: (b,) for name in SLOT_INPUTS}}, torch.int64, dev, pin)
+        g = _Graph(key, small, StaticInputs({"locs": (nl, b, w)}, torch.int32, dev, pin))
+        if key.k:
             hkv = r.hbm.k.shape[0]
             sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
-            ls, e = nl - r.hbf.dense_layers, len(who)
+            ls = nl - r.hbf.dense_layers
             most = max(1, r.hbf.window_max_tokens // r.blocks.block_size - sinks - recent)  # probe_anchors' width
-            n = sinks + k + recent
+            n = sinks + key.k + recent
             g.hbf = _Hbf(
-                entries=tuple(i for i, _, _ in who),
-                seqs=tuple(seq for _, seq, _ in who),
-                k=k,
-                anchors=torch.zeros((ls, e, hkv, most), dtype=torch.int64, device=dev),
-                picked=torch.zeros((ls, e, hkv, sinks + k + recent), dtype=torch.int64, device=dev),
-                entropy=torch.zeros(e, dtype=torch.float32, device=dev),
-                mixed=e < real,
-                index=torch.tensor([i for i, _, _ in who], dtype=torch.int64, device=dev),
-                heads=torch.zeros((batch, hkv, max(n, width) if e < real else n), dtype=torch.int32, device=dev),
-                nblocks=torch.ones((batch, hkv), dtype=torch.int32, device=dev),
-                versions=[-1] * e,
+                k=key.k,
+                anchors=torch.zeros((ls, b, hkv, most), dtype=torch.int64, device=dev),
+                picked=torch.zeros((ls, b, hkv, n), dtype=torch.int64, device=dev),
+                entropy=torch.zeros(b, dtype=torch.float32, device=dev),
+                heads=torch.zeros((b, hkv, max(n, w) if key.mixed else n), dtype=torch.int32, device=dev),
+                nblocks=torch.ones((b, hkv), dtype=torch.int32, device=dev),
+                anchored=[None] * b,
             )
+        self.built += 1
         return g
 
     def _fill_tables(self, g: _Graph, seqs: list[SeqId], tables: list[BlockTable]) -> bool:
-        """Write the locations of the sessions whose tables changed since this bucket last saw them
-        at their batch index; returns whether any did."""
-        locs = g.locs_host.numpy()
+        """Write the locations of the slots whose table changed since this graph last saw them (or
+        whose session did); returns whether any did."""
+        locs = g.tables.host["locs"]
         changed = False
-        want = [(s, t.version, t.num_blocks) for s, t in zip(seqs, tables, strict=True)]
-        want += [(SeqId(-1), 0, 0)] * (g.batch - len(seqs))
-        if len(g.tables) != g.batch:
-            g.tables = [(SeqId(-2), 0, 0)] * g.batch
-            g.below = [0] * g.batch
-        whole = set(range(g.batch)) - set(g.hbf.entries if g.hbf is not None else ())
+        selects = {i for i, _, _ in g.selecting}
+        want = [(s, t.version, t.num_blocks, i in selects) for i, (s, t) in enumerate(zip(seqs, tables, strict=True))]
+        want += [(SeqId(-1), 0, 0, False)] * (g.key.batch - len(seqs))
+        if len(g.slots) != g.key.batch:
+            g.slots = [(SeqId(-2), 0, 0, False)] * g.key.batch
+            g.below = [0] * g.key.batch
         dense = self.runner.hbf.dense_layers
         for i, entry in enumerate(want):
-            if g.tables[i] == entry:
+            if g.slots[i] == entry:
                 continue
             changed = True
-            g.tables[i] = entry
+            g.slots[i] = entry
             if i >= len(tables):
                 locs[:, i, :] = 0
                 g.below[i] = 0
@@ -499,15 +567,14 @@ class DecodeGraphs:
             in_hbm = where >= 0
             locs[:, i, :nb] = where
             locs[:, i, nb:] = 0
-            read = in_hbm if i in whole else in_hbm[:dense]  # the layers read whole: HBF's dense ones
+            read = in_hbm[:dense] if entry[3] else in_hbm  # the layers it reads whole
             g.below[i] = read.size - int(np.count_nonzero(read))
         return changed
 
     def _forward(self, g: _Graph) -> torch.Tensor:
         r = self.runner
-        nl, b = r.blocks.num_layers, g.batch
-        ids, positions = g.small[nl * b + 2 * b : nl * b + 4 * b].view(2, b)
-        return r.model(ids, positions, _GraphKV(r.pools, r, g))
+        x = g.small.device
+        return r.model(x["token"], x["pos"], _GraphKV(r.pools, r, g))
 
     def _capture(self, g: _Graph) -> None:
         """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture. The
@@ -524,12 +591,14 @@ class DecodeGraphs:
         g.graph = graph
         self.captures += 1
 
-    def _count_reads(self, g: _Graph, seqs: list[SeqId], tables: list[BlockTable]) -> None:
-        """Every block of every layer an exact entry reads, and of an HBF entry's dense layers, was
-        read; those in DDR over PCIe (counted when the tables were written). An HBF entry's
-        selections are counted with their promotion (`resolve`)."""
+    def _reads(self, g: _Graph, tables: list[BlockTable]) -> list[Reads]:
+        """Every block of every layer a slot that does not select reads, and of a selecting slot's
+        dense layers, was read; those in DDR over PCIe (counted when the tables were written). A
+        selecting slot's picks are counted with their promotion (`resolve`)."""
         r = self.runner
-        hbf = set(g.hbf.entries) if g.hbf is not None else set()
-        for i, (seq, t) in enumerate(zip(seqs, tables, strict=True)):
-            layers = r.hbf.dense_layers if i in hbf else r.blocks.num_layers
-            r.tiers.count_reads(seq, t.num_blocks * layers, g.below[i])
+        out = []
+        for i, t in enumerate(tables):
+            seq, _, _, selects = g.slots[i]
+            layers = r.hbf.dense_layers if selects else r.blocks.num_layers
+            out.append(Reads(seq, t.num_blocks * layers, g.below[i]))
+        return out

@@ -10,25 +10,42 @@ better than larger ones; on the 8K retrieval benchmark 8-token parts found more 
 16-token ones: docs/BENCHMARKS.md, "Retrieval quality per HBF policy and budget").
 
 Digests live on the compute device for every block of every session (they are what selection
-reads each step): per session a tensor [L, Hkv, capacity * parts, 2, D] in the KV dtype, grown by
-a quarter. Cost: 2 * head_dim * element size per part and KV head, i.e. 1 / digest_tokens of the
-KV itself (1/8 by default): 3 KV heads x 64 dims x fp32 x 4 parts = 6 KiB per 32-token block of
-all heads, 184 MiB for a 32K-token session of the embedded model (30 layers); 1/16 with
-`digest_tokens = 16`.
+reads each step), in one *arena* [L, Hkv, rows, 2, D] in the KV dtype: each session's digests are
+one extent of it, a run of rows (`base(seq)` onwards, one row per part), grown by a quarter. A
+decode step captured as a CUDA graph reads the arena by its address and each batch slot's extent by
+its base row, a static input (`h3d.engine.graphs`): the graph does not depend on which sessions
+fill its slots. Rows [0, parts) are the null extent, no session's: a slot without a selecting
+session folds its key there. Cost: 2 * head_dim * element size per part and KV head, i.e.
+1 / digest_tokens of the KV itself (1/8 by default): 3 KV heads x 64 dims x fp32 x 4 parts =
+6 KiB per 32-token block of all heads, 184 MiB for a 32K-token session of the embedded model
+(30 layers); 1/16 with `digest_tokens = 16`.
 
 Owner: `DigestStore`, updated by the model runner as K rows are written (the partial last block's
-digest is kept current token by token).
+digest is kept current token by token). What must stay true: extents never overlap, and a
+session's rows past its written keys hold the empty sentinels (+max as the min, -max as the max);
+an extent moves only between steps (`ensure`, `drop`), and the arena tensor is replaced only when
+it must grow or may shrink, which bumps `generation` (a graph captured before reads the old
+address: it is captured again).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from h3d.kv.blocks import SeqId
 
 DIGEST_TOKENS = 8  # tokens per digest by default: a block of block_size tokens has block_size / 8 parts
+
+
+@dataclass(slots=True)
+class _Extent:
+    """A session's rows of the arena: [start, start + rows)."""
+
+    start: int
+    rows: int
 
 
 class DigestStore:
@@ -49,40 +66,108 @@ class DigestStore:
         self.part_tokens = block_size // self.parts
         self.dtype = dtype
         self.device = device
-        self._digests: dict[SeqId, torch.Tensor] = {}  # [L, Hkv, cap, 2, D]
+        self._extents: dict[SeqId, _Extent] = {}
+        self._arena = self._empty(self.parts)  # [L, Hkv, rows, 2, D]: the null extent only, at first
+        self._top = self.parts  # rows past here are free (holes below it are reclaimed by `_compact`)
+        self.generation = 0  # bumped whenever `_arena` is replaced (captured steps read it by address)
 
-    def _empty(self, capacity: int) -> torch.Tensor:
-        d = torch.empty((*self.shape, capacity, 2, self.head_dim), dtype=self.dtype, device=self.device)
+    def _empty(self, rows: int) -> torch.Tensor:
+        d = torch.empty((*self.shape, rows, 2, self.head_dim), dtype=self.dtype, device=self.device)
+        self._clear(d)
+        return d
+
+    def _clear(self, d: torch.Tensor) -> None:
+        """The empty sentinels: a part with no key bounds nothing."""
         d[..., 0, :] = torch.finfo(self.dtype).max  # running min
         d[..., 1, :] = torch.finfo(self.dtype).min  # running max
-        return d
+
+    # ---- the arena's extents -------------------------------------------------------------------
+
+    @property
+    def rows(self) -> int:
+        return self._arena.shape[2]
 
     def ensure(self, seq: SeqId, num_parts: int) -> torch.Tensor:
-        d = self._digests.get(seq)
-        if d is None or d.shape[2] < num_parts:
-            # Grown by a quarter (not doubled): a long prompt's digests are large, and doubling them
-            # at its first decode step would take twice their memory at once.
-            grown = self._empty(max(num_parts, 5 * (d.shape[2] if d is not None else 4) // 4))
-            if d is not None:
-                grown[:, :, : d.shape[2]] = d
-            self._digests[seq] = d = grown
-        return d
+        """Room for `num_parts` parts of `seq`: its rows [L, Hkv, capacity, 2, D]. May move
+        extents (between steps only: a captured step reads each slot's base as an input)."""
+        ext = self._extents.get(seq)
+        if ext is not None and ext.rows >= num_parts:
+            return self._arena[:, :, ext.start : ext.start + ext.rows]
+        old = ext.rows if ext is not None else 0
+        # Grown by a quarter (not doubled): a long prompt's digests are large, and doubling them
+        # at its first decode step would take twice their memory at once.
+        rows = max(num_parts, 5 * (old or 4) // 4)
+        if ext is not None and ext.start + ext.rows == self._top and ext.start + rows <= self.rows:
+            self._clear(self._arena[:, :, ext.start + old : ext.start + rows])  # the last extent grows in place
+            self._top = ext.start + rows
+            ext.rows = rows
+        else:
+            start = self._claim(rows)  # (may move `ext`: compaction keeps its rows)
+            view = self._arena[:, :, start : start + rows]
+            self._clear(view[:, :, old:])
+            if ext is not None:
+                view[:, :, :old] = self._arena[:, :, ext.start : ext.start + old]
+            self._extents[seq] = _Extent(start, rows)
+        ext = self._extents[seq]
+        return self._arena[:, :, ext.start : ext.start + ext.rows]
+
+    def _claim(self, rows: int) -> int:
+        """The first of `rows` free rows at the top, compacting or growing the arena if needed."""
+        if self._top + rows > self.rows:
+            self._compact()
+        if self._top + rows > self.rows:  # room for these rows, and a quarter more of what the others hold
+            self._resize(self._top + rows + (self._top - self.parts) // 4)
+        start = self._top
+        self._top += rows
+        return start
+
+    def _compact(self) -> None:
+        """Pack the extents down from the null extent, in order (holes of dropped or moved ones
+        are reclaimed)."""
+        at = self.parts
+        for ext in sorted(self._extents.values(), key=lambda e: e.start):
+            if ext.start != at:
+                src = self._arena[:, :, ext.start : ext.start + ext.rows]
+                if ext.start < at + ext.rows:  # overlapping ranges: copy through a temporary
+                    src = src.clone()
+                self._arena[:, :, at : at + ext.rows] = src
+                ext.start = at
+            at += ext.rows
+        self._top = at
+
+    def _resize(self, rows: int) -> None:
+        """A new arena of `rows` rows holding the extents packed (captured steps are invalidated)."""
+        arena = self._empty(max(rows, self.parts))
+        at = self.parts
+        for ext in sorted(self._extents.values(), key=lambda e: e.start):
+            arena[:, :, at : at + ext.rows] = self._arena[:, :, ext.start : ext.start + ext.rows]
+            ext.start = at
+            at += ext.rows
+        self._arena, self._top = arena, at
+        self.generation += 1
 
     def has(self, seq: SeqId) -> bool:
-        return seq in self._digests
+        return seq in self._extents
 
-    def data_ptr(self, seq: SeqId) -> int:
-        """Where the session's store is (a captured step reads it there; growing it moves it)."""
-        return self._digests[seq].data_ptr()
+    def base(self, seq: SeqId) -> int:
+        """The arena row of `seq`'s first part (it moves only in `ensure` and `drop`)."""
+        return self._extents[seq].start
+
+    def arena(self, layer: int) -> torch.Tensor:
+        """One layer of the arena: [Hkv, rows, 2, D] (min, max); a session's parts from its base."""
+        return self._arena[layer]
 
     def reserve(self, seq: SeqId, num_blocks: int) -> None:
         """Room for `num_blocks` blocks of `seq` now (a session whose length is known: no growth,
         and no copy of the old digests beside the new ones, later)."""
         self.ensure(seq, num_blocks * self.parts)
 
+    # ---- reading and writing a session's digests -------------------------------------------------
+
     def get(self, seq: SeqId, layer: int, num_blocks: int) -> torch.Tensor:
         """[Hkv, num_blocks, parts, 2, D]: (min, max) of the keys of each part of each block."""
-        d = self._digests[seq][layer, :, : num_blocks * self.parts]
+        start = self._extents[seq].start
+        d = self._arena[layer, :, start : start + num_blocks * self.parts]
         return d.view(d.shape[0], num_blocks, self.parts, 2, self.head_dim)
 
     def update(self, seq: SeqId, layer: int, start: int, k: torch.Tensor) -> None:
@@ -112,38 +197,51 @@ class DigestStore:
                 d[:, :, 1].scatter_reduce_(1, idx, kt[:, lo:hi], reduce="amax", include_self=True)
 
     def layer(self, seq: SeqId, layer: int) -> torch.Tensor:
-        """One layer of the session's store: [Hkv, capacity * parts, 2, D] (min, max)."""
-        return self._digests[seq][layer]
+        """One layer of the session's rows: [Hkv, capacity * parts, 2, D] (min, max)."""
+        ext = self._extents[seq]
+        return self._arena[layer, :, ext.start : ext.start + ext.rows]
 
-    def fold(self, seq: SeqId, layer: int, pos: torch.Tensor, k: torch.Tensor) -> None:
-        """`update` of one new key whose position is in a tensor (a decode step captured in a CUDA
-        graph: no host value is read). k: [1, Hkv, D]; pos: [1] int64 on the device. The store must
-        already hold its part (`ensure`)."""
-        d = self._digests[seq][layer]  # [Hkv, cap, 2, D]
-        idx = (pos // self.part_tokens).view(1, 1, 1).expand(d.shape[0], 1, self.head_dim)
-        kt = k.transpose(0, 1).to(self.dtype)  # [Hkv, 1, D]
+    def fold(self, layer: int, rows: torch.Tensor, k: torch.Tensor) -> None:
+        """`update` of one new key per batch slot whose arena row is in a tensor (a decode step
+        captured in a CUDA graph: no host value is read). k: [B, Hkv, D]; rows: [B] int64 on the
+        device, each slot's part (its base + position // part_tokens; the null extent's row 0 for
+        a slot that keeps no digests). The extents must already hold their parts (`ensure`)."""
+        d = self._arena[layer]  # [Hkv, rows, 2, D]
+        idx = rows.view(1, -1, 1).expand(d.shape[0], -1, self.head_dim)  # [Hkv, B, D]
+        kt = k.transpose(0, 1).to(self.dtype)  # [Hkv, B, D]
         d[:, :, 0].scatter_reduce_(1, idx, kt, reduce="amin", include_self=True)
         d[:, :, 1].scatter_reduce_(1, idx, kt, reduce="amax", include_self=True)
 
     def truncate(self, seq: SeqId, num_tokens: int, tail: Callable[[int, int], torch.Tensor]) -> None:
         """Forget the keys past `num_tokens`: the parts after it start over, and the part it ends in
         is folded again from `tail(layer, start)`, its kept keys ([n, Hkv, D] from position start)."""
-        d = self._digests.get(seq)
-        if d is None:
+        if seq not in self._extents:
             return
         first = num_tokens // self.part_tokens  # the first part that held a cut key
-        d[:, :, first:, 0] = torch.finfo(self.dtype).max
-        d[:, :, first:, 1] = torch.finfo(self.dtype).min
+        ext = self._extents[seq]
+        if first < ext.rows:
+            self._clear(self._arena[:, :, ext.start + first : ext.start + ext.rows])
         if num_tokens % self.part_tokens:
             start = first * self.part_tokens
             for layer in range(self.shape[0]):
                 self.update(seq, layer, start, tail(layer, start))
 
     def drop(self, seq: SeqId) -> None:
-        self._digests.pop(seq, None)
+        """Forget `seq`'s digests; its rows are reclaimed by the next compaction, and the arena
+        shrinks once a quarter of it is in use."""
+        ext = self._extents.pop(seq, None)
+        if ext is None:
+            return
+        if ext.start + ext.rows == self._top:
+            self._top = ext.start
+        live = sum(e.rows for e in self._extents.values())
+        if self.rows > 4 * (live + self.parts) and self.rows > 64 * self.parts:
+            self._resize(5 * (live + self.parts) // 4)
 
     def nbytes(self) -> int:
-        return sum(d.numel() * d.element_size() for d in self._digests.values())
+        """The bytes the sessions' extents hold (the arena may hold more)."""
+        row = self.shape[0] * self.shape[1] * 2 * self.head_dim * self._arena.element_size()
+        return row * sum(e.rows for e in self._extents.values())
 
 
 def block_scores(q: torch.Tensor, digests: torch.Tensor, per_head: bool = False) -> torch.Tensor:

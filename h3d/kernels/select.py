@@ -60,7 +60,9 @@ def _kernels() -> SimpleNamespace:
 def scores(
     out: torch.Tensor,
     q: torch.Tensor,
-    digests: torch.Tensor,
+    arena: torch.Tensor,
+    parts: int,
+    base: torch.Tensor,
     nb: torch.Tensor,
     parts_live: torch.Tensor,
     take: torch.Tensor,
@@ -69,38 +71,44 @@ def scores(
     recent: int,
     raw: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Masked digest bounds into `out` [Hkv, W] fp32 (see the module docstring). q: [H, D]; digests:
-    [Hkv, W, parts, 2, D] (parts contiguous); nb, parts_live, take: 0-dim int64 (blocks, parts
-    holding a key, anchors taken); anchors: [Hkv, A] int64. `raw` [Hkv, W] fp32, when given,
-    receives the bounds before the masks (past nb: -inf). A part with no key yet (the partial
-    block's last ones) bounds nothing (-inf), as its empty digest gives `block_scores`."""
+    """Masked digest bounds of every slot of a batch into `out` [B, Hkv, W] fp32 (see the module
+    docstring), one launch. q: [B, H, D]; arena: one layer of the digest arena [Hkv, rows, 2, D]
+    (`DigestStore.arena`), `parts` rows per block; base, nb, parts_live, take: [B] int64 (each
+    slot's first arena row, blocks, parts holding a key, anchors taken); anchors: [B, Hkv, A] int64.
+    `raw` [B, Hkv, W] fp32, when given, receives the bounds before the masks (past nb: -inf). A
+    part with no key yet (the partial block's last ones) bounds nothing (-inf), as its empty
+    digest gives `block_scores`; a slot with no live part (parts_live 0: no selection) reads no
+    digest and scores -inf."""
     k = _kernels()
-    hkv, w, parts, _, d = digests.shape
-    h = q.shape[0]
+    b, hkv, w = out.shape
+    d = arena.shape[-1]
+    h = q.shape[1]
     g = h // hkv
-    a = anchors.shape[1]
-    k.scores[(hkv, triton.cdiv(w, TILE))](
-        q, digests, anchors, nb, parts_live, take, out, raw if raw is not None else out,
-        q.stride(0), digests.stride(0), digests.stride(2), anchors.stride(0), w, a,
+    a = anchors.shape[2]
+    k.scores[(b, hkv, triton.cdiv(w, TILE))](
+        q, arena, base, anchors, nb, parts_live, take, out, raw if raw is not None else out,
+        q.stride(0), q.stride(1), arena.stride(0), arena.stride(1), anchors.stride(0), anchors.stride(1),
+        out.stride(0), w, a,
         SINKS=sinks, RECENT=recent, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, P=parts, TILE=TILE,
         A_PAD=max(16, triton.next_power_of_2(max(a, 1))), RAW=raw is not None,
-        PRECISION="ieee" if digests.dtype == torch.float32 else "tf32",
-        DOT=loader.dot_dtype(digests.dtype),
+        PRECISION="ieee" if arena.dtype == torch.float32 else "tf32",
+        DOT=loader.dot_dtype(arena.dtype),
     )  # fmt: skip
     return out
 
 
-def top_room(masked: torch.Tensor, entries: torch.Tensor, room: torch.Tensor, k: int) -> torch.Tensor:
-    """Each (session, head) row's `room` best blocks of `masked` [E, Hkv, W] (room [B] int64, read
-    at `entries` [E]), in ascending block order, in the first `room` entries of [E, Hkv, k] (the
-    rest 0). One program per row finds the room-th largest score by bisection over its bits
-    (32 counts), then writes the blocks above it and as many tied with it as fill the room (the
-    lowest first). Against `torch.topk`: one launch instead of a select and a sort per row."""
+def top_room(masked: torch.Tensor, room: torch.Tensor, k: int) -> torch.Tensor:
+    """Each (slot, head) row's `room` best blocks of `masked` [B, Hkv, W] (room [B] int64; a slot
+    whose room is 0 takes none), in ascending block order, in the first `room` entries of
+    [B, Hkv, k] (the rest 0). One program per row finds the room-th largest score by bisection
+    over its bits (32 counts), then writes the blocks above it and as many tied with it as fill
+    the room (the lowest first). Against `torch.topk`: one launch instead of a select and a sort
+    per row."""
     kern = _kernels()
-    e, hkv, w = masked.shape
-    out = torch.zeros((e, hkv, k), dtype=torch.int64, device=masked.device)
-    kern.top[(e, hkv)](
-        masked, entries, room, out, masked.stride(0), masked.stride(1), out.stride(0), out.stride(1), w, k,
+    b, hkv, w = masked.shape
+    out = torch.zeros((b, hkv, k), dtype=torch.int64, device=masked.device)
+    kern.top[(b, hkv)](
+        masked, room, out, masked.stride(0), masked.stride(1), out.stride(0), out.stride(1), w, k,
         W_PAD=triton.next_power_of_2(w), num_warps=8,
     )  # fmt: skip
     return out
@@ -109,7 +117,6 @@ def top_room(masked: torch.Tensor, entries: torch.Tensor, room: torch.Tensor, k:
 def lists(
     top: torch.Tensor,
     table: torch.Tensor,
-    entries: torch.Tensor,
     nb: torch.Tensor,
     room: torch.Tensor,
     heads: torch.Tensor,
@@ -118,30 +125,32 @@ def lists(
     sinks: int,
     recent: int,
 ) -> None:
-    """Write the per-head lists of E sessions of a batch of B: top [E, Hkv, k] (best first);
-    table [B, W] int32 locations; entries [E] int64 (each session's batch index); nb, room [B]
-    int64 -> heads [B, Hkv, NW] int32 locations (0 past the list), nblocks [B, Hkv] int32 (the
-    entries' rows), picked [E, Hkv, sinks + k + recent] int64 block indices."""
+    """Write the per-head lists of a batch of B: top [B, Hkv, k] (best first); table [B, W] int32
+    locations; nb, room [B] int64 -> heads [B, Hkv, NW] int32 locations (0 past the list; NW >= W),
+    nblocks [B, Hkv] int32, picked [B, Hkv, sinks + k + recent] int64 block indices. A slot that
+    selects (room > 0) lists sinks, its best, the recent blocks; one that does not (room 0: a
+    session under `exact`, or padding) lists its whole table."""
     k = _kernels()
-    e, hkv, kk = top.shape
+    b, hkv, kk = top.shape
     width = heads.shape[2]
     n_pick = picked.shape[2]
-    k.lists[(e, hkv)](
-        top, table, entries, nb, room, heads, nblocks, picked,
+    k.lists[(b, hkv)](
+        top, table, nb, room, heads, nblocks, picked,
         top.stride(0), top.stride(1), table.stride(0), heads.stride(0), heads.stride(1), nblocks.stride(0),
         picked.stride(0), picked.stride(1), width, n_pick, kk, SINKS=sinks, RECENT=recent,
         E_PAD=triton.next_power_of_2(max(width, n_pick)),
     )  # fmt: skip
 
 
-def fold(digests: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, part_tokens: int) -> None:
-    """Fold one key into its part's digest: digests [Hkv, cap, 2, D] (one layer of a session's
-    store); pos [1] int64; k [1, Hkv, D]."""
+def fold(arena: torch.Tensor, rows: torch.Tensor, k: torch.Tensor) -> None:
+    """Fold each slot's new key into its part's digest: arena [Hkv, rows, 2, D] (one layer of the
+    digest arena); rows [B] int64 (each slot's part row: `DigestStore.fold`); k [B, Hkv, D]."""
     kern = _kernels()
-    hkv, _, _, d = digests.shape
-    kern.fold[(hkv,)](
-        k, digests, pos, k.stride(1), digests.stride(0), digests.stride(1),
-        PT=part_tokens, D=d, D_PAD=triton.next_power_of_2(d),
+    hkv, _, _, d = arena.shape
+    b = k.shape[0]
+    kern.fold[(b, hkv)](
+        k, arena, rows, k.stride(0), k.stride(1), arena.stride(0), arena.stride(1),
+        D=d, D_PAD=triton.next_power_of_2(d),
     )  # fmt: skip
 
 
@@ -149,20 +158,22 @@ def fold(digests: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, part_tokens:
 
 
 def _scores_kernel(  # type: ignore[no-untyped-def]
-    q, dig, anchors, nb_ptr, parts_ptr, take_ptr, out, raw,
-    q_stride_h, dig_stride_h, dig_stride_part, anchors_stride_h, W, A,
+    q, dig, base_ptr, anchors, nb_ptr, parts_ptr, take_ptr, out, raw,
+    q_stride_b, q_stride_h, dig_stride_h, dig_stride_part, anchors_stride_b, anchors_stride_h, out_stride_b, W, A,
     SINKS: tl.constexpr, RECENT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     P: tl.constexpr, TILE: tl.constexpr, A_PAD: tl.constexpr, RAW: tl.constexpr,
     PRECISION: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
-    kh = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)  # [TILE] blocks
+    b = tl.program_id(0).to(tl.int64)
+    kh = tl.program_id(1).to(tl.int64)
+    j = tl.program_id(2).to(tl.int64) * TILE + tl.arange(0, TILE)  # [TILE] blocks
     inside = j < W
-    nb = tl.load(nb_ptr)
-    parts_live = tl.load(parts_ptr)  # parts past it hold their empty digests' sentinels (+-max): not loaded
+    nb = tl.load(nb_ptr + b)
+    base = tl.load(base_ptr + b)
+    parts_live = tl.load(parts_ptr + b)  # parts past it hold their empty digests' sentinels (+-max): not loaded
     d = tl.arange(0, D)
     g = tl.arange(0, G_PAD)
-    qg = tl.load(q + (kh * G + g)[None, :] * q_stride_h + d[:, None], mask=(g < G)[None, :], other=0.0)
+    qg = tl.load(q + b * q_stride_b + (kh * G + g)[None, :] * q_stride_h + d[:, None], mask=(g < G)[None, :], other=0.0)
     qg = qg.to(tl.float32)  # [D, G_PAD]
     qpos = tl.maximum(qg, 0.0).to(DOT)
     qneg = tl.minimum(qg, 0.0).to(DOT)
@@ -170,34 +181,35 @@ def _scores_kernel(  # type: ignore[no-untyped-def]
     for p in tl.static_range(P):
         part = j * P + p
         live = part < parts_live
-        at = kh * dig_stride_h + part * dig_stride_part  # [TILE]: part p's (min, max) rows
+        at = kh * dig_stride_h + (base + part) * dig_stride_part  # [TILE]: part p's (min, max) rows
         lo = tl.load(dig + at[:, None] + d[None, :], mask=live[:, None], other=0.0).to(DOT)
         hi = tl.load(dig + at[:, None] + D + d[None, :], mask=live[:, None], other=0.0).to(DOT)
         s = tl.dot(hi, qpos, input_precision=PRECISION) + tl.dot(lo, qneg, input_precision=PRECISION)
         s = tl.where((g < G)[None, :] & live[:, None], s, float("-inf"))  # [TILE, G_PAD]
         best = tl.maximum(best, tl.max(s, axis=1))
     best = tl.where(j < nb, best, float("-inf"))
+    row = b * out_stride_b + kh * W + j
     if RAW:
-        tl.store(raw + kh * W + j, best, mask=inside)
+        tl.store(raw + row, best, mask=inside)
     if A > 0:  # the first `take` anchors (clamped into the context, as `select` does) come first
-        take = tl.load(take_ptr)
+        take = tl.load(take_ptr + b)
         r = tl.arange(0, A_PAD)
-        a = tl.load(anchors + kh * anchors_stride_h + r, mask=r < A, other=0)
+        a = tl.load(anchors + b * anchors_stride_b + kh * anchors_stride_h + r, mask=r < A, other=0)
         a = tl.minimum(a, nb - 1)
         hit = (a[None, :] == j[:, None]) & (r < take)[None, :]  # [TILE, A_PAD]
         best = tl.where(tl.max(hit.to(tl.int32), axis=1) > 0, float("inf"), best)
     best = tl.where((j < SINKS) | (j >= nb - RECENT), float("-inf"), best)  # listed anyway
-    tl.store(out + kh * W + j, best, mask=inside)
+    tl.store(out + row, best, mask=inside)
 
 
 def _top_kernel(  # type: ignore[no-untyped-def]
-    masked, entries, room_ptr, out, m_stride_e, m_stride_h, out_stride_e, out_stride_h, W, K, W_PAD: tl.constexpr,
+    masked, room_ptr, out, m_stride_b, m_stride_h, out_stride_b, out_stride_h, W, K, W_PAD: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1).to(tl.int64)
-    r = tl.load(room_ptr + tl.load(entries + s)).to(tl.int32)
+    r = tl.maximum(tl.load(room_ptr + s), 0).to(tl.int32)
     j = tl.arange(0, W_PAD)
-    x = tl.load(masked + s * m_stride_e + kh * m_stride_h + j, mask=j < W, other=float("-inf"))
+    x = tl.load(masked + s * m_stride_b + kh * m_stride_h + j, mask=j < W, other=float("-inf"))
     # Float -> int32 keys in the same order (negative floats' bits flipped), so bisection over
     # int32 finds the room-th largest score exactly.
     bits = x.to(tl.int32, bitcast=True)
@@ -212,44 +224,45 @@ def _top_kernel(  # type: ignore[no-untyped-def]
     above = key > lo
     tied = key == lo
     need = r - tl.sum(above.to(tl.int32), axis=0)  # ties to take, the lowest blocks first
-    take = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
+    take = (above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))) & (r > 0)
     at = tl.cumsum(take.to(tl.int32), axis=0) - 1
-    tl.store(out + s * out_stride_e + kh * out_stride_h + at, j.to(tl.int64), mask=take & (at < K))
+    tl.store(out + s * out_stride_b + kh * out_stride_h + at, j.to(tl.int64), mask=take & (at < K))
 
 
 def _lists_kernel(  # type: ignore[no-untyped-def]
-    top, table, entries, nb_ptr, room_ptr, heads, nblocks, picked,
-    top_stride_e, top_stride_h, table_stride_b, heads_stride_b, heads_stride_h, nblocks_stride_b,
-    picked_stride_e, picked_stride_h, NW, N_PICK, K, SINKS: tl.constexpr, RECENT: tl.constexpr,
+    top, table, nb_ptr, room_ptr, heads, nblocks, picked,
+    top_stride_b, top_stride_h, table_stride_b, heads_stride_b, heads_stride_h, nblocks_stride_b,
+    picked_stride_b, picked_stride_h, NW, N_PICK, K, SINKS: tl.constexpr, RECENT: tl.constexpr,
     E_PAD: tl.constexpr,
 ):  # fmt: skip
-    s = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(0).to(tl.int64)  # the slot
     kh = tl.program_id(1).to(tl.int64)
-    i = tl.load(entries + s)  # the session's batch index
     e = tl.arange(0, E_PAD)
     nb = tl.load(nb_ptr + i)
     room = tl.load(room_ptr + i)
-    n = SINKS + room + RECENT
+    selects = room > 0
+    n = tl.where(selects, SINKS + room + RECENT, nb)  # a slot that does not select reads every block
     from_top = (e >= SINKS) & (e < SINKS + room)
-    t = tl.load(top + s * top_stride_e + kh * top_stride_h + (e - SINKS), mask=from_top & (e - SINKS < K), other=0)
+    t = tl.load(top + i * top_stride_b + kh * top_stride_h + (e - SINKS), mask=from_top & (e - SINKS < K), other=0)
     blk = tl.where(e < SINKS, e, tl.where(from_top, t, nb - RECENT + (e - SINKS - room)))
+    blk = tl.where(selects, blk, e)
     valid = e < n
     blk = tl.where(valid, blk, 0)
     loc = tl.load(table + i * table_stride_b + blk, mask=valid, other=0)
     tl.store(heads + i * heads_stride_b + kh * heads_stride_h + e, tl.where(valid, loc, 0), mask=e < NW)
-    tl.store(picked + s * picked_stride_e + kh * picked_stride_h + e, blk, mask=e < N_PICK)
+    tl.store(picked + i * picked_stride_b + kh * picked_stride_h + e, blk, mask=e < N_PICK)
     tl.store(nblocks + i * nblocks_stride_b + kh, n.to(tl.int32))
 
 
 def _fold_kernel(  # type: ignore[no-untyped-def]
-    k, dig, pos_ptr, k_stride_h, dig_stride_h, dig_stride_part, PT: tl.constexpr, D: tl.constexpr,
-    D_PAD: tl.constexpr,
+    k, dig, rows_ptr, k_stride_b, k_stride_h, dig_stride_h, dig_stride_part, D: tl.constexpr, D_PAD: tl.constexpr,
 ):  # fmt: skip
-    kh = tl.program_id(0).to(tl.int64)
-    part = tl.load(pos_ptr) // PT
+    b = tl.program_id(0).to(tl.int64)
+    kh = tl.program_id(1).to(tl.int64)
+    part = tl.load(rows_ptr + b)
     d = tl.arange(0, D_PAD)
     m = d < D
-    x = tl.load(k + kh * k_stride_h + d, mask=m).to(dig.dtype.element_ty).to(tl.float32)
+    x = tl.load(k + b * k_stride_b + kh * k_stride_h + d, mask=m).to(dig.dtype.element_ty).to(tl.float32)
     at = dig + kh * dig_stride_h + part * dig_stride_part
     lo = tl.load(at + d, mask=m).to(tl.float32)
     hi = tl.load(at + D + d, mask=m).to(tl.float32)

@@ -61,7 +61,7 @@ class LayerKV:
     head_locs: tuple[np.ndarray | None, ...] = ()
     head_tables: Callable[[], torch.Tensor] | None = None
     # A decode step planned on the device: the kernel's (tables [B, Hkv, W], nblocks [B, Hkv],
-    # tails [B]) already there (`h3d.engine.runner._DevicePlan`); `runs` are then empty.
+    # tails [B]) already there (`h3d.engine.stepkv.DeviceStepKV`); `runs` are then empty.
     lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None
 

@@ -315,13 +315,17 @@ class KVCache:
 
     # ---- upkeep -------------------------------------------------------------------------------
 
+    def promote(self, picks: dict[SeqId, np.ndarray], protect: dict[SeqId, int], counted: bool = False) -> None:
+        """HBF's promotion of what a step's selections read (`Promoter.promote`), which counts
+        those reads unless they were (`counted`); the sinks and recent windows are kept."""
+        self.promoter.promote(picks, protect, {s: self.keep(s) for s in picks}, counted)
+
     def flush_lagged(self, protect: dict[SeqId, int] | None = None) -> None:
-        """Promote the last replayed step's HBF picks, if they wait: after the next step's launch,
-        or before anything else changes the sessions' tables."""
+        """Promote the last replayed step's HBF picks, if they wait, before anything else changes
+        the sessions' tables (a step's commit applies them otherwise)."""
         lagged = self.lagged()
         if lagged:
-            keep = {s: self.keep(s) for s in lagged}
-            self.promoter.promote(lagged, protect or {}, keep, counted=True)
+            self.promote(lagged, protect or {}, counted=True)
 
     def refresh_digests(self, seq: SeqId) -> None:
         """Rebuild `seq`'s digests if they are stale (adopted or parked); may meet a damaged

@@ -20,9 +20,9 @@ import torch
 from helpers import assert_greedy_match, make_engine, random_prompt, runner_logits, teacher_margins
 
 from h3d.engine.engine import Engine
-from h3d.engine.runner import Chunk
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import FinishReason, GenerationDone, TokenDelta
+from h3d.engine.step import Chunk
 from h3d.kv.blocks import SeqId
 
 TOL = 1e-4
@@ -72,7 +72,7 @@ def _run_schedule(
             nxt[i] += 1
         sizes = [len(c.token_ids) for c in chunks]
         mixed += int(min(sizes) == 1 and max(sizes) > 1)
-        out = runner.execute(chunks, all_logits=all_logits)
+        out = runner.step(chunks, all_logits=all_logits)
         if all_logits:
             assert out.shape[0] == sum(sizes)
             for i, part in zip(owners, out.split(sizes), strict=True):

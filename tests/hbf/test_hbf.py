@@ -76,6 +76,57 @@ def test_digests_are_each_parts_min_and_max(n: int, cuts: list[int], part: int, 
         assert torch.equal(got[:, j, 0], keys.amin(dim=1)) and torch.equal(got[:, j, 1], keys.amax(dim=1))
 
 
+@settings(max_examples=30, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40), st.booleans()), min_size=1, max_size=40))
+def test_digest_arena_keeps_each_sessions_digests_through_moves(ops: list[tuple[int, int, bool]]) -> None:
+    """Four sessions growing, cut and dropped in any order share one arena: every session's
+    digests stay each part's min and max of its own keys while extents grow in place, move,
+    are compacted and the arena is resized (its `generation` counts the replacements); extents
+    never overlap the null extent or each other, and rows past a session's keys are empty."""
+    g = torch.Generator().manual_seed(len(ops))
+    store = DigestStore(2, 2, 8, BS, torch.float32, torch.device("cpu"), 8)
+    keys: dict[SeqId, torch.Tensor] = {}  # each session's keys so far [n, Hkv, D]
+    generations = [store.generation]
+    for who, n, drop in ops:
+        seq = SeqId(who)
+        if drop and seq in keys and n % 3 == 0:
+            store.drop(seq)
+            del keys[seq]
+            continue
+        have = keys.get(seq, torch.empty(0, 2, 8))
+        if drop and len(have):  # cut back to n % len keys
+            kept = n % len(have)
+            if kept == 0:
+                store.drop(seq)
+                del keys[seq]
+                continue
+            keep = have[:kept]
+            store.truncate(seq, kept, lambda layer, start, keep=keep: keep[start:] + layer)
+            keys[seq] = keep
+            continue
+        if not n:
+            continue
+        new = torch.randn(n, 2, 8, generator=g)
+        for layer in range(2):
+            store.update(seq, layer, len(have), new + layer)
+        keys[seq] = torch.cat([have, new])
+        generations.append(store.generation)
+    assert generations == sorted(generations)
+    spans = sorted((store.base(s), store.base(s) + store.layer(s, 0).shape[1]) for s in keys)
+    assert all(a >= store.parts for a, _ in spans)  # the null extent is no session's
+    assert all(b1 <= a2 for (_, b1), (a2, _) in itertools.pairwise(spans)) and (not spans or spans[-1][1] <= store.rows)
+    for seq, k in keys.items():
+        nb = -(-len(k) // BS)
+        for layer in range(2):
+            got = store.layer(seq, layer)  # [Hkv, capacity, 2, D]
+            parts = -(-len(k) // 8)
+            for j in range(parts):
+                part = (k[j * 8 : (j + 1) * 8] + layer).transpose(0, 1)  # [Hkv, t, D]
+                assert torch.equal(got[:, j, 0], part.amin(dim=1)) and torch.equal(got[:, j, 1], part.amax(dim=1))
+            assert (got[:, parts:, 0] == torch.finfo(torch.float32).max).all()  # empty past its keys
+            assert torch.equal(store.get(seq, layer, nb).reshape(2, -1, 2, 8), got[:, : nb * store.parts])
+
+
 @pytest.mark.parametrize("policy", ["fixed", "attention_entropy", "layerwise"])
 @pytest.mark.parametrize("num_blocks", [5, 40, 130])
 def test_selection_keeps_sinks_and_recent_window(policy: str, num_blocks: int) -> None:

@@ -204,11 +204,11 @@ def test_engine_decode_through_the_kernel_equals_the_reference(
     """The engine's decode steps through `kernel_attention` (as on CUDA) and the CPU fast path give
     the reference attention's logits: with blocks in HBM and DDR (a small HBM), with per-KV-head
     selections smaller than the context (attention_entropy), and two sequences in one step. The
-    GPU's decode planning (`_DevicePlan`: locations copied once per step, selections kept on the
+    GPU's decode path (`Path.DEVICE`: locations copied once per step, selections kept on the
     device) is run here too, against the host-planned reference."""
     from helpers import VOCAB_SIZE, make_engine, random_prompt, runner_logits
 
-    from h3d.engine.runner import Chunk
+    from h3d.engine.step import Chunk
     from h3d.kv.attention import kernel_attention, paged_attention, reference_attention
     from h3d.kv.blocks import SeqId
 
@@ -234,7 +234,7 @@ def test_engine_decode_through_the_kernel_equals_the_reference(
         engine.runner.plan_on_device = planned and fn is not reference_attention
         out = [runner_logits(engine, i, ids, [len(ids) - 6, 1, 1, 1, 1, 1, 1]) for i, ids in enumerate(prompts)]
         both = [Chunk(SeqId(i), (7,), len(ids), True) for i, ids in enumerate(prompts)]
-        out.append(engine.runner.execute(both))  # a batch of two decode steps
+        out.append(engine.runner.step(both))  # a batch of two decode steps
         assert engine.tier_stats().ddr_hits > 0  # the kernel read blocks in DDR
         if engine.runner.plan_on_device:
             assert engine.runner.device_planned_steps == 2 * 6 + 1  # every decode step was planned on the device
@@ -255,7 +255,7 @@ def test_decode_graph_buckets_equal_the_eager_path(checkpoint: Callable[[str], P
     from helpers import VOCAB_SIZE, make_engine, random_prompt
 
     from h3d.engine.graphs import batch_bucket, width_bucket
-    from h3d.engine.runner import Chunk
+    from h3d.engine.step import Chunk
     from h3d.kv.attention import kernel_attention, reference_attention
     from h3d.kv.blocks import SeqId
 
@@ -275,12 +275,12 @@ def test_decode_graph_buckets_equal_the_eager_path(checkpoint: Callable[[str], P
         out = []
         for i, ids in enumerate(prompts):
             runner.kv.open(SeqId(i))
-            runner.execute([Chunk(SeqId(i), tuple(ids), 0, False)])
+            runner.step([Chunk(SeqId(i), tuple(ids), 0, False)])
         pos = [len(ids) for ids in prompts]
         for step in range(12):
             batch = [0, 1, 2] if step % 3 else [0]  # 3 sessions (a padded bucket), or one
             chunks = [Chunk(SeqId(i), ((step * 7 + i) % VOCAB_SIZE,), pos[i], True) for i in batch]
-            out.append(runner.execute(chunks))
+            out.append(runner.step(chunks))
             for i in batch:
                 pos[i] += 1
         t = engine.tier_stats()
@@ -303,15 +303,17 @@ def test_hbf_decode_graph_equals_the_eager_path(
     shapes, `select_static`; run eagerly on the CPU) give the eager path's logits, selections,
     promotions and counters: prompt anchors, HBM too small for the selections (promotions evict,
     reads from DDR), a session under exact batched with three under HBF, batches that change
-    (each new one runs eagerly once), windows that shrink every 16 steps (another top-k capacity).
+    (other sessions in the same slots, the same sessions in other slots: the graph of their shape
+    is replayed, none is made for them), windows that shrink every 16 steps (another top-k capacity).
     With the picks promoted during the next step (`lag`, the GPU default) the blocks sit elsewhere
     for a step: the same logits, the same picks promoted one step later, as many blocks read.
     Selection through the kernels (`h3d.kernels.select`, `fused`) or their torch twin."""
     import numpy as np
     from helpers import VOCAB_SIZE, make_engine, random_prompt
 
-    from h3d.engine.graphs import room_bucket
-    from h3d.engine.runner import Chunk
+    from h3d.engine.graphs import batch_bucket, room_bucket, width_bucket
+    from h3d.engine.step import Chunk
+    from h3d.hbf.policy import base_sizes
     from h3d.kernels import select
 
     if not fused:
@@ -335,23 +337,35 @@ def test_hbf_decode_graph_equals_the_eager_path(
         runner.graphs.lag = lag
         for i, ids in enumerate(prompts):
             runner.kv.open(SeqId(i), policy=policy_named("exact") if i == 3 else None)
-            runner.execute([Chunk(SeqId(i), tuple(ids), 0, False)])  # final: HBF's anchors are probed
+            runner.step([Chunk(SeqId(i), tuple(ids), 0, False)])  # final: HBF's anchors are probed
         assert runner.kv.selection(SeqId(0)).head_anchors
         pos = [len(ids) for ids in prompts]
         out, picks = [], []
         calls: list[dict] = []  # every promotion's picks, in order
         original = runner.kv.promoter.promote
 
-        def spy(selected, protect, keep, counted=False, calls=calls, original=original):  # type: ignore[no-untyped-def]
-            calls.append({s: np.unique(k) for s, k in selected.items()})  # (heads may repeat a key)
+        def spy(selected, protect, keep, counted=False, calls=calls, original=original, kv=runner.kv):  # type: ignore[no-untyped-def]
+            # (layer, block) as layer * 2**20 + block: a key's stride is the table's capacity at
+            # the promotion, which may have grown by the next step (lagged picks); heads may repeat a key.
+            cap = {s: kv.blocks.table(s).capacity for s in selected}
+            calls.append({s: np.unique(k // cap[s] * 2**20 + k % cap[s]) for s, k in selected.items()})
             original(selected, protect, keep, counted)
 
         runner.kv.promoter.promote = spy  # type: ignore[method-assign]
+        sinks, recent = base_sizes(runner.hbf, 16)
+        shapes: dict[tuple, set[tuple[int, ...]]] = {}  # each step's graph shape -> the batches it served
         for step in range(40):
-            batch = [0, 1, 2, 3] if step % 4 == 1 else [0] if step % 4 == 3 else [0, 1, 2]
+            batch = [[0, 1, 2], [0, 1, 2, 3], [2, 0, 1], [0], [1, 2], [2]][step % 6]
+            nbs = {i: pos[i] // 16 + 1 for i in batch}  # with the new token
+            rooms = [
+                min(runner.kv.window_tokens(SeqId(i)) // 16 - sinks - recent, nbs[i] - sinks - recent)
+                for i in batch if i != 3
+            ]  # fmt: skip
+            shape = (batch_bucket(len(batch)), width_bucket(max(nbs.values())), room_bucket(max(rooms)), 3 in batch)
+            shapes.setdefault(shape, set()).add(tuple(batch))
             chunks = [Chunk(SeqId(i), ((step * 7 + i) % VOCAB_SIZE,), pos[i], True) for i in batch]
             first = len(calls)
-            out.append(runner.execute(chunks))
+            out.append(runner.step(chunks))
             picks.append(calls[first:])
             for i in batch:
                 pos[i] += 1
@@ -361,11 +375,13 @@ def test_hbf_decode_graph_equals_the_eager_path(
         t = engine.tier_stats()
         assert t.ddr_hits > 0 and t.hbm_evict_count > 0  # reads from DDR, promotions that evicted
         windows = [runner.kv.window_tokens(SeqId(i)) for i in range(3)]
-        results.append((out, picks, (t.hbm_hits, t.hbm_misses, t.ddr_hits), windows, runner.graphs))
+        results.append((out, picks, (t.hbm_hits, t.hbm_misses, t.ddr_hits), windows, runner.graphs, shapes))
         engine.close()
-    (graphed, g_picks, reads, windows, g), (eager, e_picks, eager_reads, e_windows, _) = results
+    (graphed, g_picks, reads, windows, g, shapes), (eager, e_picks, eager_reads, e_windows, _, _) = results
     assert windows == e_windows and windows[0] < 192  # the windows shrank alike
-    assert g.captures == 0 and 20 < g.replays < 40  # most steps replayed; each new batch ran eagerly first
+    assert g.captures == 0 and g.replays == 40  # every step replayed a graph's buffers
+    assert g.built == len(shapes)  # one graph per shape, whoever is in its slots
+    assert any(len(batches) > 1 for batches in shapes.values())  # some graph served several batches
     if lag:  # the same picks, each promoted at the next step (the last at the final flush)
 
         def every(steps: list) -> dict:
@@ -411,33 +427,43 @@ def test_hbf_selection_kernels_pick_what_the_twin_picks(seed: int, hkv: int, gro
     q = torch.randn(hkv * group, d, generator=g)
     anchors = torch.randint(0, w + 10, (hkv, 6), generator=g)  # some past the context
     table = torch.randint(-50, 50, (w,), generator=g, dtype=torch.int32)
-    raw = torch.empty(hkv, w)
     live = nb * parts - int(torch.randint(0, parts, (1,), generator=g))  # the last block partly written
     digests.view(hkv, -1, 2, d)[:, live:, 0] = torch.finfo(torch.float32).max  # empty parts, as the store keeps them
     digests.view(hkv, -1, 2, d)[:, live:, 1] = torch.finfo(torch.float32).min
     want = select_static(cfg, q, digests, nb, room, take, anchors, k, 1.0, bs)  # [Hkv, n_pick]
-    masked = torch.empty(hkv, w)
-    select.scores(masked, q, digests, nb, live, take, anchors, sinks, recent, raw)
-    # The session is entry 0 of two, at batch index 2 of 3 (the other entry: lists of its own).
-    entries, nbs, rooms = torch.tensor([2, 0]), torch.stack([nb, nb, nb]), torch.stack([room, room, room])
-    both = torch.stack([masked, torch.zeros_like(masked)])
-    top = select.top_room(both, entries, rooms, k)  # [2, Hkv, k]: each row's room best, ascending
-    width = sinks + k + recent + 3  # a wider row than the list: its tail is zeroed
+    # A batch of 3 slots: slot 2 is the session, its digests at row `base` of an arena of other
+    # rows; slot 1 a session that does not select (room 0: its whole table); slot 0 padding.
+    base = 5 * parts
+    arena = torch.randn(hkv, base + (w + 3) * parts, 2, d, generator=g).sort(dim=2).values
+    arena[:, base : base + w * parts] = digests.view(hkv, w * parts, 2, d)
+    qs = torch.randn(3, hkv * group, d, generator=g)
+    qs[2] = q
+    bases, nbs = torch.tensor([0, 0, base]), torch.stack([torch.tensor(1), nb, nb])
+    lives, takes, rooms = (torch.tensor([0, 0, int(x)]) for x in (live, take, room))
+    slot_anchors = torch.zeros(3, hkv, 6, dtype=torch.int64)
+    slot_anchors[2] = anchors
+    masked, raw = torch.empty(3, hkv, w), torch.empty(3, hkv, w)
+    select.scores(masked, qs, arena, parts, bases, nbs, lives, takes, slot_anchors, sinks, recent, raw)
+    assert torch.isneginf(masked[:2]).all() and torch.isneginf(raw[:2]).all()  # no live part: nothing read
+    top = select.top_room(masked, rooms, k)  # [3, Hkv, k]: each row's room best, ascending
+    assert not top[:2].any()
+    width = w + 3  # wider than a table (a mixed batch's lists): the tails are zeroed
     heads = torch.full((3, hkv, width), 99, dtype=torch.int32)
     nblocks = torch.zeros(3, hkv, dtype=torch.int32)
-    picked = torch.full((2, hkv, sinks + k + recent), -7, dtype=torch.int64)
+    picked = torch.full((3, hkv, sinks + k + recent), -7, dtype=torch.int64)
     tables = torch.stack([table, table, table]) * torch.tensor([0, 1, 1], dtype=torch.int32)[:, None]
-    select.lists(top, tables, entries, nbs, rooms, heads, nblocks, picked, sinks, recent)
+    select.lists(top, tables, nbs, rooms, heads, nblocks, picked, sinks, recent)
     n = sinks + int(room) + recent
-    assert nblocks[2].tolist() == [n] * hkv and nblocks[1].tolist() == [0] * hkv  # row 1: no entry
-    got = picked[0, :, :n]  # the twin lists its top blocks best first, the kernels ascending: same sets
+    assert nblocks.tolist() == [[1] * hkv, [int(nb)] * hkv, [n] * hkv]  # padding, a whole table, the selection
+    got = picked[2, :, :n]  # the twin lists its top blocks best first, the kernels ascending: same sets
     assert torch.equal(got.sort(dim=1).values, want[:, :n].sort(dim=1).values)
     assert torch.equal(got[:, :sinks], want[:, :sinks]) and torch.equal(got[:, n - recent :], want[:, n - recent : n])
     assert torch.equal(heads[2, :, :n], table[got]) and not heads[2, :, n:].any()
-    assert (heads[1] == 99).all() and not heads[0].any()  # entry 1 is batch row 0 (its table: 0s)
+    assert torch.equal(heads[1, :, : int(nb)], table[: int(nb)].expand(hkv, -1)) and not heads[1, :, int(nb) :].any()
+    assert not heads[0].any()  # padding: the null slot, 0 past it
     bound = block_scores(q, digests[:, : int(nb)], per_head=True)
-    torch.testing.assert_close(raw[:, : int(nb)], bound, rtol=1e-5, atol=1e-5)
-    assert torch.isinf(raw[:, int(nb) :]).all()
+    torch.testing.assert_close(raw[2, :, : int(nb)], bound, rtol=1e-5, atol=1e-5)
+    assert torch.isinf(raw[2, :, int(nb) :]).all()
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -453,11 +479,10 @@ def test_top_room_kernel_takes_each_rows_best(seed: int) -> None:
     masked[..., :2] = float("-inf")
     masked[..., 60:] = float("-inf")
     masked[:, :, 5] = float("inf")
-    entries = torch.tensor([1, 0])
-    room = torch.randint(1, k + 1, (2,), generator=g)
-    out = select.top_room(masked, entries, room, k)
+    room = torch.randint(0 if seed % 2 else 1, k + 1, (e,), generator=g)
+    out = select.top_room(masked, room, k)
     for s in range(e):
-        r = int(room[entries[s]])
+        r = int(room[s])
         for h in range(hkv):
             row = masked[s, h].tolist()
             want = sorted(sorted(range(w), key=lambda j, row=row: (-row[j], j))[:r])
@@ -467,24 +492,33 @@ def test_top_room_kernel_takes_each_rows_best(seed: int) -> None:
 
 @pytest.mark.parametrize("pos", [0, 7, 8, 45, 63])
 def test_digest_fold_kernel_equals_the_store_update(pos: int) -> None:
-    """`h3d.kernels.select.fold` folds a key into the part its position falls in exactly as
-    `DigestStore.update` does (min and max per dimension), and nothing else changes."""
+    """`h3d.kernels.select.fold` folds each slot's key into the arena row it is given (a session's
+    part, or the null extent for a slot that keeps no digests) exactly as `DigestStore.update`
+    does (min and max per dimension), and as the store's own `fold` (its twin); nothing else of
+    any session changes."""
     from h3d.hbf.digests import DigestStore
     from h3d.kernels import select
     from h3d.kv.blocks import SeqId
 
     g = torch.Generator().manual_seed(pos)
-    store = DigestStore(2, 3, 16, 32, torch.float32, torch.device("cpu"), part_tokens=8)
-    seq = SeqId(1)
-    store.update(seq, 1, 0, torch.randn(64, 3, 16, generator=g))
-    ref = store.layer(seq, 1).clone()
-    key = torch.randn(1, 3, 16, generator=g) * 3
-    select.fold(store.layer(seq, 1), torch.tensor([pos]), key, store.part_tokens)
+    stores = [DigestStore(2, 3, 16, 32, torch.float32, torch.device("cpu"), part_tokens=8) for _ in range(2)]
+    seq, other = SeqId(1), SeqId(2)
+    first, second = torch.randn(40, 3, 16, generator=g), torch.randn(64, 3, 16, generator=g)
+    for store in stores:
+        store.update(other, 1, 0, first)
+        store.update(seq, 1, 0, second)
+    store, twin = stores
+    ref, ref_other = store.layer(seq, 1).clone(), store.layer(other, 1).clone()
+    keys = torch.randn(2, 3, 16, generator=g) * 3
+    rows = torch.tensor([store.base(seq) + pos // 8, 0])  # slot 1: no session, the null extent
+    select.fold(store.arena(1), rows, keys)
+    twin.fold(1, rows, keys)
     part = pos // 8
     want = ref.clone()
-    want[:, part, 0] = torch.minimum(ref[:, part, 0], key[0])
-    want[:, part, 1] = torch.maximum(ref[:, part, 1], key[0])
-    assert torch.equal(store.layer(seq, 1), want)
+    want[:, part, 0] = torch.minimum(ref[:, part, 0], keys[0])
+    want[:, part, 1] = torch.maximum(ref[:, part, 1], keys[0])
+    assert torch.equal(store.layer(seq, 1), want) and torch.equal(twin.layer(seq, 1), want)
+    assert torch.equal(store.layer(other, 1), ref_other) and torch.equal(twin.layer(other, 1), ref_other)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,8 +17,8 @@ import torch
 
 from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
-from h3d.engine.runner import Chunk
 from h3d.engine.sampling import SamplingParams
+from h3d.engine.step import Chunk
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = (
@@ -71,7 +71,7 @@ def test_prefill_logits_match_transformers(engine: Engine, hf_model: torch.nn.Mo
     session = engine.create_session()
     seq = engine.session(session).seq
     chunks = [Chunk(seq, tuple(ids[i : i + 100]), i, True) for i in range(0, len(ids), 100)]
-    ours = torch.cat([engine.runner.execute([c], all_logits=True) for c in chunks])
+    ours = torch.cat([engine.runner.step([c], all_logits=True) for c in chunks])
     engine.close_session(session)
     with torch.inference_mode():
         ref = hf_model(torch.tensor([ids])).logits[0].float()

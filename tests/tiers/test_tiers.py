@@ -43,9 +43,9 @@ from hypothesis import strategies as st
 
 from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
-from h3d.engine.runner import Chunk
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import GenerationDone, RequestFailed, SessionId, TokenDelta
+from h3d.engine.step import Chunk, StepPlan, StepReport
 from h3d.errors import H3Error, OutOfBlocks, SessionNotFound, SsdDegraded
 from h3d.kv.blocks import NONE, SeqId
 from h3d.kv.pool import KVPool
@@ -224,7 +224,7 @@ def teacher_forced(engine: Engine, ids: list[list[int]], prompt_lens: list[int],
                 chunks.append(Chunk(seqs[i], tuple(ids[i][pos[i] : pos[i] + n]), pos[i], True))
                 who.append((i, n))
                 pos[i] += n
-        logits = runner.execute(chunks, all_logits=True)
+        logits = runner.step(chunks, all_logits=True)
         start = 0
         for i, n in who:
             outs[i].append(logits[start : start + n])
@@ -548,10 +548,10 @@ def _greedy_with_logits(engine: Engine, sid: SessionId, n: int = 8) -> tuple[lis
     rows: list[torch.Tensor] = []
     execute = engine.runner.execute
 
-    def spy(chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
-        out = execute(chunks, all_logits)
-        rows.extend(out)
-        return out
+    def spy(plan: StepPlan, all_logits: bool = False) -> StepReport:
+        report = execute(plan, all_logits)
+        rows.extend(report.logits)
+        return report
 
     engine.runner.execute = spy  # type: ignore[method-assign]
     done = engine.complete(sid, "", SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
