@@ -39,11 +39,14 @@ counted against the locations the step read.
 
 How many graphs: batch buckets (log2 of `max_batch_size`, + 1) x width buckets (four per doubling
 of the longest context, from 16 blocks) x (1 + the capacities: powers of two from 8 to
-`window_max_tokens / block_size`, each plain or mixed); at most `MAX_GRAPHS` are kept (the least
-recently used beyond are dropped). What each holds: its static buffers (`nbytes`: for 32 slots of
-a 128K-token Llama-8B, W = 4096, about 34 MB, mostly `locs` twice) and the intermediates of its
-forward, in one memory pool that all graphs share (they never run at once). A graph whose digest
-arena was replaced since its capture (the arena grew or shrank) is captured again.
+`window_max_tokens / block_size`, each plain or mixed). With the defaults (64 slots, 8,192-token
+windows of 32-token blocks) and contexts up to 128K: 7 x 33 x 13 reachable keys, of which at most
+`MAX_GRAPHS` are kept (the least recently used beyond are dropped). What each holds: its static
+buffers (`nbytes`; for 32 slots of a 128K-token Llama-8B, W = 4,096 and capacity 256: `locs` 17 MB
+on the host and 17 on the device, `anchors` 15 MB and `picked` 16 MB on the device, `picked`'s
+host copy 16 MB) and the intermediates of its forward, in one memory pool that all graphs share
+(they never run at once). A graph whose digest arena was replaced since its capture (the arena
+grew or shrank) is captured again.
 
 Padding slots feed token 0 at position 0, write into the null slot (row 0, never read: lists mask
 it) and attend to that one token; their outputs are dropped.

@@ -104,6 +104,7 @@ class ModelRunner:
 
     # ---- the step: plan -> execute -> commit --------------------------------------------------
 
+    @torch.inference_mode()
     def plan(self, chunks: Sequence[Chunk]) -> StepPlan:
         """The one planner: the chunks' tokens appended to their tables (the tiers make room first),
         each chunk's selection and prompt probe, and the path that carries the step out: a captured
@@ -211,6 +212,7 @@ class ModelRunner:
         report.earlier = self.graphs.take_pending()
         return report
 
+    @torch.inference_mode()
     def commit(self, report: StepReport) -> None:
         """After a step: its reads counted, an earlier step's picks (lagged) and then its own
         promoted (`Promoter.promote`: they count the selections' reads), each selecting session's

@@ -193,7 +193,7 @@ def test_prompt_anchors_are_probed_at_the_prompts_last_chunk(
 ) -> None:
     """attention_entropy probes once per sparse layer, at the chunk that ends the prompt; each KV
     head's anchors lie outside sinks and the recent window, best first, at most the largest window."""
-    import h3d.engine.runner as runner_module
+    import h3d.engine.stepkv as stepkv_module
     from h3d.hbf.policy import probe_anchors
 
     ckpt = checkpoint("llama_gqa4_tied")
@@ -207,7 +207,7 @@ def test_prompt_anchors_are_probed_at_the_prompts_last_chunk(
         calls.append((layer, q.shape[0]))
         probe_anchors(state, cfg, layer, q, k, block_size, scale)
 
-    monkeypatch.setattr(runner_module, "probe_anchors", spy)
+    monkeypatch.setattr(stepkv_module, "probe_anchors", spy)
     s = engine.create_session()
     engine.append(s, token_ids=random_prompt(600, 512, seed=5))  # 599 tokens fed: 5 chunks
     assert [layer for layer, _ in calls] == [0, 1, 2]  # one chunk probed: the last (layer 0 returns early)
@@ -253,10 +253,10 @@ def test_selection_reads_a_subset_and_hotness_never_evicts_protected_blocks(chec
     evicted_protected: list[tuple[int, int]] = []
     original = runner.kv.promoter.promote
 
-    def spy(selected, protect, keep):  # type: ignore[no-untyped-def]
+    def spy(selected, protect, keep, counted=False):  # type: ignore[no-untyped-def]
         t = runner.blocks.table(seq)
         before = t.hbm.copy()
-        original(selected, protect, keep)
+        original(selected, protect, keep, counted)
         after = runner.blocks.table(seq).hbm
         limit = protect.get(seq, t.num_blocks)
         keys = selected.get(seq, np.empty(0, dtype=np.int64))
