@@ -13,7 +13,8 @@ Then, with the runs listed in pair order:
 
 writes `old` and `new` -> mode -> context -> `decode_ms_per_tok` and `prefill_s` (lists, one per
 run, in pair order), `new` -> `captures_on_batch_change` (the new tree's batch-change phase,
-summed over its runs), and prints each mode's median ratio per context as a markdown table.
+summed over its runs; each run's phase in `new` -> `batch_change`), `ratio` -> field -> mode ->
+context (the median of the per-pair ratios new / old), and prints them as a markdown table.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ def ratios(old: dict[str, Any], new: dict[str, Any], field: str) -> dict[str, di
 def table(result: dict[str, Any]) -> str:
     rows = ["| mode | context | old ms/tok (runs) | new ms/tok (runs) | median new/old | prefill new/old |"]
     rows.append("|---|---:|---|---|---:|---:|")
-    for mode, contexts in result["new"]["modes"].items():
-        for context, fields in contexts.items():
-            old = result["old"]["modes"].get(mode, {}).get(context, {}).get("decode_ms_per_tok", [])
+    for mode in H3D_MODES:
+        for context, fields in result["new"].get(mode, {}).items():
+            old = result["old"].get(mode, {}).get(context, {}).get("decode_ms_per_tok", [])
             new = fields["decode_ms_per_tok"]
             decode = result["ratio"]["decode_ms_per_tok"][mode][context]
             prefill = result["ratio"]["prefill_s"][mode][context]
@@ -80,9 +81,9 @@ def main() -> None:
     result: dict[str, Any] = {
         "card": new_runs[0].get("card"),
         "dates": sorted({r.get("date") for r in old_runs + new_runs}),
-        "old": {"modes": old},
+        "old": old,
         "new": {
-            "modes": new,
+            **new,
             "captures_on_batch_change": sum(c.get("captures_on_batch_change", 0) for c in changes),
             "batch_change": changes,
         },

@@ -44,6 +44,8 @@ def test_tiny_run_writes_the_specified_json_and_section(tmp_path: Path) -> None:
     full = data["modes"]["exact_full"]["1024"]
     assert full["decode_ms_per_tok"] > 0 and full["hbm_hit_rate"] == 1.0
     assert data["modes"]["exact_25pct"]["1024"]["hbm_hit_rate"] < 0.5  # a quarter of the blocks in HBM
+    change = data["batch_change"]  # the batch-change phase (no graphs on the CPU: nothing captured)
+    assert change["steps"] == 12 and change["batch_changes"] == 10 and change["captures_on_batch_change"] == 0
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nkept\n") and "<!-- gpu-bench:start -->" in text
     assert "| exact_full | 1024 |" in text
@@ -307,3 +309,37 @@ def test_plan_pools_sizes_the_engine_pools_as_it_sized_them() -> None:
     assert plan_pools(1.0, 0.0, 32, 4, 8, 128, 2).regions == (2, 2, 2, 2)  # 1 MiB: 8 slots of 128 KiB
     assert region_sizes(100, 4, 2, 0.6, max_slots=28) == [28, 28, 22, 22]  # what the capped dense ones leave
     assert region_sizes(100, 4, 2, 0.6, max_slots=25) == [25, 25, 25, 25]
+
+
+def test_ab_merges_pairs_into_median_ratios(tmp_path: Path) -> None:
+    """`h3d.bench.ab`: the runs of two trees, in pair order, give per mode and context each tree's
+    list and the median of the per-pair ratios new / old; the new runs' batch-change captures add
+    up; a mode a run lacks is left out of its ratios."""
+
+    def run(ms: float, prefill: float, captures: int | None = None) -> Path:
+        modes = {"exact_full": {"32768": {"decode_ms_per_tok": ms, "prefill_s": prefill}}}
+        if ms > 9:
+            modes["attention_entropy_3GiB"] = {"32768": {"decode_ms_per_tok": 20.0, "prefill_s": 1.0}}
+        data: dict[str, Any] = {"date": "2026-12-02", "card": "H200", "modes": modes}
+        if captures is not None:
+            data["batch_change"] = {"captures_on_batch_change": captures}
+        path = tmp_path / f"{ms}-{prefill}-{captures}.json"
+        path.write_text(json.dumps(data))
+        return path
+
+    old = [run(10.0, 2.0), run(8.0, 2.0), run(10.0, 1.0)]
+    new = [run(11.0, 2.0, 0), run(8.0, 1.0, 1), run(12.0, 1.0, 0)]  # ratios 1.1, 1.0, 1.2; 1, 0.5, 1
+    out = tmp_path / "ab.json"
+    cmd = [sys.executable, "-m", "h3d.bench.ab", "--old", *map(str, old), "--new", *map(str, new), "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["old"]["exact_full"]["32768"] == {"decode_ms_per_tok": [10.0, 8.0, 10.0], "prefill_s": [2, 2, 1]}
+    assert result["new"]["exact_full"]["32768"]["decode_ms_per_tok"] == [11.0, 8.0, 12.0]
+    assert result["ratio"]["decode_ms_per_tok"]["exact_full"]["32768"] == 1.1
+    assert result["ratio"]["prefill_s"]["exact_full"]["32768"] == 1.0
+    assert result["ratio"]["decode_ms_per_tok"]["attention_entropy_3GiB"]["32768"] == 1.0  # pairs 1 and 3 only
+    assert result["new"]["captures_on_batch_change"] == 1
+    assert "| exact_full | 32768 | 10.0, 8.0, 10.0 | 11.0, 8.0, 12.0 | 1.1 | 1.0 |" in done.stdout
+    mismatched = subprocess.run([*cmd[:6], "--new", str(new[0])], capture_output=True, text=True, timeout=120)
+    assert mismatched.returncode == 2 and "one of each per pair" in mismatched.stderr
