@@ -19,6 +19,8 @@ from h3d.errors import ConfigError
 if TYPE_CHECKING:
     from h3d.hbf.policy import HbfConfig
 
+AUTO = "auto"  # the value of a key sized from the hardware (`AUTO_KEYS`)
+AUTO_KEYS = ("prefill_chunk_tokens", "hbm_mb", "ddr_mb")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 POLICIES = ("attention_entropy", "exact", "fixed", "layerwise")
@@ -44,9 +46,10 @@ class EngineConfig:
     dtype: str | None = None
     cpu_threads: int | None = None  # torch's CPU threads; None or 0: auto (h3d.engine.threads)
     block_size: int = 32
-    prefill_chunk_tokens: int = 512
-    hbm_mb: float = 1024.0
-    ddr_mb: float = 4096.0
+    # `auto`: sized from the hardware when the engine starts (h3d.kv.sizing.auto_budgets)
+    prefill_chunk_tokens: int | str = AUTO
+    hbm_mb: float | str = AUTO
+    ddr_mb: float | str = AUTO
     ssd_path: str | None = None
     ssd_codec: str = "raw-zstd"
     quantize_skip_layers: tuple[int, ...] = ()
@@ -108,9 +111,15 @@ class EngineConfig:
                 f"cpu_threads: must be >= 1 (0 or unset: the cores this process may run on), got {self.cpu_threads}"
             )
         _positive("block_size", self.block_size)
-        _positive("prefill_chunk_tokens", self.prefill_chunk_tokens)
-        _positive("hbm_mb", self.hbm_mb)
-        if not self.ddr_mb >= 0:
+        for key in AUTO_KEYS:
+            value = getattr(self, key)
+            if isinstance(value, str) and value != AUTO:
+                raise ConfigError(f"{key}: expected a number or 'auto', got {value!r}")
+        if self.prefill_chunk_tokens != AUTO:
+            _positive("prefill_chunk_tokens", self.prefill_chunk_tokens)  # type: ignore[arg-type]
+        if self.hbm_mb != AUTO:
+            _positive("hbm_mb", self.hbm_mb)  # type: ignore[arg-type]
+        if self.ddr_mb != AUTO and not self.ddr_mb >= 0:  # type: ignore[operator]
             raise ConfigError(f"ddr_mb: must be >= 0, got {self.ddr_mb}")
         _choice("ssd_codec", self.ssd_codec, SSD_CODECS)
         _choice("policy", self.policy, POLICIES)

@@ -66,22 +66,35 @@ ENGINE: tuple[Key, ...] = (
         "token budget of one step's prefill chunks (decode tokens come first). A chunk longer than a slice (a "
         "power of two of tokens whose MLP activations take about 256 MiB: 4,096 for a Llama-3-8B shape in bf16) "
         "runs layer by layer, the projections and MLP slice by slice and attention once over the chunk: a "
-        "prompt in one chunk (on a GPU, `prefill_chunk_tokens` as long as the prompt) makes the same attention "
-        "call as transformers does for a whole prompt, reads none of its KV back from DDR, and needs beside the "
-        "weights and the HBM pool about 3 x (chunk x hidden) of activations (3.1 GB for 131,072 tokens of a "
-        "Llama-3-8B shape, docs/BENCHMARKS.md). Other sessions' decode steps wait for such a step: a smaller "
-        "value interleaves them",
+        "prompt in one chunk makes the same attention call as transformers does for a whole prompt, reads none "
+        "of its KV back from DDR, and needs beside the weights and the HBM pool about 3 x (chunk x hidden) of "
+        "activations (3.1 GB for 131,072 tokens of a Llama-3-8B shape, docs/BENCHMARKS.md). Other sessions' "
+        "decode steps wait for such a step: a smaller value interleaves them. `auto`: on CUDA the longest "
+        "context (`max_context_tokens`, else the model's; at most 131,072): a prompt is one chunk, and "
+        "`hbm_mb = auto` leaves room for its activations; on a CPU 512",
         help="token budget of one step's prefill chunks (decode tokens come first); other sessions' decode "
-        "steps wait for a long chunk, a smaller value interleaves them",
+        "steps wait for a long chunk, a smaller value interleaves them; auto: the longest context on CUDA (a "
+        "prompt in one chunk), 512 on a CPU",
     ),
     Key(
         "hbm_mb",
         "HBM tier: KV pool budget in MiB (GPU memory on CUDA, a separately budgeted CPU pool on a CPU host), "
-        "split evenly between layers unless `dense_hbm_share` is set",
+        "split evenly between layers unless `dense_hbm_share` is set. `auto`: on CUDA the card's free memory "
+        "once the weights are loaded, less the activations of the largest prefill chunk, 1 GiB for the "
+        "captured decode steps, a margin (5 % of the card, at least 2 GiB) and the digests of every block HBM "
+        "and DDR hold (1 / `digest_tokens` of the KV, under a policy that keeps them); on a CPU 1024. The "
+        "`tiers_sized` log event and GetConfig's `resolved` give the figure chosen",
+        help="HBM tier: KV pool budget in MiB; auto: on CUDA the card's free memory after the weights, the "
+        "largest prefill's activations, the captured steps, the digests and a margin (5 % of the card, at "
+        "least 2 GiB); 1024 on a CPU",
     ),
     Key(
         "ddr_mb",
-        "DDR tier: standby pool in MiB (pinned host memory on CUDA), shared by all layers; allocated lazily by the OS",
+        "DDR tier: standby pool in MiB (pinned host memory on CUDA), shared by all layers; allocated lazily by "
+        "the OS. `auto`: on CUDA 40 % of the host's memory, at most 80 % of what is available at start; on a "
+        "CPU 4096",
+        help="DDR tier: standby pool in MiB (pinned host memory on CUDA); auto: 40 % of the host's memory on "
+        "CUDA (at most 80 % of what is available), 4096 on a CPU",
     ),
     Key(
         "ssd_path",

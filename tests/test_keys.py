@@ -40,7 +40,8 @@ def test_every_key_has_one_entry_and_every_entry_a_key() -> None:
 def test_shown_defaults_are_the_real_ones() -> None:
     real = keys.dataclass_keys()
     assert keys.default_text(keys.KEYS["block_size"]) == "32"
-    assert keys.default_text(keys.KEYS["hbm_mb"]) == "1024"
+    assert keys.default_text(keys.KEYS["hbm_mb"]) == "`auto`"
+    assert keys.default_text(keys.KEYS["promote_mb_per_step"]) == "64"
     assert keys.default_text(keys.KEYS["ddr_high_watermark"]) == "0.85"
     assert keys.default_text(keys.KEYS["policy"]) == "`attention_entropy`"
     assert keys.default_text(keys.KEYS["quantize_skip_layers"]) == "none"

@@ -8,6 +8,7 @@ are the daemon's own (`Daemon.drain`, `Daemon.resume`), handed in by the server.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -90,4 +91,6 @@ class H3AdminServicer:
         return pb.ResumeResponse(was_draining=await self._resume())
 
     async def GetConfig(self, request: pb.GetConfigRequest, context: Any, caller: Caller) -> pb.GetConfigResponse:
-        return pb.GetConfigResponse(json=self.s.config.to_json())
+        return pb.GetConfigResponse(
+            json=json.dumps({**self.s.config.public(), "resolved": self.s.resolved}, sort_keys=True)
+        )

@@ -50,6 +50,7 @@ class State:
         self.draining = False
         self.started = time.time()
         self.request_ids = itertools.count(1)
+        self.resolved: dict[str, float] = {}  # what the `auto` keys were sized to (GetConfig's "resolved")
 
     def accepting(self) -> None:
         if self.draining:

@@ -26,6 +26,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from h3d.config import AUTO_KEYS
 from h3d.daemon import logs
 from h3d.daemon.admin import H3AdminServicer
 from h3d.daemon.auth import LOCAL, Auth
@@ -71,10 +72,17 @@ class Daemon:
         t0 = time.perf_counter()
         engine = await asyncio.to_thread(Engine, cfg.engine)
         log.info("model_loaded", seconds=round(time.perf_counter() - t0, 3), layers=engine.model.config.num_layers)
+        sized = engine.budgets
+        blocks = engine.kv.blocks
+        log.info(
+            "tiers_sized", hbm_mb=sized.hbm_mb, ddr_mb=sized.ddr_mb, prefill_chunk_tokens=sized.prefill_chunk_tokens,
+            auto=list(sized.resolved), hbm_slots=blocks.hbm_capacity, ddr_slots=blocks.ddr_alloc.capacity,
+        )  # fmt: skip
         loop = asyncio.get_running_loop()
         self.worker = EngineWorker(engine, loop)
         self.worker.start()
         self.state = State(cfg, self.worker, Auth(cfg), self.metrics)
+        self.state.resolved = {k: getattr(sized, k) for k in AUTO_KEYS}
         self.state.owners = {sid: s.owner or LOCAL for sid, s in engine.sessions.items()}
         if engine.restored:
             log.info(

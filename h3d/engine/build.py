@@ -1,8 +1,10 @@
 """Building the engine's model runner from its config: the memory budgets of the KV tiers and
 the SSD archive, opened under the identity of the cache it may hold.
 
-The budgets are MiB in the config and slots of one KV block here (`h3d.kv.sizing.plan_pools`,
-which the GPU benchmark plans with too); HBM must hold at least one block per layer. The
+The budgets are MiB in the config (or `auto`: sized here from the card's free memory and the
+host's, `h3d.kv.sizing.auto_budgets`) and slots of one KV block in the pools
+(`h3d.kv.sizing.plan_pools`, which the GPU benchmark plans with too); HBM must hold at least one
+block per layer. The
 archive's `CacheIdentity` (model fingerprint, dtype, block size, KV shape) is what keeps KV
 written for another model or layout from being read (the archive refuses to open under another
 identity: `h3d.tiers.identity`).
@@ -12,9 +14,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from h3d.config import EngineConfig
 from h3d.engine.runner import ModelRunner
-from h3d.kv.sizing import plan_pools
+from h3d.hbf.policy import policy_named
+from h3d.kv.sizing import Budgets, Hardware, auto_budgets, plan_pools
 from h3d.model.config import ModelConfig
 from h3d.model.fingerprint import model_fingerprint
 from h3d.model.llama import CausalLM
@@ -23,11 +28,41 @@ from h3d.tiers.codecs import Codec
 from h3d.tiers.identity import CacheIdentity
 
 
-def build_runner(config: EngineConfig, model: CausalLM) -> ModelRunner:
-    """The runner of `model` within `config`'s HBM and DDR budgets, over its archive (if any)."""
+def host_memory() -> tuple[int, int]:
+    """(MemTotal, MemAvailable) of this host in bytes (Linux's /proc/meminfo; else the physical
+    pages, both)."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return int(info["MemTotal"].split()[0]) * 1024, int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total, total
+
+
+def budgets(config: EngineConfig, model: CausalLM, max_context: int) -> Budgets:
+    """`config`'s budgets, its `auto` keys sized from the hardware: on CUDA the card's free memory
+    now that the weights are loaded and the host's memory; on a CPU the CPU's figures."""
+    device = model.lm_head.weight_t.device
+    hw = None
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        host_total, host_available = host_memory()
+        hw = Hardware(gpu_total=total, gpu_free=free, host_total=host_total, host_available=host_available)
+    keeps = policy_named(config.policy).keeps_digests
+    return auto_budgets(
+        config.hbm_mb, config.ddr_mb, config.prefill_chunk_tokens, hw, max_context=max_context,
+        hidden=model.config.hidden_size, elem_bytes=model.lm_head.weight_t.dtype.itemsize,
+        digest_share=1 / config.digest_tokens if keeps else 0.0,
+    )  # fmt: skip
+
+
+def build_runner(config: EngineConfig, model: CausalLM, sizes: Budgets) -> ModelRunner:
+    """The runner of `model` within the HBM and DDR budgets `sizes`, over `config`'s archive (if any)."""
     mc = model.config
     pools = plan_pools(
-        config.hbm_mb, config.ddr_mb, config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+        sizes.hbm_mb, sizes.ddr_mb, config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
         model.lm_head.weight_t.dtype.itemsize, config.dense_layers, config.dense_hbm_share,
     )  # fmt: skip
     runner = ModelRunner(

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from h3d.config import EngineConfig
-from h3d.engine.build import build_runner
+from h3d.engine.build import budgets, build_runner
 from h3d.engine.chat import Conversation, chat_piece, end_of_turn
 from h3d.engine.detok import IncrementalDetokenizer
 from h3d.engine.journal import log_piece, restore_sessions, session_meta
@@ -76,9 +76,10 @@ class Engine:
         self.config = config.validate()
         self.model = load_model(config.model, config.resolved_dtype, config.device)
         self.tokenizer = Tokenizer(config.model)
-        self.runner = build_runner(config, self.model)
-        self.kv = self.runner.kv  # every session's KV state: asked and changed there
         self.max_context = config.max_context_tokens or self.model.config.max_position_embeddings
+        self.budgets = budgets(config, self.model, self.max_context)  # `auto` keys resolved
+        self.runner = build_runner(config, self.model, self.budgets)
+        self.kv = self.runner.kv  # every session's KV state: asked and changed there
         self.eos_ids = frozenset(self.model.config.eos_token_ids)
         self.sessions: dict[SessionId, Session] = {}
         self._requests: dict[RequestId, Request] = {}
@@ -424,7 +425,7 @@ class Engine:
     def schedule(self) -> SchedulerOutput:
         """This step's chunks: every decoding request's next token (up to `max_batch_size`), then
         prefill chunks of the others within `prefill_chunk_tokens`."""
-        budget = self.config.prefill_chunk_tokens
+        budget = self.budgets.prefill_chunk_tokens
         chunks: list[Chunk] = []
         reqs: list[Request] = []
         # Decoding requests first (one token each), then prefill chunks within the budget.
@@ -446,7 +447,7 @@ class Engine:
                 if not chunks:
                     # Nothing else runs and this cannot fit: fail the request, keep the session.
                     error = OutOfBlocks(
-                        f"KV pool full: session {req.session.id} needs more than hbm_mb={self.config.hbm_mb}"
+                        f"KV pool full: session {req.session.id} needs more than hbm_mb={self.budgets.hbm_mb}"
                     )
                     self._ended.append(self._fail(req, error))
                 continue

@@ -67,7 +67,7 @@ def test_every_bench_imports_and_writes_its_section(tmp_path: Path) -> None:
 
     from h3d.bench.report import write_section
 
-    for name in ("cpu", "codecs", "gpu", "hbf_cost", "load", "restart", "retrieval"):
+    for name in ("ab", "cpu", "codecs", "gpu", "hbf_cost", "load", "restart", "retrieval", "sizing"):
         importlib.import_module(f"h3d.bench.{name}")
     doc = tmp_path / "B.md"
     write_section(doc, "one", "x")

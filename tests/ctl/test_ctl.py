@@ -442,6 +442,7 @@ def test_errors_from_the_daemon(d: RunningDaemon) -> None:
 def test_health_config_stats_top(d: RunningDaemon) -> None:
     config = ok_json(d, "config")
     assert config["block_size"] == 32 and config["socket"] == str(d.socket)
+    assert config["ddr_mb"] == "auto" and config["resolved"]["ddr_mb"] == 4096.0  # as configured, and as sized
     pretty = ok(d, "config")
     assert pretty.count("\n") > 10 and json.loads(pretty) == config
 

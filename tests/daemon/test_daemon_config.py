@@ -45,7 +45,9 @@ def test_file_then_flags_flags_win(tmp_path: Path) -> None:
     [
         ('model = "m"\nbogus = 1\n', {}, "bogus"),
         ('model = "m"\n[sampling]\nbogus = 1\n', {}, "sampling.bogus"),
-        ('model = "m"\nhbm_mb = "lots"\n', {}, "hbm_mb"),
+        ('model = "m"\nhbm_mb = "lots"\n', {}, "hbm_mb: expected a number or 'auto'"),
+        ('model = "m"\nprefill_chunk_tokens = 1.5\n', {}, "prefill_chunk_tokens: expected an integer or 'auto'"),
+        ('model = "m"\n', {"ddr_mb": "big"}, "ddr_mb: expected a number or 'auto'"),
         ('model = "m"\nblock_size = 1.5\n', {}, "block_size"),
         ('model = "m"\n[sampling]\ntop_p = 0\n', {}, "sampling.top_p"),
         ('model = "m"\nlog_level = "loud"\n', {}, "log_level"),
@@ -222,6 +224,24 @@ def test_serve_logs_its_cpu_threads(checkpoint: Callable[[str], Path], tmp_path:
     with running_daemon(checkpoint("llama_gqa4_tied"), tmp_path / "d", extra=["--cpu-threads", "1"], tcp=False) as d:
         (starting,) = d.events("starting")
         assert starting["cpu_threads"] == 1
+        (sized,) = d.events("tiers_sized")  # every `auto` key (the defaults) at the CPU's figure
+        assert (sized["hbm_mb"], sized["ddr_mb"], sized["prefill_chunk_tokens"]) == (1024.0, 4096.0, 512)
+        assert sized["auto"] == ["hbm_mb", "ddr_mb", "prefill_chunk_tokens"]
+        assert sized["ddr_slots"] == 4096 * 2**20 // (2 * 32 * 2 * 16 * 4)  # llama_gqa4_tied: 8 KiB slots
+
+
+def test_auto_keys_take_auto_or_a_number_in_toml_and_flags(tmp_path: Path) -> None:
+    """`hbm_mb`, `ddr_mb` and `prefill_chunk_tokens` default to `auto` and take it, or a number,
+    in h3d.toml and as flags."""
+    from h3d.cli import build_parser
+
+    assert load(None, {"model": "m"}).engine.hbm_mb == "auto"
+    cfg = load(_toml(tmp_path, 'model = "m"\nhbm_mb = 3072\nddr_mb = "auto"\nprefill_chunk_tokens = 8192\n'), {})
+    assert (cfg.engine.hbm_mb, cfg.engine.ddr_mb, cfg.engine.prefill_chunk_tokens) == (3072, "auto", 8192)
+    args = build_parser().parse_args(["serve", "--model", "m", "--hbm-mb", "auto", "--ddr-mb", "2048.5"])
+    assert (args.hbm_mb, args.ddr_mb) == ("auto", 2048.5)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "m", "--prefill-chunk-tokens", "lots"])
 
 
 def test_cli_imports_no_torch_before_the_configuration() -> None:
