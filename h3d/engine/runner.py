@@ -75,7 +75,7 @@ class ModelRunner:
         self.hbm, self.ddr = self.kv.hbm, self.kv.ddr
         self.pools = Pools(k=(self.hbm.k, self.ddr.k), v=(self.hbm.v, self.ddr.v))
         self.check_invariants = check_invariants
-        # Tests: the GPU's step paths on the CPU (decode planned on the device, `_DevicePlan`; K/V
+        # Tests: the GPU's step paths on the CPU (decode planned on the device, `Path.DEVICE`; K/V
         # written in one launch, `paged_write`).
         self.plan_on_device = False
         self.device_planned_steps = 0  # steps on `Path.DEVICE`, for tests
