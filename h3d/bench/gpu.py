@@ -397,6 +397,7 @@ def run_batch_change(b: Bench, context: int) -> dict[str, Any]:
     out: dict[str, Any] = {"sessions": n, "context": context, "steps": len(schedule), "batch_changes": changes}
     out.update(captures_on_batch_change=on_change, graphs_built=g.built - built, captures=g.captures - captures)
     out["graph_steps"] = g.replays - replays
+    out["graph_buffers_mb"] = round(g.nbytes / 2**20, 2)  # the graphs' static buffers, host and device
     return out
 
 

@@ -46,6 +46,7 @@ def test_tiny_run_writes_the_specified_json_and_section(tmp_path: Path) -> None:
     assert data["modes"]["exact_25pct"]["1024"]["hbm_hit_rate"] < 0.5  # a quarter of the blocks in HBM
     change = data["batch_change"]  # the batch-change phase (no graphs on the CPU: nothing captured)
     assert change["steps"] == 12 and change["batch_changes"] == 10 and change["captures_on_batch_change"] == 0
+    assert change["graph_buffers_mb"] == 0  # no graphs on the CPU
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nkept\n") and "<!-- gpu-bench:start -->" in text
     assert "| exact_full | 1024 |" in text
