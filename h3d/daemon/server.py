@@ -39,6 +39,7 @@ from h3d.daemon.service import H3Servicer
 from h3d.daemon.status import Draining
 from h3d.daemon.worker import EngineWorker, cancel_all
 from h3d.errors import ConfigError, H3Error
+from h3d.store.files import make_dirs
 
 if TYPE_CHECKING:
     from h3d.engine.engine import Engine
@@ -65,10 +66,15 @@ class Daemon:
         from h3d.engine.threads import apply_cpu_threads
 
         cfg = self.config
+        started = time.perf_counter()
         Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
         check_socket(cfg.socket_path)  # before the model loads: a live daemon's socket is refused at once
         threads = apply_cpu_threads(cfg.engine)  # before the model loads: torch's CPU thread count
-        log.info("starting", pid=os.getpid(), model=cfg.engine.model, data_dir=cfg.data_dir, cpu_threads=threads)
+        kernels = triton_cache(Path(cfg.data_dir))  # before any kernel compiles
+        log.info(
+            "starting", pid=os.getpid(), model=cfg.engine.model, data_dir=cfg.data_dir, cpu_threads=threads,
+            triton_cache_dir=kernels,
+        )  # fmt: skip
         t0 = time.perf_counter()
         engine = await asyncio.to_thread(Engine, cfg.engine)
         log.info("model_loaded", seconds=round(time.perf_counter() - t0, 3), layers=engine.model.config.num_layers)
@@ -109,7 +115,7 @@ class Daemon:
         self._tasks.append(asyncio.create_task(self._expiry_loop()))
         if self.notifier.watchdog_s:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(self.notifier.watchdog_s / 2)))
-        log.info("listening", **addresses)
+        log.info("listening", **addresses, ready_s=round(time.perf_counter() - started, 3))
         self.notifier.send(READY="1", STATUS="serving", MAINPID=str(os.getpid()))
 
         await self.stop_requested.wait()
@@ -302,6 +308,17 @@ class Daemon:
             k for k, v in fresh.public().items() if k not in RELOADABLE and self.config.public().get(k) != v
         )
         log.info("reloaded", changed=sorted(changes), need_restart=restart)
+
+
+def triton_cache(data_dir: Path) -> str:
+    """Where Triton keeps its compiled kernels: `TRITON_CACHE_DIR` if the environment sets it,
+    else `<data_dir>/triton-cache` (made 0700), so that a restart reuses them and the systemd
+    unit's sandbox (a read-only home) does not stop them from being kept."""
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        path = data_dir / "triton-cache"
+        make_dirs(path)
+        os.environ["TRITON_CACHE_DIR"] = str(path)
+    return os.environ["TRITON_CACHE_DIR"]
 
 
 def check_socket(path: Path) -> None:

@@ -228,6 +228,20 @@ def test_serve_logs_its_cpu_threads(checkpoint: Callable[[str], Path], tmp_path:
         assert (sized["hbm_mb"], sized["ddr_mb"], sized["prefill_chunk_tokens"]) == (1024.0, 4096.0, 512)
         assert sized["auto"] == ["hbm_mb", "ddr_mb", "prefill_chunk_tokens"]
         assert sized["ddr_slots"] == 4096 * 2**20 // (2 * 32 * 2 * 16 * 4)  # llama_gqa4_tied: 8 KiB slots
+        # Compiled kernels kept under the data folder (0700), and the time to ready.
+        cache = tmp_path / "d" / "triton-cache"
+        assert starting["triton_cache_dir"] == str(cache) and cache.is_dir() and cache.stat().st_mode & 0o777 == 0o700
+        (listening,) = d.events("listening")
+        assert 0 < listening["ready_s"] < 120
+
+
+def test_serve_keeps_the_environments_triton_cache(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    mine = tmp_path / "kernels"
+    with running_daemon(
+        checkpoint("llama_gqa4_tied"), tmp_path / "d", tcp=False, env={"TRITON_CACHE_DIR": str(mine)}
+    ) as d:
+        (starting,) = d.events("starting")
+        assert starting["triton_cache_dir"] == str(mine) and not (tmp_path / "d" / "triton-cache").exists()
 
 
 def test_auto_keys_take_auto_or_a_number_in_toml_and_flags(tmp_path: Path) -> None:
