@@ -445,7 +445,6 @@ class DecodeGraphs:
         if self.lag:  # counted later, against where this step read (the tables change meanwhile)
             seen = g.tables.host["locs"][:, list(slots), :].copy()  # [L, E, W]
             self._lagged = _Pending(seqs, slots, rooms, hb.picked_host, done, seen)
-            report.lagged = True
         else:  # promote counts them against the tables, unchanged since the step
             pending = _Pending(seqs, slots, rooms, hb.picked_host, done, None)
             report.picks.update({s: k[0] for s, k in self._keys(pending).items()})

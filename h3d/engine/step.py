@@ -110,8 +110,8 @@ class StepReport:
     reads: list[Reads] = field(default_factory=list)
     # HBF selections' reads as (layer, block) keys, one per reading KV head
     # (`layer * BlockTable.capacity + block`), against the tables as they are now: counted and
-    # promoted by the commit. A graph's picks reach the host a step later (`lagged`).
+    # promoted by the commit. A replayed graph's picks reach the host a step later: the next
+    # step's report carries them (`earlier`).
     picks: dict[SeqId, np.ndarray] = field(default_factory=dict)
     replay: Any = None  # the captured step it replayed (`Path.GRAPH`), whose picks the commit reads
-    lagged: bool = False  # this step's picks reach the host later: the next step's commit applies them
     earlier: Any = None  # an earlier step's picks this commit applies (`DecodeGraphs`' pending copy)

@@ -1,27 +1,28 @@
-"""HBF's selection inside a captured decode step, as three Triton kernels (and their torch twins).
+"""HBF's selection inside a captured decode step, as four Triton kernels (and their torch twins).
 
 A decode step replayed as a CUDA graph (`h3d.engine.graphs`) selects, for each session under
 `attention_entropy` and each sparse layer, the blocks each KV head reads. Written as torch ops
 (`h3d.hbf.policy.select_static`, the twin) that is about forty small kernels per session and
 layer, which the graph launches one after another: the launch of such a graph alone takes several
 times the host time of one with these kernels (docs/BENCHMARKS.md, "GPU: h3d against transformers
-on the H200", Decode). Here it is a kernel per session and layer, and two kernels per layer for
-the whole batch:
+on the H200", Decode). Here each is one launch per layer for every slot of the batch; a slot reads
+its session's digests at its base row of the digest arena (`h3d.hbf.digests`), and a slot that
+does not select (room 0: a session under `exact`, or padding) reads none and lists its whole table:
 
-- `scores`, grid `(Hkv, cdiv(W, TILE))`: the digest bound of `TILE` blocks for one KV head (each
-  part's `hi . max(q, 0) + lo . min(q, 0)` for the head's `G` query heads, two `tl.dot`s with fp32
-  accumulation; the block's bound is the largest over heads and parts), then the selection's
-  masks: past the session's blocks -inf, its first `take` prompt anchors +inf, sinks and the recent
-  window -inf (they are listed anyway). Optionally the unmasked bounds too (the entropy's input).
-- `top_room`, grid `(E, Hkv)`, every session of the batch in one launch: each head's `room`
-  best blocks (the room-th largest score found by bisection over its bits), faster than
-  `torch.topk` and its sort at these sizes (docs/BENCHMARKS.md, "GPU: h3d against transformers on
-  the H200", Decode: `top_room`).
-- `lists`, grid `(E, Hkv)`, every session of the batch in one launch: the head's list (sinks,
-  its `room` best, the recent blocks, the partial block last), as block indices for the host
-  (promotion) and as locations for the attention kernel, with its length; padding entries are 0
-  (the null slot).
-- `fold`, grid `(Hkv,)`: the new key folded into its part's min and max (`DigestStore.fold`).
+- `scores`, grid `(B, Hkv, cdiv(W, TILE))`: the digest bound of `TILE` blocks for one slot and KV
+  head (each part's `hi . max(q, 0) + lo . min(q, 0)` for the head's `G` query heads, two `tl.dot`s
+  with fp32 accumulation; the block's bound is the largest over heads and parts), then the
+  selection's masks: past the session's blocks -inf, its first `take` prompt anchors +inf, sinks and
+  the recent window -inf (they are listed anyway). Optionally the unmasked bounds too (the
+  entropy's input).
+- `top_room`, grid `(B, Hkv)`: each head's `room` best blocks (the room-th largest score found by
+  bisection over its bits), faster than `torch.topk` and its sort at these sizes
+  (docs/BENCHMARKS.md, "GPU: h3d against transformers on the H200", Decode: `top_room`).
+- `lists`, grid `(B, Hkv)`: the head's list (sinks, its `room` best, the recent blocks, the partial
+  block last), as block indices for the host (promotion) and as locations for the attention
+  kernel, with its length; padding entries are 0 (the null slot).
+- `fold`, grid `(B, Hkv)`: each slot's new key folded into its part's min and max
+  (`DigestStore.fold`; a slot without a session folds into the arena's null extent).
 
 Every input that changes between steps (block count, room, anchors taken, the token's position)
 is read from a device tensor, so the kernels replay as they were captured. Under
