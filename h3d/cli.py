@@ -4,7 +4,7 @@
               [every configuration key as --kebab-case-flag]
 
     h3d generate --model DIR (--prompt TEXT | --prompt-file PATH) [--max-tokens N] [--temperature T]
-                 [--top-p P] [--top-k K] [--seed S] [--chat] [--device cpu|cuda] [--dtype fp32|bf16|fp16]
+                 [--top-p P] [--top-k K] [--seed S] [--chat] [--device auto|cpu|cuda] [--dtype fp32|bf16|fp16]
                  [--json] [engine flags: --block-size, --prefill-chunk-tokens, --hbm-mb, ...]
     h3d convert-gguf (FILE | --embedded) OUTDIR
 

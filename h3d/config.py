@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 AUTO = "auto"  # the value of a key sized from the hardware (`AUTO_KEYS`)
 AUTO_KEYS = ("prefill_chunk_tokens", "hbm_mb", "ddr_mb")
-DEVICES = ("cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 POLICIES = ("attention_entropy", "exact", "fixed", "layerwise")
 SSD_CODECS = ("raw-zstd", "int8-delta-zstd")
@@ -39,10 +39,11 @@ class SamplingDefaults:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Engine keys. `dtype` None means fp32 on the CPU and bf16 on CUDA."""
+    """Engine keys. `device` "auto" means CUDA where torch sees a GPU, else the CPU; `dtype` None
+    means fp32 on the CPU and bf16 on CUDA."""
 
     model: str = ""
-    device: str = "cpu"
+    device: str = "auto"
     dtype: str | None = None
     cpu_threads: int | None = None  # torch's CPU threads; None or 0: auto (h3d.engine.threads)
     block_size: int = 32
@@ -97,8 +98,17 @@ class EngineConfig:
         )
 
     @property
+    def resolved_device(self) -> str:
+        """`device` with "auto" resolved: "cuda" where torch sees a GPU, else "cpu"."""
+        if self.device != "auto":
+            return self.device
+        import torch  # here only: the configuration is read before the model's modules load
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
     def resolved_dtype(self) -> str:
-        return self.dtype or ("fp32" if self.device == "cpu" else "bf16")
+        return self.dtype or ("fp32" if self.resolved_device == "cpu" else "bf16")
 
     def validate(self) -> EngineConfig:
         if not self.model:

@@ -42,7 +42,11 @@ ENGINE: tuple[Key, ...] = (
         "Hugging Face model folder (`config.json`, `model.safetensors` or a sharded index, `tokenizer.json`)",
         default=REQUIRED,
     ),
-    Key("device", "`cpu` or `cuda` (`cuda:N` for GPU N)"),
+    Key(
+        "device",
+        "`auto`: CUDA where torch sees a GPU, else the CPU (GetConfig shows what it chose under `resolved`); "
+        "`cpu`, or `cuda` (`cuda:N` for GPU N)",
+    ),
     Key("dtype", "weights, activations and KV: `fp32`, `bf16`, `fp16`", default="fp32 on cpu, bf16 on cuda"),
     Key(
         "cpu_threads",

@@ -180,4 +180,19 @@ def stats_pb(state: State, engine: Engine, ids: list[SessionId]) -> pb.Stats:
         ),
         uptime_s=time.time() - state.started,
         draining=state.draining,
+        graphs=graph_stats_pb(engine),
+    )
+
+
+def graph_stats_pb(engine: Engine) -> pb.GraphStats:
+    g = engine.runner.graphs
+    warm = engine.warmup
+    return pb.GraphStats(
+        captures_total=g.captures,
+        captures_after_ready=g.captures_after_ready,
+        replays_total=g.replays,
+        eager_steps_total=g.eager_steps,
+        warm_graphs=len(g.warm_keys),
+        warm_s=0.0 if warm is None else warm.kernels_s + warm.graphs_s,
+        deferred=len(g.deferred),
     )

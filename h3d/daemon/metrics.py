@@ -105,6 +105,15 @@ class Metrics:
         metric("h3d_requests_in_flight", "gauge", "AppendContext and Generate streams admitted.", in_flight)
         metric("h3d_draining", "gauge", "1 while the daemon drains.", int(stats.draining))
         metric("h3d_uptime_seconds", "gauge", "Seconds since the daemon started.", stats.uptime_s)
+        gr = stats.graphs
+        metric("h3d_graph_captures_total", "counter", "Decode graphs captured (the warm-up's included).",
+               gr.captures_total)  # fmt: skip
+        metric("h3d_graph_captures_after_ready_total", "counter",
+               "Decode graphs captured after ready (between steps; their steps ran eagerly meanwhile).",
+               gr.captures_after_ready)  # fmt: skip
+        metric("h3d_graph_replays_total", "counter", "Decode steps replayed through a graph.", gr.replays_total)
+        metric("h3d_graph_eager_steps_total", "counter", "Decode steps run eagerly while their graph waited.",
+               gr.eager_steps_total)  # fmt: skip
         lines += ["# HELP h3d_rpc_total RPCs answered, by method and status code.", "# TYPE h3d_rpc_total counter"]
         lines += [f'h3d_rpc_total{{method="{m}",code="{c}"}} {n}' for (m, c), n in sorted(self.rpcs.items())]
         lines += ["# HELP h3d_rpc_duration_seconds RPC handling time.", "# TYPE h3d_rpc_duration_seconds histogram"]

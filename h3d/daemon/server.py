@@ -84,11 +84,13 @@ class Daemon:
             "tiers_sized", hbm_mb=sized.hbm_mb, ddr_mb=sized.ddr_mb, prefill_chunk_tokens=sized.prefill_chunk_tokens,
             auto=list(sized.resolved), hbm_slots=blocks.hbm_capacity, ddr_slots=blocks.ddr_alloc.capacity,
         )  # fmt: skip
+        warm = await asyncio.to_thread(engine.warm)  # before ready: kernels compiled, graphs captured
+        log.info("warmed", **warm.fields())
         loop = asyncio.get_running_loop()
         self.worker = EngineWorker(engine, loop)
         self.worker.start()
         self.state = State(cfg, self.worker, Auth(cfg), self.metrics)
-        self.state.resolved = {k: getattr(sized, k) for k in AUTO_KEYS}
+        self.state.resolved = {k: getattr(sized, k) for k in AUTO_KEYS} | {"device": cfg.engine.resolved_device}
         self.state.owners = {sid: s.owner or LOCAL for sid, s in engine.sessions.items()}
         if engine.restored:
             log.info(

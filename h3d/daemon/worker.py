@@ -28,6 +28,7 @@ from h3d.errors import H3Error
 T = TypeVar("T")
 THROUGHPUT_WINDOW_S = 10.0
 IDLE_WAIT_S = 0.05
+CAPTURE_IDLE_S = 1.0  # idle this long, the engine captures the decode graphs steps wanted (not between two requests)
 
 log = structlog.get_logger("h3d.worker")
 
@@ -48,6 +49,7 @@ class EngineWorker:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="h3d-engine", daemon=True)
         self._tokens: deque[tuple[float, int]] = deque()  # (time, generated tokens) per step
+        self._busy_at = 0.0  # when the engine thread last ran a step
 
     # ---- the loop's side --------------------------------------------------------------------
 
@@ -111,6 +113,9 @@ class EngineWorker:
         for sid in engine.evictions:
             log.info("kv_evicted_for_capacity", session_id=sid)
         engine.evictions.clear()
+        for key in engine.captured:
+            log.info("graph_captured", batch=key.batch, width=key.width, k=key.k, mixed=key.mixed, after_ready=True)
+        engine.captured.clear()
         for name, fields in engine.kv.take_notices():
             (log.info if name == "ssd_recovered" else log.warning)(name, **fields)
 
@@ -122,10 +127,14 @@ class EngineWorker:
             if self._stop:
                 return
             if not self.engine.has_work:
+                if self.engine.runner.graphs.deferred and time.monotonic() - self._busy_at >= CAPTURE_IDLE_S:
+                    self.engine.upkeep(idle=True)  # graphs that steps wanted, captured once requests paused
+                    continue
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
                 continue
             before = self.engine.counters.generated_tokens
+            self._busy_at = time.monotonic()
             try:
                 self.engine.upkeep()
                 events = self.engine.step()

@@ -20,10 +20,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 from h3d.config import EngineConfig
 from h3d.engine.build import budgets, build_runner
 from h3d.engine.chat import Conversation, chat_piece, end_of_turn
 from h3d.engine.detok import IncrementalDetokenizer
+from h3d.engine.graphs import GraphKey
 from h3d.engine.journal import log_piece, restore_sessions, session_meta
 from h3d.engine.sampling import SamplingParams, make_generator, sample_batch
 from h3d.engine.session import (
@@ -42,6 +45,7 @@ from h3d.engine.session import (
 from h3d.engine.step import Chunk, SchedulerOutput, StepReport
 from h3d.engine.stops import generation_done, stop_reason, visible_text
 from h3d.engine.upkeep import BlockRepair, enforce_ssd_capacity, park_kv, purge_kv
+from h3d.engine.warmup import Warmup, warm_up
 from h3d.errors import (
     ContextTooLong,
     H3Error,
@@ -74,7 +78,7 @@ class EngineCounters:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config.validate()
-        self.model = load_model(config.model, config.resolved_dtype, config.device)
+        self.model = load_model(config.model, config.resolved_dtype, config.resolved_device)
         self.tokenizer = Tokenizer(config.model)
         self.max_context = config.max_context_tokens or self.model.config.max_position_embeddings
         self.budgets = budgets(config, self.model, self.max_context)  # `auto` keys resolved
@@ -91,6 +95,8 @@ class Engine:
         self.restored: list[SessionId] = []  # sessions reopened from the token logs at start
         self.rebuilds: list[str] = []  # why KV was dropped to be prefilled again (the daemon logs them)
         self.evictions: list[SessionId] = []  # closed sessions whose archived KV ssd_capacity_mb evicted
+        self.warmup: Warmup | None = None  # what `warm` did (the daemon warms before it is ready)
+        self.captured: list[GraphKey] = []  # decode graphs captured between steps (the daemon logs them)
         self._repairer = BlockRepair(self.runner, self.rebuilds)  # damaged blocks' KV computed again
         self._upkept = 0  # the step of the last upkeep
         if config.session_log_path is not None:
@@ -388,9 +394,21 @@ class Engine:
         self.runner.commit(report)
         return events + self.commit(out, report)
 
-    def upkeep(self) -> None:
-        """Between steps, every 64th: the archive kept within `ssd_capacity_mb` (closed sessions'
-        KV evicted, coldest first). The daemon's engine thread and `run` call it."""
+    def warm(self, kernels: bool | None = None) -> Warmup:
+        """Before serving: kernels compiled and the named set of decode graphs captured
+        (h3d.engine.warmup)."""
+        self.warmup = warm_up(self, kernels)
+        return self.warmup
+
+    def upkeep(self, idle: bool = False) -> None:
+        """Between steps: decode graphs that steps wanted since the warm-up captured (all when
+        `idle`, else one that waited long: `DecodeGraphs.capture_deferred`); every 64th step the
+        archive kept within `ssd_capacity_mb` (closed sessions' KV evicted, coldest first). The
+        daemon's engine thread and `run` call it."""
+        graphs = self.runner.graphs
+        if graphs.deferred:
+            for key in graphs.capture_deferred(idle):
+                self.captured.append(key)
         if self.counters.steps - self._upkept >= 64:
             self._upkept = self.counters.steps
             enforce_ssd_capacity(self.kv, self.config.ssd_capacity_mb, self.sessions.values(), self.evictions)
@@ -510,6 +528,10 @@ class Engine:
         return generation_done(req, reason)
 
     def _finish_append(self, req: Request) -> AppendDone:
+        if self.runner.device.type == "cuda":
+            # Done means computed: the prefill's kernels and its KV copies have finished (the
+            # host runs ahead of the device otherwise, and the next request would wait for them).
+            torch.cuda.synchronize(self.runner.device)
         self._touch(req.session)
         req.session.busy = False
         self._requests.pop(req.id, None)

@@ -37,16 +37,27 @@ back to the host after the step (`resolve`: an asynchronous copy), and are promo
 step (`take_lagged`), so that the host's planning overlaps the device's work; their reads are
 counted against the locations the step read.
 
-How many graphs: batch buckets (log2 of `max_batch_size`, + 1) x width buckets (four per doubling
-of the longest context, from 16 blocks) x (1 + the capacities: powers of two from 8 to
-`window_max_tokens / block_size`, each plain or mixed). With the defaults (64 slots, 8,192-token
-windows of 32-token blocks) and contexts up to 128K: 7 x 33 x 13 reachable keys, of which at most
-`MAX_GRAPHS` are kept (the least recently used beyond are dropped). What each holds: its static
-buffers (`nbytes`; for 32 slots of a 128K-token Llama-8B, W = 4,096 and capacity 256: `locs` 17 MB
-on the host and 17 on the device, `anchors` 15 MB and `picked` 16 MB on the device, `picked`'s
-host copy 16 MB) and the intermediates of its forward, in one memory pool that all graphs share
-(they never run at once). A graph whose digest arena was replaced since its capture (the arena
-grew or shrank) is captured again.
+The selection capacity `k` is one per runner (`capacity`: the room of the widest window,
+`window_max_tokens / block_size` less sinks and recent, rounded up to a power of two): each slot
+selects its own room (`room` <= `k`) and the attention kernel reads only its lists' first
+`sinks + room + recent` entries, so an adaptive window that grows or shrinks never needs another
+graph. How many graphs: batch buckets (log2 of `max_batch_size`, + 1) x width buckets (four per
+doubling of the longest context, from 16 blocks) x (exact, selecting, mixed). With the defaults (64
+slots) and contexts up to 128K: 7 x 33 x 3 reachable keys, of which at most `MAX_GRAPHS` are kept
+beyond the warm set (the least recently used are dropped). What each holds: its static buffers
+(`nbytes`; for 32 slots of a 128K-token Llama-8B, W = 4,096 and capacity 256: `locs` 17 MB on the
+host and 17 on the device, `anchors` 15 MB and `picked` 16 MB on the device, `picked`'s host copy
+16 MB) and the intermediates of its forward, in one memory pool that all graphs share (they never
+run at once). A graph whose digest arena was replaced since its capture (the arena grew past the
+rows reserved for the tiers' blocks) is captured again.
+
+Warm before ready (`warm_set`, `warm`): before the daemon says it is ready it captures one
+session's graphs at every width up to the longest context (batch 1: exact at every width,
+selecting at every width past the narrowest window), each from padding inputs. From then on
+(`deferring`) a step whose graph is not captured runs eagerly (`Path.DEVICE`) and its key waits in
+`deferred`; the engine captures waiting graphs between steps (`capture_deferred`: when it idles,
+or one per step once a key has run `DEFER_STEPS` steps eagerly), counted in
+`captures_after_ready` (`h3d_graph_captures_total` counts all).
 
 Padding slots feed token 0 at position 0, write into the null slot (row 0, never read: lists mask
 it) and attend to that one token; their outputs are dropped.
@@ -85,7 +96,8 @@ if TYPE_CHECKING:
     from h3d.engine.step import StepPlan, StepReport
 
 MAX_BATCH = 256
-MAX_GRAPHS = 32  # least recently used graphs beyond this are dropped (their memory returns to the pool)
+MAX_GRAPHS = 32  # least recently used graphs beyond the warm set and this many are dropped
+DEFER_STEPS = 32  # eager steps after which a busy engine captures a waiting graph between steps
 SLOT_INPUTS = ("nblocks", "tail", "token", "pos", "ends", "room", "take", "parts_live", "dig_base", "dig_row")
 
 
@@ -319,6 +331,16 @@ class DecodeGraphs:
         # step's promotions with the eager path's.
         self.lag = True
         self._lagged: _Pending | None = None  # the last replayed step's picks, until a report takes them
+        sinks, recent = base_sizes(runner.hbf, runner.blocks.block_size)
+        # every selecting graph's top-k capacity: the widest window's room (module docstring)
+        self.capacity = room_bucket(max(1, runner.hbf.window_max_tokens // runner.blocks.block_size - sinks - recent))
+        self.warm_keys: frozenset[GraphKey] = frozenset()  # captured before ready, never dropped
+        # After the warm-up: a step whose graph is not captured runs eagerly, its key waits here
+        # (eager steps so far) to be captured between steps (`capture_deferred`).
+        self.deferring = False
+        self.deferred: OrderedDict[GraphKey, int] = OrderedDict()
+        self.eager_steps = 0  # steps run eagerly while their graph waited
+        self.captures_after_ready = 0
 
     @property
     def nbytes(self) -> int:
@@ -344,7 +366,7 @@ class DecodeGraphs:
             return GraphKey(batch, width)
         for i in selecting:
             r.digests.ensure(seqs[i], tables[i].num_blocks * r.digests.parts)
-        k = room_bucket(max(self._room(seqs[i], tables[i].num_blocks) for i in selecting))
+        k = max(self.capacity, room_bucket(max(self._room(seqs[i], tables[i].num_blocks) for i in selecting)))
         return GraphKey(batch, width, k, mixed=len(selecting) < len(seqs))
 
     def applies(self, seqs: list[SeqId]) -> GraphKey | None:
@@ -365,7 +387,98 @@ class DecodeGraphs:
                     return None
                 if self._room(seq, t.num_blocks) <= 0:
                     return None  # a context within its window reads every block: eager
-        return self._key(seqs, tables)
+        key = self._key(seqs, tables)
+        if self.deferring and not self._current(key):
+            self.deferred[key] = self.deferred.get(key, 0) + 1
+            self.eager_steps += 1
+            return None  # captured between steps (`capture_deferred`), not on this step's path
+        return key
+
+    def _current(self, key: GraphKey) -> bool:
+        """Whether `key`'s graph can replay now: made, and on CUDA captured against the digest
+        arena of now (on the CPU the forward reads the arena as it is: nothing goes stale)."""
+        g = self._graphs.get(key)
+        if g is None or not self.capture:
+            return g is not None
+        return g.graph is not None and (g.hbf is None or g.generation == self.runner.digests.generation)
+
+    def warm_set(self, max_tokens: int) -> list[GraphKey]:
+        """The graphs captured before ready: one session (batch 1) at every width bucket up to
+        `max_tokens`, exact at every width and selecting at every width past the narrowest window
+        (`window_min_tokens`), with `capacity`. [] where graphs are off or the model's attention
+        is not the paged kernel's."""
+        r = self.runner
+        if not self.enabled or r.model.model.layers[0].self_attn.attention is not kernel_attention:  # type: ignore[union-attr]
+            return []
+        bs = r.blocks.block_size
+        widths = sorted({width_bucket(n) for n in range(1, -(-max_tokens // bs) + 1)})
+        keys = [GraphKey(1, w) for w in widths]
+        sinks, recent = base_sizes(r.hbf, bs)
+        least = max(1, r.hbf.window_min_tokens // bs)  # a session selects past its window's blocks
+        if r.hbf.dense_layers < r.blocks.num_layers:
+            keys += [GraphKey(1, w, self.capacity) for w in widths if w > max(least, sinks + recent)]
+        return keys
+
+    def warm(self, keys: list[GraphKey]) -> int:
+        """Capture `keys` now (on the CPU: make them and run each once) and keep them; then defer
+        every other graph (`deferring`). Returns the graphs captured."""
+        self.warm_keys = self.warm_keys | frozenset(keys)  # first: none of them is dropped as the others come
+        made = sum(self.prepare(key) for key in keys)
+        self.deferring = True
+        return made
+
+    def capture_deferred(self, idle: bool) -> list[GraphKey]:
+        """Between steps: capture the graphs that steps wanted since the warm-up, every one when
+        the engine idles, else one that has run `DEFER_STEPS` steps eagerly. Returns those captured."""
+        done: list[GraphKey] = []
+        for key, steps in list(self.deferred.items()):
+            if not idle and (steps < DEFER_STEPS or done):
+                continue
+            del self.deferred[key]
+            if self.prepare(key):
+                self.captures_after_ready += 1
+                done.append(key)
+        return done
+
+    @torch.inference_mode()
+    def prepare(self, key: GraphKey) -> bool:
+        """Make `key`'s graph and capture it from padding inputs (every slot feeds token 0 into
+        the null slot; the static buffers' values are the host's to write before each replay).
+        On the CPU the forward runs once instead. Returns whether it was captured or made now."""
+        if self._current(key):
+            return False
+        g = self._graph(key)
+        if g.copied is not None:
+            g.copied.synchronize()
+        x = g.small.host
+        for name, pad in (("rows", 0), ("nblocks", 1), ("tail", 1), ("token", 0), ("pos", 0), ("ends", 1)):
+            x[name][...] = pad
+        for name in ("room", "take", "parts_live", "dig_base", "dig_row"):
+            x[name][:] = 0
+        g.tables.host["locs"][...] = 0
+        g.slots = [(SeqId(-1), 0, 0, False)] * key.batch  # what `_fill_tables` writes for padding
+        g.below = [0] * key.batch
+        g.selecting = ()
+        g.generation = self.runner.digests.generation
+        g.small.upload(non_blocking=False)
+        g.tables.upload(non_blocking=False)
+        if self.capture:
+            self._capture(g)
+        else:
+            g.hidden = self._forward(g)
+        return True
+
+    def _graph(self, key: GraphKey) -> _Graph:
+        """`key`'s graph, made if new; the least recently used beyond the warm set and
+        `MAX_GRAPHS` are dropped."""
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = self._allocate(key)
+            extra = [k for k in self._graphs if k not in self.warm_keys and k != key]
+            for old in extra[: max(0, len(extra) + 1 - MAX_GRAPHS)]:
+                del self._graphs[old]
+        self._graphs.move_to_end(key)
+        return g
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, ids: list[int], report: StepReport) -> torch.Tensor:
@@ -378,12 +491,7 @@ class DecodeGraphs:
         assert key is not None, "a graph step's plan names its graph"
         tables = [r.blocks.table(s) for s in seqs]
         b = len(seqs)
-        g = self._graphs.get(key)
-        if g is None:
-            g = self._graphs[key] = self._allocate(key)
-            while len(self._graphs) > MAX_GRAPHS:
-                self._graphs.popitem(last=False)
-        self._graphs.move_to_end(key)
+        g = self._graph(key)
         if g.hbf is not None and g.generation != r.digests.generation:
             g.graph = None  # captured against a digest arena since replaced: captured again
             g.generation = r.digests.generation

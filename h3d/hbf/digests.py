@@ -24,8 +24,9 @@ Owner: `DigestStore`, updated by the model runner as K rows are written (the par
 digest is kept current token by token). What must stay true: extents never overlap, and a
 session's rows past its written keys hold the empty sentinels (+max as the min, -max as the max);
 an extent moves only between steps (`ensure`, `drop`), and the arena tensor is replaced only when
-it must grow or may shrink, which bumps `generation` (a graph captured before reads the old
-address: it is captured again).
+it must grow or may shrink (never below the rows reserved at start: on CUDA, every block the
+tiers hold), which bumps `generation` (a graph captured before reads the old address: it is
+captured again).
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ class DigestStore:
         dtype: torch.dtype,
         device: torch.device,
         part_tokens: int = DIGEST_TOKENS,
+        blocks: int = 0,
     ) -> None:
+        """`blocks`: per layer, the blocks whose digests the arena holds from the start (the
+        tiers' blocks: it grows past them only for sessions whose blocks lie in the archive;
+        each growth replaces the arena, and captured steps are captured again)."""
         self.shape = (num_layers, num_kv_heads)
         self.head_dim = head_dim
         self.block_size = block_size
@@ -67,7 +72,8 @@ class DigestStore:
         self.dtype = dtype
         self.device = device
         self._extents: dict[SeqId, _Extent] = {}
-        self._arena = self._empty(self.parts)  # [L, Hkv, rows, 2, D]: the null extent only, at first
+        self._reserved = self.parts * (1 + blocks)  # the arena never shrinks below this
+        self._arena = self._empty(self._reserved)  # [L, Hkv, rows, 2, D]: the null extent first
         self._top = self.parts  # rows past here are free (holes below it are reclaimed by `_compact`)
         self.generation = 0  # bumped whenever `_arena` is replaced (captured steps read it by address)
 
@@ -235,8 +241,8 @@ class DigestStore:
         if ext.start + ext.rows == self._top:
             self._top = ext.start
         live = sum(e.rows for e in self._extents.values())
-        if self.rows > 4 * (live + self.parts) and self.rows > 64 * self.parts:
-            self._resize(5 * (live + self.parts) // 4)
+        if self.rows > max(self._reserved, 4 * (live + self.parts), 64 * self.parts):
+            self._resize(max(self._reserved, 5 * (live + self.parts) // 4))
 
     def nbytes(self) -> int:
         """The bytes the sessions' extents hold (the arena may hold more)."""

@@ -107,7 +107,13 @@ class KVCache:
         self.promoter = Promoter(self.tiers, promote_bytes_per_step)
         self.hbf = hbf
         self.device = device
-        self.digests = DigestStore(num_layers, num_kv_heads, head_dim, block_size, dtype, device, hbf.digest_tokens)
+        # On CUDA the arena holds the digests of every block HBM and DDR can hold from the start
+        # (the sizing reserved their memory, h3d.kv.sizing): captured steps read it by address,
+        # and each growth would capture them again. A CPU host grows it as sessions come.
+        per_layer = (self.blocks.num_slots + len(self.blocks.ddr_owner)) // num_layers if device.type == "cuda" else 0
+        self.digests = DigestStore(
+            num_layers, num_kv_heads, head_dim, block_size, dtype, device, hbf.digest_tokens, blocks=per_layer
+        )
         # The HBF picks of the last step replayed as a CUDA graph, not yet promoted (the runner's
         # graphs hand them over: `DecodeGraphs.take_lagged`).
         self.lagged: Callable[[], dict[SeqId, np.ndarray]] = dict

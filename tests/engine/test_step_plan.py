@@ -73,8 +73,9 @@ def test_the_planner_picks_the_device_or_a_graph_and_stages_archived_blocks_on_t
     checkpoint: Callable[[str], FsPath], tmp_path: FsPath
 ) -> None:
     """A decode step goes to the device (its plan carries every layer's locations) or, with
-    graphs on, to the graph of its shape (batch, width, capacity, mixed); a session whose blocks
-    are in the archive only keeps the step on the host, which stages them."""
+    graphs on, to the graph of its shape (batch, width, the capacity of the widest window,
+    mixed); a session whose blocks are in the archive only keeps the step on the host, which
+    stages them."""
     engine, (decoding, exact, _) = _engine(checkpoint, tmp_path)
     runner = engine.runner
     runner.plan_on_device = True
@@ -92,9 +93,10 @@ def test_the_planner_picks_the_device_or_a_graph_and_stages_archived_blocks_on_t
     plan = runner.plan(decode)
     sinks, recent = base_sizes(runner.hbf, BS)
     nb = {s: -(-engine.kv.cached_tokens(s) // BS) for s in (decoding, exact)}
-    room = min(192 // BS - sinks - recent, nb[decoding] - sinks - recent)
+    capacity = room_bucket(256 // BS - sinks - recent)  # the widest window's room, whatever the window now
+    assert runner.graphs.capacity == capacity
+    assert plan.graph == GraphKey(batch_bucket(2), width_bucket(max(nb.values())), capacity, mixed=True)
     assert plan.path is Path.GRAPH
-    assert plan.graph == GraphKey(batch_bucket(2), width_bucket(max(nb.values())), room_bucket(room), mixed=True)
     runner._undo(plan.chunks)
 
     engine.kv.demote(decoding, to_ssd=True)  # its blocks in the archive only

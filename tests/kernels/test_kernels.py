@@ -304,7 +304,8 @@ def test_hbf_decode_graph_equals_the_eager_path(
     promotions and counters: prompt anchors, HBM too small for the selections (promotions evict,
     reads from DDR), a session under exact batched with three under HBF, batches that change
     (other sessions in the same slots, the same sessions in other slots: the graph of their shape
-    is replayed, none is made for them), windows that shrink every 16 steps (another top-k capacity).
+    is replayed, none is made for them), windows that shrink every 16 steps (the same graphs: one
+    top-k capacity, each slot its own room).
     With the picks promoted during the next step (`lag`, the GPU default) the blocks sit elsewhere
     for a step: the same logits, the same picks promoted one step later, as many blocks read.
     Selection through the kernels (`h3d.kernels.select`, `fused`) or their torch twin."""
@@ -361,7 +362,8 @@ def test_hbf_decode_graph_equals_the_eager_path(
                 min(runner.kv.window_tokens(SeqId(i)) // 16 - sinks - recent, nbs[i] - sinks - recent)
                 for i in batch if i != 3
             ]  # fmt: skip
-            shape = (batch_bucket(len(batch)), width_bucket(max(nbs.values())), room_bucket(max(rooms)), 3 in batch)
+            k = max(runner.graphs.capacity, room_bucket(max(rooms)))
+            shape = (batch_bucket(len(batch)), width_bucket(max(nbs.values())), k, 3 in batch)
             shapes.setdefault(shape, set()).add(tuple(batch))
             chunks = [Chunk(SeqId(i), ((step * 7 + i) % VOCAB_SIZE,), pos[i], True) for i in batch]
             first = len(calls)

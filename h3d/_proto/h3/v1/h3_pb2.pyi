@@ -315,18 +315,38 @@ class Throughput(_message.Message):
     sessions: int
     def __init__(self, tokens_per_s: _Optional[float] = ..., window_s: _Optional[float] = ..., generated_tokens_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
 
+class GraphStats(_message.Message):
+    __slots__ = ("captures_total", "captures_after_ready", "replays_total", "eager_steps_total", "warm_graphs", "warm_s", "deferred")
+    CAPTURES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CAPTURES_AFTER_READY_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EAGER_STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    WARM_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    WARM_S_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    captures_total: int
+    captures_after_ready: int
+    replays_total: int
+    eager_steps_total: int
+    warm_graphs: int
+    warm_s: float
+    deferred: int
+    def __init__(self, captures_total: _Optional[int] = ..., captures_after_ready: _Optional[int] = ..., replays_total: _Optional[int] = ..., eager_steps_total: _Optional[int] = ..., warm_graphs: _Optional[int] = ..., warm_s: _Optional[float] = ..., deferred: _Optional[int] = ...) -> None: ...
+
 class Stats(_message.Message):
-    __slots__ = ("sessions", "throughput", "uptime_s", "draining")
+    __slots__ = ("sessions", "throughput", "uptime_s", "draining", "graphs")
     GLOBAL_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionStats]
     throughput: Throughput
     uptime_s: float
     draining: bool
-    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionStats, _Mapping]]] = ..., throughput: _Optional[_Union[Throughput, _Mapping]] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., **kwargs) -> None: ...
+    graphs: GraphStats
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionStats, _Mapping]]] = ..., throughput: _Optional[_Union[Throughput, _Mapping]] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., graphs: _Optional[_Union[GraphStats, _Mapping]] = ..., **kwargs) -> None: ...
 
 class EvictSessionRequest(_message.Message):
     __slots__ = ("session_id", "to")

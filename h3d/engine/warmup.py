@@ -1,0 +1,100 @@
+"""Warm before ready: what the daemon does between loading the model and saying it serves.
+
+A first request should not pay for compiling kernels or capturing graphs. `warm_up` runs, before
+`READY=1`:
+
+1. kernels (CUDA, or where `kernels=True`): a scratch sequence, not a session (no token log, no
+   archive), prefilled with a prompt one slice longer than the layer-by-layer path's threshold
+   (the long-prompt path and its Triton kernels), then `DECODE_STEPS` eager decode steps (the
+   decode kernels), then released. Triton keeps what it compiled under `TRITON_CACHE_DIR` (the
+   daemon puts it under its data folder), so a restart compiles nothing;
+2. the named set of decode graphs (`DecodeGraphs.warm_set`): batch 1 at every width bucket up to
+   the longest context, exact and selecting. From then on a graph outside the set is captured
+   between steps, never on a step's path (`DecodeGraphs.capture_deferred`), and counted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from h3d.engine.step import Chunk
+from h3d.hbf.policy import policy_named
+from h3d.kv.blocks import SeqId
+
+if TYPE_CHECKING:
+    from h3d.engine.engine import Engine
+
+DECODE_STEPS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Warmup:
+    """What the warm-up did: the scratch prompt's tokens (0: none), the graphs captured, the
+    batch sizes and widths of the named set, and the seconds each part took."""
+
+    prompt_tokens: int
+    kernels_s: float
+    graphs: int
+    batches: tuple[int, ...]
+    widths: tuple[int, int]  # the narrowest and widest table width (blocks), (0, 0) when none
+    graphs_s: float
+
+    def fields(self) -> dict[str, object]:
+        """For the `warmed` log event."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "kernels_s": round(self.kernels_s, 3),
+            "graphs": self.graphs,
+            "graph_batches": list(self.batches),
+            "graph_widths": list(self.widths),
+            "graphs_s": round(self.graphs_s, 3),
+        }
+
+
+def warm_up(engine: Engine, kernels: bool | None = None) -> Warmup:
+    """Compile and capture before serving (the module docstring). `kernels`: run the scratch
+    sequence (None: on CUDA only; a CPU compiles nothing)."""
+    runner = engine.runner
+    t0 = time.perf_counter()
+    prompt = 0
+    if kernels if kernels is not None else runner.device.type == "cuda":
+        prompt = _scratch(engine)
+    t1 = time.perf_counter()
+    keys = runner.graphs.warm_set(engine.max_context)
+    made = runner.graphs.warm(keys)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    widths = sorted(k.width for k in keys)
+    return Warmup(
+        prompt_tokens=prompt,
+        kernels_s=t1 - t0,
+        graphs=made,
+        batches=tuple(sorted({k.batch for k in keys})),
+        widths=(widths[0], widths[-1]) if widths else (0, 0),
+        graphs_s=time.perf_counter() - t1,
+    )
+
+
+@torch.inference_mode()
+def _scratch(engine: Engine) -> int:
+    """A scratch sequence's prefill and a few decode steps (released after). Returns its prompt's
+    length."""
+    runner, kv = engine.runner, engine.kv
+    bs = kv.block_size
+    rows = runner.model.slice_rows(runner.model.lm_head.weight_t.element_size())
+    n = min(rows + 2 * bs + 3, engine.max_context - DECODE_STEPS - 1, int(engine.budgets.prefill_chunk_tokens))
+    vocab = engine.model.config.vocab_size
+    ids = tuple(1 + i % (vocab - 1) for i in range(n))
+    seq = SeqId(next(engine._seq_ids))
+    kv.open(seq, None, policy_named(engine.config.policy))
+    try:
+        runner.step([Chunk(seq, ids, 0, want_logits=True)])
+        for i in range(DECODE_STEPS):
+            runner.step([Chunk(seq, (ids[i],), n + i, want_logits=True)])
+    finally:
+        kv.release(seq, purge_archive=True)
+    return n

@@ -1,0 +1,140 @@
+"""Warm before ready (h3d.engine.warmup, DecodeGraphs.warm_set / warm / capture_deferred) on the
+CPU twin: the named set "captured" (made, its forward run from padding inputs), counted, kept;
+a step outside it runs eagerly and its graph is captured between steps; and graphs made from
+padding replay real steps as the eager path computes them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path as FsPath
+
+import numpy as np
+import pytest
+import torch
+
+from h3d.engine.graphs import MAX_GRAPHS, GraphKey, room_bucket, width_bucket
+from h3d.engine.session import TokenDelta
+from h3d.engine.step import Path
+from h3d.hbf.policy import base_sizes
+from h3d.kv.attention import kernel_attention
+from tests.helpers import VOCAB_SIZE, make_engine, random_prompt
+
+MODEL = "llama_gqa4_tied"
+BS = 16
+HBF = dict(window_tokens=192, window_min_tokens=64, window_max_tokens=256, recent_tokens=32, dense_layers=1)
+
+
+def _engine(checkpoint: Callable[[str], FsPath], graphs: bool, context: int = 1024, **kw):  # type: ignore[no-untyped-def]
+    engine = make_engine(checkpoint(MODEL), policy="attention_entropy", max_context_tokens=context, **HBF, **kw)
+    if graphs:
+        engine.model.use_attention(kernel_attention)
+        engine.runner.graphs.enabled = True
+    return engine
+
+
+def test_the_warm_set_is_one_session_at_every_width_exact_and_selecting(checkpoint: Callable[[str], FsPath]) -> None:
+    engine = _engine(checkpoint, graphs=True)
+    g = engine.runner.graphs
+    keys = g.warm_set(4096)  # 256 blocks of 16 tokens
+    widths = [16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+    assert widths == sorted({width_bucket(n) for n in range(1, 257)})
+    sinks, recent = base_sizes(engine.runner.hbf, BS)
+    assert g.capacity == room_bucket(256 // BS - sinks - recent) == 16  # the widest window's room
+    assert keys == [GraphKey(1, w) for w in widths] + [GraphKey(1, w, 16) for w in widths if w > 64 // BS]
+    assert len(keys) > MAX_GRAPHS  # more than the least-recently-used cap keeps
+    engine.close()
+    off = _engine(checkpoint, graphs=False)
+    assert off.runner.graphs.warm_set(4096) == []  # graphs off (a CPU by default): nothing to capture
+    off.close()
+
+
+def test_warm_captures_the_set_keeps_it_and_leaves_no_trace_of_its_scratch_sequence(
+    checkpoint: Callable[[str], FsPath],
+) -> None:
+    engine = _engine(checkpoint, graphs=True, context=4096, prefill_chunk_tokens=128)
+    g = engine.runner.graphs
+    warm = engine.warm(kernels=True)
+    keys = g.warm_set(engine.max_context)
+    assert warm.prompt_tokens == 128  # the scratch prompt, within the prefill chunk
+    assert warm.graphs == len(keys) == g.built and g.warm_keys == frozenset(keys)
+    assert warm.batches == (1,) and warm.widths == (16, 256)
+    assert all(k in g._graphs for k in keys)  # none dropped while the others were made
+    assert g.deferring and not g.deferred and g.captures_after_ready == 0
+    stats = engine.tier_stats()
+    assert not engine.kv.sessions and stats.hbm_used_bytes == stats.ddr_used_bytes == 0  # the scratch sequence is gone
+    fields = warm.fields()
+    assert fields["graphs"] == len(keys) and fields["graph_widths"] == [16, 256]
+    engine.close()
+
+
+def test_after_warm_a_step_outside_the_set_runs_eagerly_and_its_graph_is_captured_between_steps(
+    checkpoint: Callable[[str], FsPath],
+) -> None:
+    engine = _engine(checkpoint, graphs=True)
+    runner, g = engine.runner, engine.runner.graphs
+    engine.warm(kernels=False)
+    built = g.built
+    a, b = engine.create_session(policy="exact"), engine.create_session(policy="exact")
+    for sid, seed in ((a, 1), (b, 2)):
+        engine.append(sid, token_ids=random_prompt(300, VOCAB_SIZE, seed=seed))
+        engine.submit(sid, generate=True, params=engine.with_sampling(max_tokens=3, ignore_eos=True))
+    two = engine.schedule().chunks
+    plan = runner.plan(two)  # batch 2: outside the warm set
+    assert plan.path is not Path.GRAPH
+    key = GraphKey(2, width_bucket(300 // BS + 1))
+    assert dict(g.deferred) == {key: 1} and g.eager_steps == 1
+    runner._undo(plan.chunks)
+    plan = runner.plan(two[:1])  # batch 1: in the set
+    assert plan.path is Path.GRAPH and plan.graph == GraphKey(1, key.width)
+    runner._undo(plan.chunks)
+    engine.upkeep(idle=False)  # busy: a graph that waited one step waits on
+    assert g.deferred and g.captures_after_ready == 0
+    engine.upkeep(idle=True)  # idle: captured
+    assert not g.deferred and g.captures_after_ready == 1 and engine.captured == [key]
+    assert g.built == built + 1
+    plan = runner.plan(two)
+    assert plan.path is Path.GRAPH and plan.graph == key
+    runner._undo(plan.chunks)
+    engine.close()
+
+
+@pytest.mark.parametrize("policy", ["exact", "attention_entropy"])
+def test_graphs_made_from_padding_replay_real_steps_as_the_eager_path_does(
+    checkpoint: Callable[[str], FsPath], policy: str
+) -> None:
+    """Greedy tokens and logits of a warmed engine (every decode step through a graph of the warm
+    set, made from padding inputs before any session existed) against an engine without graphs."""
+    prompt = random_prompt(400, VOCAB_SIZE, seed=7)  # past the 192-token window: attention_entropy selects
+    out = []
+    for graphs in (True, False):
+        engine = _engine(checkpoint, graphs=graphs)
+        if graphs:
+            engine.warm(kernels=False)
+        sid = engine.create_session(policy=policy)
+        logits: list[torch.Tensor] = []
+        original = engine.runner.execute
+
+        def spy(plan, all_logits=False, original=original, logits=logits):  # type: ignore[no-untyped-def]
+            report = original(plan, all_logits)
+            if len(report.logits):  # (a prompt's chunks before its last want none)
+                logits.append(report.logits[-1].float().clone())
+            return report
+
+        engine.runner.execute = spy  # type: ignore[method-assign]
+        events = engine.generate(sid, token_ids=prompt, params=engine.with_sampling(max_tokens=12, ignore_eos=True))
+        tokens = [e.token_id for e in events if isinstance(e, TokenDelta)]
+        out.append((tokens, logits[-12:], engine.runner.graphs.replays, engine.runner.graphs.built))
+        engine.close()
+    (tokens, logits, replays, built), (e_tokens, e_logits, e_replays, _) = out
+    assert replays == 12 and e_replays == 0  # every token from a warm graph (the prompt's last token fed with it)
+    assert built == len(_engine_keys(checkpoint))  # none made beyond the warm set
+    assert tokens == e_tokens
+    for x, y in zip(logits, e_logits, strict=True):
+        np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=2e-4, atol=2e-4)
+
+
+def _engine_keys(checkpoint: Callable[[str], FsPath]) -> list[GraphKey]:
+    engine = _engine(checkpoint, graphs=True)
+    keys = engine.runner.graphs.warm_set(engine.max_context)
+    engine.close()
+    return keys
