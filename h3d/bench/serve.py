@@ -1,0 +1,728 @@
+"""The GPU benchmark through the daemon: `h3d serve` with its defaults, driven over gRPC.
+
+    python -m h3d.bench.serve --phase single [--phase many ...] [--out FILE] [--write docs/BENCHMARKS.md]
+    python -m h3d.bench.serve --tiny --phase single          # the same code path on a CPU, in a minute
+
+The product is the daemon, so its figures are the headline. Each run:
+
+1. writes a model folder (`--model-dir`): Llama-3-8B's shape (32 layers, hidden 4,096, 32 query
+   / 8 KV heads, MLP 14,336) with random bf16 weights (N(0, 0.02), norms 1), the embedded model's
+   tokenizer and vocabulary (49,152), 139,264 positions (a 128K prompt and its answer);
+2. starts `h3d serve --model DIR --data-dir DIR --socket SOCK` and nothing else: every other key
+   is the daemon's default (`auto` sizing, policy, chunking, graphs, warm-up);
+3. drives it over gRPC with the project's stubs (CreateSession with the mode as the policy,
+   AppendContext with token ids, Generate greedy with `ignore_eos`, GetStats), timing each token
+   as it arrives;
+4. stops it, loads the same folder in-process as an `Engine` with the daemon's resolved
+   configuration (GetConfig: `auto` keys replaced by the figures the daemon chose) and runs the
+   same requests through `Engine.append` / `Engine.generate`: the two differ only by the daemon;
+5. where the phase has one, runs transformers' LlamaForCausalLM (sdpa, DynamicCache) with the same
+   weights on the same prompts.
+
+Phases (`--phase`, repeatable; each fits in 10 minutes on an H200; sessions are purged between
+them):
+- `single`: one session at each context (32K, 128K) under `exact` and `attention_entropy`:
+  append time, time to first token of a Generate right after it (a one-token prompt), inter-token
+  p50 / p99 / mean over `--steps` tokens, the engine-level figures, and the floor of a step;
+- `many`: `--many` sessions of 32K decoding together: tokens/s, inter-token p50 / p99, HBM hit
+  rate per session (min / mean), the engine-level tokens/s, and the floor of a step;
+- `prefill-under-load`: a 128K append arriving while 8 sessions of 32K decode: their inter-token
+  p99 during it, the append's time against its time alone;
+- `restart`: left to the restart issue (`h3d.bench.restart` measures restarts on the CPU).
+
+The floor of a step: (weight bytes + the KV bytes it read from HBM) / the HBM copy bandwidth +
+the bytes it fetched over PCIe / the pinned host-to-device bandwidth, from the daemon's own
+counters (GetStats before and after) and bandwidths measured in the same run.
+
+The JSON (`--out`, default `bench/results/<date>-<card>-serve.json`; `--tiny`: under `--work`) is
+merged across runs: a phase run again replaces its own keys only. The daemon's packages that a GPU
+host lacks travel as wheels (docs/BENCHMARKS.md says how).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from h3d.bench.gpu_base import copy_s, free_memory, save, version
+from h3d.bench.report import write_section
+
+PHASES = ("single", "many", "prefill-under-load", "restart")
+MODES = ("exact", "attention_entropy")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+DEFAULT_TOKENIZER = Path("data/models/smollm2-135m-instruct")
+READY_TIMEOUT_S = 600.0
+
+
+def log(msg: str) -> None:
+    print(f"[serve-bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- sizes ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What `--tiny` changes: the model's shape and the contexts; the code path is the same."""
+
+    model: dict[str, Any]  # config.json (HF key names)
+    dtype: torch.dtype
+    contexts: tuple[int, ...]
+    steps: int
+    many: int  # sessions of `many_context` decoding together
+    many_context: int
+    load_sessions: int  # prefill-under-load: sessions decoding ...
+    load_context: int
+    long_context: int  # ... while a prompt of this many tokens is appended
+    load_tokens: int  # tokens each decoding stream generates (more than the append lasts)
+
+    @staticmethod
+    def pick(tiny: bool, tokenizer: dict[str, Any]) -> Shape:
+        ids: dict[str, Any] = {k: tokenizer[k] for k in ("bos_token_id", "eos_token_id") if k in tokenizer}
+        base: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5}
+        base.update(ids)
+        base.update(vocab_size=tokenizer["vocab_size"], tie_word_embeddings=False, rope_theta=500000.0)
+        if tiny:
+            base.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+            base.update(num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, torch_dtype="float32")
+            return Shape(base, torch.float32, (512, 2048), 8, 4, 512, 2, 512, 2048, 1500)
+        base.update(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)
+        base.update(num_key_value_heads=8, head_dim=128, max_position_embeddings=139264, torch_dtype="bfloat16")
+        return Shape(base, torch.bfloat16, (32768, 131072), 64, 32, 32768, 8, 32768, 131072, 1024)
+
+
+def write_model(folder: Path, shape: Shape, tokenizer: Path, seed: int) -> None:
+    """The model folder: random weights (as `h3d.bench.gpu_hf.build_hf` makes them, so the
+    transformers baseline rebuilds the same ones), our config.json, the tokenizer's files."""
+    config = folder / "config.json"
+    if config.exists() and json.loads(config.read_text()) == shape.model:
+        log(f"model folder {folder} is current")
+        return
+    from h3d.bench.gpu_hf import build_hf
+
+    t0 = time.perf_counter()
+    if folder.exists():
+        shutil.rmtree(folder)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    hf = build_hf(shape.model, shape.dtype, device, seed)
+    hf.save_pretrained(folder, max_shard_size="4GB")  # type: ignore[operator]
+    del hf
+    free_memory()
+    config.write_text(json.dumps(shape.model, indent=1) + "\n")  # ours: rope_theta as the checkpoints have it
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer / name).exists():
+            shutil.copy(tokenizer / name, folder / name)
+    log(f"wrote {folder} in {time.perf_counter() - t0:.1f} s")
+
+
+def tokenizer_config(folder: Path) -> dict[str, Any]:
+    """The embedded model's vocabulary size and special token ids (its config.json)."""
+    raw = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+    vocab = raw.get("vocab_size")
+    if vocab is None:
+        from tokenizers import Tokenizer
+
+        vocab = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
+    return {"vocab_size": vocab, **{k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw}}
+
+
+def prompt(vocab: int, n: int, seed: int) -> list[int]:
+    """n token ids drawn uniformly (the special ids below 17 left out)."""
+    g = np.random.default_rng(seed)
+    return g.integers(17, vocab, size=n).tolist()
+
+
+# ---- the daemon and its client ------------------------------------------------------------------
+
+
+class Daemon:
+    """`h3d serve` on a model folder and a data folder, with nothing else set; its JSON log in
+    `<data>/daemon.log`."""
+
+    def __init__(self, model: Path, data: Path) -> None:
+        data.mkdir(parents=True, exist_ok=True)
+        self.sock = data / "h3d.sock"
+        self.log_path = data / "daemon.log"
+        cmd = [sys.executable, "-m", "h3d.cli", "serve", "--model", str(model), "--data-dir", str(data),
+               "--socket", str(self.sock)]  # fmt: skip
+        self.out = self.log_path.open("w")
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, text=True)
+        self.listening = self.wait_for("listening", READY_TIMEOUT_S)
+        self.spawn_to_ready_s = time.perf_counter() - self.t0
+
+    def events(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(event, dict):
+                out.append(event)
+        return out
+
+    def event(self, name: str) -> dict[str, Any] | None:
+        return next((e for e in self.events() if e.get("event") == name), None)
+
+    def wait_for(self, name: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.event(name)
+            if found is not None:
+                return found
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text().splitlines()[-15:]
+                raise SystemExit(f"h3d serve exited ({self.proc.returncode}) before {name!r}:\n" + "\n".join(tail))
+            time.sleep(0.2)
+        self.proc.kill()
+        raise SystemExit(f"h3d serve: no {name!r} event after {timeout:.0f} s (log: {self.log_path})")
+
+    def stop(self, timeout: float = 300.0) -> float:
+        """SIGTERM; the seconds until it exited."""
+        t0 = time.perf_counter()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            log(f"h3d serve did not exit within {timeout:.0f} s of SIGTERM: killed")
+        self.out.close()
+        return time.perf_counter() - t0
+
+
+@dataclass(slots=True)
+class Stream:
+    """One Generate as the client saw it: when it was sent, and when each token arrived."""
+
+    sent: float
+    arrivals: list[float]
+
+    @property
+    def ttft_s(self) -> float:
+        return self.arrivals[0] - self.sent
+
+    def gaps_ms(self, since: float = 0.0, until: float = float("inf")) -> list[float]:
+        """Inter-token gaps (ms) of the tokens that arrived within [since, until]."""
+        a = self.arrivals
+        return [(a[i] - a[i - 1]) * 1e3 for i in range(1, len(a)) if since <= a[i] <= until]
+
+
+class Client:
+    """The project's stubs on the daemon's socket."""
+
+    def __init__(self, sock: Path) -> None:
+        import grpc
+
+        from h3d._proto.h3.v1 import h3_pb2 as pb
+        from h3d._proto.h3.v1 import h3_pb2_grpc as rpc
+
+        options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+        self.channel = grpc.insecure_channel(f"unix:{sock}", options=options)
+        self.pb, self.h3, self.admin = pb, rpc.H3Stub(self.channel), rpc.H3AdminStub(self.channel)
+
+    def config(self) -> dict[str, Any]:
+        return json.loads(self.admin.GetConfig(self.pb.GetConfigRequest()).json)
+
+    def session(self, policy: str) -> str:
+        return self.h3.CreateSession(self.pb.CreateSessionRequest(policy=policy)).session_id
+
+    def append(self, sid: str, ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        for _ in self.h3.AppendContext(self.pb.AppendContextRequest(session_id=sid, token_ids=ids)):
+            pass
+        return time.perf_counter() - t0
+
+    def generate(self, sid: str, first: int, tokens: int) -> Stream:
+        sampling = self.pb.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        stream = Stream(time.perf_counter(), [])
+        request = self.pb.GenerateRequest(session_id=sid, prompt_token_ids=[first], sampling=sampling)
+        for msg in self.h3.Generate(request):
+            if msg.HasField("delta"):
+                now = time.perf_counter()
+                stream.arrivals += [now] * max(1, len(msg.delta.token_ids))
+        return stream
+
+    def stats(self) -> Any:
+        return self.h3.GetStats(self.pb.GetStatsRequest())
+
+    def close(self, sid: str) -> None:
+        self.h3.CloseSession(self.pb.CloseSessionRequest(session_id=sid, purge=True))
+
+
+def parallel(fn: Any, items: list[Any]) -> list[Any]:
+    """fn(item) for each item, each on a thread of its own (concurrent streams)."""
+    out: list[Any] = [None] * len(items)
+
+    def run(i: int) -> None:
+        out[i] = fn(items[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(items))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+# ---- the engine-level run -----------------------------------------------------------------------
+
+
+def engine_config(daemon: dict[str, Any], data: Path) -> Any:
+    """The daemon's engine configuration (GetConfig's JSON), `auto` keys replaced by what it
+    resolved, with its own archive and token logs under `data`."""
+    from h3d.config import EngineConfig
+    from h3d.daemon.config import ENGINE_KEYS
+
+    keys = {k: v for k, v in daemon.items() if k in ENGINE_KEYS}
+    keys.update(daemon.get("resolved", {}))
+    for k, v in keys.items():
+        if isinstance(v, list):
+            keys[k] = tuple(v)
+    keys.update(ssd_path=str(data / "archive"), session_log_path=str(data / "sessions"))
+    return EngineConfig.build(**keys)
+
+
+class Local:
+    """The same requests on an in-process `Engine` (no daemon, no gRPC)."""
+
+    def __init__(self, config: Any) -> None:
+        from h3d.engine.engine import Engine
+
+        self.engine = Engine(config)
+        self.warmup = self.engine.warm()
+        self.sync = torch.cuda.synchronize if self.engine.runner.device.type == "cuda" else (lambda: None)
+
+    def session(self, policy: str) -> Any:
+        return self.engine.create_session(policy=policy)
+
+    def append(self, sid: Any, ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        self.engine.append(sid, token_ids=ids)
+        self.sync()
+        return time.perf_counter() - t0
+
+    def params(self, tokens: int) -> Any:
+        return self.engine.with_sampling(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+    def generate(self, sid: Any, first: int, tokens: int) -> Stream:
+        from h3d.engine.session import TokenDelta
+
+        stream = Stream(time.perf_counter(), [])
+        for event in self.engine.generate(sid, token_ids=[first], params=self.params(tokens)):
+            if isinstance(event, TokenDelta):
+                stream.arrivals.append(time.perf_counter())
+        return stream
+
+    def generate_many(self, sids: list[Any], firsts: list[int], tokens: int) -> list[Stream]:
+        """One Generate per session, all in flight together (the engine batches them)."""
+        from h3d.engine.session import TokenDelta
+
+        for sid, first in zip(sids, firsts, strict=True):
+            self.engine.append(sid, token_ids=[first])
+        rids = {self.engine.submit(sid, generate=True, params=self.params(tokens)): i for i, sid in enumerate(sids)}
+        streams = [Stream(time.perf_counter(), []) for _ in sids]
+        while self.engine.has_work:
+            self.engine.upkeep()
+            for event in self.engine.step():
+                if isinstance(event, TokenDelta) and event.request_id in rids:
+                    streams[rids[event.request_id]].arrivals.append(time.perf_counter())
+        return streams
+
+    def close(self, sid: Any) -> None:
+        self.engine.close_session(sid, purge=True)
+
+    def shutdown(self) -> None:
+        self.engine.close()
+        del self.engine
+        free_memory()
+
+
+# ---- figures ------------------------------------------------------------------------------------
+
+
+def itl(gaps: list[float]) -> dict[str, float | None]:
+    if not gaps:
+        return {"itl_ms_p50": None, "itl_ms_p99": None, "itl_ms_mean": None}
+    a = np.array(gaps)
+    return {
+        "itl_ms_p50": round(float(np.percentile(a, 50)), 3),
+        "itl_ms_p99": round(float(np.percentile(a, 99)), 3),
+        "itl_ms_mean": round(float(a.mean()), 3),
+    }
+
+
+def bandwidths(device: torch.device) -> dict[str, float | None]:
+    """HBM copy GB/s (read + write) and pinned host-to-device GB/s, measured now (on the CPU: a
+    DRAM copy, and no PCIe)."""
+    size = (4 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(size // 4, dtype=torch.float32, device=device).normal_()
+    hbm = 2 * size / copy_s(src, device, 20) / 1e9
+    pcie = None
+    if device.type == "cuda":
+        host = torch.empty((1 << 30) // 4, dtype=torch.float32, pin_memory=True).normal_()
+        pcie = (1 << 30) / copy_s(host, device, 10) / 1e9
+        del host
+    del src
+    free_memory()
+    return {"hbm_gbps": round(hbm, 1), "pcie_gbps": None if pcie is None else round(pcie, 2)}
+
+
+def block_bytes(config: dict[str, Any], model: dict[str, Any], element: int) -> int:
+    """One layer's block of K and V."""
+    return 2 * int(config["block_size"]) * model["num_key_value_heads"] * model["head_dim"] * element
+
+
+def floor_fields(
+    before: Any, after: Any, steps: int, weights: int, block: int, bw: dict[str, float | None]
+) -> dict[str, Any]:
+    """What a step read, from the daemon's counters (GetStats before and after `steps` steps),
+    and the time those bytes take at the measured bandwidths."""
+    g0, g1 = getattr(before, "global"), getattr(after, "global")
+    steps = max(1, steps)
+    hbm_kv = (g1.hbm_hits - g0.hbm_hits) * block / steps
+    pcie = (g1.fetch_bytes - g0.fetch_bytes) / steps
+    hbm_gbps, pcie_gbps = bw["hbm_gbps"], bw["pcie_gbps"]
+    assert hbm_gbps
+    floor_s = (weights + hbm_kv) / (hbm_gbps * 1e9) + (pcie / (pcie_gbps * 1e9) if pcie_gbps else 0.0)
+    return {
+        "floor_ms": round(floor_s * 1e3, 3),
+        "weights_bytes": weights,
+        "hbm_kv_bytes_read": int(hbm_kv),
+        "pcie_bytes": int(pcie),
+        "hbm_gbps": hbm_gbps,
+        "pcie_gbps": pcie_gbps,
+    }
+
+
+def weight_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+# ---- phases -------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Run:
+    args: argparse.Namespace
+    shape: Shape
+    model_dir: Path
+    data: dict[str, Any]
+    device: torch.device
+
+    def data_dir(self, name: str) -> Path:
+        path = self.args.work / name
+        if path.exists():
+            shutil.rmtree(path)
+        return path
+
+    def record(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        self.data.setdefault("runs", {})[key] = {
+            "date": dt.date.today().isoformat(),
+            "command": " ".join(["python -m h3d.bench.serve", *self.args.argv]),
+        }
+        save(self.args.out, self.data)
+
+    def vocab(self) -> int:
+        return int(self.shape.model["vocab_size"])
+
+
+def start(run: Run, name: str) -> tuple[Daemon, Client, dict[str, Any]]:
+    log(f"starting h3d serve ({name})")
+    daemon = Daemon(run.model_dir, run.data_dir(name))
+    client = Client(daemon.sock)
+    config = client.config()
+    warmed = daemon.event("warmed") or {}
+    log(f"ready in {daemon.listening.get('ready_s')} s (spawn to ready {daemon.spawn_to_ready_s:.1f} s); "
+        f"resolved {config.get('resolved')}; warm-up {warmed}")  # fmt: skip
+    run.data["ready_s"] = daemon.listening.get("ready_s")
+    run.data["warmup"] = {k: v for k, v in warmed.items() if k not in ("event", "timestamp", "level", "logger")}
+    return daemon, client, config
+
+
+def phase_single(run: Run) -> None:
+    shape, steps = run.shape, run.args.steps or run.shape.steps
+    daemon, client, config = start(run, "single")
+    out: dict[str, Any] = {m: {} for m in MODES}
+    element = torch.finfo(shape.dtype).bits // 8
+    counters: dict[tuple[str, int], tuple[Any, Any, int]] = {}
+    captures0 = client.stats().graphs.captures_after_ready
+    for mode in MODES:
+        for ctx in shape.contexts:
+            ids = prompt(run.vocab(), ctx, ctx)
+            sid = client.session(mode)
+            append_s = client.append(sid, ids)
+            before = client.stats()
+            stream = client.generate(sid, ids[0], steps + 1)
+            after = client.stats()
+            hit = next(s.hbm_hit_rate for s in after.sessions if s.session_id == sid)
+            counters[(mode, ctx)] = (before, after, len(stream.arrivals))
+            out[mode][str(ctx)] = {
+                "append_s": round(append_s, 3), "ttft_s": round(stream.ttft_s, 4), **itl(stream.gaps_ms()),
+                "tokens": len(stream.arrivals), "hbm_hit_rate": round(hit, 4),
+            }  # fmt: skip
+            client.close(sid)
+            log(f"daemon {mode} {ctx}: {out[mode][str(ctx)]}")
+    stats = client.stats()
+    run.data["graph_captures_after_ready"] = stats.graphs.captures_after_ready - captures0
+    run.data["graphs"] = {"captures_total": stats.graphs.captures_total, "warm_graphs": stats.graphs.warm_graphs,
+                          "eager_steps_total": stats.graphs.eager_steps_total}  # fmt: skip
+    log(f"daemon stopped in {daemon.stop():.1f} s")
+
+    local = Local(engine_config(config, run.data_dir("single-engine")))
+    for mode in MODES:
+        for ctx in shape.contexts:
+            ids = prompt(run.vocab(), ctx, ctx)
+            sid = local.session(mode)
+            append_s = local.append(sid, ids)
+            stream = local.generate(sid, ids[0], steps + 1)
+            local.close(sid)
+            fields = itl(stream.gaps_ms())
+            out[mode][str(ctx)].update(
+                engine_append_s=round(append_s, 3), engine_ttft_s=round(stream.ttft_s, 4),
+                engine_itl_ms_p50=fields["itl_ms_p50"], engine_itl_ms_mean=fields["itl_ms_mean"],
+            )  # fmt: skip
+            log(f"engine {mode} {ctx}: append {append_s:.3f} s, itl p50 {fields['itl_ms_p50']} ms")
+    local.shutdown()
+    bw = bandwidths(run.device)
+    weights = weight_bytes(run.model_dir)
+    block = block_bytes(config, shape.model, element)
+    for (mode, ctx), (before, after, tokens) in counters.items():
+        fields = floor_fields(before, after, tokens, weights, block, bw)
+        out[mode][str(ctx)].update(floor_ms=fields["floor_ms"], hbm_kv_bytes_read=fields["hbm_kv_bytes_read"],
+                                   pcie_bytes=fields["pcie_bytes"])  # fmt: skip
+    run.data["bandwidths"] = bw
+    run.record("single", out)
+    if not run.args.no_hf:
+        run.record("hf_dynamic", hf_dynamic(run, steps))
+
+
+def hf_dynamic(run: Run, steps: int) -> dict[str, Any]:
+    """transformers' LlamaForCausalLM (sdpa) with a DynamicCache: the same weights and prompts."""
+    from h3d.bench.gpu_hf import build_hf
+
+    shape = run.shape
+    model = build_hf(shape.model, shape.dtype, run.device, run.args.seed)
+    sync = torch.cuda.synchronize if run.device.type == "cuda" else (lambda: None)
+    out: dict[str, Any] = {}
+    with torch.inference_mode():
+        for ctx in (1024, *shape.contexts):  # the first: a warm-up
+            import transformers
+
+            ids = prompt(run.vocab(), ctx, ctx)
+            cache = transformers.DynamicCache()
+            x = torch.tensor([ids], device=run.device)
+            sync()
+            t0 = time.perf_counter()
+            tok = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+            sync()
+            prefill_s = time.perf_counter() - t0
+            times = []
+            for _ in range(min(steps, 16)):
+                sync()
+                t0 = time.perf_counter()
+                tok = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                sync()
+                times.append(time.perf_counter() - t0)
+            del cache, x
+            free_memory()
+            if ctx in shape.contexts:
+                out[str(ctx)] = {"prefill_s": round(prefill_s, 3),
+                                 "decode_ms_per_tok": round(float(np.median(times)) * 1e3, 3)}  # fmt: skip
+                log(f"transformers {ctx}: {out[str(ctx)]}")
+    del model
+    free_memory()
+    return out
+
+
+def phase_many(run: Run) -> None:
+    shape, steps = run.shape, run.args.steps or run.shape.steps
+    n, ctx = run.args.many or shape.many, shape.many_context
+    daemon, client, config = start(run, "many")
+    sids = [client.session("attention_entropy") for _ in range(n)]
+    t0 = time.perf_counter()
+    for i, sid in enumerate(sids):
+        client.append(sid, prompt(run.vocab(), ctx, 1000 + i))
+    log(f"{n} appends of {ctx} in {time.perf_counter() - t0:.1f} s")
+    before = client.stats()
+    t0 = time.perf_counter()
+    streams = parallel(lambda i: client.generate(sids[i], 100 + i, steps + 1), list(range(n)))
+    wall = time.perf_counter() - t0
+    after = client.stats()
+    tokens = sum(len(s.arrivals) for s in streams)
+    gaps = [g for s in streams for g in s.gaps_ms()]
+    hits = [s.hbm_hit_rate for s in after.sessions if s.session_id in set(sids)]
+    for sid in sids:
+        client.close(sid)
+    out: dict[str, Any] = {"sessions": n, "context": ctx, "tokens_per_s": round(tokens / wall, 2), **itl(gaps)}
+    out.update(hbm_hit_rate_min=round(min(hits), 4), hbm_hit_rate_mean=round(float(np.mean(hits)), 4))
+    log(f"daemon many: {out}")
+    log(f"daemon stopped in {daemon.stop():.1f} s")
+
+    local = Local(engine_config(config, run.data_dir("many-engine")))
+    lsids = [local.session("attention_entropy") for _ in range(n)]
+    for i, sid in enumerate(lsids):
+        local.append(sid, prompt(run.vocab(), ctx, 1000 + i))
+    t0 = time.perf_counter()
+    lstreams = local.generate_many(lsids, [100 + i for i in range(n)], steps + 1)
+    lwall = time.perf_counter() - t0
+    out["engine_tokens_per_s"] = round(sum(len(s.arrivals) for s in lstreams) / lwall, 2)
+    out["engine_itl_ms_p50"] = itl([g for s in lstreams for g in s.gaps_ms()])["itl_ms_p50"]
+    local.shutdown()
+    bw = bandwidths(run.device)
+    element = torch.finfo(shape.dtype).bits // 8
+    steps_run = max(1, tokens // n)
+    out.update(floor_fields(before, after, steps_run, weight_bytes(run.model_dir),
+                            block_bytes(config, shape.model, element), bw))  # fmt: skip
+    log(f"many: {out}")
+    run.record("many", out)
+
+
+def phase_prefill_under_load(run: Run) -> None:
+    shape = run.shape
+    n, ctx, long = shape.load_sessions, shape.load_context, shape.long_context
+    daemon, client, _ = start(run, "prefill-under-load")
+    ids = prompt(run.vocab(), long, long)
+    alone_sid = client.session("attention_entropy")
+    alone = client.append(alone_sid, ids)
+    client.close(alone_sid)
+    sids = [client.session("attention_entropy") for _ in range(n)]
+    for i, sid in enumerate(sids):
+        client.append(sid, prompt(run.vocab(), ctx, 2000 + i))
+    window: dict[str, float] = {}
+    long_sid = client.session("attention_entropy")
+
+    def appender() -> None:
+        time.sleep(1.0)  # the streams are decoding
+        window["start"] = time.perf_counter()
+        window["append_s"] = client.append(long_sid, ids)
+        window["end"] = time.perf_counter()
+
+    t = threading.Thread(target=appender)
+    t.start()
+    # The streams outlast the append (it starts a second into them).
+    streams = parallel(lambda i: client.generate(sids[i], 200 + i, shape.load_tokens), list(range(n)))
+    t.join()
+    during = [g for s in streams for g in s.gaps_ms(window["start"], window["end"])]
+    before = [g for s in streams for g in s.gaps_ms(0.0, window["start"])]
+    out = {
+        "sessions": n, "context": ctx, "long_context": long, "append_s": round(window["append_s"], 3),
+        "append_alone_s": round(alone, 3), "itl_ms_p99": itl(during)["itl_ms_p99"],
+        "itl_ms_max": round(max(during), 1) if during else None, "itl_ms_p50_before": itl(before)["itl_ms_p50"],
+        "tokens_during": len(during),
+    }  # fmt: skip
+    for sid in [*sids, long_sid]:
+        client.close(sid)
+    log(f"prefill under load: {out}")
+    log(f"daemon stopped in {daemon.stop():.1f} s")
+    run.record("prefill_during_decode", out)
+
+
+# ---- the report ---------------------------------------------------------------------------------
+
+
+def tokens_label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def table(data: dict[str, Any]) -> str:
+    """docs/BENCHMARKS.md's section: the figures of the newest runs of each phase."""
+    lines = []
+    single, hf = data.get("single"), data.get("hf_dynamic", {})
+    if single:
+        lines += [
+            "| mode | context | append s | engine append s | transformers prefill s | TTFT s | ITL p50 / p99 / mean ms "
+            "| engine ITL p50 ms | floor ms | HBM hit rate |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for mode, by_ctx in single.items():
+            for ctx, f in by_ctx.items():
+                base = hf.get(ctx, {}).get("prefill_s", "—") if mode == "exact" else "—"
+                lines.append(
+                    f"| {mode} | {tokens_label(int(ctx))} | {f['append_s']} | {f.get('engine_append_s')} | {base} "
+                    f"| {f['ttft_s']} | {f['itl_ms_p50']} / {f['itl_ms_p99']} / {f['itl_ms_mean']} "
+                    f"| {f.get('engine_itl_ms_p50')} | {f.get('floor_ms')} | {f['hbm_hit_rate']} |"
+                )
+        lines.append("")
+        lines.append(f"Ready in {data.get('ready_s')} s (warm-up: {data.get('warmup')}); graphs captured after "
+                     f"ready in this phase: {data.get('graph_captures_after_ready')}.")  # fmt: skip
+    many = data.get("many")
+    if many:
+        lines += [
+            "",
+            f"`many`: {many['sessions']} sessions of {tokens_label(many['context'])} decoding together: "
+            f"{many['tokens_per_s']} tokens/s through the daemon, {many['engine_tokens_per_s']} in-process; "
+            f"ITL p50 / p99 {many['itl_ms_p50']} / {many['itl_ms_p99']} ms; HBM hit rate min / mean "
+            f"{many['hbm_hit_rate_min']} / {many['hbm_hit_rate_mean']}; floor of a step {many['floor_ms']} ms.",
+        ]
+    load = data.get("prefill_during_decode")
+    if load:
+        lines += [
+            "",
+            f"`prefill-under-load`: a {tokens_label(load['long_context'])} append while {load['sessions']} sessions of "
+            f"{tokens_label(load['context'])} decode: their ITL p99 during it {load['itl_ms_p99']} ms (max "
+            f"{load['itl_ms_max']}, p50 before it {load['itl_ms_p50_before']}); the append took {load['append_s']} s "
+            f"against {load['append_alone_s']} s alone.",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m h3d.bench.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--phase", action="append", choices=PHASES, help="phases to run (repeatable; default: single)")
+    p.add_argument("--tiny", action="store_true", help="a tiny model and short contexts (a CPU, the test of the code)")
+    p.add_argument("--model-dir", type=Path, default=None, help="where the model folder is written (reused if current)")
+    p.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER, help="folder with the tokenizer's files")
+    p.add_argument("--work", type=Path, default=Path(".bench/serve"), help="the daemons' data folders")
+    p.add_argument("--out", type=Path, default=None, help="the JSON (default bench/results/<date>-<card>-serve.json)")
+    p.add_argument("--steps", type=int, default=0, help="tokens timed per stream (default 64; --tiny 8)")
+    p.add_argument("--many", type=int, default=0, help="sessions of the many phase (default 32; --tiny 4)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--write", type=Path, default=None, help="update this markdown file's serve section")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    card = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
+    slug = "h200" if "H200" in card else ("tiny" if args.tiny else device.type)
+    results = args.work if args.tiny else Path("bench/results")  # a tiny run's figures are not kept
+    args.out = args.out or results / f"{dt.date.today().isoformat()}-{slug}-serve.json"
+    shape = Shape.pick(args.tiny, tokenizer_config(args.tokenizer))
+    model_dir = args.model_dir or args.work / ("model-tiny" if args.tiny else "model-llama3-8b-shape")
+    data = json.loads(args.out.read_text()) if args.out.exists() else {}
+    data.update(card=card, torch=torch.__version__, transformers=version("transformers"), model=shape.model)
+    run = Run(args, shape, model_dir, data, device)
+    write_model(model_dir, shape, args.tokenizer, args.seed)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    for phase in args.phase or ["single"]:
+        t0 = time.perf_counter()
+        if phase == "restart":
+            log("the restart phase is the restart issue's; h3d.bench.restart measures restarts meanwhile")
+            continue
+        {"single": phase_single, "many": phase_many, "prefill-under-load": phase_prefill_under_load}[phase](run)
+        log(f"phase {phase}: {time.perf_counter() - t0:.0f} s")
+    print(table(run.data))
+    if args.write is not None:
+        write_section(args.write, "## `h3d serve` on the GPU, through gRPC\n\n" + table(run.data), "serve")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The benchmark through the daemon (`h3d.bench.serve`) on the CPU (`--tiny`): it starts `h3d serve`
+with its defaults, drives it over gRPC, runs the same requests in-process and writes the JSON the
+GPU issue specifies, so that it does not rot between runs on a card (its figures on a CPU mean
+nothing and are not kept). And its arithmetic: the engine-level configuration, the floor."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from h3d.bench import serve
+from h3d.config import EngineConfig
+
+SINGLE = {"append_s", "ttft_s", "itl_ms_p50", "itl_ms_p99", "itl_ms_mean", "engine_itl_ms_p50", "engine_append_s",
+          "floor_ms"}  # fmt: skip
+
+
+def test_tiny_single_phase_through_the_daemon_writes_the_specified_json(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "serve.json"
+    argv = ["--tiny", "--phase", "single", "--no-hf", "--steps", "4", "--tokenizer", str(checkpoint("llama_gqa4_tied")),
+            "--work", str(tmp_path / "work"), "--out", str(out), "--write", str(tmp_path / "B.md")]  # fmt: skip
+    assert serve.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert set(data["single"]) == {"exact", "attention_entropy"}
+    for mode in data["single"].values():
+        assert set(mode) == {"512", "2048"}
+        for fields in mode.values():
+            assert set(fields) >= SINGLE and fields["tokens"] == 5  # the prompt's token, then 4 more
+            assert 0 < fields["ttft_s"] < fields["append_s"] + 5 and fields["floor_ms"] > 0
+    assert data["graph_captures_after_ready"] == 0 and data["ready_s"] > 0
+    assert data["runs"]["single"]["command"].startswith("python -m h3d.bench.serve --tiny")
+    assert "| exact | 2K |" in (tmp_path / "B.md").read_text()
+
+
+def test_the_engine_level_run_takes_the_daemons_resolved_configuration(tmp_path: Path) -> None:
+    daemon = {
+        "model": "/m", "device": "auto", "hbm_mb": "auto", "ddr_mb": "auto", "prefill_chunk_tokens": "auto",
+        "policy": "exact", "block_size": 16, "quantize_skip_layers": [], "socket": "/s", "listen": None,
+        "resolved": {"hbm_mb": 97435.0, "ddr_mb": 51547.6, "prefill_chunk_tokens": 131072, "device": "cuda"},
+    }  # fmt: skip
+    cfg = serve.engine_config(daemon, tmp_path)
+    assert isinstance(cfg, EngineConfig)
+    assert (cfg.hbm_mb, cfg.ddr_mb, cfg.prefill_chunk_tokens, cfg.device) == (97435.0, 51547.6, 131072, "cuda")
+    assert (cfg.policy, cfg.block_size, cfg.model) == ("exact", 16, "/m")
+    assert cfg.ssd_path == str(tmp_path / "archive") and cfg.session_log_path == str(tmp_path / "sessions")
+
+
+def test_the_floor_is_the_bytes_a_step_read_at_the_measured_bandwidths() -> None:
+    def stats(hits: int, fetched: int) -> SimpleNamespace:
+        return SimpleNamespace(**{"global": SimpleNamespace(hbm_hits=hits, fetch_bytes=fetched)})
+
+    block = serve.block_bytes({"block_size": 32}, {"num_key_value_heads": 8, "head_dim": 128}, 2)
+    assert block == 2 * 32 * 8 * 128 * 2
+    f = serve.floor_fields(stats(100, 0), stats(100 + 10 * 64, 10 * 2_000_000), 10, 4_000_000_000, block,
+                           {"hbm_gbps": 4000.0, "pcie_gbps": 50.0})  # fmt: skip
+    assert f["hbm_kv_bytes_read"] == 64 * block and f["pcie_bytes"] == 2_000_000
+    want = (4e9 + 64 * block) / 4000e9 + 2e6 / 50e9
+    assert f["floor_ms"] == pytest.approx(want * 1e3, abs=1e-3)
+
+
+def test_inter_token_figures_and_the_window_of_a_stream() -> None:
+    s = serve.Stream(sent=10.0, arrivals=[10.5, 10.51, 10.53, 11.53])
+    assert s.ttft_s == pytest.approx(0.5)
+    assert s.gaps_ms() == pytest.approx([10.0, 20.0, 1000.0])
+    assert s.gaps_ms(10.52, 11.0) == pytest.approx([20.0])  # the tokens that arrived within the window
+    f = serve.itl([10.0, 20.0, 1000.0])
+    assert f["itl_ms_p50"] == 20.0 and f["itl_ms_mean"] == pytest.approx(343.333, abs=1e-3)
+    assert serve.itl([]) == {"itl_ms_p50": None, "itl_ms_p99": None, "itl_ms_mean": None}
