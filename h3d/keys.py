@@ -161,7 +161,9 @@ ENGINE: tuple[Key, ...] = (
         "A dense layer reads every block of the context at every step, a sparse layer its window: with long "
         "contexts under HBF, HBM is worth more there (on the H200 at 128K with 3 GiB, equal regions hold 511 of "
         "each layer's 4,100 blocks: 88 % of the two dense layers' blocks sit in DDR and are read over PCIe at "
-        "every step). Unset: equal regions; in (0, 1)",
+        "every step). Unset: under a selecting policy each dense layer's region holds the longest context "
+        "(`max_context_tokens`, else the model's) where equal regions would hold less, the dense layers together "
+        "at most half of HBM, the others sharing the rest; else equal regions. In (0, 1)",
         default="unset",
         help="share of the HBM pool for the dense layers' regions together, in (0, 1); the other layers share "
         "the rest equally. Unset: every layer's region equal",

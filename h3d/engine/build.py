@@ -58,12 +58,16 @@ def budgets(config: EngineConfig, model: CausalLM, max_context: int) -> Budgets:
     )  # fmt: skip
 
 
-def build_runner(config: EngineConfig, model: CausalLM, sizes: Budgets) -> ModelRunner:
-    """The runner of `model` within the HBM and DDR budgets `sizes`, over `config`'s archive (if any)."""
+def build_runner(config: EngineConfig, model: CausalLM, sizes: Budgets, max_context: int | None = None) -> ModelRunner:
+    """The runner of `model` within the HBM and DDR budgets `sizes`, over `config`'s archive (if
+    any). Under a selecting policy the dense layers' regions hold a whole `max_context` where HBM
+    allows (`h3d.kv.sizing.region_sizes`)."""
     mc = model.config
+    selects = policy_named(config.policy).selects and config.dense_layers > 0
+    whole = -(-max_context // config.block_size) if max_context and selects else None
     pools = plan_pools(
         sizes.hbm_mb, sizes.ddr_mb, config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-        model.lm_head.weight_t.dtype.itemsize, config.dense_layers, config.dense_hbm_share,
+        model.lm_head.weight_t.dtype.itemsize, config.dense_layers, config.dense_hbm_share, whole_blocks=whole,
     )  # fmt: skip
     runner = ModelRunner(
         model,

@@ -82,7 +82,7 @@ class Engine:
         self.tokenizer = Tokenizer(config.model)
         self.max_context = config.max_context_tokens or self.model.config.max_position_embeddings
         self.budgets = budgets(config, self.model, self.max_context)  # `auto` keys resolved
-        self.runner = build_runner(config, self.model, self.budgets)
+        self.runner = build_runner(config, self.model, self.budgets, self.max_context)
         self.kv = self.runner.kv  # every session's KV state: asked and changed there
         self.eos_ids = frozenset(self.model.config.eos_token_ids)
         self.sessions: dict[SessionId, Session] = {}

@@ -55,19 +55,31 @@ def slot_bytes(block_size: int, num_kv_heads: int, head_dim: int, elem_bytes: in
 
 
 def region_sizes(
-    total: int, num_layers: int, dense_layers: int, dense_share: float | None, max_slots: int | None = None
+    total: int,
+    num_layers: int,
+    dense_layers: int,
+    dense_share: float | None,
+    max_slots: int | None = None,
+    whole: int | None = None,
 ) -> list[int]:
-    """HBM slots per layer region for `total` slots: equal regions (`dense_share` None), or
-    `dense_share` of them split among the first `dense_layers` layers and the rest among the
-    others; every region gets at least one slot and, with `max_slots`, at most that many (what
-    a capped dense region leaves goes to the others)."""
+    """HBM slots per layer region for `total` slots: `dense_share` of them split among the first
+    `dense_layers` layers and the rest among the others; with no `dense_share`, each dense layer
+    holds `whole` blocks (a whole longest context: a dense layer reads every block at every step,
+    a sparse one its window) where equal regions would hold fewer, the dense layers together at
+    most half of HBM, else equal regions. Every region gets at least one slot and, with
+    `max_slots`, at most that many (what a capped dense region leaves goes to the others)."""
 
     def fit(slots: int) -> int:
         return max(1, slots) if max_slots is None else min(max_slots, max(1, slots))
 
-    if dense_share is None or not 0 < dense_layers < num_layers:
+    if not 0 < dense_layers < num_layers:
         return [fit(total // num_layers)] * num_layers
-    dense = fit(int(total * dense_share) // dense_layers)
+    if dense_share is not None:
+        dense = fit(int(total * dense_share) // dense_layers)
+    elif whole is not None and total // num_layers < whole:
+        dense = fit(min(whole, total // (2 * dense_layers)))
+    else:
+        return [fit(total // num_layers)] * num_layers
     sparse = fit((total - dense * dense_layers) // (num_layers - dense_layers))
     return [dense] * dense_layers + [sparse] * (num_layers - dense_layers)
 
@@ -84,15 +96,17 @@ def plan_pools(
     dense_hbm_share: float | None = None,
     *,
     max_region_slots: int | None = None,
+    whole_blocks: int | None = None,
 ) -> PoolPlan:
     """The slots `hbm_mb` and `ddr_mb` MiB hold, the HBM ones split into layer regions
-    (`region_sizes`); `max_region_slots` caps a region (a run that knows how many blocks it
-    writes). Raises ConfigError when HBM holds fewer than one slot per layer."""
+    (`region_sizes`; `whole_blocks`: the dense layers' whole context); `max_region_slots` caps a
+    region (a run that knows how many blocks it writes). Raises ConfigError when HBM holds fewer
+    than one slot per layer."""
     slot = slot_bytes(block_size, num_kv_heads, head_dim, elem_bytes)
     hbm = int(hbm_mb * 2**20) // slot
     if hbm < num_layers:
         raise ConfigError(f"hbm_mb: {hbm_mb} MiB holds fewer than one KV block per layer")
-    regions = region_sizes(hbm, num_layers, dense_layers, dense_hbm_share, max_region_slots)
+    regions = region_sizes(hbm, num_layers, dense_layers, dense_hbm_share, max_region_slots, whole_blocks)
     return PoolPlan(tuple(regions), int(ddr_mb * 2**20) // slot)
 
 

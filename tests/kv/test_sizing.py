@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from h3d.errors import ConfigError
-from h3d.kv.sizing import CPU_BUDGETS, Budgets, Hardware, auto_budgets
+from h3d.kv.sizing import CPU_BUDGETS, Budgets, Hardware, auto_budgets, region_sizes
 
 GIB = 2**30
 MIB = 2**20
@@ -74,3 +74,22 @@ def test_auto_refuses_a_card_left_without_room_for_kv() -> None:
     full = Hardware(gpu_total=24 * GIB, gpu_free=3 * GIB, host_total=100 * GIB, host_available=100 * GIB)
     with pytest.raises(ConfigError, match=r"hbm_mb: auto leaves no GPU memory for KV .* 65536-token prefill chunk"):
         sized(hw=full)
+
+
+@pytest.mark.parametrize(
+    ("total", "share", "whole", "want"),
+    [
+        # 3 GiB of 128 KiB slots for 32 layers at 128K (4,097 blocks): equal regions would hold 768
+        # of them; each dense layer gets its whole context, the 30 others share the rest.
+        (24576, None, 4097, [4097, 4097] + [546] * 30),
+        (786432, None, 4097, [24576] * 32),  # equal regions already hold the whole context
+        (8192, None, 4097, [2048, 2048] + [136] * 30),  # the dense layers take at most half of HBM
+        (24576, None, None, [768] * 32),  # no context known (or a policy that reads every block)
+        (24576, 0.5, 4097, [6144, 6144] + [409] * 30),  # dense_hbm_share decides when set
+    ],
+)
+def test_dense_layers_get_their_whole_context_where_it_fits(
+    total: int, share: float | None, whole: int | None, want: list[int]
+) -> None:
+    assert region_sizes(total, 32, 2, share, whole=whole) == want
+    assert sum(want) <= total
