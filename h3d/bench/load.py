@@ -1,7 +1,7 @@
 """Load test of the daemon over loopback: many clients, streaming Generate, latency and leaks.
 
     python -m h3d.bench.load --model DIR [--tiny] [--clients 64] [--requests 20] [--max-tokens 16]
-        [--time-limit-s 900] [--write docs/BENCHMARKS.md]
+        [--time-limit-s 900] [--write docs/BENCHMARKS.md] [--json FILE]
 
 Starts `h3d serve` on a temporary data dir (Unix socket), runs a warm-up round, reads the daemon's
 RSS, then `--clients` concurrent clients (one grpc.aio channel and session each) send
@@ -159,7 +159,7 @@ def _batches(engine: Engine, clients: int, requests: int, params: SamplingParams
     return tokens
 
 
-def run(args: argparse.Namespace) -> str:
+def run(args: argparse.Namespace) -> tuple[str, dict[str, object]]:
     model = Path(args.model)
     work = Path(tempfile.mkdtemp(prefix="h3d-load-"))
     if args.tiny:
@@ -207,7 +207,26 @@ def run(args: argparse.Namespace) -> str:
          f"{rss_warm:.0f} / {rss_after:.0f} ({(rss_after / rss_warm - 1) * 100:+.1f} %)"),
     ]  # fmt: skip
     table = "\n".join(["| figure | value |", "|---|---:|", *[f"| {k} | {v} |" for k, v in rows]])
-    return table
+    figures: dict[str, object] = {
+        "date": dt.date.today().isoformat(),
+        "model": "tiny (first 2 layers of the embedded model)" if args.tiny else Path(args.model).name,
+        "clients": args.clients,
+        "requests": args.clients * args.requests,
+        "max_tokens": args.max_tokens,
+        "tokens": tokens,
+        "daemon_ms_per_token": round(wall / tokens * 1e3, 4),
+        "inprocess_ms_per_token": round(base_wall / base_tokens * 1e3, 4),
+        "daemon_tokens_per_s": round(tokens / wall, 2),
+        "inprocess_tokens_per_s": round(base_tokens / base_wall, 2),
+        "ttft_ms_p50": round(ms(ttft, 50), 2),
+        "ttft_ms_p99": round(ms(ttft, 99), 2),
+        "itl_ms_p50": round(ms(gaps, 50), 2),
+        "itl_ms_p99": round(ms(gaps, 99), 2),
+        "daemon_cpu_s": round(cpu_daemon, 1),
+        "rss_mb_warm": round(rss_warm),
+        "rss_mb_after": round(rss_after),
+    }
+    return table, figures
 
 
 def main() -> None:
@@ -219,9 +238,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--time-limit-s", type=float, default=900)
     parser.add_argument("--write", default=None)
+    parser.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file as well")
     args = parser.parse_args()
-    table = run(args)
+    table, figures = run(args)
     print(table)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
     if args.write:
         name = "tiny (first 2 layers of the embedded model)" if args.tiny else "embedded model (SmolLM2-135M, fp32)"
         meta = (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -163,6 +164,7 @@ def stats_pb(state: State, engine: Engine, ids: list[SessionId]) -> pb.Stats:
                 hbm_hit_rate=mine.hbm_hit_rate,
                 ssd_read_count=mine.ssd_read_count,
                 window_tokens=engine.kv.window_tokens(session.seq),
+                **itl_fields(state.gaps.get(sid)),
             )
         )
     active = len(engine.requests())
@@ -182,6 +184,14 @@ def stats_pb(state: State, engine: Engine, ids: list[SessionId]) -> pb.Stats:
         draining=state.draining,
         graphs=graph_stats_pb(engine),
     )
+
+
+def itl_fields(gaps: Iterable[float] | None) -> dict[str, float]:
+    """p50 / p99 of a session's recent inter-token gaps, in ms (0 when it has none)."""
+    ms = sorted(g * 1e3 for g in list(gaps or ()))
+    if not ms:
+        return {"itl_ms_p50": 0.0, "itl_ms_p99": 0.0}
+    return {"itl_ms_p50": ms[(len(ms) - 1) // 2], "itl_ms_p99": ms[min(len(ms) - 1, int(len(ms) * 0.99))]}
 
 
 def graph_stats_pb(engine: Engine) -> pb.GraphStats:

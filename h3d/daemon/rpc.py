@@ -15,7 +15,8 @@ import asyncio
 import itertools
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,6 +36,7 @@ from h3d.errors import H3Error, InvalidRequest, SessionNotFound, clip
 log = structlog.get_logger("h3d.rpc")
 
 SESSION_ID = re.compile(r"[0-9a-f]{32}")
+GAPS = 512  # tokens per session whose gaps Stats' itl_ms_p50/p99 are over
 
 
 class State:
@@ -50,7 +52,22 @@ class State:
         self.draining = False
         self.started = time.time()
         self.request_ids = itertools.count(1)
-        self.resolved: dict[str, float] = {}  # what the `auto` keys were sized to (GetConfig's "resolved")
+        self.resolved: dict[str, object] = {}  # what the `auto` keys were sized to (GetConfig's "resolved")
+        # per session, the gaps (s) between the last GAPS tokens the daemon sent (Stats' itl_ms_p50/p99)
+        self.gaps: dict[SessionId, deque[float]] = {}
+
+    def token_gap(self, sid: SessionId, gap_s: float) -> None:
+        """A token of `sid` sent `gap_s` after its previous one (on the loop)."""
+        gaps = self.gaps.get(sid)
+        if gaps is None:
+            gaps = self.gaps[sid] = deque(maxlen=GAPS)
+        gaps.append(gap_s)
+
+    def prune_gaps(self, live: Iterable[SessionId]) -> None:
+        """Forget the gaps of sessions that are gone."""
+        keep = set(live)
+        for sid in [s for s in self.gaps if s not in keep]:
+            del self.gaps[sid]
 
     def accepting(self) -> None:
         if self.draining:

@@ -117,6 +117,7 @@ class Daemon:
         self._tasks.append(asyncio.create_task(self._expiry_loop()))
         if self.notifier.watchdog_s:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(self.notifier.watchdog_s / 2)))
+        self.worker.collector.start()  # what exists now is frozen; GC runs between steps from here on
         log.info("listening", **addresses, ready_s=round(time.perf_counter() - started, 3))
         self.notifier.send(READY="1", STATUS="serving", MAINPID=str(os.getpid()))
 
@@ -130,6 +131,7 @@ class Daemon:
         if metrics_server is not None:
             metrics_server.close()
         await asyncio.to_thread(self.worker.stop, 30)
+        self.worker.collector.stop()
         t0 = time.perf_counter()
         written = await asyncio.to_thread(engine.checkpoint)  # every session's KV durable, logs synced
         log.info("checkpoint", blocks_written=written, sessions=len(engine.sessions),
@@ -275,7 +277,10 @@ class Daemon:
                 tokens_per_s=round(t.tokens_per_s, 2),
                 sessions=t.sessions,
                 in_flight=self.state.in_flight,
+                gc_collections=self.worker.collector.collections,
+                gc_pause_ms_max=round(self.worker.collector.take_max() * 1e3, 2),
             )
+            self.state.prune_gaps(self.state.owners)  # the gaps of purged sessions
 
     async def _expiry_loop(self) -> None:
         """Close sessions idle for `session_ttl_s` (not busy, not pinned, not closed yet), when it is set:

@@ -185,6 +185,8 @@ class H3Servicer:
                     if isinstance(event, TokenDelta):
                         now = time.perf_counter()
                         self.s.metrics.token(now - last, first=first is None)
+                        if first is not None:
+                            self.s.token_gap(sid, now - last)
                         first = first or now
                         last = now
                         yield pb.GenerateResponse(delta=pb.TokenDelta(text=event.text, token_ids=[event.token_id]))

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from h3d.daemon.collector import Collector
 from h3d.engine.engine import Engine
 from h3d.engine.session import AppendDone, Event, GenerationDone, RequestFailed, RequestId, SessionId
 from h3d.errors import H3Error
@@ -50,6 +51,7 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="h3d-engine", daemon=True)
         self._tokens: deque[tuple[float, int]] = deque()  # (time, generated tokens) per step
         self._busy_at = 0.0  # when the engine thread last ran a step
+        self.collector = Collector()  # Python's GC between steps (`Collector.start`: the daemon's choice)
 
     # ---- the loop's side --------------------------------------------------------------------
 
@@ -127,6 +129,7 @@ class EngineWorker:
             if self._stop:
                 return
             if not self.engine.has_work:
+                self.collector.due()
                 if self.engine.runner.graphs.deferred and time.monotonic() - self._busy_at >= CAPTURE_IDLE_S:
                     self.engine.upkeep(idle=True)  # graphs that steps wanted, captured once requests paused
                     continue
@@ -155,6 +158,7 @@ class EngineWorker:
                 while self._tokens and self._tokens[0][0] < now - THROUGHPUT_WINDOW_S:
                     self._tokens.popleft()
             self._dispatch(events)
+            self.collector.due()  # between steps, never during one
 
     def _run_commands(self) -> None:
         while True:

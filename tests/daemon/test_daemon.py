@@ -945,6 +945,12 @@ def test_generation_stops_at_max_context_tokens(limits_daemon: RunningDaemon) ->
         req = pb.GenerateRequest(session_id=session.session_id, sampling=pb.SamplingParams(ignore_eos=True))
         stream = collect(list(h3.Generate(req, timeout=T)))
         assert stream.done.finish_reason == pb.FINISH_REASON_LENGTH and stream.done.completion_tokens == 54
+    # Each session's inter-token latency as the daemon sent its tokens (GetStats' own fields).
+    for session in (plain, tuned):
+        (mine,) = h3.GetStats(pb.GetStatsRequest(session_id=session.session_id), timeout=T).sessions
+        assert 0 < mine.itl_ms_p50 <= mine.itl_ms_p99 < 60_000
+    (fresh,) = h3.GetStats(pb.GetStatsRequest(session_id=new_session(h3)), timeout=T).sessions
+    assert fresh.itl_ms_p50 == fresh.itl_ms_p99 == 0.0  # no token yet
 
 
 @pytest.mark.parametrize(("what", "call", "code", "words"), BAD_INPUTS)

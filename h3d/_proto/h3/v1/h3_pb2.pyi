@@ -282,20 +282,24 @@ class GetStatsRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class SessionStats(_message.Message):
-    __slots__ = ("session_id", "num_tokens", "residency", "hbm_hit_rate", "ssd_read_count", "window_tokens")
+    __slots__ = ("session_id", "num_tokens", "residency", "hbm_hit_rate", "ssd_read_count", "window_tokens", "itl_ms_p50", "itl_ms_p99")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     HBM_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     SSD_READ_COUNT_FIELD_NUMBER: _ClassVar[int]
     WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ITL_MS_P50_FIELD_NUMBER: _ClassVar[int]
+    ITL_MS_P99_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_tokens: int
     residency: TierResidency
     hbm_hit_rate: float
     ssd_read_count: int
     window_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ..., hbm_hit_rate: _Optional[float] = ..., ssd_read_count: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
+    itl_ms_p50: float
+    itl_ms_p99: float
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ..., hbm_hit_rate: _Optional[float] = ..., ssd_read_count: _Optional[int] = ..., window_tokens: _Optional[int] = ..., itl_ms_p50: _Optional[float] = ..., itl_ms_p99: _Optional[float] = ...) -> None: ...
 
 class Throughput(_message.Message):
     __slots__ = ("tokens_per_s", "window_s", "generated_tokens_total", "prefill_tokens_total", "active_requests", "queued_requests", "sessions")
