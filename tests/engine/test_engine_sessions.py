@@ -284,9 +284,10 @@ def _refused(engine: Engine, sid: SessionId, ids: list[int]) -> None:
 
 def test_out_of_blocks_fails_the_request_not_the_engine(checkpoint: Callable[[str], Path]) -> None:
     # llama_gqa4_tied: a slot is 2 (K, V) x 16 tokens x 2 heads x 16 x 4 B = 4 KiB; 3 layers.
-    # HBM: 4 slots per layer (64 tokens); DDR: 2 slots; no ssd_path, so nothing can spill further.
+    # HBM: 4 slots per layer (64 tokens; under exact, equal regions); DDR: 2 slots; no ssd_path,
+    # so nothing can spill further.
     slot_mb = 4096 / 2**20
-    engine = make_engine(checkpoint(MODEL), hbm_mb=12 * slot_mb, ddr_mb=2 * slot_mb)
+    engine = make_engine(checkpoint(MODEL), hbm_mb=12 * slot_mb, ddr_mb=2 * slot_mb, policy="exact")
     assert capacity(engine) == 4 and engine.runner.blocks.ddr_alloc.capacity == 2
     prompt = random_prompt(20, VOCAB_SIZE, seed=6)
     kept = engine.create_session()

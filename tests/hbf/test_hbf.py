@@ -467,18 +467,21 @@ def test_entropy_resizes_the_window_every_16_steps_within_its_bounds(entropy: fl
 
 def test_dense_layers_given_their_share_of_hbm_keep_their_blocks_there(checkpoint: Callable[[str], Path]) -> None:
     """With `dense_hbm_share` the dense layers' regions hold their whole context while the sparse
-    layers keep only what their window needs; equal regions leave the dense layers' blocks in DDR.
-    Where the blocks live changes nothing that is computed: the same tokens."""
+    layers keep only what their window needs; unset, each dense layer holds the longest context
+    (`max_context_tokens`) where equal regions would not; equal regions (a third each) leave the
+    dense layer's blocks in DDR. Where the blocks live changes nothing that is computed: the same
+    tokens."""
     ckpt = checkpoint("llama_gqa4_tied")
     probe = make_engine(ckpt)
     layers, slot_bytes = probe.model.config.num_layers, probe.runner.hbm.slot_bytes
     prompt = random_prompt(600, 512, seed=11)  # 38 blocks of 16 tokens
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     runs = {}
-    for share in (None, 0.7):
+    for share in (1 / 3, None, 0.7):
         engine = make_engine(
             ckpt, block_size=BS, policy="attention_entropy", window_tokens=128, window_min_tokens=128,
-            dense_layers=1, hbm_mb=24 * layers * slot_bytes / 2**20, dense_hbm_share=share, check_invariants=True,
+            dense_layers=1, hbm_mb=30 * layers * slot_bytes / 2**20, dense_hbm_share=share, check_invariants=True,
+            max_context_tokens=640,
         )  # fmt: skip
         s = engine.create_session()
         engine.append(s, token_ids=prompt)
@@ -486,11 +489,13 @@ def test_dense_layers_given_their_share_of_hbm_keep_their_blocks_there(checkpoin
         t = engine.runner.blocks.table(engine.sessions[s].seq)
         in_hbm = (t.hbm[:, : t.num_blocks] != NONE).sum(axis=1)  # [L] blocks per layer in HBM
         runs[share] = (out, in_hbm, engine.runner.blocks.hbm_regions.tolist())
-    (equal, eq_hbm, eq_regions), (dense, de_hbm, de_regions) = runs[None], runs[0.7]
+    (equal, eq_hbm, eq_regions), (auto, au_hbm, au_regions) = runs[1 / 3], runs[None]
+    dense, de_hbm, de_regions = runs[0.7]
     nb = -(-(600 + 12 - 1) // BS)
-    assert layers == 3 and eq_regions == [24] * 3 and de_regions == [50, 11, 11] and eq_hbm[0] < nb
-    assert de_hbm[0] == nb, "the dense layer's whole context is in HBM"
-    assert dense.token_ids == equal.token_ids
+    assert layers == 3 and eq_regions == [30] * 3 and eq_hbm[0] < nb
+    assert au_regions == [40, 25, 25] and au_hbm[0] == nb, "unset: the longest context (40 blocks) in HBM"
+    assert de_regions == [62, 14, 14] and de_hbm[0] == nb, "the dense layer's whole context is in HBM"
+    assert dense.token_ids == auto.token_ids == equal.token_ids
 
 
 def test_promotions_per_step_are_capped_hottest_first() -> None:
