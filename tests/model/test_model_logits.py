@@ -83,8 +83,8 @@ def test_a_long_chunk_in_slices_matches_transformers(
     with most blocks placed in DDR; and with K/V written in one launch as on CUDA (`paged_write`)."""
     engine = make_engine(checkpoint(name), max_context_tokens=1024)
     slot = engine.runner.hbm.slot_bytes * engine.model.config.num_layers
-    engine = make_engine(checkpoint(name), max_context_tokens=1024, hbm_mb=6 * slot / 2**20)
-    assert engine.runner.blocks.slots_per_layer == 6  # 6 of the prompt's 19 blocks in HBM
+    engine = make_engine(checkpoint(name), max_context_tokens=1024, hbm_mb=6 * slot / 2**20, policy="exact")
+    assert engine.runner.blocks.slots_per_layer == 6  # 6 of the prompt's 19 blocks in HBM (equal regions)
     engine.model.rows = 32
     engine.runner.plan_on_device = one_launch_writes
     ids = random_prompt(PROMPT_LEN, engine.model.config.vocab_size, seed=123)
