@@ -19,6 +19,7 @@ import type { GetConfigRequest as _h3_v1_GetConfigRequest, GetConfigRequest__Out
 import type { GetConfigResponse as _h3_v1_GetConfigResponse, GetConfigResponse__Output as _h3_v1_GetConfigResponse__Output } from './h3/v1/GetConfigResponse.js';
 import type { GetSessionRequest as _h3_v1_GetSessionRequest, GetSessionRequest__Output as _h3_v1_GetSessionRequest__Output } from './h3/v1/GetSessionRequest.js';
 import type { GetStatsRequest as _h3_v1_GetStatsRequest, GetStatsRequest__Output as _h3_v1_GetStatsRequest__Output } from './h3/v1/GetStatsRequest.js';
+import type { GraphStats as _h3_v1_GraphStats, GraphStats__Output as _h3_v1_GraphStats__Output } from './h3/v1/GraphStats.js';
 import type { H3Client as _h3_v1_H3Client, H3Definition as _h3_v1_H3Definition } from './h3/v1/H3.js';
 import type { H3AdminClient as _h3_v1_H3AdminClient, H3AdminDefinition as _h3_v1_H3AdminDefinition } from './h3/v1/H3Admin.js';
 import type { ListSessionsRequest as _h3_v1_ListSessionsRequest, ListSessionsRequest__Output as _h3_v1_ListSessionsRequest__Output } from './h3/v1/ListSessionsRequest.js';
@@ -64,6 +65,7 @@ export interface ProtoGrpcType {
       GetConfigResponse: MessageTypeDefinition<_h3_v1_GetConfigResponse, _h3_v1_GetConfigResponse__Output>
       GetSessionRequest: MessageTypeDefinition<_h3_v1_GetSessionRequest, _h3_v1_GetSessionRequest__Output>
       GetStatsRequest: MessageTypeDefinition<_h3_v1_GetStatsRequest, _h3_v1_GetStatsRequest__Output>
+      GraphStats: MessageTypeDefinition<_h3_v1_GraphStats, _h3_v1_GraphStats__Output>
       H3: SubtypeConstructor<typeof grpc.Client, _h3_v1_H3Client> & { service: _h3_v1_H3Definition }
       H3Admin: SubtypeConstructor<typeof grpc.Client, _h3_v1_H3AdminClient> & { service: _h3_v1_H3AdminDefinition }
       ListSessionsRequest: MessageTypeDefinition<_h3_v1_ListSessionsRequest, _h3_v1_ListSessionsRequest__Output>

@@ -13,6 +13,12 @@ export interface SessionStats {
   'hbmHitRate'?: (number | string);
   'ssdReadCount'?: (number | string | Long);
   'windowTokens'?: (number | string | Long);
+  /**
+   * Inter-token latency of its streams as the daemon sent them (milliseconds), over its last 512
+   * tokens; 0 before its second token.
+   */
+  'itlMsP50'?: (number | string);
+  'itlMsP99'?: (number | string);
 }
 
 export interface SessionStats__Output {
@@ -25,4 +31,10 @@ export interface SessionStats__Output {
   'hbmHitRate': (number);
   'ssdReadCount': (number);
   'windowTokens': (number);
+  /**
+   * Inter-token latency of its streams as the daemon sent them (milliseconds), over its last 512
+   * tokens; 0 before its second token.
+   */
+  'itlMsP50': (number);
+  'itlMsP99': (number);
 }

@@ -3,6 +3,7 @@
 import type { TierStats as _h3_v1_TierStats, TierStats__Output as _h3_v1_TierStats__Output } from '../../h3/v1/TierStats.js';
 import type { SessionStats as _h3_v1_SessionStats, SessionStats__Output as _h3_v1_SessionStats__Output } from '../../h3/v1/SessionStats.js';
 import type { Throughput as _h3_v1_Throughput, Throughput__Output as _h3_v1_Throughput__Output } from '../../h3/v1/Throughput.js';
+import type { GraphStats as _h3_v1_GraphStats, GraphStats__Output as _h3_v1_GraphStats__Output } from '../../h3/v1/GraphStats.js';
 
 export interface Stats {
   'global'?: (_h3_v1_TierStats | null);
@@ -16,6 +17,7 @@ export interface Stats {
    * The daemon is draining (refusing new requests).
    */
   'draining'?: (boolean);
+  'graphs'?: (_h3_v1_GraphStats | null);
 }
 
 export interface Stats__Output {
@@ -30,4 +32,5 @@ export interface Stats__Output {
    * The daemon is draining (refusing new requests).
    */
   'draining': (boolean);
+  'graphs': (_h3_v1_GraphStats__Output | null);
 }
