@@ -9,6 +9,7 @@ whenever it ends before the request did.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import time
@@ -23,6 +24,7 @@ from h3d.daemon.rpc import State
 from h3d.engine.engine import Engine
 from h3d.engine.session import (
     AppendDone,
+    Event,
     GenerationDone,
     PrefillProgress,
     RequestFailed,
@@ -179,17 +181,23 @@ class H3Servicer:
             finished = False
             first: float | None = None
             last = started
+            carry: Event | None = None
             try:
                 while True:
-                    event = await events.get()
+                    event, carry = (carry if carry is not None else await events.get()), None
                     if isinstance(event, TokenDelta):
+                        # Every token already queued goes out in this message (the loop fell behind
+                        # the engine: one message, not one per token); what ends the stream waits.
+                        delta, n, carry = coalesce(event, events)
                         now = time.perf_counter()
-                        self.s.metrics.token(now - last, first=first is None)
-                        if first is not None:
-                            self.s.token_gap(sid, now - last)
-                        first = first or now
+                        for i in range(n):  # the first after its gap, the others with it
+                            gap = now - last if i == 0 else 0.0
+                            self.s.metrics.token(gap, first=first is None)
+                            if first is not None:
+                                self.s.token_gap(sid, gap)
+                            first = first or now
                         last = now
-                        yield pb.GenerateResponse(delta=pb.TokenDelta(text=event.text, token_ids=[event.token_id]))
+                        yield pb.GenerateResponse(delta=delta)
                     elif isinstance(event, GenerationDone):
                         finished = True
                         ttft = (first or time.perf_counter()) - started
@@ -211,6 +219,19 @@ class H3Servicer:
         else:
             ids = [sid for sid, owner in self.s.owners.items() if owner == caller.owner or caller.admin]
         return await self.s.worker.call(lambda e: stats_pb(self.s, e, ids))
+
+
+def coalesce(first: TokenDelta, events: asyncio.Queue[Event]) -> tuple[pb.TokenDelta, int, Event | None]:
+    """`first` and the deltas queued behind it as one message: (the message, its tokens, the
+    event that stopped the draining, if one did: the caller handles it next)."""
+    texts, ids = [first.text], [first.token_id]
+    while not events.empty():
+        event = events.get_nowait()
+        if not isinstance(event, TokenDelta):
+            return pb.TokenDelta(text="".join(texts), token_ids=ids), len(ids), event
+        texts.append(event.text)
+        ids.append(event.token_id)
+    return pb.TokenDelta(text="".join(texts), token_ids=ids), len(ids), None
 
 
 def _age(session: Session) -> tuple[float, str]:
