@@ -69,6 +69,12 @@ def stats_text(stats: Any) -> str:
         ),
         ("uptime", duration(stats.uptime_s)),
         ("draining", yes_no(stats.draining)),
+        (
+            "graphs",
+            f"{stats.graphs.captures_total} captured ({stats.graphs.warm_graphs} warm in {stats.graphs.warm_s:.1f}s, "
+            f"{stats.graphs.captures_after_ready} after ready, {stats.graphs.deferred} waiting); "
+            f"{stats.graphs.replays_total} steps replayed, {stats.graphs.eager_steps_total} eager while waiting",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
@@ -107,6 +113,7 @@ def top_frame(stats: Any, sessions: list[Any]) -> str:
         st = per.get(s.session_id)
         res = st.residency if st is not None else s.residency
         hit = f"{st.hbm_hit_rate:.3f}" if st is not None else "-"
+        itl = f"{st.itl_ms_p50:.1f}/{st.itl_ms_p99:.1f}" if st is not None and st.itl_ms_p50 > 0 else "-"
         rows.append(
             (
                 s.session_id[:SESSION_PREFIX],
@@ -116,10 +123,12 @@ def top_frame(stats: Any, sessions: list[Any]) -> str:
                 res.ddr_blocks,
                 res.ssd_blocks,
                 hit,
+                itl,
                 "busy" if s.busy else "-",
             )
         )
-    body = table(("SESSION", "POLICY/WINDOW", "TOKENS", "HBM", "DDR", "SSD", "HIT", "BUSY"), rows, left=2)
+    columns = ("SESSION", "POLICY/WINDOW", "TOKENS", "HBM", "DDR", "SSD", "HIT", "ITL P50/P99 MS", "BUSY")
+    body = table(columns, rows, left=2)
     return "\n".join(header) + "\n\n" + body
 
 

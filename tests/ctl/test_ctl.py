@@ -457,14 +457,19 @@ def test_health_config_stats_top(d: RunningDaemon) -> None:
     for key in ("hbm_hit_rate", "ddr_evict_count", "ssd_read_count", "hbf_latency_us", "occupancy_mib"):
         assert key in human
     assert "tokens_per_s" in human and "in_flight" in human
+    assert "graphs" in human and "after ready" in human  # the CPU captures none: "0 captured"
 
     top = ok(d, "top", "--once")
     assert top.startswith("h3d  up ") and "SESSION" in top
     row = next(line for line in top.splitlines() if line.startswith(sid[:12]))
     assert sid not in row  # the id's prefix only
-    cells = row.split()  # SESSION POLICY/WINDOW TOKENS HBM DDR SSD HIT BUSY
+    cells = row.split()  # SESSION POLICY/WINDOW TOKENS HBM DDR SSD HIT ITL BUSY
     assert cells[1].startswith("attention_entropy/") and cells[2] == str(added)
-    assert int(cells[3]) > 0 and cells[7] == "-"
+    assert int(cells[3]) > 0 and cells[7] == "-" and cells[8] == "-"  # no token generated yet; not busy
+    ok(d, "generate", sid, "--prompt", " and", "--max-tokens", "6")
+    row = next(line for line in ok(d, "top", "--once").splitlines() if line.startswith(sid[:12]))
+    p50, p99 = map(float, row.split()[7].split("/"))
+    assert 0 < p50 <= p99
 
 
 def test_stats_watch_until_interrupted(d: RunningDaemon) -> None:
