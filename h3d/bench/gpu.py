@@ -497,7 +497,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     log(f"{card}: building h3d's model {'(tiny)' if args.tiny else '(Llama-3-8B shape)'}, contexts {contexts}")
     model = build_h3d(raw, sizes.dtype, device, args.seed)
     b = Bench(args, sizes, device, raw, model, model.config, param_bytes(model), start + args.max_seconds, data)
-    data["ceilings"] = ceilings(sizes, device)
+    data["ceilings"] = ceilings(sizes.copy_bytes, sizes.h2d_bytes, device)
     save(args.out, data)
     log(f"weights {b.weight_bytes / 1e9:.2f} GB; ceilings {data['ceilings']}")
     warm_up(b)

@@ -180,15 +180,16 @@ def copy_s(src: torch.Tensor, device: torch.device, reps: int) -> float:
     return median_s(lambda: dst.copy_(src, non_blocking=True), reps, device.type == "cuda")
 
 
-def ceilings(sizes: Sizes, device: torch.device) -> dict[str, float | None]:
-    """HBM copy GB/s (read + write) and pinned H2D GB/s; on the CPU, a DRAM copy and no H2D."""
+def ceilings(copy_bytes: int, h2d_bytes: int, device: torch.device) -> dict[str, float | None]:
+    """HBM copy GB/s (read + write) of `copy_bytes` and pinned H2D GB/s of `h2d_bytes`; on the
+    CPU, a DRAM copy and no H2D."""
     cuda = device.type == "cuda"
-    src = torch.empty(sizes.copy_bytes // 4, dtype=torch.float32, device=device).normal_()
-    hbm = 2 * sizes.copy_bytes / copy_s(src, device, 20) / 1e9
+    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).normal_()
+    hbm = 2 * copy_bytes / copy_s(src, device, 20) / 1e9
     h2d = None
     if cuda:
-        host = torch.empty(sizes.h2d_bytes // 4, dtype=torch.float32, pin_memory=True).normal_()
-        h2d = sizes.h2d_bytes / copy_s(host, device, 10) / 1e9
+        host = torch.empty(h2d_bytes // 4, dtype=torch.float32, pin_memory=True).normal_()
+        h2d = h2d_bytes / copy_s(host, device, 10) / 1e9
     del src
     free_memory()
     return {"hbm_copy_gbps": round(hbm, 1), "h2d_gbps": None if h2d is None else round(h2d, 2)}

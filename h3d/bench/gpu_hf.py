@@ -47,14 +47,20 @@ def hf_cache(kind: str, device: torch.device) -> Any:
     return f"transformers {transformers.__version__} has no offloaded cache"
 
 
+def forward_kw(model: torch.nn.Module) -> tuple[str, dict[str, Any]]:
+    """The name of the cache argument of transformers' forward ("cache" in later 5.x, else
+    "past_key_values") and the keyword that keeps only the last position's logits, if it has one."""
+    params = inspect.signature(model.forward).parameters
+    kw = "cache" if "cache" in params else "past_key_values"
+    return kw, ({"logits_to_keep": 1} if "logits_to_keep" in params else {})
+
+
 @torch.inference_mode()
 def hf_generate(b: Bench, cache: Any, ids: list[int], steps: int) -> tuple[float, list[float]]:
     """Prefill `ids` in one forward into `cache`, then greedy decode: (prefill seconds, timed step seconds)."""
     assert b.hf is not None
     model = b.hf
-    params = inspect.signature(model.forward).parameters
-    kw = "cache" if "cache" in params else "past_key_values"  # renamed in later 5.x
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    kw, keep = forward_kw(model)
     x = torch.tensor([ids], device=b.device)
     b.sync()
     t0 = time.perf_counter()

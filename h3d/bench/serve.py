@@ -58,8 +58,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from h3d.bench.gpu_base import copy_s, free_memory, save, version
+from h3d.bench.gpu_base import ceilings, free_memory, save, version
 from h3d.bench.report import write_section
+from h3d.kv.sizing import slot_bytes
 
 PHASES = ("single", "many", "prefill-under-load", "restart")
 MODES = ("exact", "attention_entropy")
@@ -369,24 +370,16 @@ def itl(gaps: list[float]) -> dict[str, float | None]:
 
 
 def bandwidths(device: torch.device) -> dict[str, float | None]:
-    """HBM copy GB/s (read + write) and pinned host-to-device GB/s, measured now (on the CPU: a
-    DRAM copy, and no PCIe)."""
-    size = (4 << 30) if device.type == "cuda" else (64 << 20)
-    src = torch.empty(size // 4, dtype=torch.float32, device=device).normal_()
-    hbm = 2 * size / copy_s(src, device, 20) / 1e9
-    pcie = None
-    if device.type == "cuda":
-        host = torch.empty((1 << 30) // 4, dtype=torch.float32, pin_memory=True).normal_()
-        pcie = (1 << 30) / copy_s(host, device, 10) / 1e9
-        del host
-    del src
-    free_memory()
-    return {"hbm_gbps": round(hbm, 1), "pcie_gbps": None if pcie is None else round(pcie, 2)}
+    """HBM copy GB/s (read + write) and pinned host-to-device GB/s, measured now
+    (`h3d.bench.gpu_base.ceilings`; on the CPU a DRAM copy, and no PCIe)."""
+    cuda = device.type == "cuda"
+    c = ceilings((4 << 30) if cuda else (64 << 20), 1 << 30, device)
+    return {"hbm_gbps": c["hbm_copy_gbps"], "pcie_gbps": c["h2d_gbps"]}
 
 
 def block_bytes(config: dict[str, Any], model: dict[str, Any], element: int) -> int:
-    """One layer's block of K and V."""
-    return 2 * int(config["block_size"]) * model["num_key_value_heads"] * model["head_dim"] * element
+    """One layer's block of K and V (`h3d.kv.sizing.slot_bytes`)."""
+    return slot_bytes(int(config["block_size"]), model["num_key_value_heads"], model["head_dim"], element)
 
 
 def floor_fields(
@@ -516,10 +509,11 @@ def phase_single(run: Run) -> None:
 
 def hf_dynamic(run: Run, steps: int) -> dict[str, Any]:
     """transformers' LlamaForCausalLM (sdpa) with a DynamicCache: the same weights and prompts."""
-    from h3d.bench.gpu_hf import build_hf
+    from h3d.bench.gpu_hf import build_hf, forward_kw
 
     shape = run.shape
     model = build_hf(shape.model, shape.dtype, run.device, run.args.seed)
+    kw, keep = forward_kw(model)
     sync = torch.cuda.synchronize if run.device.type == "cuda" else (lambda: None)
     out: dict[str, Any] = {}
     with torch.inference_mode():
@@ -531,14 +525,14 @@ def hf_dynamic(run: Run, steps: int) -> dict[str, Any]:
             x = torch.tensor([ids], device=run.device)
             sync()
             t0 = time.perf_counter()
-            tok = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+            tok = model(input_ids=x, use_cache=True, **{kw: cache}, **keep).logits[:, -1:].argmax(-1)
             sync()
             prefill_s = time.perf_counter() - t0
             times = []
             for _ in range(min(steps, 16)):
                 sync()
                 t0 = time.perf_counter()
-                tok = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                tok = model(input_ids=tok, use_cache=True, **{kw: cache}).logits[:, -1:].argmax(-1)
                 sync()
                 times.append(time.perf_counter() - t0)
             del cache, x
