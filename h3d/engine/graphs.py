@@ -101,6 +101,17 @@ DEFER_STEPS = 32  # eager steps after which a busy engine captures a waiting gra
 SLOT_INPUTS = ("nblocks", "tail", "token", "pos", "ends", "room", "take", "parts_live", "dig_base", "dig_row")
 
 
+def _pad(x: dict[str, np.ndarray], b: int) -> None:
+    """Slots from `b` on as padding (token 0 at position 0, written into the null slot), and no
+    slot selecting (the null extent): the host's side of the small buffer before a step fills
+    its `b` sessions' slots."""
+    x["rows"][:, b:] = 0
+    for name, pad in (("nblocks", 1), ("tail", 1), ("token", 0), ("pos", 0), ("ends", 1)):
+        x[name][b:] = pad
+    for name in ("room", "take", "parts_live", "dig_base", "dig_row"):
+        x[name][:] = 0
+
+
 def batch_bucket(b: int) -> int:
     """The batch size a step of b sequences is padded to: the next power of two."""
     return 1 << max(0, (b - 1).bit_length())
@@ -450,11 +461,7 @@ class DecodeGraphs:
         g = self._graph(key)
         if g.copied is not None:
             g.copied.synchronize()
-        x = g.small.host
-        for name, pad in (("rows", 0), ("nblocks", 1), ("tail", 1), ("token", 0), ("pos", 0), ("ends", 1)):
-            x[name][...] = pad
-        for name in ("room", "take", "parts_live", "dig_base", "dig_row"):
-            x[name][:] = 0
+        _pad(g.small.host, 0)
         g.tables.host["locs"][...] = 0
         g.slots = [(SeqId(-1), 0, 0, False)] * key.batch  # what `_fill_tables` writes for padding
         g.below = [0] * key.batch
@@ -498,16 +505,12 @@ class DecodeGraphs:
         if g.copied is not None:
             g.copied.synchronize()  # the staging buffers are free again (normally long since)
         x = g.small.host
+        _pad(x, b)
         x["rows"][:, :b] = rows
-        x["rows"][:, b:] = 0  # padding slots write into the null slot
         bs = r.blocks.block_size
         for i, t in enumerate(tables):
             x["nblocks"][i], x["tail"][i] = t.num_blocks, t.num_tokens - (t.num_blocks - 1) * bs
             x["token"][i], x["pos"][i], x["ends"][i] = ids[i], t.num_tokens - 1, t.num_tokens
-        for name, pad in (("nblocks", 1), ("tail", 1), ("token", 0), ("pos", 0), ("ends", 1)):
-            x[name][b:] = pad
-        for name in ("room", "take", "parts_live", "dig_base", "dig_row"):
-            x[name][:] = 0  # no selection; the null extent
         if g.hbf is not None:
             self._hbf_inputs(g, seqs, tables)
         changed = self._fill_tables(g, seqs, tables)
