@@ -49,6 +49,7 @@ class EngineConfig:
     block_size: int = 32
     # `auto`: sized from the hardware when the engine starts (h3d.kv.sizing.auto_budgets)
     prefill_chunk_tokens: int | str = AUTO
+    prefill_step_ms: float = 150.0  # a long chunk's forward runs this long between decode steps (h3d.engine.prefill)
     hbm_mb: float | str = AUTO
     ddr_mb: float | str = AUTO
     ssd_path: str | None = None
@@ -138,6 +139,7 @@ class EngineConfig:
         if not self.ssd_retry_interval_s > 0:
             raise ConfigError(f"ssd_retry_interval_s: must be > 0, got {self.ssd_retry_interval_s}")
         _positive("promote_mb_per_step", self.promote_mb_per_step)
+        _positive("prefill_step_ms", self.prefill_step_ms)
         if not 0 < self.ddr_high_watermark <= 1:
             raise ConfigError(f"ddr_high_watermark: must be in (0, 1], got {self.ddr_high_watermark}")
         for key in ("window_tokens", "window_min_tokens", "window_max_tokens", "recent_tokens"):

@@ -72,13 +72,26 @@ ENGINE: tuple[Key, ...] = (
         "runs layer by layer, the projections and MLP slice by slice and attention once over the chunk: a "
         "prompt in one chunk makes the same attention call as transformers does for a whole prompt, reads none "
         "of its KV back from DDR, and needs beside the weights and the HBM pool about 3 x (chunk x hidden) of "
-        "activations (3.1 GB for 131,072 tokens of a Llama-3-8B shape, docs/BENCHMARKS.md). Other sessions' "
-        "decode steps wait for such a step: a smaller value interleaves them. `auto`: on CUDA the longest "
+        "activations (3.1 GB for 131,072 tokens of a Llama-3-8B shape, docs/BENCHMARKS.md). Such a chunk runs "
+        "in pieces between the other sessions' decode steps (`prefill_step_ms`). `auto`: on CUDA the longest "
         "context (`max_context_tokens`, else the model's; at most 131,072): a prompt is one chunk, and "
         "`hbm_mb = auto` leaves room for its activations; on a CPU 512",
         help="token budget of one step's prefill chunks (decode tokens come first); other sessions' decode "
         "steps wait for a long chunk, a smaller value interleaves them; auto: the longest context on CUDA (a "
         "prompt in one chunk), 512 on a CPU",
+    ),
+    Key(
+        "prefill_step_ms",
+        "how long a long prompt's forward (a chunk on the layer-by-layer path) runs between two steps of the "
+        "other requests. Such a chunk never waits for them nor they for all of it: each engine step runs the "
+        "batch of decode tokens and short chunks, then the long forward's pieces (a layer's projections, one "
+        "group of KV heads' attention, one slice's MLP) until the next piece would pass this budget of the "
+        "device's time. A decoding stream beside a long append waits about this plus its own step per token; "
+        "the append takes about (this + one decode step) / this of its time alone. Lower: steadier "
+        'inter-token times during long appends; higher: the append finishes sooner (docs/OPERATIONS.md, "A '
+        'long prompt beside decoding streams")',
+        help="ms a long prompt's forward runs between two steps of the decoding streams (their wait per token "
+        "during a long append)",
     ),
     Key(
         "hbm_mb",

@@ -28,6 +28,7 @@ from h3d.engine.chat import Conversation, chat_piece, end_of_turn
 from h3d.engine.detok import IncrementalDetokenizer
 from h3d.engine.graphs import GraphKey
 from h3d.engine.journal import log_piece, restore_sessions, session_meta
+from h3d.engine.prefill import Interleave
 from h3d.engine.sampling import SamplingParams, make_generator, sample_batch
 from h3d.engine.session import (
     AppendDone,
@@ -98,6 +99,7 @@ class Engine:
         self.warmup: Warmup | None = None  # what `warm` did (the daemon warms before it is ready)
         self.captured: list[GraphKey] = []  # decode graphs captured between steps (the daemon logs them)
         self._repairer = BlockRepair(self.runner, self.rebuilds)  # damaged blocks' KV computed again
+        self.interleave = Interleave(self.runner, config.prefill_step_ms)  # a long prompt beside decoding
         self._upkept = 0  # the step of the last upkeep
         if config.session_log_path is not None:
             self.journal = TokenStore(Path(config.session_log_path), config.fsync_interval_ms)
@@ -131,6 +133,7 @@ class Engine:
         archive, its HBF state in its log, every log synced. Returns the blocks written. With the
         SSD tier degraded, only the logs are written (the KV is computed again after a restart)."""
         written = 0
+        self.interleave.abandon()  # a long prompt half computed: its KV computed again after the restart
         for session in self.sessions.values():
             if self.kv.writable:
                 # If it fails, the KV is computed again after the restart; the token log is the truth.
@@ -253,6 +256,9 @@ class Engine:
         """Switch the HBF policy a session's decode steps use (takes effect at the next step)."""
         chosen = policy_named(policy)
         session = self.session(session_id)
+        held = self.interleave.current
+        if held is not None and held.request.session is session:
+            raise SessionBusy(f"session {session_id} is computing a long prompt: switch its policy after the append")
         self.kv.set_policy(session.seq, chosen)
         self._save_meta(session)
 
@@ -370,29 +376,59 @@ class Engine:
         expected error (`H3Error`: no room, an unreadable archive record) ends with a
         `RequestFailed` event; the others go on. Anything else is a bug and propagates."""
         events: list[Event] = []
+        held = self.interleave
         for req in list(self._requests.values()):
             if req.cancelled:
                 events.append(self._finish(req, FinishReason.CANCELLED))
-            elif not req.generate and self._pending(req) <= 0:
+            elif not req.generate and not held.holds(req) and self._pending(req) <= 0:
                 events.append(self._finish_append(req))
         out = self.schedule()
         events += self._ended
         self._ended = []
-        if not out.chunks:
-            return events
+        if out.chunks:
+            events += self._run(out)
+        if out.long is not None and out.long[0].id in self._requests:
+            events += self._run(SchedulerOutput((out.long[1],), (out.long[0],)), begin=True)
+        if held.current is not None:
+            events += self._advance_long()
+        return events
+
+    def _run(self, out: SchedulerOutput, begin: bool = False) -> list[Event]:
+        """Plan, run and commit `out`'s chunks; their events. With `begin`, a lone long chunk that
+        may run in pieces starts instead (`h3d.engine.prefill`)."""
         try:
-            report = self.runner.execute(self.runner.plan(out.chunks))
+            plan = self.runner.plan(out.chunks)
+            if begin and self.runner.suspendable(plan):
+                self.interleave.start(out.requests[0], out.chunks[0], self.runner.begin(plan))
+                return []
+            report = self.runner.execute(plan)
         except ArchiveCorrupt as exc:
             # The runner left no half-written KV behind. A damaged block is never used: its
             # KV is computed again from the token log, and the step runs again next time.
             if self._repairer.repair_for(exc, self.sessions):
-                return events
-            return events + [self._fail(req, exc) for req in out.requests]
+                return []
+            return [self._fail(req, exc) for req in out.requests]
         except H3Error as exc:
             # The runner left no half-written KV behind; the sessions keep their tokens.
-            return events + [self._fail(req, exc) for req in out.requests]
+            return [self._fail(req, exc) for req in out.requests]
         self.runner.commit(report)
-        return events + self.commit(out, report)
+        return self.commit(out, report)
+
+    def _advance_long(self) -> list[Event]:
+        """The long chunk in flight, run for this step's budget (`Interleave.run`): its progress,
+        or, once done, its commit's events."""
+        prefill = self.interleave.current
+        assert prefill is not None
+        req, chunk = prefill.request, prefill.chunk
+        try:
+            report = self.interleave.run()
+        except H3Error as exc:  # abandoned: the session's KV ends where the chunk started
+            return [self._fail(req, exc)]
+        if report is None:
+            before = req.prefill_total - (len(req.session.tokens) - (0 if req.generate else 1) - chunk.start)
+            return [PrefillProgress(req.id, req.session.id, before + prefill.tokens_done(), req.prefill_total)]
+        self.runner.commit(report)
+        return self.commit(prefill.out, report)
 
     def warm(self, kernels: bool | None = None) -> Warmup:
         """Before serving: kernels compiled and the named set of decode graphs captured
@@ -426,6 +462,8 @@ class Engine:
             self._save_meta(session)
 
     def _fail(self, req: Request, error: H3Error) -> RequestFailed:
+        if self.interleave.holds(req):
+            self.interleave.abandon()
         self._touch(req.session)
         req.session.busy = False
         self._requests.pop(req.id, None)
@@ -442,12 +480,19 @@ class Engine:
 
     def schedule(self) -> SchedulerOutput:
         """This step's chunks: every decoding request's next token (up to `max_batch_size`), then
-        prefill chunks of the others within `prefill_chunk_tokens`."""
+        prefill chunks of the others within `prefill_chunk_tokens`. A chunk long enough for the
+        layer-by-layer path is not batched: it runs in pieces beside the batch (`long`, one at a
+        time; the others wait for it: h3d.engine.prefill)."""
         budget = self.budgets.prefill_chunk_tokens
         chunks: list[Chunk] = []
         reqs: list[Request] = []
+        long: tuple[Request, Chunk] | None = None
+        busy = self.interleave.current is not None
         # Decoding requests first (one token each), then prefill chunks within the budget.
-        ordered = sorted(self._requests.values(), key=lambda r: (self._pending(r) > 1, r.id))
+        ordered = sorted(
+            (r for r in self._requests.values() if not self.interleave.holds(r)),
+            key=lambda r: (self._pending(r) > 1, r.id),
+        )
         for req in ordered[: self.config.max_batch_size]:
             pending = self._pending(req)
             take = 1 if pending == 1 else min(pending, budget, self.kv.chunk_limit(req.session.seq))
@@ -461,18 +506,24 @@ class Engine:
                 want_logits=req.generate and take == pending,
                 final=take == pending,
             )
-            if not self.runner.can_fit([*chunks, chunk]):
-                if not chunks:
+            is_long = take > 1 and self.runner.model.is_long(take)
+            if is_long and (busy or long is not None):
+                continue  # one long forward at a time
+            if not self.runner.can_fit([chunk] if is_long else [*chunks, chunk]):
+                if not chunks and not busy:
                     # Nothing else runs and this cannot fit: fail the request, keep the session.
                     error = OutOfBlocks(
                         f"KV pool full: session {req.session.id} needs more than hbm_mb={self.budgets.hbm_mb}"
                     )
                     self._ended.append(self._fail(req, error))
                 continue
+            if is_long:
+                long = (req, chunk)
+                continue
             chunks.append(chunk)
             reqs.append(req)
             budget -= take
-        return SchedulerOutput(tuple(chunks), tuple(reqs))
+        return SchedulerOutput(tuple(chunks), tuple(reqs), long)
 
     def commit(self, out: SchedulerOutput, report: StepReport) -> list[Event]:
         """The engine's half of a step's commit (the runner's came first): counters, anchors kept
@@ -519,6 +570,8 @@ class Engine:
         return events
 
     def _finish(self, req: Request, reason: FinishReason) -> GenerationDone:
+        if self.interleave.holds(req):
+            self.interleave.abandon()  # cancelled midway: the KV ends where its chunk started
         self._touch(req.session)
         if self.journal is not None and req.session.id in self.sessions:
             self.journal.sync(req.session.id)  # every Generate ends durable

@@ -13,8 +13,8 @@ many tokens or a decode step's one token; both go through the same forward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,7 +30,19 @@ from h3d.kv.cache import KVCache
 from h3d.model.llama import CausalLM
 from h3d.tiers.archive import Archive
 
-__all__ = ["Chunk", "ModelRunner"]
+__all__ = ["Chunk", "LongForward", "ModelRunner"]
+
+
+@dataclass(slots=True)
+class LongForward:
+    """A long chunk's forward in flight (`ModelRunner.begin`): the model's pieces
+    (`CausalLM.stages`), run one at a time between other steps (`h3d.engine.prefill`)."""
+
+    report: StepReport
+    step: HostStepKV
+    stages: Generator[None, None, torch.Tensor]
+    pieces: int = 0
+    hidden: torch.Tensor | None = None  # the final hidden states, once done
 
 
 class ModelRunner:
@@ -83,6 +95,7 @@ class ModelRunner:
         self.kv.lagged = self.graphs.take_lagged
         # Prefill's KV writes trail its compute here (CUDA; on the CPU they are written in place).
         self.transfer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.frozen: dict[SeqId, int] = {}  # seq -> its first block no step may move (`begin`)
 
     def cached_tokens(self, seq: SeqId) -> int:
         return self.kv.cached_tokens(seq)
@@ -116,16 +129,19 @@ class ModelRunner:
         for c in chunks:
             kv.refresh_digests(c.seq)  # may meet a damaged record: done again after its rewrite
         seqs = [c.seq for c in chunks]
+        # A long forward in flight (`begin`) holds its whole sequence where it is: in the batch
+        # for the tiers (never idle, never demoted) and protected from its first block.
+        held = seqs + [s for s in self.frozen if s not in seqs]
         try:
-            self.tiers.begin_step(seqs)
-            protect = {c.seq: c.start // self.blocks.block_size for c in chunks}
+            self.tiers.begin_step(held)
+            protect = {c.seq: c.start // self.blocks.block_size for c in chunks} | self.frozen
             rows = []
             for c in chunks:
                 if self.blocks.table(c.seq).num_tokens != c.start:
                     raise RuntimeError(
                         f"chunk for seq {c.seq} starts at {c.start}, cache holds {self.cached_tokens(c.seq)}"
                     )
-                self.tiers.prepare_append(c.seq, len(c.token_ids), seqs, protect)
+                self.tiers.prepare_append(c.seq, len(c.token_ids), held, protect)
                 rows.append(self.blocks.append(c.seq, len(c.token_ids)))  # [L, n]
         except BaseException:
             self._undo(chunks)
@@ -183,15 +199,29 @@ class ModelRunner:
                 assert plan.graph is not None
                 hidden = self.graphs.run(plan, [c.token_ids[0] for c in chunks], report)
             else:
-                ends = np.concatenate([np.full(len(c.token_ids), c.start + len(c.token_ids)) for c in chunks])
-                seq_ends = torch.from_numpy(ends.astype(np.int64)).to(self.device)
+                ids, positions, seq_ends = self._inputs(chunks)
                 step = (DeviceStepKV if plan.path is Path.DEVICE else HostStepKV)(self, plan, report, seq_ends)
-                ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device)
-                positions = np.concatenate([np.arange(c.start, c.start + len(c.token_ids)) for c in chunks])
-                hidden = self.model(ids, torch.from_numpy(positions.astype(np.int64)).to(self.device), step)
+                hidden = self.model(ids, positions, step)
         except BaseException:
             self._undo(chunks)
             raise
+        return self._conclude(report, step, hidden, all_logits)
+
+    def _inputs(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The forward's token ids, positions and each token's sequence length after it, [N] each."""
+        ends = np.concatenate([np.full(len(c.token_ids), c.start + len(c.token_ids)) for c in chunks])
+        positions = np.concatenate([np.arange(c.start, c.start + len(c.token_ids)) for c in chunks])
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device)
+        return ids, self._on_device(positions), self._on_device(ends)
+
+    def _on_device(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a.astype(np.int64)).to(self.device)
+
+    def _conclude(
+        self, report: StepReport, step: HostStepKV | DeviceStepKV | None, hidden: torch.Tensor, all_logits: bool
+    ) -> StepReport:
+        """After a forward: its writes joined, the logits, the selections' reads resolved."""
+        plan, chunks = report.plan, report.plan.chunks
         if step is not None and step.wrote_behind and self.transfer_stream is not None:
             torch.cuda.current_stream().wait_stream(self.transfer_stream)  # the next step reads the rows
         # The logits go to the device first: the selections' trip to the host (on a GPU) waits for
@@ -212,6 +242,64 @@ class ModelRunner:
         report.earlier = self.graphs.take_pending()
         return report
 
+    # ---- a long chunk in pieces, between other steps ------------------------------------------
+
+    def suspendable(self, plan: StepPlan) -> bool:
+        """Whether `plan` may run in pieces between other steps (`begin`): one chunk long enough
+        for the layer-by-layer path, nothing to stage from the archive (staged blocks are read in
+        the layer that stages them)."""
+        return (
+            len(plan.chunks) == 1
+            and plan.path is Path.HOST
+            and not plan.staging
+            and self.model.is_long(len(plan.chunks[0].token_ids))
+        )
+
+    @torch.inference_mode()
+    def begin(self, plan: StepPlan) -> LongForward:
+        """Start a suspendable plan's forward (`advance` runs it a piece at a time). Until `finish`
+        or `abandon` its sequence's blocks stay where they are (`frozen`): the steps between the
+        pieces never move, demote, spill or evict them."""
+        assert self.suspendable(plan)
+        report = StepReport(plan, torch.empty(0))
+        ids, positions, seq_ends = self._inputs(plan.chunks)
+        step = HostStepKV(self, plan, report, seq_ends)
+        self.frozen[plan.chunks[0].seq] = 0
+        return LongForward(report, step, self.model.stages(ids, positions, step))
+
+    def advance(self, fwd: LongForward) -> bool:
+        """Run the next piece of `fwd` (queued on a GPU); whether the forward is done. A failure
+        abandons it (the cache ends where its chunk started) and propagates."""
+        try:
+            with torch.inference_mode():
+                next(fwd.stages)
+        except StopIteration as done:
+            fwd.hidden = done.value
+        except BaseException:
+            self.abandon(fwd)
+            raise
+        fwd.pieces += 1
+        return fwd.hidden is not None
+
+    @torch.inference_mode()
+    def finish(self, fwd: LongForward) -> StepReport:
+        """A done forward's report, as `execute` makes it (for `commit`)."""
+        assert fwd.hidden is not None
+        self.frozen.pop(fwd.report.plan.chunks[0].seq, None)
+        return self._conclude(fwd.report, fwd.step, fwd.hidden, False)
+
+    def abandon(self, fwd: LongForward) -> None:
+        """Drop a forward in flight (its request cancelled, its session closed, a failure): the
+        cache of its sequence ends where its chunk started."""
+        fwd.stages.close()
+        self.frozen.pop(fwd.report.plan.chunks[0].seq, None)
+        self._undo(fwd.report.plan.chunks)
+
+    def sync(self) -> None:
+        """Wait for the work queued on the device (a no-op on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def commit(self, report: StepReport) -> None:
         """After a step: its reads counted, an earlier step's picks (lagged) and then its own
@@ -231,7 +319,7 @@ class ModelRunner:
                 state.policy.after_step(state, self.hbf)
         seqs = plan.seqs
         kv.promoter.fill_hbm(seqs, plan.protect)
-        self.tiers.end_step(seqs)
+        self.tiers.end_step(seqs, self.frozen)
         if self.check_invariants:
             kv.check()
 

@@ -49,6 +49,9 @@ class SchedulerOutput:
 
     chunks: tuple[Chunk, ...]
     requests: tuple[Any, ...]  # h3d.engine.session.Request, one per chunk
+    # A chunk for the layer-by-layer path, to run in pieces beside the batch (h3d.engine.prefill),
+    # and its request.
+    long: tuple[Any, Chunk] | None = None
 
 
 class Path(enum.Enum):

@@ -57,9 +57,11 @@ class _Writes:
         # trail its compute on the runner's transfer stream (CUDA).
         self.write_behind = all(n > 1 for n in self.query_lens)
         self.wrote_behind = False
+        self.layers_written = 0  # layers whose K/V `write` took (a long forward's progress)
 
     def write(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._fresh = (index, k, v)
+        self.layers_written += 1
         self._write_rows(index, k, v)
         r = self.runner
         for seq, start, off, n in zip(self.seqs, self.starts, self.offsets, self.query_lens, strict=True):

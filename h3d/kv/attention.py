@@ -14,7 +14,7 @@ Two implementations with one signature (`AttentionFn`):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -35,6 +35,10 @@ class Pools:
 
     k: tuple[torch.Tensor, ...]
     v: tuple[torch.Tensor, ...]
+
+    def heads(self, first: int, end: int) -> Pools:
+        """The slabs of KV heads first..end-1 only (views)."""
+        return Pools(k=tuple(p[first:end] for p in self.k), v=tuple(p[first:end] for p in self.v))
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,18 @@ class LayerKV:
     # tails [B]) already there (`h3d.engine.stepkv.DeviceStepKV`); `runs` are then empty.
     lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def heads(self, first: int, end: int) -> LayerKV:
+        """What attention over KV heads first..end-1 only reads (with `Pools.heads` and those
+        heads' queries): a long chunk's attention in pieces (`DecoderLayer.stages`)."""
+        assert self.lists is None, "a decode step planned on the device is never split"
+        whole = self.head_tables
+        return replace(
+            self,
+            head_locs=tuple(None if h is None else h[first:end] for h in self.head_locs),
+            head_tables=None if whole is None else (lambda: whole()[:, first:end]),
+            fresh=None if self.fresh is None else (self.fresh[0][:, first:end], self.fresh[1][:, first:end]),
+        )
 
 
 def gather_blocks(pools: tuple[torch.Tensor, ...], loc: torch.Tensor) -> torch.Tensor:

@@ -10,17 +10,28 @@ one matrix each (one matmul instead of three or two) and projection weights are 
 from __future__ import annotations
 
 import math
+from collections.abc import Generator, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from h3d.kernels.fused import add_rms_norm, rotary
-from h3d.kv.attention import AttentionFn, StepKV, paged_attention
+from h3d.kv.attention import GROUP_BYTES, AttentionFn, StepKV, paged_attention
 from h3d.model.config import ModelConfig
 from h3d.model.rope import RotaryEmbedding, apply_rotary
 
 SLICE_BYTES = 256 << 20  # a long forward's slice: about this much of MLP activations (`CausalLM.slice_rows`)
+
+
+def drain(stages: Generator[None, None, torch.Tensor]) -> torch.Tensor:
+    """Run a forward's pieces (`CausalLM.stages`) in one go; its result."""
+    while True:
+        try:
+            next(stages)
+        except StopIteration as done:
+            result: torch.Tensor = done.value
+            return result
 
 
 class Linear(nn.Module):
@@ -128,9 +139,26 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: StepKV, rows: int) -> None:
-        """`forward` for many tokens, in place on x ([N, hidden]): the projections, norms and MLP run
-        `rows` tokens at a time, attention once over all N, so that memory beyond x is q, k, v of
-        the N tokens (the attention output goes into q's buffer) and one slice's activations."""
+        """`forward` for many tokens, in place on x ([N, hidden]), in one go (see `stages`)."""
+        for _ in self.stages(x, cos, sin, kv, rows):
+            pass
+
+    def stages(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: StepKV,
+        rows: int,
+        unit_bytes: int = GROUP_BYTES,
+    ) -> Iterator[None]:
+        """`forward` for many tokens, in place on x ([N, hidden]), in pieces: the projections, norms
+        and MLP run `rows` tokens at a time, attention once over all N in groups of KV heads whose
+        output is at most `unit_bytes` (`causal_attention`'s groups), so that memory beyond x is q,
+        k, v of the N tokens (the attention output goes into q's buffer) and one slice's
+        activations. Yields after the projections, after each group's attention and after each
+        slice's MLP: a caller may run other steps there (`h3d.engine.prefill`); the arithmetic is
+        the same whether it does or not."""
         attn = self.self_attn
         n = x.shape[0]
         q = x.new_empty(n, attn.num_heads, attn.head_dim)
@@ -139,12 +167,24 @@ class DecoderLayer(nn.Module):
         for a in range(0, n, rows):
             b = min(n, a + rows)
             q[a:b], k[a:b], v[a:b] = attn.project(self.input_layernorm(x[a:b]), cos[a:b], sin[a:b])
-        out = attn.attend(q, k, v, kv, out=q)  # [N, H, D]
-        del k, v  # written (or being written, on the transfer stream): not kept through the MLP
+        yield
+        kv.write(attn.layer, k, v)
+        layer = kv.layer(attn.layer, q, attn.scale)  # may probe the prompt's end (HBF anchors)
+        per = attn.num_heads // attn.num_kv_heads
+        group = max(1, min(attn.num_kv_heads, unit_bytes // max(1, n * per * attn.head_dim * q.element_size())))
+        for first in range(0, attn.num_kv_heads, group):
+            end = min(first + group, attn.num_kv_heads)
+            qg = q[:, first * per : end * per]
+            part = attn.attention(qg, kv.pools.heads(first, end), layer.heads(first, end), attn.scale, out=qg)
+            if part is not qg:
+                qg.copy_(part)
+            yield
+        del k, v, layer  # written (or being written, on the transfer stream): not kept through the MLP
         for a in range(0, n, rows):
             b = min(n, a + rows)
-            x[a:b] += attn.o_proj(out[a:b].reshape(b - a, attn.q_size))
+            x[a:b] += attn.o_proj(q[a:b].reshape(b - a, attn.q_size))
             x[a:b] += self.mlp(self.post_attention_layernorm(x[a:b]))
+            yield
 
 
 class Backbone(nn.Module):
@@ -169,21 +209,16 @@ class CausalLM(nn.Module):
         # Tests turn it on on the CPU, under Triton's interpreter (`use_fused`).
         self.fuse_norms: bool | None = None
         self.rows: int | None = None  # tokens per slice of a long forward (None: `slice_rows` picks)
+        self.unit_bytes = GROUP_BYTES  # a long forward's attention: one piece's output at most this (tests: less)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: StepKV) -> torch.Tensor:
         """input_ids, positions: [N] -> hidden: [N, hidden] (K/V of the N tokens written to `kv`).
         More than `slice_rows` tokens (a long prompt in one chunk) go layer by layer in slices
-        (`DecoderLayer.forward_rows`)."""
+        (`stages`, run in one go)."""
+        if self.is_long(input_ids.shape[0]):
+            return drain(self.stages(input_ids, positions, kv))
         x = self.model.embed_tokens(input_ids)  # [N, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype, kv.seq_ends)  # [N, D]
-        rows = self.slice_rows(x.element_size())
-        if x.shape[0] > rows:
-            for layer in self.model.layers:
-                assert isinstance(layer, DecoderLayer)
-                layer.forward_rows(x, cos, sin, kv, rows)
-            for a in range(0, x.shape[0], rows):
-                x[a : a + rows] = self.model.norm(x[a : a + rows])
-            return x
         if not (x.is_cuda if self.fuse_norms is None else self.fuse_norms):
             for layer in self.model.layers:
                 x = layer(x, cos, sin, kv)
@@ -199,6 +234,25 @@ class CausalLM(nn.Module):
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x, h = add_rms_norm(out, x, after.weight, after.eps)
         return h
+
+    def is_long(self, n: int) -> bool:
+        """Whether a forward of n tokens goes layer by layer in slices (`stages`)."""
+        return n > self.slice_rows(self.lm_head.weight_t.element_size())
+
+    def stages(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv: StepKV
+    ) -> Generator[None, None, torch.Tensor]:
+        """A long forward (`is_long`) layer by layer, in the pieces `DecoderLayer.stages` yields
+        between; returns the final hidden states [N, hidden] (x's buffer, normed in place)."""
+        x = self.model.embed_tokens(input_ids)  # [N, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype, kv.seq_ends)  # [N, D]
+        rows = self.slice_rows(x.element_size())
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            yield from layer.stages(x, cos, sin, kv, rows, self.unit_bytes)
+        for a in range(0, x.shape[0], rows):
+            x[a : a + rows] = self.model.norm(x[a : a + rows])
+        return x
 
     def slice_rows(self, element_size: int) -> int:
         """Tokens per slice of a long forward: a power of two whose MLP activations (gate and up)

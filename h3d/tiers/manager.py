@@ -302,15 +302,16 @@ class TierManager:
         mine.hbm_hits += total - below
         mine.hbm_misses += below
 
-    def end_step(self, batch: list[SeqId]) -> None:
-        """Spill DDR past the high watermark (asynchronously); track peak HBM."""
+    def end_step(self, batch: list[SeqId], protect: dict[SeqId, int] | None = None) -> None:
+        """Spill DDR past the high watermark (asynchronously), never `protect`'s blocks; track peak
+        HBM."""
         b = self.blocks
         used_hbm = (b.hbm_capacity - int(b.hbm_alloc.free.sum())) * self.block_bytes
         self.counters.peak_hbm_bytes = max(self.counters.peak_hbm_bytes, used_hbm)
         cap = b.ddr_alloc.capacity
         excess = (cap - b.ddr_free) - int(self.high_watermark * cap)
         if excess > 0 and self.writable and not self.mover.in_flight:
-            self._spill(excess, self.eviction_order(batch, None), {})
+            self._spill(excess, self.eviction_order(batch, None), protect or {})
 
     # ---- moves ------------------------------------------------------------------------------
 
