@@ -114,12 +114,14 @@ def top_frame(stats: Any, sessions: list[Any]) -> str:
         res = st.residency if st is not None else s.residency
         hit = f"{st.hbm_hit_rate:.3f}" if st is not None else "-"
         itl = f"{st.itl_ms_p50:.1f}/{st.itl_ms_p99:.1f}" if st is not None and st.itl_ms_p50 > 0 else "-"
+        share = st.hbm_share_blocks if st is not None and st.hbm_share_blocks else "-"
         rows.append(
             (
                 s.session_id[:SESSION_PREFIX],
                 f"{s.policy}/{s.window_tokens}",
                 s.num_tokens,
                 res.hbm_blocks,
+                share,
                 res.ddr_blocks,
                 res.ssd_blocks,
                 hit,
@@ -127,7 +129,7 @@ def top_frame(stats: Any, sessions: list[Any]) -> str:
                 "busy" if s.busy else "-",
             )
         )
-    columns = ("SESSION", "POLICY/WINDOW", "TOKENS", "HBM", "DDR", "SSD", "HIT", "ITL P50/P99 MS", "BUSY")
+    columns = ("SESSION", "POLICY/WINDOW", "TOKENS", "HBM", "HBM SHARE", "DDR", "SSD", "HIT", "ITL P50/P99 MS", "BUSY")
     body = table(columns, rows, left=2)
     return "\n".join(header) + "\n\n" + body
 

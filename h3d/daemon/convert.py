@@ -102,6 +102,7 @@ def tier_stats_pb(engine: Engine) -> pb.TierStats:
         ssd_degraded=t.ssd_degraded,
         ssd_degraded_reason=engine.kv.ssd_degraded or "",
         ssd_write_errors=t.ssd_write_errors,
+        hbm_rebalance_count=t.hbm_rebalance_count,
         recompute_evict_count=t.recompute_evict_count,
     )
 
@@ -164,6 +165,7 @@ def stats_pb(state: State, engine: Engine, ids: list[SessionId]) -> pb.Stats:
                 hbm_hit_rate=mine.hbm_hit_rate,
                 ssd_read_count=mine.ssd_read_count,
                 window_tokens=engine.kv.window_tokens(session.seq),
+                hbm_share_blocks=engine.kv.hbm_share(session.seq),
                 **itl_fields(state.gaps.get(sid)),
             )
         )

@@ -70,6 +70,8 @@ class Metrics:
         metric("h3d_hbm_misses_total", "counter", "Blocks attention read from below HBM.", g.hbm_misses)
         metric("h3d_ddr_evict_total", "counter", "DDR block copies dropped (ddr_evict_count).", g.ddr_evict_count)
         metric("h3d_hbm_evict_total", "counter", "HBM block copies dropped.", g.hbm_evict_count)
+        metric("h3d_hbm_rebalance_total", "counter", "Blocks moved toward the active sessions' fair shares of HBM.",
+               g.hbm_rebalance_count)  # fmt: skip
         metric("h3d_ssd_read_total", "counter", "Blocks read back from the SSD archive.", g.ssd_read_count)
         metric("h3d_ssd_write_total", "counter", "Blocks written to the SSD archive.", g.ssd_write_count)
         metric("h3d_fetch_bytes_total", "counter", "Bytes attention read from below HBM.", g.fetch_bytes)

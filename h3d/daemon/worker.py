@@ -29,6 +29,7 @@ from h3d.errors import H3Error
 T = TypeVar("T")
 THROUGHPUT_WINDOW_S = 10.0
 IDLE_WAIT_S = 0.05
+SLOW_STEP_S = 1.0  # a step (with its upkeep) this long is logged (`slow_step`), with where its time went
 CAPTURE_IDLE_S = 1.0  # idle this long, the engine captures the decode graphs steps wanted (not between two requests)
 
 log = structlog.get_logger("h3d.worker")
@@ -138,8 +139,11 @@ class EngineWorker:
                 continue
             before = self.engine.counters.generated_tokens
             self._busy_at = time.monotonic()
+            t0 = time.perf_counter()
+            upkeep_s = 0.0
             try:
                 self.engine.upkeep()
+                upkeep_s = time.perf_counter() - t0
                 events = self.engine.step()
             except Exception:
                 # A bug: fail every request in flight rather than spin on it; the daemon goes on.
@@ -158,6 +162,12 @@ class EngineWorker:
                 while self._tokens and self._tokens[0][0] < now - THROUGHPUT_WINDOW_S:
                     self._tokens.popleft()
             self._dispatch(events)
+            took = time.perf_counter() - t0
+            if took >= SLOW_STEP_S:
+                t = self.engine.timing
+                log.warning("slow_step", ms=round(took * 1e3, 1), upkeep_ms=round(upkeep_s * 1e3, 1),
+                            chunks=t.chunks, batch_ms=round(t.batch_s * 1e3, 1), long_pieces=t.pieces,
+                            long_ms=round(t.long_s * 1e3, 1))  # fmt: skip
             self.collector.due()  # between steps, never during one
 
     def _run_commands(self) -> None:

@@ -43,7 +43,7 @@ from h3d.engine.session import (
     SessionId,
     TokenDelta,
 )
-from h3d.engine.step import Chunk, SchedulerOutput, StepReport
+from h3d.engine.step import Chunk, SchedulerOutput, StepReport, StepTiming
 from h3d.engine.stops import generation_done, stop_reason, visible_text
 from h3d.engine.upkeep import BlockRepair, enforce_ssd_capacity, park_kv, purge_kv
 from h3d.engine.warmup import Warmup, warm_up
@@ -100,6 +100,7 @@ class Engine:
         self.captured: list[GraphKey] = []  # decode graphs captured between steps (the daemon logs them)
         self._repairer = BlockRepair(self.runner, self.rebuilds)  # damaged blocks' KV computed again
         self.interleave = Interleave(self.runner, config.prefill_step_ms)  # a long prompt beside decoding
+        self.timing = StepTiming()  # where the last step's time went (the daemon logs slow ones)
         self._upkept = 0  # the step of the last upkeep
         if config.session_log_path is not None:
             self.journal = TokenStore(Path(config.session_log_path), config.fsync_interval_ms)
@@ -385,12 +386,16 @@ class Engine:
         out = self.schedule()
         events += self._ended
         self._ended = []
+        t0 = time.perf_counter()
         if out.chunks:
             events += self._run(out)
+        t1 = time.perf_counter()
+        pieces = held.pieces_total
         if out.long is not None and out.long[0].id in self._requests:
             events += self._run(SchedulerOutput((out.long[1],), (out.long[0],)), begin=True)
         if held.current is not None:
             events += self._advance_long()
+        self.timing = StepTiming(len(out.chunks), t1 - t0, held.pieces_total - pieces, time.perf_counter() - t1)
         return events
 
     def _run(self, out: SchedulerOutput, begin: bool = False) -> list[Event]:
@@ -437,10 +442,13 @@ class Engine:
         return self.warmup
 
     def upkeep(self, idle: bool = False) -> None:
-        """Between steps: decode graphs that steps wanted since the warm-up captured (all when
+        """Between steps: HBM moved toward the active sessions' fair shares (`KVCache.rebalance`);
+        decode graphs that steps wanted since the warm-up captured (all when
         `idle`, else one that waited long: `DecodeGraphs.capture_deferred`); every 64th step the
         archive kept within `ssd_capacity_mb` (closed sessions' KV evicted, coldest first). The
         daemon's engine thread and `run` call it."""
+        if self._requests:  # HBM toward the fair shares of the sessions with a request in flight
+            self.kv.rebalance([r.session.seq for r in self._requests.values()])
         graphs = self.runner.graphs
         if graphs.deferred:
             for key in graphs.capture_deferred(idle):
@@ -495,8 +503,13 @@ class Engine:
         )
         for req in ordered[: self.config.max_batch_size]:
             pending = self._pending(req)
-            take = 1 if pending == 1 else min(pending, budget, self.kv.chunk_limit(req.session.seq))
-            if take <= 0 or (pending > 1 and budget <= 0):
+            limit = self.kv.chunk_limit(req.session.seq)
+            # A long chunk runs beside the batch: the batch's tokens do not shorten it (a long
+            # prompt cut a few tokens short would leave a tail to prefill over its whole context).
+            whole = min(pending, self.budgets.prefill_chunk_tokens, limit)
+            is_long = pending > 1 and self.runner.model.is_long(whole)
+            take = 1 if pending == 1 else whole if is_long else min(pending, budget, limit)
+            if take <= 0 or (pending > 1 and budget <= 0 and not is_long):
                 continue
             cached = self.kv.cached_tokens(req.session.seq)
             chunk = Chunk(
@@ -506,7 +519,6 @@ class Engine:
                 want_logits=req.generate and take == pending,
                 final=take == pending,
             )
-            is_long = take > 1 and self.runner.model.is_long(take)
             if is_long and (busy or long is not None):
                 continue  # one long forward at a time
             if not self.runner.can_fit([chunk] if is_long else [*chunks, chunk]):

@@ -16,7 +16,7 @@ decode step (docs/OPERATIONS.md, "A long prompt beside decoding streams").
 
 One long forward is in flight at a time (its activations are the size of its prompt); other
 long chunks wait their turn, short ones run in the batch. While it is in flight its sequence's
-blocks never move (`ModelRunner.frozen`). Cancelling the request or closing its session abandons
+blocks never move (`KVCache.frozen`). Cancelling the request or closing its session abandons
 it: the session's KV ends where the chunk started, its tokens stay in its log.
 
 Owner: the forward in flight and the clock of its budget.

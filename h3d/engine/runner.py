@@ -95,7 +95,6 @@ class ModelRunner:
         self.kv.lagged = self.graphs.take_lagged
         # Prefill's KV writes trail its compute here (CUDA; on the CPU they are written in place).
         self.transfer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.frozen: dict[SeqId, int] = {}  # seq -> its first block no step may move (`begin`)
 
     def cached_tokens(self, seq: SeqId) -> int:
         return self.kv.cached_tokens(seq)
@@ -131,10 +130,10 @@ class ModelRunner:
         seqs = [c.seq for c in chunks]
         # A long forward in flight (`begin`) holds its whole sequence where it is: in the batch
         # for the tiers (never idle, never demoted) and protected from its first block.
-        held = seqs + [s for s in self.frozen if s not in seqs]
+        held = seqs + [s for s in self.kv.frozen if s not in seqs]
         try:
             self.tiers.begin_step(held)
-            protect = {c.seq: c.start // self.blocks.block_size for c in chunks} | self.frozen
+            protect = {c.seq: c.start // self.blocks.block_size for c in chunks} | self.kv.frozen
             rows = []
             for c in chunks:
                 if self.blocks.table(c.seq).num_tokens != c.start:
@@ -258,13 +257,13 @@ class ModelRunner:
     @torch.inference_mode()
     def begin(self, plan: StepPlan) -> LongForward:
         """Start a suspendable plan's forward (`advance` runs it a piece at a time). Until `finish`
-        or `abandon` its sequence's blocks stay where they are (`frozen`): the steps between the
+        or `abandon` its sequence's blocks stay where they are (`KVCache.frozen`): the steps between the
         pieces never move, demote, spill or evict them."""
         assert self.suspendable(plan)
         report = StepReport(plan, torch.empty(0))
         ids, positions, seq_ends = self._inputs(plan.chunks)
         step = HostStepKV(self, plan, report, seq_ends)
-        self.frozen[plan.chunks[0].seq] = 0
+        self.kv.frozen[plan.chunks[0].seq] = 0
         return LongForward(report, step, self.model.stages(ids, positions, step))
 
     def advance(self, fwd: LongForward) -> bool:
@@ -285,14 +284,14 @@ class ModelRunner:
     def finish(self, fwd: LongForward) -> StepReport:
         """A done forward's report, as `execute` makes it (for `commit`)."""
         assert fwd.hidden is not None
-        self.frozen.pop(fwd.report.plan.chunks[0].seq, None)
+        self.kv.frozen.pop(fwd.report.plan.chunks[0].seq, None)
         return self._conclude(fwd.report, fwd.step, fwd.hidden, False)
 
     def abandon(self, fwd: LongForward) -> None:
         """Drop a forward in flight (its request cancelled, its session closed, a failure): the
         cache of its sequence ends where its chunk started."""
         fwd.stages.close()
-        self.frozen.pop(fwd.report.plan.chunks[0].seq, None)
+        self.kv.frozen.pop(fwd.report.plan.chunks[0].seq, None)
         self._undo(fwd.report.plan.chunks)
 
     def sync(self) -> None:
@@ -319,7 +318,7 @@ class ModelRunner:
                 state.policy.after_step(state, self.hbf)
         seqs = plan.seqs
         kv.promoter.fill_hbm(seqs, plan.protect)
-        self.tiers.end_step(seqs, self.frozen)
+        self.tiers.end_step(seqs, self.kv.frozen)
         if self.check_invariants:
             kv.check()
 

@@ -118,3 +118,15 @@ class StepReport:
     picks: dict[SeqId, np.ndarray] = field(default_factory=dict)
     replay: Any = None  # the captured step it replayed (`Path.GRAPH`), whose picks the commit reads
     earlier: Any = None  # an earlier step's picks this commit applies (`DecodeGraphs`' pending copy)
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """Where the host's time of one `Engine.step` went (the daemon logs a slow one): the batch's
+    chunks and their plan, forward and commit (`batch_s`; on a GPU they include waiting for the
+    device, as sampling reads the logits), and the pieces of a long prompt run beside it."""
+
+    chunks: int = 0
+    batch_s: float = 0.0
+    pieces: int = 0
+    long_s: float = 0.0

@@ -42,6 +42,7 @@ from h3d.tiers import lifecycle
 from h3d.tiers.archive import Archive, ArchiveWriteFailed
 from h3d.tiers.manager import TierManager
 from h3d.tiers.promotion import Promoter
+from h3d.tiers.shares import HbmShares
 from h3d.tiers.stats import SessionCounters, TierStats
 
 
@@ -106,6 +107,9 @@ class KVCache:
         )
         self.promoter = Promoter(self.tiers, promote_bytes_per_step)
         self.hbf = hbf
+        self.frozen: dict[SeqId, int] = {}  # seq -> its first block no step may move (ModelRunner.begin)
+        self.shares = HbmShares(self.tiers, self.promoter, self.demand)  # fair HBM between active sessions
+        self.promoter.room = self.shares.room
         self.device = device
         # On CUDA the arena holds the digests of every block HBM and DDR can hold from the start
         # (the sizing reserved their memory, h3d.kv.sizing): captured steps read it by address,
@@ -202,6 +206,30 @@ class KVCache:
     def count_rebuilt(self, blocks: int) -> None:
         """Blocks (all layers) computed again: missing or damaged in the archive."""
         self.tiers.counters.kv_rebuild_blocks += blocks
+
+    def demand(self, seq: SeqId) -> np.ndarray:
+        """The blocks `seq`'s policy reads in each layer per step, [L] (its claim on HBM,
+        h3d.tiers.shares): every block under a policy that reads them all and in the dense layers,
+        else sinks + the recent window + its window."""
+        record = self.sessions[seq]
+        nb = record.table.num_blocks
+        out = np.full(self.blocks.num_layers, nb, dtype=np.int64)
+        if record.selection.policy.selects:
+            window = -(-record.selection.window_tokens // self.block_size) + len(self.keep(seq))
+            out[self.hbf.dense_layers :] = min(nb, window)
+        return out
+
+    def rebalance(self, active: list[SeqId]) -> int:
+        """Between steps: HBM moved toward the fair shares of the `active` sessions (a request in
+        flight), within `promote_mb_per_step` (h3d.tiers.shares); the blocks moved."""
+        self.shares.plan(active)
+        budget = self.promoter.promote_blocks_per_step or self.blocks.hbm_capacity
+        return self.shares.rebalance(budget, self.frozen)
+
+    def hbm_share(self, seq: SeqId) -> int:
+        """`seq`'s fair share of HBM now, blocks over all layers (0: none, idle or pinned)."""
+        share = self.shares.target.get(seq)
+        return 0 if share is None else int(share.sum())
 
     def keep(self, seq: SeqId) -> np.ndarray:
         """Blocks of `seq` that HBF never evicts from HBM: sinks and the recent window."""

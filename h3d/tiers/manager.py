@@ -412,18 +412,41 @@ class TierManager:
             idx = np.flatnonzero(t.layer_hbm(layer) != NONE)[:count]
             if not len(idx):
                 continue
-            copy = idx[t.layer_ddr(layer)[idx] == NONE]
-            if len(copy) > b.ddr_free:
-                order = [p for p in self.eviction_order(batch, None) if p != (seq, layer)]
-                self.free_ddr(len(copy) - b.ddr_free, order, protect)
-            if len(copy):
-                slots = b.add_ddr(seq, layer, copy)
-                self.mover.hbm_to_ddr(t.layer_hbm(layer)[copy].copy(), slots)
-            b.drop_hbm(seq, layer, idx)
-            self.counters.hbm_evict_count += len(idx)
-            count -= len(idx)
+            count -= self.demote_blocks(seq, layer, idx, batch, protect)
             if count <= 0:
                 return
+
+    def demote_blocks(
+        self,
+        seq: SeqId,
+        layer: int,
+        idx: np.ndarray,
+        batch: list[SeqId],
+        protect: dict[SeqId, int],
+        make_room: bool = True,
+    ) -> int:
+        """`seq`'s HBM blocks `idx` of `layer` down to DDR (a DDR copy made where there is none,
+        DDR freed for it if need be); how many went (none if DDR cannot take their copies).
+        Without `make_room` nothing is spilled for them: the blocks whose copies DDR has no room
+        for stay."""
+        b = self.blocks
+        t = b.table(seq)
+        has_copy = t.layer_ddr(layer)[idx] != NONE
+        if not make_room and np.count_nonzero(~has_copy) > b.ddr_free:
+            idx = idx[has_copy | (np.cumsum(~has_copy) <= b.ddr_free)]
+        copy = idx[t.layer_ddr(layer)[idx] == NONE]
+        if len(copy) > b.ddr_free:
+            order = [p for p in self.eviction_order(batch, None) if p != (seq, layer)]
+            try:
+                self.free_ddr(len(copy) - b.ddr_free, order, protect)
+            except OutOfBlocks:
+                return 0
+        if len(copy):
+            slots = b.add_ddr(seq, layer, copy)
+            self.mover.hbm_to_ddr(t.layer_hbm(layer)[copy].copy(), slots)
+        b.drop_hbm(seq, layer, idx)
+        self.counters.hbm_evict_count += len(idx)
+        return len(idx)
 
     def read_keys(self, seq: SeqId, layer: int, first_block: int = 0) -> torch.Tensor:
         """The written keys of `seq`'s `layer` from block `first_block` on, from HBM, DDR or the

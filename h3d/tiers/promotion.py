@@ -15,6 +15,7 @@ second copy; a victim keeps a DDR copy before its HBM slot is handed over.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -40,6 +41,9 @@ class Promoter:
         self._hot_base = 0  # the step the ranks are scaled to (see _use_weight)
         self._marks: np.ndarray | None = None  # see _union
         self._slot_ok: np.ndarray | None = None  # see _evict_cold
+        # How many more HBM blocks a session may take per layer (its fair share, h3d.tiers.shares);
+        # None: no cap.
+        self.room: Callable[[SeqId], np.ndarray | None] = lambda seq: None
 
     def latency_us(self) -> tuple[float, float]:
         """p50 and p99 of the planning per step, over the last steps (0, 0 if none)."""
@@ -146,7 +150,7 @@ class Promoter:
         short = need - free
         if not (short > 0).any():  # room for all: no eviction
             slots = b.add_hbm_many(seq, m_layers, m_blocks)
-            return self._copy_up(src, slots)
+            return self.copy_up(src, slots)
         # Worth of a layer's promotion: the least rank among its missing blocks (a victim must be
         # worth less); -inf where the layer needs no victim.
         starts = np.cumsum(need) - need
@@ -160,7 +164,7 @@ class Promoter:
             # A victim for every missing block (each layer got as many as it needs, in layer
             # order): the r-th missing block takes the r-th victim's slot.
             b.move_hbm_many(seq, v_layers, v_blocks, m_blocks, v_slots)
-            return copy_s + self._copy_up(src, v_slots)
+            return copy_s + self.copy_up(src, v_slots)
         # A layer's r-th missing block takes its r-th victim's slot, then a free slot, while any
         # is left.
         got = np.bincount(v_layers, minlength=b.num_layers)
@@ -174,9 +178,9 @@ class Promoter:
         if fresh.any():
             slots[fresh] = b.add_hbm_many(seq, m_layers[fresh], m_blocks[fresh])
         placed = reuse | fresh
-        return copy_s + self._copy_up(src[placed], slots[placed])
+        return copy_s + self.copy_up(src[placed], slots[placed])
 
-    def _copy_up(self, src: np.ndarray, slots: np.ndarray) -> float:
+    def copy_up(self, src: np.ndarray, slots: np.ndarray) -> float:
         """DDR slots -> HBM slots (the promoted blocks' bytes); returns the seconds it took."""
         if not len(slots):
             return 0.0
@@ -232,18 +236,23 @@ class Promoter:
         none = np.empty(0, dtype=np.int64)
         if limit <= 0:
             return none, none, none, 0.0
-        # Slot space: whether each HBM slot's block may be given up, with one spare entry at the
-        # end that NONE (-1) indexes, so that lists with NONE in them mask without a filter.
-        held = b.hbm_block  # block in each slot
-        ok = self._slot_mask(len(held))
-        np.equal(b.hbm_owner, seq, out=ok[:-1])
-        ok[:-1] &= held < limit
-        ok[sel_slots] = False
+        # The session's own HBM blocks (its table, not every HBM slot: with HBM full of other
+        # sessions a scan of all slots per session per step was the step's cost).
         e, width = b.entries, t.capacity
-        ok[e.hbm[t.ids[:, keep]].ravel()] = False
-        cand = np.flatnonzero(ok[1:-1]) + 1  # [c] slots, ascending: grouped by layer
-        c_layers = b.hbm_layer.take(cand)
-        value = t.take(e.hotness, c_layers * width + held.take(cand))
+        ids = t.ids[:, :limit]  # [L, limit]
+        slots = e.hbm.take(ids)  # [L, limit] slot or NONE
+        ok = slots != NONE
+        ok[:, keep[keep < limit]] = False
+        if len(sel_slots):
+            # The selection's blocks (those in HBM: their slots) are never victims.
+            mask = self._slot_mask(len(b.hbm_block))
+            mask[sel_slots] = True
+            ok &= ~mask.take(slots)
+            mask[sel_slots] = False
+        c_layers, c_blocks = np.nonzero(ok)  # grouped by layer
+        cand = slots[c_layers, c_blocks]
+        held = b.hbm_block
+        value = e.hotness.take(ids[c_layers, c_blocks])
         # Only blocks worth less than their layer's promotion (usually few: the sort stays small);
         # within each layer the lowest values first (lexsort is stable: ties keep the lower slot),
         # at most count[l] of them.
@@ -251,7 +260,7 @@ class Promoter:
         if not len(cheap):
             return none, none, none, 0.0
         c_layers, cand, value = c_layers.take(cheap), cand.take(cheap), value.take(cheap)
-        order = np.lexsort((value, c_layers))
+        order = np.lexsort((cand, value, c_layers))  # per layer the lowest values, ties: the lowest slot
         c_layers, cand = c_layers.take(order), cand.take(order)
         per = np.bincount(c_layers, minlength=b.num_layers)
         take = np.flatnonzero(np.arange(len(cand)) - (np.cumsum(per) - per).take(c_layers) < count.take(c_layers))
@@ -289,16 +298,18 @@ class Promoter:
             full = min(t.num_tokens // b.block_size, protect.get(seq, t.num_blocks))
             if self.tiers.rewriting is not None and self.tiers.rewriting[0] == seq:
                 full = min(full, self.tiers.rewriting[1])
-            layers = np.flatnonzero(free > 0)
+            room = self.room(seq)
+            mine = free if room is None else np.minimum(free, room)  # within its share
+            layers = np.flatnonzero(mine > 0)
             ids = t.ids[layers, :full]
             li, blocks = np.nonzero((b.entries.hbm[ids] == NONE) & (b.entries.ddr[ids] != NONE))
             if not len(li):
                 continue
             lay = layers[li]  # sorted: np.nonzero walks rows first
             within = np.arange(len(lay)) - np.searchsorted(lay, lay)  # rank within its layer
-            ok = within < free[lay]
+            ok = within < mine[lay]
             lay, blocks = lay[ok][:budget], blocks[ok][:budget]
             src = b.entries.ddr[t.ids[lay, blocks]]
-            self._copy_up(src, b.add_hbm_many(seq, lay, blocks))
+            self.copy_up(src, b.add_hbm_many(seq, lay, blocks))
             free -= np.bincount(lay, minlength=b.num_layers)
             budget -= len(lay)

@@ -32,6 +32,7 @@ class TierCounters:
     ssd_write_errors: int = 0  # archive writes that failed (each degrades the SSD tier)
     recompute_evict_count: int = 0  # block copies forgotten while the SSD tier was degraded, recomputed later
     promote_count: int = 0  # blocks copied DDR -> HBM by HBF promotion
+    hbm_rebalance_count: int = 0  # blocks moved toward the fair shares of HBM (h3d.tiers.shares), both ways
 
     @property
     def hbm_hit_rate(self) -> float:
@@ -76,6 +77,7 @@ class TierStats:
     ssd_write_errors: int
     recompute_evict_count: int
     promote_count: int
+    hbm_rebalance_count: int
     ssd_degraded: bool
 
     def as_dict(self) -> dict[str, float]:

@@ -463,12 +463,13 @@ def test_health_config_stats_top(d: RunningDaemon) -> None:
     assert top.startswith("h3d  up ") and "SESSION" in top
     row = next(line for line in top.splitlines() if line.startswith(sid[:12]))
     assert sid not in row  # the id's prefix only
-    cells = row.split()  # SESSION POLICY/WINDOW TOKENS HBM DDR SSD HIT ITL BUSY
+    cells = row.split()  # SESSION POLICY/WINDOW TOKENS HBM HBM-SHARE DDR SSD HIT ITL BUSY
     assert cells[1].startswith("attention_entropy/") and cells[2] == str(added)
-    assert int(cells[3]) > 0 and cells[7] == "-" and cells[8] == "-"  # no token generated yet; not busy
+    # No share (no request in flight), no token generated yet, not busy.
+    assert int(cells[3]) > 0 and cells[4] == "-" and cells[8] == "-" and cells[9] == "-"
     ok(d, "generate", sid, "--prompt", " and", "--max-tokens", "6")
     row = next(line for line in ok(d, "top", "--once").splitlines() if line.startswith(sid[:12]))
-    p50, p99 = map(float, row.split()[7].split("/"))
+    p50, p99 = map(float, row.split()[8].split("/"))
     assert 0 < p50 <= p99
 
 

@@ -98,7 +98,7 @@ class Session(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., created_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., busy: _Optional[bool] = ..., pinned: _Optional[bool] = ..., pinned_until: _Optional[float] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ..., window_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., closed: _Optional[bool] = ..., chat: _Optional[bool] = ..., num_messages: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("hbm_hit_rate", "hbm_hits", "hbm_misses", "ddr_evict_count", "hbm_evict_count", "ssd_read_count", "ssd_write_count", "hbf_latency_us_p50", "hbf_latency_us_p99", "hbm_used_bytes", "hbm_capacity_bytes", "ddr_used_bytes", "ddr_capacity_bytes", "ssd_used_bytes", "fetch_bytes", "kv_rebuild_blocks", "ssd_degraded", "ssd_degraded_reason", "ssd_write_errors", "recompute_evict_count")
+    __slots__ = ("hbm_hit_rate", "hbm_hits", "hbm_misses", "ddr_evict_count", "hbm_evict_count", "ssd_read_count", "ssd_write_count", "hbf_latency_us_p50", "hbf_latency_us_p99", "hbm_used_bytes", "hbm_capacity_bytes", "ddr_used_bytes", "ddr_capacity_bytes", "ssd_used_bytes", "fetch_bytes", "kv_rebuild_blocks", "ssd_degraded", "ssd_degraded_reason", "ssd_write_errors", "recompute_evict_count", "hbm_rebalance_count")
     HBM_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     HBM_HITS_FIELD_NUMBER: _ClassVar[int]
     HBM_MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class TierStats(_message.Message):
     SSD_DEGRADED_REASON_FIELD_NUMBER: _ClassVar[int]
     SSD_WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_EVICT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HBM_REBALANCE_COUNT_FIELD_NUMBER: _ClassVar[int]
     hbm_hit_rate: float
     hbm_hits: int
     hbm_misses: int
@@ -139,7 +140,8 @@ class TierStats(_message.Message):
     ssd_degraded_reason: str
     ssd_write_errors: int
     recompute_evict_count: int
-    def __init__(self, hbm_hit_rate: _Optional[float] = ..., hbm_hits: _Optional[int] = ..., hbm_misses: _Optional[int] = ..., ddr_evict_count: _Optional[int] = ..., hbm_evict_count: _Optional[int] = ..., ssd_read_count: _Optional[int] = ..., ssd_write_count: _Optional[int] = ..., hbf_latency_us_p50: _Optional[float] = ..., hbf_latency_us_p99: _Optional[float] = ..., hbm_used_bytes: _Optional[int] = ..., hbm_capacity_bytes: _Optional[int] = ..., ddr_used_bytes: _Optional[int] = ..., ddr_capacity_bytes: _Optional[int] = ..., ssd_used_bytes: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., kv_rebuild_blocks: _Optional[int] = ..., ssd_degraded: _Optional[bool] = ..., ssd_degraded_reason: _Optional[str] = ..., ssd_write_errors: _Optional[int] = ..., recompute_evict_count: _Optional[int] = ...) -> None: ...
+    hbm_rebalance_count: int
+    def __init__(self, hbm_hit_rate: _Optional[float] = ..., hbm_hits: _Optional[int] = ..., hbm_misses: _Optional[int] = ..., ddr_evict_count: _Optional[int] = ..., hbm_evict_count: _Optional[int] = ..., ssd_read_count: _Optional[int] = ..., ssd_write_count: _Optional[int] = ..., hbf_latency_us_p50: _Optional[float] = ..., hbf_latency_us_p99: _Optional[float] = ..., hbm_used_bytes: _Optional[int] = ..., hbm_capacity_bytes: _Optional[int] = ..., ddr_used_bytes: _Optional[int] = ..., ddr_capacity_bytes: _Optional[int] = ..., ssd_used_bytes: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., kv_rebuild_blocks: _Optional[int] = ..., ssd_degraded: _Optional[bool] = ..., ssd_degraded_reason: _Optional[str] = ..., ssd_write_errors: _Optional[int] = ..., recompute_evict_count: _Optional[int] = ..., hbm_rebalance_count: _Optional[int] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
     __slots__ = ("system_prompt", "policy", "sampling", "chat")
@@ -282,7 +284,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class SessionStats(_message.Message):
-    __slots__ = ("session_id", "num_tokens", "residency", "hbm_hit_rate", "ssd_read_count", "window_tokens", "itl_ms_p50", "itl_ms_p99")
+    __slots__ = ("session_id", "num_tokens", "residency", "hbm_hit_rate", "ssd_read_count", "window_tokens", "itl_ms_p50", "itl_ms_p99", "hbm_share_blocks")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESIDENCY_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +293,7 @@ class SessionStats(_message.Message):
     WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ITL_MS_P50_FIELD_NUMBER: _ClassVar[int]
     ITL_MS_P99_FIELD_NUMBER: _ClassVar[int]
+    HBM_SHARE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_tokens: int
     residency: TierResidency
@@ -299,7 +302,8 @@ class SessionStats(_message.Message):
     window_tokens: int
     itl_ms_p50: float
     itl_ms_p99: float
-    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ..., hbm_hit_rate: _Optional[float] = ..., ssd_read_count: _Optional[int] = ..., window_tokens: _Optional[int] = ..., itl_ms_p50: _Optional[float] = ..., itl_ms_p99: _Optional[float] = ...) -> None: ...
+    hbm_share_blocks: int
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ..., hbm_hit_rate: _Optional[float] = ..., ssd_read_count: _Optional[int] = ..., window_tokens: _Optional[int] = ..., itl_ms_p50: _Optional[float] = ..., itl_ms_p99: _Optional[float] = ..., hbm_share_blocks: _Optional[int] = ...) -> None: ...
 
 class Throughput(_message.Message):
     __slots__ = ("tokens_per_s", "window_s", "generated_tokens_total", "prefill_tokens_total", "active_requests", "queued_requests", "sessions")

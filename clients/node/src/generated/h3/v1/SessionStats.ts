@@ -19,6 +19,12 @@ export interface SessionStats {
    */
   'itlMsP50'?: (number | string);
   'itlMsP99'?: (number | string);
+  /**
+   * Its fair share of HBM now, in blocks over all layers (h3d.tiers.shares): sessions with a
+   * request in flight share the unpinned HBM in proportion to the blocks their policy reads per
+   * step, with a floor each; 0 for an idle or pinned session (a pinned one keeps what it holds).
+   */
+  'hbmShareBlocks'?: (number | string | Long);
 }
 
 export interface SessionStats__Output {
@@ -37,4 +43,10 @@ export interface SessionStats__Output {
    */
   'itlMsP50': (number);
   'itlMsP99': (number);
+  /**
+   * Its fair share of HBM now, in blocks over all layers (h3d.tiers.shares): sessions with a
+   * request in flight share the unpinned HBM in proportion to the blocks their policy reads per
+   * step, with a floor each; 0 for an idle or pinned session (a pinned one keeps what it holds).
+   */
+  'hbmShareBlocks': (number);
 }

@@ -67,6 +67,11 @@ export interface TierStats {
    * again from the token log when their session is next used.
    */
   'recomputeEvictCount'?: (number | string | Long);
+  /**
+   * Blocks (one layer's block each) moved between HBM and DDR toward the active sessions' fair
+   * shares of HBM (h3d.tiers.shares), both ways.
+   */
+  'hbmRebalanceCount'?: (number | string | Long);
 }
 
 /**
@@ -134,4 +139,9 @@ export interface TierStats__Output {
    * again from the token log when their session is next used.
    */
   'recomputeEvictCount': (number);
+  /**
+   * Blocks (one layer's block each) moved between HBM and DDR toward the active sessions' fair
+   * shares of HBM (h3d.tiers.shares), both ways.
+   */
+  'hbmRebalanceCount': (number);
 }
