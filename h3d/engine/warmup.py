@@ -6,8 +6,10 @@ A first request should not pay for compiling kernels or capturing graphs. `warm_
 1. kernels (CUDA, or where `kernels=True`): a scratch sequence, not a session (no token log, no
    archive), prefilled with a prompt one slice longer than the layer-by-layer path's threshold
    (the long-prompt path and its Triton kernels), then `DECODE_STEPS` eager decode steps (the
-   decode kernels), then released. Triton keeps what it compiled under `TRITON_CACHE_DIR` (the
-   daemon puts it under its data folder), so a restart compiles nothing;
+   decode kernels), then released; then batches of 2 and 16 scratch sequences past the window
+   decode a few steps together under the configured policy and `exact` (`_batches`: the kernels'
+   specializations for batches above one). Triton keeps what it compiled under `TRITON_CACHE_DIR`
+   (the daemon puts it under its data folder), so a restart compiles nothing;
 2. the named set of decode graphs (`DecodeGraphs.warm_set`): batch 1 at every width bucket up to
    the longest context, exact and selecting. From then on a graph outside the set is captured
    between steps, never on a step's path (`DecodeGraphs.capture_deferred`), and counted.
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from h3d.engine.engine import Engine
 
 DECODE_STEPS = 3
+BATCHES = (2, 16)  # decode batches the scratch sequences run (`_batches`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,4 +100,35 @@ def _scratch(engine: Engine) -> int:
             runner.step([Chunk(seq, (ids[i],), n + i, want_logits=True)])
     finally:
         kv.release(seq, purge_archive=True)
+    _batches(engine, ids)
     return n
+
+
+def _batches(engine: Engine, ids: tuple[int, ...]) -> None:
+    """Decode steps of several scratch sequences at once (released after): Triton compiles a
+    kernel again for an integer argument that is 1, a multiple of 16 or neither (the batch, the
+    table's width), so batches of `BATCHES` run `DECODE_STEPS` steps through a graph (captured
+    here, kept as any other) and as many eagerly, at widths on both sides of a multiple of 16,
+    under the configured policy and `exact`, with contexts past the window (the selecting path).
+    Without this the first requests decoding together stall for the compiles (seconds)."""
+    runner, kv = engine.runner, engine.kv
+    bs = kv.block_size
+    blocks = 16 * -(-(engine.config.window_tokens + engine.config.recent_tokens + 2 * bs) // (16 * bs))
+    n = min(blocks * bs - 1, engine.max_context - DECODE_STEPS - 1, int(engine.budgets.prefill_chunk_tokens))
+    prompt = tuple(ids[i % len(ids)] for i in range(n))
+    graphs = runner.graphs.enabled
+    for name in dict.fromkeys((engine.config.policy, "exact")):
+        for batch in BATCHES:
+            seqs = [SeqId(next(engine._seq_ids)) for _ in range(batch)]
+            try:
+                for seq in seqs:
+                    kv.open(seq, None, policy_named(name))
+                runner.step([Chunk(seq, prompt, 0, want_logits=True) for seq in seqs])
+                for i in range(2 * DECODE_STEPS):  # through a graph where one applies, then eagerly
+                    runner.graphs.enabled = graphs and i < DECODE_STEPS
+                    runner.step([Chunk(seq, (prompt[i],), n + i, want_logits=True) for seq in seqs])
+            finally:
+                runner.graphs.enabled = graphs
+                for seq in seqs:
+                    if kv.has(seq):
+                        kv.release(seq, purge_archive=True)

@@ -43,10 +43,12 @@ DIGEST_TOKENS = 8  # tokens per digest by default: a block of block_size tokens 
 
 @dataclass(slots=True)
 class _Extent:
-    """A session's rows of the arena: [start, start + rows)."""
+    """A session's rows of the arena: [start, start + rows), of which the first `used` hold (or
+    were asked for) its parts; the rest is slack for growth, which a full arena takes back."""
 
     start: int
     rows: int
+    used: int = 0
 
 
 class DigestStore:
@@ -98,22 +100,35 @@ class DigestStore:
         extents (between steps only: a captured step reads each slot's base as an input)."""
         ext = self._extents.get(seq)
         if ext is not None and ext.rows >= num_parts:
+            ext.used = max(ext.used, num_parts)
             return self._arena[:, :, ext.start : ext.start + ext.rows]
         old = ext.rows if ext is not None else 0
         # Grown by a quarter (not doubled): a long prompt's digests are large, and doubling them
-        # at its first decode step would take twice their memory at once.
+        # at its first decode step would take twice their memory at once. Within what the arena
+        # holds (the tiers' blocks, reserved at start) the slack shrinks to what is left, so that
+        # sessions filling the tiers never make the arena grow (a second arena beside the first:
+        # on a GPU that is tens of GiB).
         rows = max(num_parts, 5 * (old or 4) // 4)
+        left = self.rows - self.parts - (sum(e.rows for e in self._extents.values()) - old)
+        if rows > num_parts and rows > left:
+            rows = max(num_parts, left)
         if ext is not None and ext.start + ext.rows == self._top and ext.start + rows <= self.rows:
             self._clear(self._arena[:, :, ext.start + old : ext.start + rows])  # the last extent grows in place
             self._top = ext.start + rows
             ext.rows = rows
+            ext.used = num_parts
         else:
-            start = self._claim(rows)  # (may move `ext`: compaction keeps its rows)
+            # Its rows leave the arena while the others are packed (they need no room twice).
+            saved = None
+            if ext is not None:
+                saved = self._arena[:, :, ext.start : ext.start + old].clone()
+                del self._extents[seq]
+            start = self._claim(rows)
             view = self._arena[:, :, start : start + rows]
             self._clear(view[:, :, old:])
-            if ext is not None:
-                view[:, :, :old] = self._arena[:, :, ext.start : ext.start + old]
-            self._extents[seq] = _Extent(start, rows)
+            if saved is not None:
+                view[:, :, :old] = saved
+            self._extents[seq] = _Extent(start, rows, num_parts)
         ext = self._extents[seq]
         return self._arena[:, :, ext.start : ext.start + ext.rows]
 
@@ -121,17 +136,21 @@ class DigestStore:
         """The first of `rows` free rows at the top, compacting or growing the arena if needed."""
         if self._top + rows > self.rows:
             self._compact()
+        if self._top + rows > self.rows:
+            self._compact(trim=True)  # the others' slack taken back before the arena grows
         if self._top + rows > self.rows:  # room for these rows, and a quarter more of what the others hold
             self._resize(self._top + rows + (self._top - self.parts) // 4)
         start = self._top
         self._top += rows
         return start
 
-    def _compact(self) -> None:
+    def _compact(self, trim: bool = False) -> None:
         """Pack the extents down from the null extent, in order (holes of dropped or moved ones
-        are reclaimed)."""
+        are reclaimed; with `trim`, each extent's slack past its used rows too)."""
         at = self.parts
         for ext in sorted(self._extents.values(), key=lambda e: e.start):
+            if trim:
+                ext.rows = max(1, ext.used)
             if ext.start != at:
                 src = self._arena[:, :, ext.start : ext.start + ext.rows]
                 if ext.start < at + ext.rows:  # overlapping ranges: copy through a temporary

@@ -83,13 +83,16 @@ class LayerKV:
 
 
 def gather_blocks(pools: tuple[torch.Tensor, ...], loc: torch.Tensor) -> torch.Tensor:
-    """pools: (HBM, DDR) [Hkv, S, bs, D]; loc: [..., W] -> [..., W*bs, Hkv, D] (fp32)."""
+    """pools: (HBM, DDR) [Hkv, S, bs, D]; loc: [..., W] -> [..., W*bs, Hkv, D] (fp32).
+
+    Only the blocks that DDR holds are read from it (on a GPU a read of the pinned pool at every
+    location, widened to fp32 on the host, took seconds for a 128K-token prompt's probe)."""
     hbm, ddr = pools
-    in_hbm = loc >= 0
-    from_hbm = hbm[:, loc.clamp(min=0)].float()  # [Hkv, ..., W, bs, D]
-    from_ddr = ddr[:, (-loc - 1).clamp(min=0).to(ddr.device)].float().to(hbm.device)
-    g = torch.where(in_hbm[None, ..., None, None], from_hbm, from_ddr)
-    return g.reshape(hbm.shape[0], *loc.shape[:-1], -1, hbm.shape[-1]).movedim(0, -2)
+    g = hbm[:, loc.clamp(min=0)]  # [Hkv, ..., W, bs, D]
+    below = loc < 0
+    if bool(below.any()):
+        g[:, below] = ddr[:, (-loc[below] - 1).to(ddr.device)].to(hbm.device)
+    return g.float().reshape(hbm.shape[0], *loc.shape[:-1], -1, hbm.shape[-1]).movedim(0, -2)
 
 
 def decode_attention(

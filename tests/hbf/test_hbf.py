@@ -76,6 +76,25 @@ def test_digests_are_each_parts_min_and_max(n: int, cuts: list[int], part: int, 
         assert torch.equal(got[:, j, 0], keys.amin(dim=1)) and torch.equal(got[:, j, 1], keys.amax(dim=1))
 
 
+def test_sessions_filling_the_reserved_arena_never_grow_it() -> None:
+    """An arena reserved for 64 blocks a layer (the tiers' blocks, as on a GPU): eight sessions
+    growing a token at a time to 8 blocks each fill it exactly without a second arena (the growth
+    slack shrinks to what is left); their digests stay their keys'."""
+    store = DigestStore(2, 2, 8, BS, torch.float32, torch.device("cpu"), 8, blocks=64)
+    g = torch.Generator().manual_seed(0)
+    keys = {SeqId(s): torch.randn(8 * BS, 2, 8, generator=g) for s in range(1, 9)}
+    for t in range(8 * BS):
+        for seq, k in keys.items():
+            for layer in range(2):
+                store.update(seq, layer, t, k[t : t + 1] + layer)
+    assert store.generation == 0 and store.rows == store.parts * 65
+    for seq, k in keys.items():
+        got = store.get(seq, 1, 8).reshape(2, -1, 2, 8)
+        part = BS // store.parts
+        first = k[:part].transpose(0, 1) + 1  # [Hkv, t, D]
+        assert torch.equal(got[:, 0, 0], first.amin(dim=1)) and torch.equal(got[:, 0, 1], first.amax(dim=1))
+
+
 @settings(max_examples=30, deadline=None)
 @given(ops=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40), st.booleans()), min_size=1, max_size=40))
 def test_digest_arena_keeps_each_sessions_digests_through_moves(ops: list[tuple[int, int, bool]]) -> None:
