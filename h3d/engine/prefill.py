@@ -7,8 +7,8 @@ other's (allocations, the path), its forward starts (`ModelRunner.begin`) and ea
 first runs the batch of everything else (one token per decoding request, short prefill chunks)
 and then the long forward's pieces, one after another, for at most `prefill_step_ms` of the
 device's time: after the projections of a layer, after each group of KV heads' attention
-(`DecoderLayer.stages`; one KV head per piece at 128K tokens of an 8B model, about 40 ms on an
-H200), after each slice's MLP. The arithmetic is that of the one-chunk path run in one go (the
+(`DecoderLayer.stages`; one KV head per piece at 128K tokens of an 8B model), after each
+slice's MLP. The arithmetic is that of the one-chunk path run in one go (the
 same calls in the same order), and the chunk attends to its own K/V as computed: nothing it
 wrote is read back over PCIe. A decoding stream therefore waits about `prefill_step_ms` plus its
 own step per token, and the prefill runs for `prefill_step_ms` of every `prefill_step_ms` plus a

@@ -251,7 +251,6 @@ class Promoter:
             mask[sel_slots] = False
         c_layers, c_blocks = np.nonzero(ok)  # grouped by layer
         cand = slots[c_layers, c_blocks]
-        held = b.hbm_block
         value = e.hotness.take(ids[c_layers, c_blocks])
         # Only blocks worth less than their layer's promotion (usually few: the sort stays small);
         # within each layer the lowest values first (lexsort is stable: ties keep the lower slot),
@@ -259,13 +258,12 @@ class Promoter:
         cheap = np.flatnonzero(value <= worth.take(c_layers))
         if not len(cheap):
             return none, none, none, 0.0
-        c_layers, cand, value = c_layers.take(cheap), cand.take(cheap), value.take(cheap)
+        c_layers, c_blocks, cand, value = c_layers[cheap], c_blocks[cheap], cand[cheap], value[cheap]
         order = np.lexsort((cand, value, c_layers))  # per layer the lowest values, ties: the lowest slot
-        c_layers, cand = c_layers.take(order), cand.take(order)
+        c_layers, c_blocks, cand = c_layers[order], c_blocks[order], cand[order]
         per = np.bincount(c_layers, minlength=b.num_layers)
         take = np.flatnonzero(np.arange(len(cand)) - (np.cumsum(per) - per).take(c_layers) < count.take(c_layers))
-        victims, v_layers = cand.take(take), c_layers.take(take)
-        v_blocks = held.take(victims)
+        victims, v_layers, v_blocks = cand[take], c_layers[take], c_blocks[take]
         copy = t.take(e.ddr, v_layers * width + v_blocks) < 0
         n_copy = np.count_nonzero(copy)
         if n_copy > b.ddr_free:
