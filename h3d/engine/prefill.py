@@ -103,10 +103,8 @@ class Interleave:
                 self.pauses += 1
                 return None
 
-    def abandon(self) -> Request | None:
-        """Drop the forward in flight (its request's session keeps its tokens); its request."""
+    def abandon(self) -> None:
+        """Drop the forward in flight, if any (its request's session keeps its tokens)."""
         prefill, self.current = self.current, None
-        if prefill is None:
-            return None
-        self.runner.abandon(prefill.forward)
-        return prefill.request
+        if prefill is not None:
+            self.runner.abandon(prefill.forward)
