@@ -9,8 +9,10 @@ RSS, then `--clients` concurrent clients (one grpc.aio channel and session each)
 (ignore_eos). Client-side it records time to first token (call start to first delta) and the
 time between deltas. RSS is read again after the run (and after a settle pause).
 
-The same work is then run in-process on an `Engine` of the same configuration (all clients'
-requests submitted at once, one step loop): `grpc overhead per token` is the difference of the
+The same work is then run in-process on an `Engine` of the daemon's own configuration (its
+GetConfig, `auto` keys as it resolved them, with an archive and token logs of its own, so that it
+does the same durable writes: a token log per session, the KV parked on close): every client's
+requests in flight together, one step loop. `grpc overhead per token` is the difference of the
 wall times per generated token, daemon minus engine, measured side by side in this one run.
 `--tiny` runs on the first two layers of the model (same tokenizer and widths), which makes the
 model cheap so that the daemon's own cost shows. Loopback only; the clients share the host's
@@ -35,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from h3d.bench.report import write_section
+from h3d.bench.serve import engine_config
 from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
@@ -62,6 +65,17 @@ def tiny_model(src: Path, out: Path, layers: int = 2) -> Path:
     keep = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
     save_file(keep, str(out / "model.safetensors"))
     return out
+
+
+def daemon_config(sock: str) -> dict[str, object]:
+    """The daemon's configuration as GetConfig reports it (its `auto` keys resolved)."""
+    import grpc
+
+    from h3d._proto.h3.v1 import h3_pb2 as pb
+    from h3d._proto.h3.v1 import h3_pb2_grpc as rpc
+
+    with grpc.insecure_channel(f"unix:{sock}") as ch:
+        return dict(json.loads(rpc.H3AdminStub(ch).GetConfig(pb.GetConfigRequest()).json))
 
 
 def cpu_s(pid: int) -> float:
@@ -114,15 +128,17 @@ async def _round(
     return time.perf_counter() - t0, sum(counts), ttft, gaps
 
 
-def in_process(model: Path, clients: int, requests: int, max_tokens: int) -> tuple[float, int]:
+def in_process(config: EngineConfig, clients: int, requests: int, max_tokens: int) -> tuple[float, int]:
     """The same requests through an Engine in this process, every client's requests in flight
     together as in the daemon: wall seconds and tokens generated."""
-    engine = Engine(EngineConfig.build(model=str(model)))
+    engine = Engine(config)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     _batches(engine, clients, 2, params)  # warm-up, as the daemon had
     t0 = time.perf_counter()
     tokens = _batches(engine, clients, requests, params)
-    return time.perf_counter() - t0, tokens
+    wall = time.perf_counter() - t0
+    engine.close()
+    return wall, tokens
 
 
 def _batches(engine: Engine, clients: int, requests: int, params: SamplingParams) -> int:
@@ -176,6 +192,7 @@ def run(args: argparse.Namespace) -> tuple[str, dict[str, object]]:
             time.sleep(0.2)
         time.sleep(0.5)
         asyncio.run(_round(sock, args.clients, 2, args.max_tokens))  # warm-up
+        config = engine_config(daemon_config(sock), work / "inproc")
         rss_warm = rss_mb(proc.pid)
         cpu_daemon0, cpu_client0 = cpu_s(proc.pid), time.process_time()
         print(f"warm-up done, daemon RSS {rss_warm:.0f} MiB; running {args.clients} x {args.requests}", flush=True)
@@ -189,7 +206,7 @@ def run(args: argparse.Namespace) -> tuple[str, dict[str, object]]:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(120)
     print(f"daemon exited {code}; in-process baseline ...", flush=True)
-    base_wall, base_tokens = in_process(model, args.clients, args.requests, args.max_tokens)
+    base_wall, base_tokens = in_process(config, args.clients, args.requests, args.max_tokens)
     shutil.rmtree(work, ignore_errors=True)
     ms = lambda xs, q: float(np.percentile(xs, q) * 1e3)  # noqa: E731
     overhead_ms = (wall / tokens - base_wall / base_tokens) * 1e3

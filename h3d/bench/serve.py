@@ -604,14 +604,14 @@ def phase_prefill_under_load(run: Run) -> None:
     long_sid = client.session("attention_entropy")
 
     def appender() -> None:
-        time.sleep(1.0)  # the streams are decoding
+        time.sleep(3.0)  # the streams are decoding (and their batch's graph captured)
         window["start"] = time.perf_counter()
         window["append_s"] = client.append(long_sid, ids)
         window["end"] = time.perf_counter()
 
     t = threading.Thread(target=appender)
     t.start()
-    # The streams outlast the append (it starts a second into them).
+    # The streams outlast the append (it starts 3 s into them).
     streams = parallel(lambda i: client.generate(sids[i], 200 + i, shape.load_tokens), list(range(n)))
     t.join()
     during = [g for s in streams for g in s.gaps_ms(window["start"], window["end"])]
