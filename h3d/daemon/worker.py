@@ -117,7 +117,9 @@ class EngineWorker:
             log.info("kv_evicted_for_capacity", session_id=sid)
         engine.evictions.clear()
         for key in engine.captured:
-            log.info("graph_captured", batch=key.batch, width=key.width, k=key.k, mixed=key.mixed, after_ready=True)
+            ms = round(engine.runner.graphs.capture_s.get(key, 0.0) * 1e3, 1)
+            log.info("graph_captured", batch=key.batch, width=key.width, k=key.k, mixed=key.mixed,
+                     after_ready=True, ms=ms)  # fmt: skip
         engine.captured.clear()
         for name, fields in engine.kv.take_notices():
             (log.info if name == "ssd_recovered" else log.warning)(name, **fields)

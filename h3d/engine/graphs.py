@@ -56,7 +56,7 @@ session's graphs at every width up to the longest context (batch 1: exact at eve
 selecting at every width past the narrowest window), each from padding inputs. From then on
 (`deferring`) a step whose graph is not captured runs eagerly (`Path.DEVICE`) and its key waits in
 `deferred`; the engine captures waiting graphs between steps (`capture_deferred`: when it idles,
-or one per step once a key has run `DEFER_STEPS` steps eagerly), counted in
+or one per step once a key has run `DEFER_STEPS` (2) steps eagerly), counted in
 `captures_after_ready` (`h3d_graph_captures_total` counts all).
 
 Padding slots feed token 0 at position 0, write into the null slot (row 0, never read: lists mask
@@ -77,6 +77,7 @@ table caching and the cache writes are the GPU path's, only the replay differs.
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -97,7 +98,10 @@ if TYPE_CHECKING:
 
 MAX_BATCH = 256
 MAX_GRAPHS = 32  # least recently used graphs beyond the warm set and this many are dropped
-DEFER_STEPS = 32  # eager steps after which a busy engine captures a waiting graph between steps
+# Eager steps after which a busy engine captures a waiting graph between steps. Low: an eager step
+# of a large batch costs more than its graph's capture (H200, 32 sessions of 32K under
+# attention_entropy: eager steps of 0.5-1.3 s, 2026-12-03).
+DEFER_STEPS = 2
 SLOT_INPUTS = ("nblocks", "tail", "token", "pos", "ends", "room", "take", "parts_live", "dig_base", "dig_row")
 
 
@@ -352,6 +356,7 @@ class DecodeGraphs:
         self.deferred: OrderedDict[GraphKey, int] = OrderedDict()
         self.eager_steps = 0  # steps run eagerly while their graph waited
         self.captures_after_ready = 0
+        self.capture_s: dict[GraphKey, float] = {}  # how long each graph's last capture took
 
     @property
     def nbytes(self) -> int:
@@ -469,10 +474,12 @@ class DecodeGraphs:
         g.generation = self.runner.digests.generation
         g.small.upload(non_blocking=False)
         g.tables.upload(non_blocking=False)
+        t0 = time.perf_counter()
         if self.capture:
             self._capture(g)
         else:
             g.hidden = self._forward(g)
+        self.capture_s[key] = time.perf_counter() - t0
         return True
 
     def _graph(self, key: GraphKey) -> _Graph:
