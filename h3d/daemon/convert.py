@@ -137,7 +137,7 @@ def check_token_ids(engine: Engine, ids: list[int], field: str) -> None:
         raise InvalidRequest(f"{field}: token id {bad} is outside the vocabulary (size {vocab})")
 
 
-def summary_pb(engine: Engine, *, sid: SessionId, done: GenerationDone, ttft_s: float) -> pb.GenerateSummary:
+def summary_pb(engine: Engine, *, sid: SessionId, done: GenerationDone, ttft_s: float = 0.0) -> pb.GenerateSummary:
     residency = residency_pb(engine, engine.session(sid)) if sid in engine.sessions else pb.TierResidency()
     return pb.GenerateSummary(
         finish_reason=FINISH[done.finish_reason],

@@ -10,7 +10,6 @@ whenever it ends before the request did.
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 import time
 from collections.abc import AsyncIterator
@@ -19,13 +18,13 @@ from typing import Any
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.config import POLICIES
 from h3d.daemon.auth import Caller
-from h3d.daemon.convert import check_token_ids, sampling_from, session_pb, stats_pb, summary_pb
+from h3d.daemon.convert import check_token_ids, sampling_from, session_pb, stats_pb
 from h3d.daemon.rpc import State
+from h3d.daemon.worker import Finished
 from h3d.engine.engine import Engine
 from h3d.engine.session import (
     AppendDone,
     Event,
-    GenerationDone,
     PrefillProgress,
     RequestFailed,
     Session,
@@ -91,9 +90,14 @@ class H3Servicer:
         self, request: pb.CloseSessionRequest, context: Any, caller: Caller
     ) -> pb.CloseSessionResponse:
         sid = self.s.check_owner(caller, request.session_id)
-        await self.s.worker.call(lambda e: e.close_session(sid, purge=request.purge))
-        if request.purge:
+        if request.purge:  # answered once the session's data is gone
+            await self.s.worker.call(lambda e: e.close_session(sid, purge=True))
             self.s.owners.pop(sid, None)
+        else:
+            # Answered once queued, not after the step in flight: commands run in order, so every
+            # later call finds the session closed (its token log is already durable; its KV goes
+            # to the archive on the engine thread).
+            self.s.worker.post(lambda e: e.close_session(sid))
         return pb.CloseSessionResponse()
 
     async def AppendContext(
@@ -181,7 +185,7 @@ class H3Servicer:
             finished = False
             first: float | None = None
             last = started
-            carry: Event | None = None
+            carry: Event | Finished | None = None
             try:
                 while True:
                     event, carry = (carry if carry is not None else await events.get()), None
@@ -198,13 +202,10 @@ class H3Servicer:
                             first = first or now
                         last = now
                         yield pb.GenerateResponse(delta=delta)
-                    elif isinstance(event, GenerationDone):
+                    elif isinstance(event, Finished):
                         finished = True
-                        ttft = (first or time.perf_counter()) - started
-                        summary = await self.s.worker.call(
-                            functools.partial(summary_pb, sid=sid, done=event, ttft_s=ttft)
-                        )
-                        yield pb.GenerateResponse(done=summary)
+                        event.summary.ttft_s = (first or time.perf_counter()) - started
+                        yield pb.GenerateResponse(done=event.summary)
                         return
                     elif isinstance(event, RequestFailed):
                         finished = True
@@ -221,7 +222,9 @@ class H3Servicer:
         return await self.s.worker.call(lambda e: stats_pb(self.s, e, ids))
 
 
-def coalesce(first: TokenDelta, events: asyncio.Queue[Event]) -> tuple[pb.TokenDelta, int, Event | None]:
+def coalesce(
+    first: TokenDelta, events: asyncio.Queue[Event | Finished]
+) -> tuple[pb.TokenDelta, int, Event | Finished | None]:
     """`first` and the deltas queued behind it as one message: (the message, its tokens, the
     event that stopped the draining, if one did: the caller handles it next)."""
     texts, ids = [first.text], [first.token_id]

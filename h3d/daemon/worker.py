@@ -4,7 +4,9 @@ The event loop (gRPC handlers) never blocks on the model. It hands the worker *c
 function of the engine, run between two steps, whose result comes back as an awaited future) and
 *requests* (a submit whose events come back on an asyncio queue, one per request). The worker
 runs commands, then one `engine.step()` (which batches every request in flight), and posts the
-step's events to the loop with `call_soon_threadsafe`.
+step's events to the loop with `call_soon_threadsafe`. A generation's end goes out as `Finished`,
+with its GenerateSummary made on this thread at the step that ended it: the handler answers
+without a command, so without waiting for another step boundary.
 
 Owner: the engine thread, the per-request event queues, and the throughput window.
 """
@@ -17,11 +19,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import structlog
 
+from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.daemon.collector import Collector
+from h3d.daemon.convert import summary_pb
 from h3d.engine.engine import Engine
 from h3d.engine.session import AppendDone, Event, GenerationDone, RequestFailed, RequestId, SessionId
 from h3d.errors import H3Error
@@ -33,6 +38,15 @@ SLOW_STEP_S = 1.0  # a step (with its upkeep) this long is logged (`slow_step`),
 CAPTURE_IDLE_S = 1.0  # idle this long, the engine captures the decode graphs steps wanted (not between two requests)
 
 log = structlog.get_logger("h3d.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A GenerationDone as its stream receives it: with the GenerateSummary of that moment (the
+    session's residency and the tiers' counters; `ttft_s` is the handler's to set)."""
+
+    done: GenerationDone
+    summary: pb.GenerateSummary
 
 
 class InternalFault(H3Error):
@@ -47,7 +61,7 @@ class EngineWorker:
             queue.SimpleQueue()
         )
         self._wake = threading.Event()
-        self._streams: dict[RequestId, asyncio.Queue[Event]] = {}
+        self._streams: dict[RequestId, asyncio.Queue[Event | Finished]] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="h3d-engine", daemon=True)
         self._tokens: deque[tuple[float, int]] = deque()  # (time, generated tokens) per step
@@ -66,10 +80,12 @@ class EngineWorker:
         self._wake.set()
         return await future
 
-    async def start_request(self, submit: Callable[[Engine], RequestId]) -> tuple[RequestId, asyncio.Queue[Event]]:
+    async def start_request(
+        self, submit: Callable[[Engine], RequestId]
+    ) -> tuple[RequestId, asyncio.Queue[Event | Finished]]:
         """Submit a request (`submit` calls `engine.submit`); its events arrive on the queue, the
-        last one a GenerationDone, AppendDone or RequestFailed."""
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        last one a `Finished` (a generation's end), AppendDone or RequestFailed."""
+        events: asyncio.Queue[Event | Finished] = asyncio.Queue()
         made: list[RequestId] = []
 
         def run(engine: Engine) -> RequestId:
@@ -87,10 +103,15 @@ class EngineWorker:
             self._wake.set()
             raise
 
+    def post(self, fn: Callable[[Engine], Any]) -> None:
+        """Run `fn(engine)` on the engine thread between steps, without waiting for it: commands
+        run in the order they came, so every later command sees what it did. A failure is logged."""
+        self._commands.put((fn, None))
+        self._wake.set()
+
     def cancel(self, rid: RequestId) -> None:
         """Cancel a request (its client went away): it ends at the next step, freeing its slot."""
-        self._commands.put((lambda engine: engine.cancel(rid), None))
-        self._wake.set()
+        self.post(lambda engine: engine.cancel(rid))
 
     def throughput(self) -> float:
         """Generated tokens per second over the last THROUGHPUT_WINDOW_S seconds."""
@@ -191,17 +212,21 @@ class EngineWorker:
 
     def _dispatch(self, events: list[Event]) -> None:
         """Hand a step's events to their streams: one wake-up of the loop per step, not per event."""
-        batch = []
+        batch: list[tuple[asyncio.Queue[Event | Finished], Event | Finished]] = []
         for event in events:
             done = isinstance(event, GenerationDone | AppendDone | RequestFailed)
             stream = self._streams.pop(event.request_id, None) if done else self._streams.get(event.request_id)
-            if stream is not None:
+            if stream is None:
+                continue
+            if isinstance(event, GenerationDone):
+                batch.append((stream, Finished(event, summary_pb(self.engine, sid=event.session_id, done=event))))
+            else:
                 batch.append((stream, event))
         if batch:
             self._loop.call_soon_threadsafe(_deliver, batch)
 
 
-def _deliver(batch: list[tuple[asyncio.Queue[Event], Event]]) -> None:
+def _deliver(batch: list[tuple[asyncio.Queue[Event | Finished], Event | Finished]]) -> None:
     for stream, event in batch:
         stream.put_nowait(event)
 

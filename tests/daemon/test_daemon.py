@@ -48,10 +48,10 @@ from live_daemon import RunningDaemon, running_daemon
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d._proto.h3.v1 import h3_pb2_grpc as rpc
 from h3d.config import EngineConfig
-from h3d.daemon.worker import EngineWorker
+from h3d.daemon.worker import EngineWorker, Finished
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
-from h3d.engine.session import GenerationDone, RequestFailed
+from h3d.engine.session import RequestFailed
 
 MODEL = "llama_gqa4_tied"
 VOCAB = 512
@@ -614,7 +614,7 @@ def test_worker_failed_step_leaves_sessions_usable(model: Path, monkeypatch: pyt
 
             async def run() -> Any:
                 _, events = await worker.start_request(lambda e: e.submit(sid, generate=True, params=params))
-                while not isinstance(event := await asyncio.wait_for(events.get(), T), GenerationDone | RequestFailed):
+                while not isinstance(event := await asyncio.wait_for(events.get(), T), Finished | RequestFailed):
                     pass
                 return event
 
@@ -626,11 +626,12 @@ def test_worker_failed_step_leaves_sessions_usable(model: Path, monkeypatch: pyt
 
     failed, done, context = asyncio.run(main())
     assert isinstance(failed, RequestFailed) and "internal error" in str(failed.error)
-    assert isinstance(done, GenerationDone) and len(done.token_ids) == 6
+    assert isinstance(done, Finished) and len(done.done.token_ids) == 6
+    assert done.summary.completion_tokens == 6  # the summary made on the engine thread, with the end
     # What it generated continues the context as a fresh session fed the same tokens would.
     fresh = engine.create_session()
     engine.append(fresh, token_ids=context)
-    assert list(done.token_ids) == list(engine.complete(fresh, "", params).token_ids)
+    assert list(done.done.token_ids) == list(engine.complete(fresh, "", params).token_ids)
     engine.close()
 
 

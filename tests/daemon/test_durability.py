@@ -184,6 +184,32 @@ def test_idle_sessions_expire_after_session_ttl_s(checkpoint: Callable[[str], Pa
         assert stats.kv_rebuild_blocks == 0
 
 
+def test_a_close_answered_once_queued_is_seen_by_the_next_call(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """CloseSession without purge is answered before its KV has moved (the engine does that
+    between steps); the very next call already finds the session closed with its KV in the
+    archive only, and the next Generate reopens it and continues exactly."""
+    ckpt = checkpoint(MODEL)
+    prompt = random_prompt(200, VOCAB_SIZE, seed=91)
+    [want] = _uninterrupted(ckpt, [prompt], generations=2)
+    with running_daemon(ckpt, tmp_path / "data", tcp=False) as d:
+        h3 = d.h3()
+        busy = h3.CreateSession(pb.CreateSessionRequest()).session_id  # another stream keeps steps going
+        _append(h3, busy, random_prompt(300, VOCAB_SIZE, seed=92))
+        stream = h3.Generate(pb.GenerateRequest(session_id=busy, sampling=pb.SamplingParams(max_tokens=64)))
+        next(iter(stream))
+        sid = h3.CreateSession(pb.CreateSessionRequest()).session_id
+        _append(h3, sid, prompt)
+        assert _generate(h3, sid) == want[0]
+        h3.CloseSession(pb.CloseSessionRequest(session_id=sid))
+        closed = h3.GetSession(pb.GetSessionRequest(session_id=sid))
+        assert closed.closed
+        assert closed.residency.hbm_blocks == closed.residency.ddr_blocks == 0 < closed.residency.ssd_blocks
+        assert _generate(h3, sid) == want[1]
+        stream.cancel()
+
+
 def test_a_full_ssd_degrades_the_tier_and_the_daemon_keeps_answering(
     checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
