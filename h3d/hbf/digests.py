@@ -78,6 +78,7 @@ class DigestStore:
         self._arena = self._empty(self._reserved)  # [L, Hkv, rows, 2, D]: the null extent first
         self._top = self.parts  # rows past here are free (holes below it are reclaimed by `_compact`)
         self.generation = 0  # bumped whenever `_arena` is replaced (captured steps read it by address)
+        self.compactions = 0  # extents packed (`_compact`): each copies the extents above a hole
 
     def _empty(self, rows: int) -> torch.Tensor:
         d = torch.empty((*self.shape, rows, 2, self.head_dim), dtype=self.dtype, device=self.device)
@@ -105,13 +106,15 @@ class DigestStore:
         old = ext.rows if ext is not None else 0
         # Grown by a quarter (not doubled): a long prompt's digests are large, and doubling them
         # at its first decode step would take twice their memory at once. Within what the arena
-        # holds (the tiers' blocks, reserved at start) the slack shrinks to what is left, so that
-        # sessions filling the tiers never make the arena grow (a second arena beside the first:
-        # on a GPU that is tens of GiB).
+        # holds (the tiers' blocks, reserved at start) the slack is at most an equal share of
+        # what is left, so that sessions filling the tiers never make the arena grow (a second
+        # arena beside the first: on a GPU that is tens of GiB), and no one session takes all
+        # that is left (the others would then move, and compact the arena, at each new part).
         rows = max(num_parts, 5 * (old or 4) // 4)
         left = self.rows - self.parts - (sum(e.rows for e in self._extents.values()) - old)
         if rows > num_parts and rows > left:
-            rows = max(num_parts, left)
+            share = (left - num_parts) // (len(self._extents) + (ext is None))
+            rows = max(num_parts, min(rows, num_parts + share))
         if ext is not None and ext.start + ext.rows == self._top and ext.start + rows <= self.rows:
             self._clear(self._arena[:, :, ext.start + old : ext.start + rows])  # the last extent grows in place
             self._top = ext.start + rows
@@ -137,28 +140,52 @@ class DigestStore:
         if self._top + rows > self.rows:
             self._compact()
         if self._top + rows > self.rows:
-            self._compact(trim=True)  # the others' slack taken back before the arena grows
+            self._compact(spread=rows)  # the others' slack shared out anew before the arena grows
         if self._top + rows > self.rows:  # room for these rows, and a quarter more of what the others hold
             self._resize(self._top + rows + (self._top - self.parts) // 4)
         start = self._top
         self._top += rows
         return start
 
-    def _compact(self, trim: bool = False) -> None:
+    def _compact(self, spread: int | None = None) -> None:
         """Pack the extents down from the null extent, in order (holes of dropped or moved ones
-        are reclaimed; with `trim`, each extent's slack past its used rows too)."""
-        at = self.parts
-        for ext in sorted(self._extents.values(), key=lambda e: e.start):
-            if trim:
+        are reclaimed). With `spread` (rows about to be claimed), each extent's slack is given
+        anew: its used rows and an equal share of what those rows leave free, so that sessions
+        growing side by side do not each need another compaction at their next part."""
+        self.compactions += 1
+        extents = sorted(self._extents.values(), key=lambda e: e.start)
+        if spread is not None:
+            for ext in extents:  # rows past `used` hold no keys (cleared when they were given)
                 ext.rows = max(1, ext.used)
+        at = self.parts
+        for ext in extents:
             if ext.start != at:
-                src = self._arena[:, :, ext.start : ext.start + ext.rows]
-                if ext.start < at + ext.rows:  # overlapping ranges: copy through a temporary
-                    src = src.clone()
-                self._arena[:, :, at : at + ext.rows] = src
-                ext.start = at
+                self._move(ext, at)
             at += ext.rows
         self._top = at
+        if spread is None or not extents:
+            return
+        share = max(0, self.rows - self._top - spread) // len(extents)
+        if not share:
+            return
+        # Then each extent moves up by the shares of those below it, the last first (its rows
+        # above are free), and its share is cleared.
+        for i in range(len(extents) - 1, -1, -1):
+            ext = extents[i]
+            self._move(ext, ext.start + i * share)
+            self._clear(self._arena[:, :, ext.start + ext.rows : ext.start + ext.rows + share])
+            ext.rows += share
+        self._top += len(extents) * share
+
+    def _move(self, ext: _Extent, start: int) -> None:
+        """An extent's rows copied to `start` (its ranges may overlap)."""
+        if start == ext.start:
+            return
+        src = self._arena[:, :, ext.start : ext.start + ext.rows]
+        if abs(start - ext.start) < ext.rows:  # overlapping ranges: copy through a temporary
+            src = src.clone()
+        self._arena[:, :, start : start + ext.rows] = src
+        ext.start = start
 
     def _resize(self, rows: int) -> None:
         """A new arena of `rows` rows holding the extents packed (captured steps are invalidated)."""

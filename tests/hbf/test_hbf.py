@@ -95,6 +95,32 @@ def test_sessions_filling_the_reserved_arena_never_grow_it() -> None:
         assert torch.equal(got[:, 0, 0], first.amin(dim=1)) and torch.equal(got[:, 0, 1], first.amax(dim=1))
 
 
+def test_sessions_decoding_side_by_side_in_a_full_arena_compact_it_rarely() -> None:
+    """32 sessions whose prompts fill two thirds of the reserved arena (as on a GPU with the
+    tiers filling up) decode 400 tokens each, in turns, to nine tenths of it: when one must
+    move, the others' slack is shared out anew, so the arena is packed a few dozen times, not at
+    most new parts (164 times when the moving session's slack was taken back from all of them);
+    every session's digests stay its keys'."""
+    sessions, blocks, steps = 32, 64, 400
+    store = DigestStore(1, 1, 4, BS, torch.float32, torch.device("cpu"), 4, blocks=sessions * blocks * 113 // 100 + 800)
+    g = torch.Generator().manual_seed(1)
+    keys = {SeqId(s): torch.randn(blocks * BS + steps, 1, 4, generator=g) for s in range(sessions)}
+    for seq, k in keys.items():
+        store.reserve(seq, blocks)
+        store.update(seq, 0, 0, k[: blocks * BS])
+    for t in range(blocks * BS, blocks * BS + steps):
+        for seq, k in keys.items():
+            store.update(seq, 0, t, k[t : t + 1])
+    assert store.generation == 0 and store.compactions <= 40
+    part = BS // store.parts
+    full = (blocks * BS + steps) // part  # parts whose keys are all written
+    for seq, k in keys.items():
+        got = store.get(seq, 0, -(-full // store.parts)).reshape(1, -1, 2, 4)
+        for j in (0, blocks * store.parts, full - 1):
+            chunk = k[j * part : (j + 1) * part].transpose(0, 1)
+            assert torch.equal(got[:, j, 0], chunk.amin(dim=1)) and torch.equal(got[:, j, 1], chunk.amax(dim=1))
+
+
 @settings(max_examples=30, deadline=None)
 @given(ops=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40), st.booleans()), min_size=1, max_size=40))
 def test_digest_arena_keeps_each_sessions_digests_through_moves(ops: list[tuple[int, int, bool]]) -> None:
