@@ -76,26 +76,40 @@ def snapshot(tiers: TierManager, seq: SeqId, partial: bool = False) -> int:
 
 
 def _snapshot(tiers: TierManager, seq: SeqId, partial: bool) -> int:
+    """The blocks to write, gathered over every layer, then one durable write per pool and kind
+    (full blocks, the partial last one): a few appends and fsyncs for the whole session, not a
+    few per layer."""
     b = tiers.blocks
     t = b.table(seq)
+    name = tiers.sessions[seq].name
     full = t.num_tokens // b.block_size
-    written = 0
+    # (pool, partial) -> keys, slots, tokens, and the (layer, block) marked archived once durable
+    writes: dict[tuple[int, bool], tuple[list[BlockKey], list[int], list[int], list[tuple[int, int]]]] = {}
+    pools = (tiers.hbm, tiers.ddr)
     for layer in range(b.num_layers):
         todo = np.flatnonzero(~t.layer_archived(layer)[:full])
         hbm, ddr = t.layer_hbm(layer), t.layer_ddr(layer)
-        for pool, slots in ((tiers.hbm, hbm), (tiers.ddr, ddr)):
+        for p, slots in enumerate((hbm, ddr)):
             here = todo[slots[todo] != NONE]
             if len(here):
-                keys = [BlockKey(tiers.sessions[seq].name, layer, int(j)) for j in here]
-                tiers.mover.write_now(keys, pool, slots[here], [b.block_size] * len(here))
-                b.set_archived(seq, layer, here)
+                keys, where, tokens, marks = writes.setdefault((p, False), ([], [], [], []))
+                keys += [BlockKey(name, layer, int(j)) for j in here]
+                where += slots[here].tolist()
+                tokens += [b.block_size] * len(here)
+                marks += [(layer, int(j)) for j in here]
                 todo = todo[~np.isin(todo, here)]
-                written += len(here)
         if partial and full < t.num_blocks:
-            pool, slot = (tiers.hbm, hbm[full]) if hbm[full] != NONE else (tiers.ddr, ddr[full])
-            key = BlockKey(tiers.sessions[seq].name, layer, full)
-            tiers.mover.write_now([key], pool, np.array([slot]), [t.num_tokens - full * b.block_size])
-            written += 1
+            p = 0 if hbm[full] != NONE else 1
+            keys, where, tokens, _ = writes.setdefault((p, True), ([], [], [], []))
+            keys.append(BlockKey(name, layer, full))
+            where.append(int((hbm, ddr)[p][full]))
+            tokens.append(t.num_tokens - full * b.block_size)
+    written = 0
+    for (p, _), (keys, where, tokens, marks) in writes.items():
+        tiers.mover.write_now(keys, pools[p], np.array(where, dtype=np.int64), tokens)
+        for layer in sorted({layer for layer, _ in marks}):
+            b.set_archived(seq, layer, np.array([j for lay, j in marks if lay == layer], dtype=np.int64))
+        written += len(keys)
     tiers.counters.ssd_write_count += written
     return written
 
