@@ -230,7 +230,13 @@ class ModelRunner:
         else:
             ends = np.cumsum(plan.query_lens) - 1
             pick = [int(e) for e, c in zip(ends, chunks, strict=True) if c.want_logits]
-            if pick:
+            if len(pick) == hidden.shape[0]:
+                # Every row (a decode step): no index goes to the device. Indexing with a host list
+                # uploads it with a synchronous copy, which waits for the whole step; without it
+                # the host runs the runner's commit (the previous step's picks promoted, this
+                # one's sent back) while the device computes, and sampling waits for the logits.
+                report.logits = self.model.logits(hidden)
+            elif pick:
                 report.logits = self.model.logits(hidden[pick])
             else:
                 report.logits = hidden.new_zeros((0, self.model.config.vocab_size), dtype=torch.float32)
