@@ -26,7 +26,7 @@ import structlog
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.daemon.collector import Collector
-from h3d.daemon.convert import summary_pb
+from h3d.daemon.convert import FINISH, summary_pb
 from h3d.engine.engine import Engine
 from h3d.engine.session import AppendDone, Event, GenerationDone, RequestFailed, RequestId, SessionId
 from h3d.errors import H3Error
@@ -219,11 +219,25 @@ class EngineWorker:
             if stream is None:
                 continue
             if isinstance(event, GenerationDone):
-                batch.append((stream, Finished(event, summary_pb(self.engine, sid=event.session_id, done=event))))
+                batch.append((stream, Finished(event, _summary_of(self.engine, event))))
             else:
                 batch.append((stream, event))
         if batch:
             self._loop.call_soon_threadsafe(_deliver, batch)
+
+
+def _summary_of(engine: Engine, done: GenerationDone) -> pb.GenerateSummary:
+    """The GenerateSummary of a generation that just ended; never fails the engine thread (a
+    failure is logged and the summary goes without the session's residency and the counters)."""
+    try:
+        return summary_pb(engine, sid=done.session_id, done=done)
+    except Exception:
+        log.exception("generate_summary_failed", session_id=done.session_id)
+        return pb.GenerateSummary(
+            finish_reason=FINISH[done.finish_reason],
+            prompt_tokens=done.prompt_tokens,
+            completion_tokens=len(done.token_ids),
+        )
 
 
 def _deliver(batch: list[tuple[asyncio.Queue[Event | Finished], Event | Finished]]) -> None:

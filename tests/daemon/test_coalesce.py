@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from h3d.daemon.service import coalesce
 from h3d.engine.session import FinishReason, GenerationDone, RequestId, SessionId, TokenDelta
 
@@ -74,3 +76,17 @@ def test_coalescing_stops_at_the_first_event_that_is_not_a_token() -> None:
         assert (delta.text, n, carry) == ("Hel", 1, None)
 
     asyncio.run(run())
+
+
+def test_a_summary_that_cannot_be_made_still_ends_the_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GenerateSummary is made on the engine thread with the generation's end: if making it
+    fails (a bug), the stream still ends, with what the end itself says, and the thread goes on."""
+    import h3d.daemon.worker as worker
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(worker, "summary_pb", broken)
+    summary = worker._summary_of(object(), _done())  # type: ignore[arg-type]
+    assert summary.finish_reason == worker.FINISH[FinishReason.LENGTH]
+    assert (summary.prompt_tokens, summary.completion_tokens) == (3, 5)
