@@ -9,12 +9,16 @@ and DDR copies go; adoption takes only a prefix whose blocks the archive holds i
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from h3d.errors import NoArchive, SsdDegraded
 from h3d.kv.blocks import NONE, SeqId
 from h3d.tiers.archive import ArchiveWriteFailed, BlockKey
 from h3d.tiers.manager import TierManager
+
+SNAPSHOT_WRITE_MB = 64  # the most KV one snapshot write holds (a long session takes several)
 
 
 def demote(tiers: TierManager, seq: SeqId, to_ssd: bool) -> int:
@@ -75,41 +79,62 @@ def snapshot(tiers: TierManager, seq: SeqId, partial: bool = False) -> int:
         raise SsdDegraded(f"the SSD tier takes no writes now: {e}") from e
 
 
+@dataclass(slots=True)
+class _Write:
+    """One archive write being gathered: its blocks' keys, slots and token counts, and the
+    (layer -> blocks) to mark archived once it is durable."""
+
+    keys: list[BlockKey] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    marks: dict[int, list[int]] = field(default_factory=dict)
+
+
 def _snapshot(tiers: TierManager, seq: SeqId, partial: bool) -> int:
-    """The blocks to write, gathered over every layer, then one durable write per pool and kind
-    (full blocks, the partial last one): a few appends and fsyncs for the whole session, not a
-    few per layer."""
+    """The blocks of every layer gathered into few durable writes, per pool and kind (full
+    blocks, the partial last one), each at most `SNAPSHOT_WRITE_MB` of KV: a short session is
+    a couple of archive appends (and their fsyncs), not a couple per layer; a long one never
+    holds its whole KV in host memory at once."""
     b = tiers.blocks
     t = b.table(seq)
     name = tiers.sessions[seq].name
     full = t.num_tokens // b.block_size
-    # (pool, partial) -> keys, slots, tokens, and the (layer, block) marked archived once durable
-    writes: dict[tuple[int, bool], tuple[list[BlockKey], list[int], list[int], list[tuple[int, int]]]] = {}
     pools = (tiers.hbm, tiers.ddr)
+    per_write = max(1, (SNAPSHOT_WRITE_MB << 20) // tiers.hbm.slot_bytes)
+    pending: dict[tuple[int, bool], _Write] = {}
+    written = 0
+
+    def flush(group: tuple[int, bool]) -> None:
+        nonlocal written
+        w = pending.pop(group)
+        tiers.mover.write_now(w.keys, pools[group[0]], np.array(w.slots, dtype=np.int64), w.tokens)
+        for layer, blocks in w.marks.items():
+            b.set_archived(seq, layer, np.array(blocks, dtype=np.int64))
+        written += len(w.keys)
+
+    def add(group: tuple[int, bool], layer: int, block: int, slot: int, tokens: int) -> None:
+        w = pending.setdefault(group, _Write())
+        w.keys.append(BlockKey(name, layer, block))
+        w.slots.append(slot)
+        w.tokens.append(tokens)
+        if not group[1]:  # a full block: archived once durable (the partial one stays the tail)
+            w.marks.setdefault(layer, []).append(block)
+        if len(w.keys) >= per_write:
+            flush(group)
+
     for layer in range(b.num_layers):
         todo = np.flatnonzero(~t.layer_archived(layer)[:full])
-        hbm, ddr = t.layer_hbm(layer), t.layer_ddr(layer)
-        for p, slots in enumerate((hbm, ddr)):
+        where = (t.layer_hbm(layer), t.layer_ddr(layer))
+        for p, slots in enumerate(where):
             here = todo[slots[todo] != NONE]
-            if len(here):
-                keys, where, tokens, marks = writes.setdefault((p, False), ([], [], [], []))
-                keys += [BlockKey(name, layer, int(j)) for j in here]
-                where += slots[here].tolist()
-                tokens += [b.block_size] * len(here)
-                marks += [(layer, int(j)) for j in here]
-                todo = todo[~np.isin(todo, here)]
+            for j in here.tolist():
+                add((p, False), layer, j, int(slots[j]), b.block_size)
+            todo = todo[slots[todo] == NONE]
         if partial and full < t.num_blocks:
-            p = 0 if hbm[full] != NONE else 1
-            keys, where, tokens, _ = writes.setdefault((p, True), ([], [], [], []))
-            keys.append(BlockKey(name, layer, full))
-            where.append(int((hbm, ddr)[p][full]))
-            tokens.append(t.num_tokens - full * b.block_size)
-    written = 0
-    for (p, _), (keys, where, tokens, marks) in writes.items():
-        tiers.mover.write_now(keys, pools[p], np.array(where, dtype=np.int64), tokens)
-        for layer in sorted({layer for layer, _ in marks}):
-            b.set_archived(seq, layer, np.array([j for lay, j in marks if lay == layer], dtype=np.int64))
-        written += len(keys)
+            p = 0 if where[0][full] != NONE else 1
+            add((p, True), layer, full, int(where[p][full]), t.num_tokens - full * b.block_size)
+    for group in list(pending):
+        flush(group)
     tiers.counters.ssd_write_count += written
     return written
 

@@ -49,6 +49,7 @@ from h3d.engine.step import Chunk, StepPlan, StepReport
 from h3d.errors import H3Error, OutOfBlocks, SessionNotFound, SsdDegraded
 from h3d.kv.blocks import NONE, SeqId
 from h3d.kv.pool import KVPool
+from h3d.tiers import lifecycle
 from h3d.tiers.archive import Archive
 from h3d.tiers.codecs import INT8_MAX_REL_ERROR, INT8_MIN_SCALE, Codec
 from h3d.tiers.identity import ArchiveCorrupt, ArchiveError, ArchiveMismatch, BlockKey, CacheIdentity
@@ -849,13 +850,21 @@ def _closing_engine(model: Path, folder: Path, **overrides: Any) -> Engine:
     return make_engine(model, ssd_path=str(folder / "archive"), session_log_path=str(folder / "sessions"), **overrides)
 
 
+@pytest.mark.parametrize("write_mb", [None, 0])
 def test_a_closed_session_leaves_memory_and_reopens_where_it_stopped(
-    checkpoint: Callable[[str], Path], tmp_path: Path
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_mb: int | None
 ) -> None:
     """Closing (without purge) moves the session's KV to the archive only, freeing its HBM and DDR
-    slots; its next request reopens it and continues as if it had never closed. Purging deletes
-    its archived KV and its log."""
+    slots, in a few durable writes for all its layers (or, with `SNAPSHOT_WRITE_MB` at 0, a block
+    a write); its next request reopens it and continues as if it had never closed. Purging
+    deletes its archived KV and its log."""
+    if write_mb is not None:
+        monkeypatch.setattr(lifecycle, "SNAPSHOT_WRITE_MB", write_mb)
     engine = _closing_engine(checkpoint(MODEL), tmp_path)
+    mover = engine.runner.tiers.mover
+    writes: list[int] = []
+    write_now = mover.write_now
+    monkeypatch.setattr(mover, "write_now", lambda keys, *a: (writes.append(len(keys)), write_now(keys, *a))[1])
     twin = make_engine(checkpoint(MODEL))
     prompt = random_prompt(299, VOCAB_SIZE, seed=11)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -869,6 +878,11 @@ def test_a_closed_session_leaves_memory_and_reopens_where_it_stopped(
     r = engine.kv.residency(seq)
     blocks = engine.runner.blocks
     assert r.hbm == r.ddr == 0 and r.archived == blocks.table(seq).num_blocks * blocks.num_layers
+    assert sum(writes) == r.archived
+    if write_mb is None:  # full blocks and the partial one, from HBM and DDR: at most four writes
+        assert len(writes) <= 4 < blocks.num_layers * 2
+    else:
+        assert writes == [1] * r.archived
     assert engine.tier_stats().hbm_used_bytes == engine.tier_stats().ddr_used_bytes == 0
     engine.runner.tiers.check()
     engine.close_session(sid)  # closing a closed session changes nothing
