@@ -562,11 +562,15 @@ def phase_many(run: Run) -> None:
     after = client.stats()
     tokens = sum(len(s.arrivals) for s in streams)
     gaps = [g for s in streams for g in s.gaps_ms()]
-    hits = [s.hbm_hit_rate for s in after.sessions if s.session_id in set(sids)]
+    rate = {s.session_id: s.hbm_hit_rate for s in after.sessions}
+    hits = [rate[sid] for sid in sids if sid in rate]  # in the sessions' order of arrival
     for sid in sids:
         client.close(sid)
     out: dict[str, Any] = {"sessions": n, "context": ctx, "tokens_per_s": round(tokens / wall, 2), **itl(gaps)}
     out.update(hbm_hit_rate_min=round(min(hits), 4), hbm_hit_rate_mean=round(float(np.mean(hits)), 4))
+    out["hbm_hit_rates"] = [round(h, 3) for h in hits]
+    g0, g1 = getattr(before, "global"), getattr(after, "global")
+    out["hbm_rebalance_blocks"] = g1.hbm_rebalance_count - g0.hbm_rebalance_count
     log(f"daemon many: {out}")
     log(f"daemon stopped in {daemon.stop():.1f} s")
 
