@@ -57,6 +57,7 @@ class EngineConfig:
     quantize_skip_layers: tuple[int, ...] = ()
     ddr_high_watermark: float = 0.85
     promote_mb_per_step: float = 64.0  # HBF promotions DDR -> HBM per step, all sessions together
+    rebalance_mb_per_step: float = 1024.0  # blocks moved toward the fair shares of HBM per step (h3d.tiers.shares)
     ssd_capacity_mb: float | None = None  # live archive records beyond this: closed sessions' KV evicted
     ssd_retry_interval_s: float = 10.0  # a degraded SSD tier (full disk, I/O error) is tried again this often
     policy: str = "attention_entropy"
@@ -139,6 +140,7 @@ class EngineConfig:
         if not self.ssd_retry_interval_s > 0:
             raise ConfigError(f"ssd_retry_interval_s: must be > 0, got {self.ssd_retry_interval_s}")
         _positive("promote_mb_per_step", self.promote_mb_per_step)
+        _positive("rebalance_mb_per_step", self.rebalance_mb_per_step)
         _positive("prefill_step_ms", self.prefill_step_ms)
         if not 0 < self.ddr_high_watermark <= 1:
             raise ConfigError(f"ddr_high_watermark: must be in (0, 1], got {self.ddr_high_watermark}")

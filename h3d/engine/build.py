@@ -79,6 +79,7 @@ def build_runner(config: EngineConfig, model: CausalLM, sizes: Budgets, max_cont
         check_invariants=config.check_invariants,
         hbf=config.hbf,
         promote_mb_per_step=config.promote_mb_per_step,
+        rebalance_mb_per_step=config.rebalance_mb_per_step,
         ssd_retry_interval_s=config.ssd_retry_interval_s,
     )
     return runner

@@ -57,6 +57,7 @@ class ModelRunner:
         check_invariants: bool = False,
         hbf: HbfConfig | None = None,
         promote_mb_per_step: float | None = None,
+        rebalance_mb_per_step: float | None = None,
         ssd_retry_interval_s: float = 10.0,
     ) -> None:
         cfg = model.config
@@ -79,6 +80,7 @@ class ModelRunner:
             archive=archive,
             high_watermark=high_watermark,
             promote_bytes_per_step=promote,
+            rebalance_bytes_per_step=None if rebalance_mb_per_step is None else int(rebalance_mb_per_step * 2**20),
             kinds=cfg.layer_kinds,
             ssd_retry_interval_s=ssd_retry_interval_s,
         )

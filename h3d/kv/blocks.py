@@ -410,6 +410,18 @@ class BlockManager:
         e.hbm[ids] = NONE
         table.version += 1
 
+    def drop_hbm_many(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray) -> None:
+        """`drop_hbm` for (layer, block) pairs of several layers at once, `layers` sorted."""
+        table = self._tables[seq]
+        e, ids = self.entries, table.ids[layers, blocks]
+        other = (e.ddr[ids] != NONE) | (e.archived[ids] & (blocks < table.num_tokens // self.block_size))
+        if not other.all():
+            i = int(np.flatnonzero(~other)[0])
+            raise RuntimeError(f"dropping the only usable copy of block {blocks[i]} of layer {layers[i]} from HBM")
+        self.hbm_alloc.release_many(layers, e.hbm[ids])
+        e.hbm[ids] = NONE
+        table.version += 1
+
     def add_hbm_many(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray) -> np.ndarray:
         """`add_hbm` for (layer, block) pairs of several layers at once, `layers` sorted; the
         caller has checked that none is in HBM (`check_invariants` catches a slip)."""

@@ -91,6 +91,7 @@ class KVCache:
         archive: Archive | None = None,
         high_watermark: float = 0.85,
         promote_bytes_per_step: int | None = None,
+        rebalance_bytes_per_step: int | None = None,
         kinds: Sequence[LayerKind] | None = None,
         ssd_retry_interval_s: float = 10.0,
     ) -> None:
@@ -110,6 +111,10 @@ class KVCache:
         self.frozen: dict[SeqId, int] = {}  # seq -> its first block no step may move (ModelRunner.begin)
         self.shares = HbmShares(self.tiers, self.promoter, self.demand)  # fair HBM between active sessions
         self.promoter.room = self.shares.room
+        # Blocks moved toward the shares per step (both ways); None: no limit.
+        self.rebalance_blocks = (
+            None if rebalance_bytes_per_step is None else max(1, rebalance_bytes_per_step // self.tiers.block_bytes)
+        )
         self.device = device
         # On CUDA the arena holds the digests of every block HBM and DDR can hold from the start
         # (the sizing reserved their memory, h3d.kv.sizing): captured steps read it by address,
@@ -221,9 +226,9 @@ class KVCache:
 
     def rebalance(self, active: list[SeqId]) -> int:
         """Between steps: HBM moved toward the fair shares of the `active` sessions (a request in
-        flight), within `promote_mb_per_step` (h3d.tiers.shares); the blocks moved."""
+        flight), within `rebalance_mb_per_step` (h3d.tiers.shares); the blocks moved."""
         self.shares.plan(active)
-        budget = self.promoter.promote_blocks_per_step or self.blocks.hbm_capacity
+        budget = self.rebalance_blocks or self.blocks.hbm_capacity
         return self.shares.rebalance(budget, self.frozen)
 
     def hbm_share(self, seq: SeqId) -> int:

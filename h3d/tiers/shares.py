@@ -2,22 +2,27 @@
 that bring the tiers there.
 
 Without a rule the first session to arrive keeps every HBM slot it got and the later ones read
-from DDR (on the H200, four 16K sessions ended with hit rates from 0.997 down to 0.0025). The rule:
+from DDR (on the H200, four 16K sessions ended with hit rates from 0.997 down to 0.0025). The rule,
+per layer:
 
 - a pinned session keeps what it holds;
-- the rest of a layer's region goes to the *active* sessions (a request in flight), each at most
-  its *demand*: the blocks its policy reads in that layer every step (every block under `exact`
-  and in the dense layers, sinks + the recent window + the window of HBF's picks in a sparse
-  layer);
-- first a floor, min(demand, rest / (2 x active)), then what is left in proportion to what each
+- the rest of the region goes to the *active* sessions (a request in flight). First their
+  *demands*, the blocks each one's policy reads in that layer every step (every block under
+  `exact` and in the dense layers, sinks + the recent window + the window of HBF's picks in a
+  sparse layer): a floor of min(demand, rest / (2 x active)) each, then in proportion to what each
   still wants (`shares`);
+- what the demands leave levels the parts (water-filling: the smallest parts are raised first),
+  each at most the blocks its session has: a session's picks move from step to step, and what it
+  holds beyond this step's picks is what its next steps find in HBM;
 - an idle session has no share: its blocks go down first when an active one needs room.
 
-`HbmShares.rebalance` moves toward the shares between steps, at most `budget` blocks a call: an
-active session above its share gives up its least valuable blocks (HBF's rank: recency +
-hotness; a DDR copy kept), then a session below its share gets its DDR-only blocks copied up into
-the free slots, the most valuable first. `room` caps what `Promoter.fill_hbm` copies up for a
-session at its share, so that what one call takes away the next step does not bring back.
+`HbmShares.rebalance` moves toward the shares between steps, at most `budget` blocks a call
+(`rebalance_mb_per_step`): an active session above its share gives up its least valuable blocks
+(HBF's rank: recency + hotness; a DDR copy kept), then every session below its share gets its
+most valuable DDR-only blocks copied up into the free slots, each a part in proportion to what it
+lacks (so the session that arrived last does not wait for all the others). `room` caps what
+`Promoter.fill_hbm` copies up for a session at its share, so that what one call takes away the
+next step does not bring back.
 
 Owner: the shares (recomputed when the active sessions change, or every `REFRESH_STEPS` steps as
 contexts grow).
@@ -40,22 +45,50 @@ REFRESH_STEPS = 64  # shares recomputed this often while the active sessions sta
 FLOOR_PART = 0.5  # of a layer's shared slots, this part is the floor split equally between active sessions
 
 
-def shares(capacity: int, demands: np.ndarray, floor_part: float = FLOOR_PART) -> np.ndarray:
+def shares(
+    capacity: int, demands: np.ndarray, sizes: np.ndarray | None = None, floor_part: float = FLOOR_PART
+) -> np.ndarray:
     """Each active session's slots of one layer region of `capacity` slots, for `demands` (blocks
-    each reads per step): never above its demand, in all at most `capacity`; a floor of
-    min(demand, floor_part x capacity / n) each, the rest in proportion to what each still wants.
-    Everyone gets its demand where the demands fit."""
+    each reads per step) and `sizes` (blocks each has; the demands where not given): first the
+    demands, a floor of min(demand, floor_part x capacity / n) each and the rest in proportion to
+    what each still wants; then what is left (rounding's crumbs included) levels the sessions'
+    parts, each at most max(demand, size) (`_level`).
+    In all at most `capacity`, each at most max(demand, size)."""
     demands = np.maximum(np.asarray(demands, dtype=np.int64), 0)
     n = len(demands)
     if n == 0 or capacity <= 0:
         return np.zeros(n, dtype=np.int64)
     if demands.sum() <= capacity:
-        return demands.copy()
-    floor = np.minimum(demands, int(floor_part * capacity) // n)
-    want = demands - floor
-    left = capacity - int(floor.sum())
-    extra = want * left // max(1, int(want.sum()))  # floored: the total stays within capacity
-    return floor + np.minimum(extra, want)
+        out = demands.copy()
+    else:
+        floor = np.minimum(demands, int(floor_part * capacity) // n)
+        want = demands - floor
+        left = capacity - int(floor.sum())
+        extra = want * left // max(1, int(want.sum()))  # floored: the total stays within capacity
+        out = floor + np.minimum(extra, want)
+    if sizes is None:
+        return out
+    return _level(out, np.maximum(np.asarray(sizes, dtype=np.int64), demands), capacity)
+
+
+def _level(low: np.ndarray, high: np.ndarray, capacity: int) -> np.ndarray:
+    """Water-filling between `low` and `high` (sum(low) <= capacity): each gets
+    clip(level, low, high) for the highest level that fits in `capacity`, and what rounding leaves
+    goes one each to the first of those the next level would raise. All of `capacity` is given
+    while anyone is below its `high`."""
+    if int(high.sum()) <= capacity:
+        return high.copy()
+    lo, hi = 0, int(high.max())  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if int(np.clip(mid, low, high).sum()) <= capacity:
+            lo = mid
+        else:
+            hi = mid
+    out = np.clip(lo, low, high)
+    more = np.flatnonzero((low <= lo) & (lo < high))[: capacity - int(out.sum())]
+    out[more] += 1
+    return out
 
 
 class HbmShares:
@@ -88,11 +121,13 @@ class HbmShares:
         for seq in (s for s in b.tables() if sessions[s].pinned):
             caps -= self.held(seq)
         demand = np.stack([self.demand(s) for s in unpinned])  # [n, L]
-        out = np.stack([shares(int(max(c, 0)), demand[:, layer]) for layer, c in enumerate(caps)], axis=1)
+        size = np.array([b.table(s).num_blocks for s in unpinned], dtype=np.int64)  # [n], every layer
+        caps = np.maximum(caps, 0)
+        out = np.stack([shares(int(c), demand[:, layer], size) for layer, c in enumerate(caps)], axis=1)
         self.target = {s: out[i] for i, s in enumerate(unpinned)}
-        # Where every demand fits, a share caps nothing (a session growing between two plans takes
-        # free slots as before); it still says what each is owed (Stats, `rebalance`).
-        self.contended = bool((demand.sum(axis=0) > caps).any())
+        # Where every active session's blocks fit, a share caps nothing (a session growing between
+        # two plans takes free slots as before); it still says what each is owed (Stats).
+        self.contended = bool((int(size.sum()) > caps).any())
 
     def held(self, seq: SeqId) -> np.ndarray:
         """`seq`'s blocks in HBM in each layer, [L]."""
@@ -115,38 +150,73 @@ class HbmShares:
         need = np.maximum(wanted - b.hbm_alloc.free, 0)  # [L] slots to free first
         moved = 0
         if need.any():
-            # Idle unpinned sessions first, then active ones above their shares.
+            # Idle unpinned sessions first, then active ones above their shares; at most half the
+            # budget, so that the slots freed are filled in the same call.
+            half = max(1, budget // 2)
             givers = [(s, self.held(s)) for s in b.tables() if s not in self.target and not sessions[s].pinned]
             givers += [(s, np.maximum(self.held(s) - share, 0)) for s, share in self.target.items()]
             for seq, excess in givers:
-                for layer in np.flatnonzero(np.minimum(excess, need) > 0).tolist():
-                    count = min(int(excess[layer]), int(need[layer]), budget - moved)
-                    if count <= 0:
-                        break
-                    done = self._demote(seq, layer, count, protect)
-                    need[layer] -= done
-                    moved += done
+                count = np.minimum(excess, need)
+                if moved >= half or not need.any():
+                    break
+                if count.any():
+                    gone = self._demote(seq, _within(count, half - moved), protect)
+                    need -= gone
+                    moved += int(gone.sum())
+        if moved < budget and wanted.any():
+            # Each session below its share a part of the free slots in proportion to what it
+            # lacks, then what is left in turn (a part rounds down; some blocks may be archive-only).
+            free = b.hbm_alloc.free
+            scale = (
+                np.minimum(wanted, free)
+                / np.maximum(wanted, 1)
+                * min(1.0, (budget - moved) / max(1, int(np.minimum(wanted, free).sum())))
+            )
+            for seq, lack in under.items():
+                moved += self._fill(seq, (lack * scale).astype(np.int64), budget - moved, protect)
+            for seq, share in self.target.items():
                 if moved >= budget:
                     break
-        for seq, room in under.items():
-            if moved >= budget:
-                break
-            moved += self._fill(seq, np.minimum(room, b.hbm_alloc.free), budget - moved, protect)
+                lack = np.maximum(share - self.held(seq), 0)
+                moved += self._fill(seq, np.minimum(lack, b.hbm_alloc.free), budget - moved, protect)
         self.tiers.counters.hbm_rebalance_count += moved
         self._settled = moved == 0
         return moved
 
-    def _demote(self, seq: SeqId, layer: int, count: int, protect: dict[SeqId, int]) -> int:
-        """`seq`'s `count` least valuable full HBM blocks of `layer` down to DDR; how many went."""
-        b = self.blocks
+    def _demote(self, seq: SeqId, count: np.ndarray, protect: dict[SeqId, int]) -> np.ndarray:
+        """`seq`'s `count[l]` least valuable full HBM blocks of each layer l down to DDR, a DDR copy
+        made where there is none (only as many as DDR has room for: nothing is spilled for them);
+        how many went from each layer, [L]."""
+        b, e = self.blocks, self.blocks.entries
         t = b.table(seq)
         limit = min(t.num_tokens // b.block_size, protect.get(seq, t.num_blocks))
-        idx = np.flatnonzero(t.layer_hbm(layer)[:limit] != NONE)
-        if not len(idx):
-            return 0
-        value = b.entries.hotness[t.ids[layer, idx]]
-        idx = np.sort(idx[np.lexsort((-idx, value))[:count]])  # the lowest ranks; ties: the last blocks
-        return self.tiers.demote_blocks(seq, layer, idx, list(self.target), protect, make_room=False)
+        gone = np.zeros(b.num_layers, dtype=np.int64)
+        if limit <= 0:
+            return gone
+        ids = t.ids[:, :limit]
+        layers, blocks = np.nonzero((e.hbm.take(ids) != NONE) & (count > 0)[:, None])
+        if not len(layers):
+            return gone
+        value = e.hotness.take(ids[layers, blocks])
+        order = np.lexsort((-blocks, value, layers))  # per layer the lowest ranks; ties: the last blocks
+        layers, blocks = layers[order], blocks[order]
+        per = np.bincount(layers, minlength=b.num_layers)
+        take = np.arange(len(layers)) - (np.cumsum(per) - per).take(layers) < count.take(layers)
+        layers, blocks = layers[take], blocks[take]
+        copy = e.ddr.take(ids[layers, blocks]) == NONE
+        if np.count_nonzero(copy) > b.ddr_free:
+            fits = ~copy | (np.cumsum(copy) <= b.ddr_free)
+            layers, blocks, copy = layers[fits], blocks[fits], copy[fits]
+        if not len(layers):
+            return gone
+        keep = np.lexsort((blocks, layers))  # layers ascending (the allocators' batched calls)
+        layers, blocks, copy = layers[keep], blocks[keep], copy[keep]
+        if copy.any():
+            src = e.hbm.take(ids[layers[copy], blocks[copy]])
+            self.tiers.mover.hbm_to_ddr(src, b.add_ddr_many(seq, layers[copy], blocks[copy]))
+        b.drop_hbm_many(seq, layers, blocks)
+        self.tiers.counters.hbm_evict_count += len(layers)
+        return np.bincount(layers, minlength=b.num_layers)
 
     def _fill(self, seq: SeqId, room: np.ndarray, budget: int, protect: dict[SeqId, int]) -> int:
         """Copy `seq`'s most valuable DDR-only full blocks up into free HBM slots, at most `room[l]`
@@ -174,3 +244,10 @@ class HbmShares:
         src = b.entries.ddr[t.ids[lay, blocks]]
         self.promoter.copy_up(src, b.add_hbm_many(seq, lay, blocks))
         return len(lay)
+
+
+def _within(count: np.ndarray, budget: int) -> np.ndarray:
+    """`count` [L] cut to `budget` in all, the first layers first."""
+    if int(count.sum()) <= budget:
+        return count
+    return np.diff(np.minimum(np.cumsum(count), budget), prepend=0)

@@ -46,6 +46,20 @@ def test_shares_follow_the_rule(capacity: int, demands: list[int]) -> None:
         assert (np.diff(got[order]) >= 0).all()
 
 
+@given(
+    st.integers(0, 500),
+    st.lists(st.tuples(st.integers(0, 300), st.integers(0, 400)), min_size=1, max_size=12),
+)
+def test_what_the_demands_leave_is_shared_equally_up_to_each_size(capacity: int, pairs: list[tuple[int, int]]) -> None:
+    d, size = np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])
+    got, base = shares(capacity, d, size), shares(capacity, d)
+    top = np.maximum(d, size)
+    assert (got >= base).all() and (got <= top).all()  # the demands first, never beyond what one has
+    assert got.sum() == min(capacity, max(int(base.sum()), int(top.sum())))  # nothing left idle
+    for j in np.flatnonzero(got < top):  # j wants more: nobody got more than one above j beyond its demand part
+        assert (got <= np.maximum(base, got[j] + 1)).all(), (got, base, j)
+
+
 def _params(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
@@ -137,4 +151,61 @@ def test_hbm_shares_as_sessions_come_go_idle_and_pin(checkpoint: Callable[[str],
     assert small.tier_stats().hbm_rebalance_count > 0  # rebalancing moved blocks
     roomy = make_engine(path, policy="exact")
     want = _walk(roomy, seed=5, check=None)
+    assert got == want
+
+
+def _hit_rates_after_late_arrivals(engine: Engine, vocab: int) -> tuple[list[float], dict[str, list[int]]]:
+    """Four sessions appended one after another (HBM fills with the first ones' blocks), then
+    decoding 40 tokens together; each session's hit rate over the decode, and its tokens."""
+    sids = [engine.create_session() for _ in range(4)]
+    for i, sid in enumerate(sids):
+        engine.append(sid, token_ids=random_prompt(640, vocab, seed=40 + i))
+    kv = engine.kv
+    seqs = [engine.session(sid).seq for sid in sids]
+    before = [(kv.counters(s).hbm_hits, kv.counters(s).hbm_misses) for s in seqs]
+    w = Walk(engine)
+    for i, sid in enumerate(sids):
+        w.rids[engine.submit(sid, generate=True, params=_params(40))] = f"s{i}"
+    while engine.requests():
+        w.steps(1)
+    rates = []
+    for s, (hits, misses) in zip(seqs, before, strict=True):
+        c = kv.counters(s)
+        rates.append((c.hbm_hits - hits) / max(1, c.hbm_hits - hits + c.hbm_misses - misses))
+    return rates, w.out
+
+
+def test_sessions_arriving_when_hbm_is_full_get_an_equal_part_of_it(checkpoint: Callable[[str], Path]) -> None:
+    """A sparse policy reads a window of a few blocks per layer each step, but which blocks moves
+    from step to step: a session that holds only its window's worth reads most of its picks from
+    DDR, and HBF promotes little per step (as `promote_mb_per_step` allows on a large model). The
+    four sessions' demands fit in HBM many times over, so the shares beyond them decide: every
+    session must get an equal part of every layer, whenever it arrived, and the hit rates must
+    stay close (the issue's bar for 32 x 32K on the H200: none below half the mean).
+    The tokens equal those of an engine whose HBM holds everything."""
+    path = checkpoint(MODEL)
+    probe = make_engine(path)
+    slot_mb = probe.runner.hbm.slot_bytes * probe.model.config.num_layers / 2**20
+    sparse = dict(
+        policy="attention_entropy", dense_layers=1, window_tokens=64, window_min_tokens=64, window_max_tokens=64,
+        recent_tokens=16,
+    )  # fmt: skip
+    small = make_engine(
+        path,
+        hbm_mb=48 * slot_mb,
+        ddr_mb=200 * slot_mb,
+        promote_mb_per_step=2 * slot_mb,
+        rebalance_mb_per_step=16 * slot_mb,
+        **sparse,
+    )
+    assert 32 <= small.runner.blocks.slots_per_layer <= 48  # of the 4 x 43 blocks per layer (digests take some)
+    vocab = small.model.config.vocab_size
+    rates, got = _hit_rates_after_late_arrivals(small, vocab)
+    assert min(rates) >= 0.5 * float(np.mean(rates)), rates
+    assert min(rates) >= 0.85 * max(rates), rates  # without the equal parts: 0.36 to 0.50
+    kv = small.kv
+    held = np.stack([kv.shares.held(small.session(sid).seq) for sid in small.sessions])  # [4, L]
+    assert (held.max(axis=0) - held.min(axis=0) <= 2).all(), held  # equal parts, within rounding and the partial block
+    assert small.tier_stats().hbm_rebalance_count > 0
+    _, want = _hit_rates_after_late_arrivals(make_engine(path, **sparse), vocab)
     assert got == want
