@@ -283,31 +283,48 @@ class Promoter:
     def fill_hbm(self, batch: list[SeqId], protect: dict[SeqId, int]) -> None:
         """After a step: copy the batch's full blocks that only DDR holds (staged back from the
         archive after a restart or a reopening, or demoted while their session was idle) into free
-        HBM slots of their layers, within `promote_blocks_per_step`. Nothing is evicted for them,
-        so `exact`'s fixed resident subset stays fixed once HBM is full; blocks written this step
-        are left alone. Without this a restored session would read from DDR for good."""
+        HBM slots of their layers, within `promote_blocks_per_step` and each session's share
+        (`room`). Nothing is evicted for them, so `exact`'s fixed resident subset stays fixed once
+        HBM is full; blocks written this step are left alone. Without this a restored session
+        would read from DDR for good."""
         b = self.blocks
-        free = b.hbm_alloc.free.copy()  # [L]
+        free = b.hbm_alloc.free  # [L] (a copy)
         budget = self.promote_blocks_per_step or b.hbm_capacity
         for seq in batch:
             if budget <= 0 or not free.any():
                 return
-            t = b.table(seq)
-            full = min(t.num_tokens // b.block_size, protect.get(seq, t.num_blocks))
-            if self.tiers.rewriting is not None and self.tiers.rewriting[0] == seq:
-                full = min(full, self.tiers.rewriting[1])
             room = self.room(seq)
-            mine = free if room is None else np.minimum(free, room)  # within its share
-            layers = np.flatnonzero(mine > 0)
-            ids = t.ids[layers, :full]
-            li, blocks = np.nonzero((b.entries.hbm[ids] == NONE) & (b.entries.ddr[ids] != NONE))
-            if not len(li):
-                continue
-            lay = layers[li]  # sorted: np.nonzero walks rows first
-            within = np.arange(len(lay)) - np.searchsorted(lay, lay)  # rank within its layer
-            ok = within < mine[lay]
-            lay, blocks = lay[ok][:budget], blocks[ok][:budget]
-            src = b.entries.ddr[t.ids[lay, blocks]]
-            self.copy_up(src, b.add_hbm_many(seq, lay, blocks))
+            lay = self.copy_up_ddr_only(seq, free if room is None else np.minimum(free, room), budget, protect)
             free -= np.bincount(lay, minlength=b.num_layers)
             budget -= len(lay)
+
+    def copy_up_ddr_only(self, seq: SeqId, room: np.ndarray, budget: int, protect: dict[SeqId, int]) -> np.ndarray:
+        """Copy `seq`'s most valuable full blocks that only DDR holds into free HBM slots, at most
+        `room[l]` in layer l and `budget` in all (ties: the first blocks); never a block from
+        `protect[seq]` on nor one being computed again. Returns the layers of the blocks copied."""
+        b = self.blocks
+        t = b.table(seq)
+        full = min(t.num_tokens // b.block_size, protect.get(seq, t.num_blocks))
+        if self.tiers.rewriting is not None and self.tiers.rewriting[0] == seq:
+            full = min(full, self.tiers.rewriting[1])
+        layers = np.flatnonzero(room > 0)
+        none = np.empty(0, dtype=np.int64)
+        if not len(layers) or full <= 0 or budget <= 0:
+            return none
+        ids = t.ids[layers, :full]
+        li, blocks = np.nonzero((b.entries.hbm[ids] == NONE) & (b.entries.ddr[ids] != NONE))
+        if not len(li):
+            return none
+        value = b.entries.hotness[ids[li, blocks]]
+        order = np.lexsort((blocks, -value, li))  # per layer the most valuable first
+        li, blocks = li[order], blocks[order]
+        within = np.arange(len(li)) - np.searchsorted(li, li)  # rank within its layer
+        ok = within < room[layers[li]]
+        lay, blocks = layers[li[ok]][:budget], blocks[ok][:budget]
+        if not len(lay):
+            return none
+        keep = np.lexsort((blocks, lay))  # `add_hbm_many` takes layers ascending
+        lay, blocks = lay[keep], blocks[keep]
+        src = b.entries.ddr[t.ids[lay, blocks]]
+        self.copy_up(src, b.add_hbm_many(seq, lay, blocks))
+        return lay

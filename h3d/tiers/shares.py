@@ -221,29 +221,7 @@ class HbmShares:
     def _fill(self, seq: SeqId, room: np.ndarray, budget: int, protect: dict[SeqId, int]) -> int:
         """Copy `seq`'s most valuable DDR-only full blocks up into free HBM slots, at most `room[l]`
         in layer l and `budget` in all; how many went."""
-        b = self.blocks
-        t = b.table(seq)
-        full = min(t.num_tokens // b.block_size, protect.get(seq, t.num_blocks))
-        layers = np.flatnonzero(room > 0)
-        if not len(layers) or full <= 0:
-            return 0
-        ids = t.ids[layers, :full]
-        li, blocks = np.nonzero((b.entries.hbm[ids] == NONE) & (b.entries.ddr[ids] != NONE))
-        if not len(li):
-            return 0
-        value = b.entries.hotness[ids[li, blocks]]
-        order = np.lexsort((blocks, -value, li))  # per layer, the most valuable first
-        li, blocks = li[order], blocks[order]
-        within = np.arange(len(li)) - np.searchsorted(li, li)  # rank within its layer
-        ok = within < room[layers[li]]
-        lay, blocks = layers[li[ok]][:budget], blocks[ok][:budget]
-        if not len(lay):
-            return 0
-        keep = np.lexsort((blocks, lay))  # `add_hbm_many` takes layers ascending
-        lay, blocks = lay[keep], blocks[keep]
-        src = b.entries.ddr[t.ids[lay, blocks]]
-        self.promoter.copy_up(src, b.add_hbm_many(seq, lay, blocks))
-        return len(lay)
+        return len(self.promoter.copy_up_ddr_only(seq, room, budget, protect))
 
 
 def _within(count: np.ndarray, budget: int) -> np.ndarray:
