@@ -324,6 +324,7 @@ class BlockManager:
         ids = self.entries.allocate(self.num_layers * nb).reshape(self.num_layers, nb)
         table.ids[:, :nb] = ids
         self.entries.archived[ids] = True
+        self.entries.num_archived += ids.size
         table.num_blocks, table.num_tokens = nb, num_tokens
         table.version += 1
 
@@ -341,6 +342,7 @@ class BlockManager:
                 e.ddr[i] = NONE
             if e.hbm[i] == NONE and e.ddr[i] == NONE:
                 e.ddr[i] = self.ddr_alloc.allocate(1, seq)[0]
+        e.num_archived -= int(np.count_nonzero(e.archived[table.ids[:, block]]))
         e.archived[table.ids[:, block]] = False
         table.version += 1
         positions = np.arange(block * self.block_size, min((block + 1) * self.block_size, table.num_tokens))
@@ -497,6 +499,7 @@ class BlockManager:
         e, ids = self.entries, table.ids[layer, blocks]
         if not value:
             self._check_other_copy(layer, blocks, (e.hbm[ids] != NONE) | (e.ddr[ids] != NONE), "the archive")
+        e.num_archived += len(ids) * value - int(np.count_nonzero(e.archived[ids]))
         e.archived[ids] = value
         table.version += 1
 
@@ -542,6 +545,7 @@ class BlockManager:
             assert (field[free] == empty).all() and field[NULL_ENTRY] == empty, f"a free entry has a {name} copy"
         for table in self._tables.values():
             assert (table.ids[:, table.num_blocks :] == NULL_ENTRY).all(), "a table points past its blocks"
+        assert e.num_archived == int(np.count_nonzero(e.archived)), "the count of archived entries is off"
 
     def _check_table(self, seq: SeqId, table: BlockTable, seen_hbm: set[int], seen_ddr: set[int]) -> None:
         nb = table.num_blocks

@@ -155,6 +155,8 @@ class KVCache:
 
     def archive_only(self, seq: SeqId) -> bool:
         """Whether some block of `seq` is in the archive only (a step must stage it first)."""
+        if not self.blocks.entries.num_archived:  # every block has a copy in HBM or DDR
+            return False
         return bool(self.sessions[seq].table.archive_only().any())
 
     def window_tokens(self, seq: SeqId) -> int:

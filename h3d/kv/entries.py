@@ -32,6 +32,7 @@ class Entries:
         self.hbm = np.full(capacity, NONE, dtype=np.int64)  # [E] HBM slot or NONE
         self.ddr = np.full(capacity, NONE, dtype=np.int64)  # [E] DDR slot or NONE
         self.archived = np.zeros(capacity, dtype=bool)  # [E] a durable archive copy exists
+        self.num_archived = 0  # entries with `archived` set (none: no block is in the archive only)
         self.hotness = np.zeros(capacity, dtype=np.float32)  # [E] `Promoter.rank`'s value
         self.refs = np.zeros(capacity, dtype=np.int32)  # [E] table cells pointing to it
         self.staged_at = np.full(capacity, -1, dtype=np.int64)  # [E] the step it last came from the archive
@@ -66,6 +67,7 @@ class Entries:
         np.subtract.at(self.refs, ids, 1)
         gone = ids[self.refs[ids] == 0]
         gone = np.unique(gone)
+        self.num_archived -= int(np.count_nonzero(self.archived[gone]))
         self.hbm[gone] = NONE
         self.ddr[gone] = NONE
         self.archived[gone] = False

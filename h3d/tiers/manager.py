@@ -208,7 +208,10 @@ class TierManager:
         last = t.num_tokens // b.block_size
         if self.archive is None or t.num_tokens % b.block_size == 0:
             return
-        layers = np.flatnonzero(t.archive_only(upto=last + 1)[:, last])
+        if not b.entries.num_archived:
+            return
+        ids = t.ids[:, last]
+        layers = np.flatnonzero((b.entries.hbm[ids] == NONE) & (b.entries.ddr[ids] == NONE))
         if not len(layers):
             return
         if len(layers) > b.ddr_free:
@@ -353,8 +356,11 @@ class TierManager:
 
     def _spill(self, need: int, order: list[Pair], protect: dict[SeqId, int], wait: bool = False) -> int:
         freed = 0
-        plans = [(p, *self._candidates(p, protect)) for p in order]
-        for (seq, layer), cheap, _ in plans:
+        plans: list[tuple[Pair, np.ndarray]] = []  # the pairs the first pass reached, with their costly blocks
+        for pair in order:
+            cheap, costly = self._candidates(pair, protect)
+            plans.append((pair, costly))
+            seq, layer = pair
             take = cheap[: need - freed]
             if len(take):
                 self.blocks.drop_ddr(seq, layer, take)
@@ -364,7 +370,7 @@ class TierManager:
                 return freed
         if not self.writable:
             return freed
-        for (seq, layer), _, costly in plans:
+        for (seq, layer), costly in plans:
             take = costly[: need - freed]
             if len(take):
                 self._archive(seq, layer, take, wait)
