@@ -237,10 +237,14 @@ class Promoter:
         if limit <= 0:
             return none, none, none, 0.0
         # The session's own HBM blocks (its table, not every HBM slot: with HBM full of other
-        # sessions a scan of all slots per session per step was the step's cost).
+        # sessions a scan of all slots per session per step was the step's cost), in the layers
+        # that need victims only.
+        rows = np.flatnonzero((count > 0) & (worth > -np.inf))
+        if not len(rows):
+            return none, none, none, 0.0
         e, width = b.entries, t.capacity
-        ids = t.ids[:, :limit]  # [L, limit]
-        slots = e.hbm.take(ids)  # [L, limit] slot or NONE
+        ids = t.ids[rows, :limit]  # [R, limit]
+        slots = e.hbm.take(ids)  # [R, limit] slot or NONE
         ok = slots != NONE
         ok[:, keep[keep < limit]] = False
         if len(sel_slots):
@@ -249,16 +253,15 @@ class Promoter:
             mask[sel_slots] = True
             ok &= ~mask.take(slots)
             mask[sel_slots] = False
-        c_layers, c_blocks = np.nonzero(ok)  # grouped by layer
-        cand = slots[c_layers, c_blocks]
-        value = e.hotness.take(ids[c_layers, c_blocks])
-        # Only blocks worth less than their layer's promotion (usually few: the sort stays small);
-        # within each layer the lowest values first (lexsort is stable: ties keep the lower slot),
-        # at most count[l] of them.
-        cheap = np.flatnonzero(value <= worth.take(c_layers))
-        if not len(cheap):
+        # Only blocks worth less than their layer's promotion (usually few: the sort stays small).
+        value = e.hotness.take(ids)  # [R, limit]
+        ok &= value <= worth.take(rows)[:, None]
+        r, c_blocks = np.nonzero(ok)  # grouped by layer
+        if not len(r):
             return none, none, none, 0.0
-        c_layers, c_blocks, cand, value = c_layers[cheap], c_blocks[cheap], cand[cheap], value[cheap]
+        c_layers, cand, value = rows.take(r), slots[r, c_blocks], value[r, c_blocks]
+        # Within each layer the lowest values first (lexsort is stable: ties keep the lower slot),
+        # at most count[l] of them.
         order = np.lexsort((cand, value, c_layers))  # per layer the lowest values, ties: the lowest slot
         c_layers, c_blocks, cand = c_layers[order], c_blocks[order], cand[order]
         per = np.bincount(c_layers, minlength=b.num_layers)
