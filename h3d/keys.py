@@ -141,8 +141,9 @@ ENGINE: tuple[Key, ...] = (
         "rebalance_mb_per_step",
         "most MiB of blocks moved per decode step toward the fair shares of HBM (both ways: an active "
         "session's blocks above its share down to DDR, a session's below it up), whenever the active sessions "
-        "change. The session that arrives when HBM is full reaches its share in about (its share / this) steps; "
-        "the copies lengthen those steps (on the H200 1 GiB is about 20 ms of PCIe each way)",
+        "change. Sessions that arrive when HBM is full reach their shares once the blocks they lack have come up "
+        "and as many have gone down, at most half of this a step each way; the copies lengthen those steps (on "
+        "the H200 1 GiB is about 20 ms of PCIe each way)",
         help="most MiB of blocks moved per decode step toward the fair shares of HBM, both ways",
     ),
     Key(
