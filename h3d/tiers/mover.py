@@ -4,7 +4,8 @@
   (`h3d.kernels.copies.copy_blocks`: each program reads a block where it lives, pinned DDR over
   PCIe included, and writes it where it goes: no gather on the host, no staging copy) on a
   dedicated stream, and the compute stream waits on it (an event), so copies overlap whatever the
-  host does next; on the CPU the same calls are plain tensor copies.
+  host does next; on the CPU the same calls are plain tensor copies. `batched` gathers a caller's
+  many calls into two launches.
 - DDR -> SSD: `submit_write` copies the blocks' bytes out and hands them to one worker thread
   (`put` appends, fsyncs, then commits the manifest). Each write in flight is a `Transfer`
   in `in_flight`; `poll` returns the finished ones, in one place, so the caller frees DDR copies
@@ -16,7 +17,9 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +50,29 @@ class Mover:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h3d-archive") if archive else None
         cuda = hbm.k.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=hbm.k.device) if cuda else None
+        # HBM -> DDR and DDR -> HBM copies held back by `batched`: (source slots, destination slots)
+        self._queued: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] | None = None
+
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """Hold the HBM <-> DDR copies made inside the block, then make them in two launches when
+        it ends (even by an error: the tables already say the bytes moved): every HBM -> DDR copy
+        first, then every DDR -> HBM one. For callers whose copies up may write HBM slots their
+        copies down read (a victim copied down, a promoted block copied into its slot), and whose
+        copies read no slot that another copy of the block writes otherwise. Nested blocks join
+        the outermost."""
+        if self._queued is not None:
+            yield
+            return
+        self._queued = {"down": ([], []), "up": ([], [])}
+        try:
+            yield
+        finally:
+            queued, self._queued = self._queued, None
+            for direction, (src, dst) in queued.items():
+                if src:
+                    pools = (self.hbm, self.ddr) if direction == "down" else (self.ddr, self.hbm)
+                    self._copy(pools[0], np.concatenate(src), pools[1], np.concatenate(dst))
 
     def _copy(self, src: KVPool, src_slots: np.ndarray, dst: KVPool, dst_slots: np.ndarray) -> None:
         if not len(src_slots):
@@ -64,9 +90,17 @@ class Mover:
         torch.cuda.current_stream().wait_stream(self._stream)
 
     def hbm_to_ddr(self, hbm_slots: np.ndarray, ddr_slots: np.ndarray) -> None:
+        if self._queued is not None:
+            self._queued["down"][0].append(hbm_slots)
+            self._queued["down"][1].append(ddr_slots)
+            return
         self._copy(self.hbm, hbm_slots, self.ddr, ddr_slots)
 
     def ddr_to_hbm(self, ddr_slots: np.ndarray, hbm_slots: np.ndarray) -> None:
+        if self._queued is not None:
+            self._queued["up"][0].append(ddr_slots)
+            self._queued["up"][1].append(hbm_slots)
+            return
         self._copy(self.ddr, ddr_slots, self.hbm, hbm_slots)
 
     def _items(self, keys: list[BlockKey], pool: KVPool, slots: np.ndarray, tokens: list[int]) -> list:

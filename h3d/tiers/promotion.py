@@ -88,9 +88,14 @@ class Promoter:
         weight = np.float32(self._use_weight())
         limit = self.promote_blocks_per_step
         share = None if limit is None else max(1, limit // max(1, len(selected)))
-        for seq, keys in selected.items():
-            if len(keys):
-                copy_s += self._promote_seq(seq, keys, protect, keep[seq], weight, share, counted)
+        # Every session's copies in two launches (victims down, then promoted blocks up into
+        # their slots) rather than two per session.
+        with self.tiers.mover.batched():
+            for seq, keys in selected.items():
+                if len(keys):
+                    copy_s += self._promote_seq(seq, keys, protect, keep[seq], weight, share, counted)
+            c0 = time.perf_counter()
+        copy_s += time.perf_counter() - c0
         self.latencies_us.append((time.perf_counter() - t0 - copy_s) * 1e6)
         if len(self.latencies_us) > 2 * LATENCY_WINDOW:
             del self.latencies_us[:-LATENCY_WINDOW]

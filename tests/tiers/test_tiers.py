@@ -151,6 +151,48 @@ def _check_int8(x: torch.Tensor, y: torch.Tensor) -> None:
     assert bool((y64[amax.expand_as(x64) == 0] == 0).all()), "an all-zero row did not decode to zeros"
 
 
+def _pools(seed: int) -> tuple[KVPool, KVPool]:
+    cpu = torch.device("cpu")
+    hbm, ddr = KVPool(6, 4, 2, 8, torch.float32, cpu), KVPool(8, 4, 2, 8, torch.float32, cpu)
+    g = torch.Generator().manual_seed(seed)
+    for pool in (hbm, ddr):
+        pool.k.copy_(torch.randn(pool.k.shape, generator=g))
+        pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+    return hbm, ddr
+
+
+def _promotion_copies(mover: Mover) -> None:
+    """Two sessions' promotions as `Promoter.promote` makes them: victims copied down, promoted
+    blocks copied up into their slots (and a free slot)."""
+    mover.hbm_to_ddr(np.array([1, 2]), np.array([5, 6]))  # session a's victims
+    mover.ddr_to_hbm(np.array([0, 3]), np.array([1, 2]))  # a's promoted blocks, into their slots
+    mover.hbm_to_ddr(np.array([4]), np.array([7]))  # session b's victim
+    mover.ddr_to_hbm(np.array([4, 1]), np.array([4, 5]))  # b's: into the victim's slot and a free one
+
+
+def test_batched_copies_move_the_same_bytes_as_one_call_each() -> None:
+    """`Mover.batched` makes every copy down, then every copy up, in two launches: the bytes of
+    both pools end as the copies made one by one leave them, where a copy up writes the HBM slot a
+    copy down of the same batch read; a nested block joins the outer one, and an error inside the
+    block still makes the copies (the tables already say the bytes moved)."""
+    want_hbm, want_ddr = _pools(3)
+    _promotion_copies(Mover(want_hbm, want_ddr, None))
+    hbm, ddr = _pools(3)
+    mover = Mover(hbm, ddr, None)
+    with mover.batched():
+        with mover.batched():
+            _promotion_copies(mover)
+        assert torch.equal(hbm.k, _pools(3)[0].k), "a copy was made before the outer block ended"
+    for got, want in ((hbm, want_hbm), (ddr, want_ddr)):
+        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+    hbm, ddr = _pools(3)
+    mover = Mover(hbm, ddr, None)
+    with pytest.raises(RuntimeError), mover.batched():
+        _promotion_copies(mover)
+        raise RuntimeError("a failure after the tables changed")
+    assert torch.equal(hbm.k, want_hbm.k) and torch.equal(ddr.v, want_ddr.v)
+
+
 @settings(max_examples=80, deadline=None)
 @given(cases())
 def test_round_trip_through_every_tier(case: Case) -> None:
