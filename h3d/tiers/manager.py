@@ -423,23 +423,12 @@ class TierManager:
                 return
 
     def demote_blocks(
-        self,
-        seq: SeqId,
-        layer: int,
-        idx: np.ndarray,
-        batch: list[SeqId],
-        protect: dict[SeqId, int],
-        make_room: bool = True,
+        self, seq: SeqId, layer: int, idx: np.ndarray, batch: list[SeqId], protect: dict[SeqId, int]
     ) -> int:
         """`seq`'s HBM blocks `idx` of `layer` down to DDR (a DDR copy made where there is none,
-        DDR freed for it if need be); how many went (none if DDR cannot take their copies).
-        Without `make_room` nothing is spilled for them: the blocks whose copies DDR has no room
-        for stay."""
+        DDR freed for it if need be); how many went (none if DDR cannot take their copies)."""
         b = self.blocks
         t = b.table(seq)
-        has_copy = t.layer_ddr(layer)[idx] != NONE
-        if not make_room and np.count_nonzero(~has_copy) > b.ddr_free:
-            idx = idx[has_copy | (np.cumsum(~has_copy) <= b.ddr_free)]
         copy = idx[t.layer_ddr(layer)[idx] == NONE]
         if len(copy) > b.ddr_free:
             order = [p for p in self.eviction_order(batch, None) if p != (seq, layer)]
