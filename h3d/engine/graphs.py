@@ -100,7 +100,7 @@ MAX_BATCH = 256
 MAX_GRAPHS = 32  # least recently used graphs beyond the warm set and this many are dropped
 # Eager steps after which a busy engine captures a waiting graph between steps. Low: an eager step
 # of a large batch costs more than its graph's capture (H200, 32 sessions of 32K under
-# attention_entropy: eager steps of 0.5-1.3 s, 2026-12-03).
+# attention_entropy: eager steps of 1.0-1.9 s, captures of 0.4-0.5 s; docs/BENCHMARKS.md).
 DEFER_STEPS = 2
 SLOT_INPUTS = ("nblocks", "tail", "token", "pos", "ends", "room", "take", "parts_live", "dig_base", "dig_row")
 

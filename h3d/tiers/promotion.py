@@ -258,7 +258,8 @@ class Promoter:
             mask[sel_slots] = True
             ok &= ~mask.take(slots)
             mask[sel_slots] = False
-        # Only blocks worth less than their layer's promotion (usually few: the sort stays small).
+        # Only blocks worth less than their layer's promotion (so that a selection larger than HBM
+        # does not churn it).
         value = e.hotness.take(ids)  # [R, limit]
         ok &= value <= worth.take(rows)[:, None]
         r, c_blocks = np.nonzero(ok)  # grouped by layer

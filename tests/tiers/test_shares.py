@@ -155,8 +155,9 @@ def test_hbm_shares_as_sessions_come_go_idle_and_pin(checkpoint: Callable[[str],
 
 
 def _hit_rates_after_late_arrivals(engine: Engine, vocab: int) -> tuple[list[float], dict[str, list[int]]]:
-    """Four sessions appended one after another (HBM fills with the first ones' blocks), then
-    decoding 40 tokens together; each session's hit rate over the decode, and its tokens."""
+    """Four sessions appended one after another (each append pushes the idle sessions' blocks down
+    first, so HBM ends up holding mostly the last one's), then decoding 40 tokens together; each
+    session's hit rate over the decode, and its tokens."""
     sids = [engine.create_session() for _ in range(4)]
     for i, sid in enumerate(sids):
         engine.append(sid, token_ids=random_prompt(640, vocab, seed=40 + i))
