@@ -86,7 +86,7 @@ import numpy as np
 import torch
 
 from h3d.engine.step import Reads
-from h3d.hbf.policy import base_sizes, select_static
+from h3d.hbf.policy import base_sizes, record_entropy, select_static
 from h3d.kernels import select
 from h3d.kernels.copies import paged_write
 from h3d.kv.attention import LayerKV, Pools, kernel_attention
@@ -183,6 +183,7 @@ class _Hbf:
     nblocks: torch.Tensor  # [B, Hkv] int32: their lengths
     anchored: list[tuple[SeqId, int] | None]  # per slot: (session, anchors_version) in `anchors`
     picked_host: torch.Tensor | None = None  # where `picked` is copied after a step
+    entropy_host: torch.Tensor | None = None  # where `entropy` is copied after a step
 
     @property
     def nbytes(self) -> int:
@@ -197,7 +198,8 @@ class _Pending:
     slots: tuple[int, ...]  # each session's batch slot
     rooms: tuple[int, ...]
     picked: torch.Tensor  # [Ls, B, Hkv, n] host copy (pinned on CUDA)
-    done: torch.cuda.Event | None  # the copy's completion (CUDA)
+    entropy: torch.Tensor  # [B] host copy of the slots' entropies
+    done: torch.cuda.Event | None  # the copies' completion (CUDA)
     seen: np.ndarray | None  # [L, E, W] the locations the step read (HBM slot >= 0, DDR < 0), if lagged
 
 
@@ -548,23 +550,23 @@ class DecodeGraphs:
         g = report.replay
         if g is None or g.hbf is None or not g.selecting:
             return
-        r, hb = self.runner, g.hbf
+        hb = g.hbf
         slots = tuple(i for i, _, _ in g.selecting)
         seqs = tuple(seq for _, seq, _ in g.selecting)
         rooms = tuple(room for _, _, room in g.selecting)
-        for i, seq in zip(slots, seqs, strict=True):
-            r.kv.selection(seq).entropies.append(hb.entropy[i].clone())
-        if hb.picked_host is None:
+        if hb.picked_host is None or hb.entropy_host is None:
             hb.picked_host = torch.empty(hb.picked.shape, dtype=hb.picked.dtype, pin_memory=self.capture)
+            hb.entropy_host = torch.empty(hb.entropy.shape, dtype=hb.entropy.dtype, pin_memory=self.capture)
         hb.picked_host.copy_(hb.picked, non_blocking=self.capture)
+        hb.entropy_host.copy_(hb.entropy, non_blocking=self.capture)
         done = torch.cuda.Event() if self.capture else None
         if done is not None:
             done.record()
         if self.lag:  # counted later, against where this step read (the tables change meanwhile)
             seen = g.tables.host["locs"][:, list(slots), :].copy()  # [L, E, W]
-            self._lagged = _Pending(seqs, slots, rooms, hb.picked_host, done, seen)
+            self._lagged = _Pending(seqs, slots, rooms, hb.picked_host, hb.entropy_host, done, seen)
         else:  # promote counts them against the tables, unchanged since the step
-            pending = _Pending(seqs, slots, rooms, hb.picked_host, done, None)
+            pending = _Pending(seqs, slots, rooms, hb.picked_host, hb.entropy_host, done, None)
             report.picks.update({s: k[0] for s, k in self._keys(pending).items()})
 
     def take_pending(self) -> _Pending | None:
@@ -589,6 +591,7 @@ class DecodeGraphs:
         if p.done is not None:
             p.done.synchronize()  # normally long since
         picked = p.picked.numpy()  # [Ls, B, Hkv, n]
+        entropy = p.entropy.numpy()  # [B]
         sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
         dense = r.hbf.dense_layers
         layers = np.arange(dense, r.blocks.num_layers, dtype=np.int64)[:, None, None]
@@ -596,6 +599,9 @@ class DecodeGraphs:
         for e, (seq, slot, room) in enumerate(zip(p.seqs, p.slots, p.rooms, strict=True)):
             if not r.blocks.has(seq):
                 continue  # released since
+            # Its entropy, read from the host copy (a read of the device's value would wait for
+            # whatever step is running); a lagged step's came after its `after_step`.
+            record_entropy(r.kv.selection(seq), float(entropy[slot]), current=p.seen is None)
             n = sinks + room + recent
             blocks = picked[:, slot, :, :n]  # [Ls, Hkv, n]
             keys = blocks + layers * r.blocks.table(seq).capacity

@@ -81,6 +81,10 @@ class SelectionState:
     # attention_entropy: each decode step's entropy (nats), as a 0-dim tensor where it was computed
     # (read once per resize, so that a GPU step never waits for it) or a float
     entropies: list[float | torch.Tensor] = field(default_factory=list)
+    # attention_entropy: this step's entropy, read by no resize before the step's own (`after_step`
+    # moves it into `entropies` after its resize check): a resize reads only the steps before, so
+    # that it never waits for the step still running on the device
+    current_entropy: float | torch.Tensor | None = None
     anchors_version: int = 0  # bumped whenever the anchors change (a captured step copies them then)
 
 
@@ -178,7 +182,17 @@ def select_static(
 
 def _track_entropy(state: SelectionState, logits: torch.Tensor) -> None:
     p = torch.softmax(logits.float(), dim=-1)
-    state.entropies.append(-(p * torch.log(p.clamp_min(1e-30))).sum())  # stays on the device
+    record_entropy(state, -(p * torch.log(p.clamp_min(1e-30))).sum(), current=True)  # stays on the device
+
+
+def record_entropy(state: SelectionState, entropy: float | torch.Tensor, current: bool) -> None:
+    """A decode step's entropy for the window's resize: the step under way's (`current`: it counts
+    from the next resize on, see `SelectionState.current_entropy`), or an earlier step's (a CUDA
+    graph's step, read back from the device during the next step)."""
+    if current:
+        state.current_entropy = entropy
+    else:
+        state.entropies.append(entropy)
 
 
 def probe_anchors(
@@ -274,6 +288,7 @@ class Policy:
     def after_step(self, state: SelectionState, cfg: HbfConfig) -> None:
         """Count a decode step of a session under this policy."""
         state.steps += 1
+        state.current_entropy = None
 
 
 class Exact(Policy):
@@ -319,16 +334,20 @@ class AttentionEntropy(Policy):
         return torch.cat([where.expand(len(top), -1), top], dim=1).sort(dim=1).values
 
     def after_step(self, state: SelectionState, cfg: HbfConfig) -> None:
-        """Count a decode step; every `resize_every` steps resize the window from the mean entropy."""
+        """Count a decode step; every `resize_every` steps resize the window from the mean entropy
+        of the steps before this one (this step's joins the next period: reading it could make the
+        host wait for the device)."""
         state.steps += 1
-        if state.steps % cfg.resize_every or not state.entropies:
-            return
-        h = float(sum(state.entropies)) / len(state.entropies)  # the one read of the device's values
-        state.entropies.clear()
-        if h < cfg.entropy_shrink_below:
-            state.window_tokens = max(cfg.window_min_tokens, state.window_tokens * 3 // 4)
-        elif h > cfg.entropy_grow_above:
-            state.window_tokens = min(cfg.window_max_tokens, state.window_tokens * 5 // 4)
+        if state.steps % cfg.resize_every == 0 and state.entropies:
+            h = float(sum(state.entropies)) / len(state.entropies)  # values of finished steps only
+            state.entropies.clear()
+            if h < cfg.entropy_shrink_below:
+                state.window_tokens = max(cfg.window_min_tokens, state.window_tokens * 3 // 4)
+            elif h > cfg.entropy_grow_above:
+                state.window_tokens = min(cfg.window_max_tokens, state.window_tokens * 5 // 4)
+        if state.current_entropy is not None:
+            state.entropies.append(state.current_entropy)
+            state.current_entropy = None
 
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (AttentionEntropy(), Exact(), Fixed(), Layerwise())}

@@ -510,6 +510,30 @@ def test_entropy_resizes_the_window_every_16_steps_within_its_bounds(entropy: fl
     assert fixed.window_tokens == 2048  # only attention_entropy resizes
 
 
+def test_a_resize_reads_only_the_entropies_of_steps_before_its_own() -> None:
+    """The step under way's entropy (still being computed on a GPU) is not read by that step's
+    resize: it opens the next period. A graph step's entropy, read back during the next step, goes
+    straight into the period. Fifteen peaked steps and a spread 16th: the window shrinks, and the
+    16th step's entropy is the next period's first."""
+    from h3d.hbf.policy import HbfConfig, record_entropy
+
+    cfg = HbfConfig(
+        policy="attention_entropy", window_tokens=2048, window_min_tokens=1024, window_max_tokens=4096,
+        sink_blocks=1, recent_tokens=256, dense_layers=2, entropy_shrink_below=1.3, entropy_grow_above=2.5,
+    )  # fmt: skip
+    state = SelectionState(POLICIES["attention_entropy"], 2048)
+    for step in range(16):
+        record_entropy(state, 100.0 if step == 15 else 0.5, current=True)
+        state.policy.after_step(state, cfg)
+    assert state.window_tokens == 1536  # the mean of 15 x 0.5; with the 16th it would have grown
+    assert state.entropies == [100.0] and state.current_entropy is None
+    lagged = SelectionState(POLICIES["attention_entropy"], 2048)
+    for step in range(16):
+        state.policy.after_step(lagged, cfg)
+        record_entropy(lagged, 100.0 if step == 15 else 0.5, current=False)  # arrives after its step
+    assert lagged.window_tokens == 1536 and lagged.entropies == [100.0]  # the same resize
+
+
 def test_dense_layers_given_their_share_of_hbm_keep_their_blocks_there(checkpoint: Callable[[str], Path]) -> None:
     """With `dense_hbm_share` the dense layers' regions hold their whole context while the sparse
     layers keep only what their window needs; unset, each dense layer holds the longest context
