@@ -302,10 +302,14 @@ class ModelRunner:
         self.kv.frozen.pop(fwd.report.plan.chunks[0].seq, None)
         self._undo(fwd.report.plan.chunks)
 
-    def sync(self) -> None:
-        """Wait for the work queued on the device (a no-op on the CPU)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def mark(self) -> torch.cuda.Event | None:
+        """An event after the work queued so far on the device's stream, to wait for later (None
+        on the CPU, where that work is done)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     @torch.inference_mode()
     def commit(self, report: StepReport) -> None:

@@ -112,6 +112,53 @@ def test_a_decoding_stream_gets_a_token_every_step_beside_a_long_prompt(checkpoi
     assert continuation(engine, b) == continuation(one_go, b2)
 
 
+def test_on_a_gpu_the_host_stays_one_piece_ahead_and_the_budget_counts_it(
+    checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where pieces are queued (a GPU: `ModelRunner.mark` gives an event), the host queues a
+    piece, then waits for the one before it, so the device has the next piece as soon as it ends
+    one; the piece still in flight when a step stops counts against the budget. On the fake
+    clock (10 ms a piece, 35 ms a step): 2 pieces a step instead of 3, each step's first piece
+    waited for by its second, and the decoding stream's tokens as without the lookahead."""
+    path = checkpoint(MODEL)
+    engine = _engine(path)
+    waits: list[int] = []
+
+    class Queued:
+        def __init__(self, piece: int) -> None:
+            self.piece = piece
+
+        def synchronize(self) -> None:
+            waits.append(self.piece)
+
+    monkeypatch.setattr(engine.runner, "mark", lambda: Queued(engine.interleave.pieces_total))
+    vocab = engine.model.config.vocab_size
+    _a, ra = _decoder(engine, vocab)
+    got = _tokens(engine.step(), ra)
+    b = engine.create_session()
+    rb = engine.submit(b, token_ids=random_prompt(LONG, vocab, seed=2), generate=False)
+    steps, done = 0, False
+    while not done:
+        before = engine.interleave.pieces_total
+        events = engine.step()
+        steps += 1
+        pieces = engine.interleave.pieces_total - before
+        assert 1 <= pieces <= 2, f"step {steps} ran {pieces} pieces"
+        if pieces == 2:
+            assert waits[-1] == before + 1  # its first piece, waited for once the second was queued
+        got += _tokens(events, ra)
+        done = any(isinstance(e, AppendDone) and e.request_id == rb for e in events)
+    assert steps == -(-engine.interleave.pieces_total // 2)
+    while ra in engine.requests():
+        got += _tokens(engine.step(), ra)
+    alone = _engine(path)
+    _a2, ra2 = _decoder(alone, vocab)
+    want: list[int] = []
+    while ra2 in alone.requests():
+        want += _tokens(alone.step(), ra2)
+    assert got == want and len(got) == 40
+
+
 def test_the_pieces_write_the_kv_of_the_plain_path(checkpoint: Callable[[str], Path]) -> None:
     """Teacher-forced logits of 8 tokens after the long prompt, read from the KV its pieces wrote
     (beside a decoding stream), against the plain path's (one forward per 512-token chunk, no slices)."""
