@@ -32,10 +32,11 @@ twin, `h3d.hbf.policy.select_static`, where Triton cannot run): for each sparse 
 bound of every slot in one launch (reading the digest arena, `h3d.hbf.digests`, at each slot's
 base row), its prompt anchors first, each head's best blocks up to `k` (each slot its own room),
 and the attention kernel's per-head lists gathered from `locs`; the new key is folded into its
-digest and the first sparse layer's entropy written to a buffer. The blocks each head read come
-back to the host after the step (`resolve`: an asynchronous copy), and are promoted during the next
-step (`take_lagged`), so that the host's planning overlaps the device's work; their reads are
-counted against the locations the step read.
+digest and the first sparse layer's entropy written to a buffer. The blocks the heads read come
+back to the host after the step as one byte per layer, slot and block (`_code_picks`: how many
+heads read it, and whether from below HBM where the step read it; `resolve`: an asynchronous
+copy), and are promoted during the next step (`take_lagged`), so that the host's planning
+overlaps the device's work; their reads are counted against the locations the step read.
 
 The selection capacity `k` is one per runner (`capacity`: the room of the widest window,
 `window_max_tokens / block_size` less sinks and recent, rounded up to a power of two): each slot
@@ -46,8 +47,8 @@ doubling of the longest context, from 16 blocks) x (exact, selecting, mixed). Wi
 slots) and contexts up to 128K: 7 x 33 x 3 reachable keys, of which at most `MAX_GRAPHS` are kept
 beyond the warm set (the least recently used are dropped). What each holds: its static buffers
 (`nbytes`; for 32 slots of a 128K-token Llama-8B, W = 4,096 and capacity 256: `locs` 17 MB on the
-host and 17 on the device, `anchors` 15 MB and `picked` 16 MB on the device, `picked`'s host copy
-16 MB) and the intermediates of its forward, in one memory pool that all graphs share (they never
+host and 17 on the device, `anchors` 15 MB, `picked` 16 MB and `codes` 4 MB on the device,
+`codes`' host copy 4 MB) and the intermediates of its forward, in one memory pool that all graphs share (they never
 run at once). A graph whose digest arena was replaced since its capture (the arena grew past the
 rows reserved for the tiers' blocks) is captured again.
 
@@ -177,17 +178,21 @@ class _Hbf:
 
     k: int  # top-k capacity
     anchors: torch.Tensor  # [Ls, B, Hkv, A] int64: each sparse layer's prompt anchors (0 pads: a sink)
-    picked: torch.Tensor  # [Ls, B, Hkv, n] int64: the blocks each head read (the step's output)
+    picked: torch.Tensor  # [Ls, B, Hkv, n] int64: the blocks each head read
+    # [Ls, B, W] uint8, the step's output for promotion: per block, how many KV heads read it (low 7
+    # bits) and whether it was read from below HBM (the high bit) (`_code_picks`)
+    codes: torch.Tensor
     entropy: torch.Tensor  # [B] fp32: the first sparse layer's block-score entropy (output)
     heads: torch.Tensor  # [B, Hkv, NW] int32: the kernels' lists (NW: n, or max(n, W) when mixed)
     nblocks: torch.Tensor  # [B, Hkv] int32: their lengths
     anchored: list[tuple[SeqId, int] | None]  # per slot: (session, anchors_version) in `anchors`
-    picked_host: torch.Tensor | None = None  # where `picked` is copied after a step
+    codes_host: torch.Tensor | None = None  # where `codes` is copied after a step
     entropy_host: torch.Tensor | None = None  # where `entropy` is copied after a step
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.anchors, self.picked, self.heads, self.nblocks))
+        own = (self.anchors, self.picked, self.codes, self.heads, self.nblocks)
+        return sum(t.numel() * t.element_size() for t in own) + self.codes.numel()  # + codes' host copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,11 +201,10 @@ class _Pending:
 
     seqs: tuple[SeqId, ...]
     slots: tuple[int, ...]  # each session's batch slot
-    rooms: tuple[int, ...]
-    picked: torch.Tensor  # [Ls, B, Hkv, n] host copy (pinned on CUDA)
+    codes: torch.Tensor  # [Ls, B, W] host copy of `_Hbf.codes` (pinned on CUDA)
     entropy: torch.Tensor  # [B] host copy of the slots' entropies
     done: torch.cuda.Event | None  # the copies' completion (CUDA)
-    seen: np.ndarray | None  # [L, E, W] the locations the step read (HBM slot >= 0, DDR < 0), if lagged
+    lagged: bool  # read during the next step (its reads counted then), else right after its own
 
 
 @dataclass(slots=True)
@@ -553,21 +557,19 @@ class DecodeGraphs:
         hb = g.hbf
         slots = tuple(i for i, _, _ in g.selecting)
         seqs = tuple(seq for _, seq, _ in g.selecting)
-        rooms = tuple(room for _, _, room in g.selecting)
-        if hb.picked_host is None or hb.entropy_host is None:
-            hb.picked_host = torch.empty(hb.picked.shape, dtype=hb.picked.dtype, pin_memory=self.capture)
+        if hb.codes_host is None or hb.entropy_host is None:
+            hb.codes_host = torch.empty(hb.codes.shape, dtype=hb.codes.dtype, pin_memory=self.capture)
             hb.entropy_host = torch.empty(hb.entropy.shape, dtype=hb.entropy.dtype, pin_memory=self.capture)
-        hb.picked_host.copy_(hb.picked, non_blocking=self.capture)
+        hb.codes_host.copy_(hb.codes, non_blocking=self.capture)
         hb.entropy_host.copy_(hb.entropy, non_blocking=self.capture)
         done = torch.cuda.Event() if self.capture else None
         if done is not None:
             done.record()
-        if self.lag:  # counted later, against where this step read (the tables change meanwhile)
-            seen = g.tables.host["locs"][:, list(slots), :].copy()  # [L, E, W]
-            self._lagged = _Pending(seqs, slots, rooms, hb.picked_host, hb.entropy_host, done, seen)
+        if self.lag:  # counted later, against where this step read (coded in the step)
+            self._lagged = _Pending(seqs, slots, hb.codes_host, hb.entropy_host, done, True)
         else:  # promote counts them against the tables, unchanged since the step
-            pending = _Pending(seqs, slots, rooms, hb.picked_host, hb.entropy_host, done, None)
-            report.picks.update({s: k[0] for s, k in self._keys(pending).items()})
+            pending = _Pending(seqs, slots, hb.codes_host, hb.entropy_host, done, False)
+            report.picks.update(self._keys(pending))
 
     def take_pending(self) -> _Pending | None:
         """The previous replayed step's picks on their way to the host, if any (a step's report
@@ -578,7 +580,7 @@ class DecodeGraphs:
     def picks(self, pending: _Pending) -> dict[SeqId, np.ndarray]:
         """A lagged step's picks as (layer, block) keys per session, their reads counted as that
         step made them (against the locations it read), for promotion now."""
-        return {s: k[0] for s, k in self._keys(pending, count=True).items()}
+        return self._keys(pending)
 
     def take_lagged(self) -> dict[SeqId, np.ndarray]:
         """The previous replayed step's picks (`picks`), {} if none wait: for what changes the
@@ -586,30 +588,35 @@ class DecodeGraphs:
         pending = self.take_pending()
         return {} if pending is None else self.picks(pending)
 
-    def _keys(self, p: _Pending, count: bool = False) -> dict[SeqId, list[np.ndarray]]:
+    def _keys(self, p: _Pending) -> dict[SeqId, np.ndarray]:
+        """Each session's picks as (layer, block) keys (`layer * table.capacity + block`), from the
+        step's codes (`_code_picks`). A lagged step's: distinct and ascending, their reads counted
+        here as that step made them (`Promoter.count_distinct`); else one key per KV head's read,
+        for `promote` to count against the tables, unchanged since."""
         r = self.runner
         if p.done is not None:
             p.done.synchronize()  # normally long since
-        picked = p.picked.numpy()  # [Ls, B, Hkv, n]
+        codes = p.codes.numpy()  # [Ls, B, W]
         entropy = p.entropy.numpy()  # [B]
-        sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
-        dense = r.hbf.dense_layers
-        layers = np.arange(dense, r.blocks.num_layers, dtype=np.int64)[:, None, None]
-        out: dict[SeqId, list[np.ndarray]] = {}
-        for e, (seq, slot, room) in enumerate(zip(p.seqs, p.slots, p.rooms, strict=True)):
+        dense, w = r.hbf.dense_layers, codes.shape[2]
+        out: dict[SeqId, np.ndarray] = {}
+        for seq, slot in zip(p.seqs, p.slots, strict=True):
             if not r.blocks.has(seq):
                 continue  # released since
             # Its entropy, read from the host copy (a read of the device's value would wait for
             # whatever step is running); a lagged step's came after its `after_step`.
-            record_entropy(r.kv.selection(seq), float(entropy[slot]), current=p.seen is None)
-            n = sinks + room + recent
-            blocks = picked[:, slot, :, :n]  # [Ls, Hkv, n]
-            keys = blocks + layers * r.blocks.table(seq).capacity
-            if count:
-                assert p.seen is not None
-                where = np.take_along_axis(p.seen[dense:, e, None, :], blocks.reshape(len(blocks), 1, -1), axis=2)
-                r.kv.promoter.count_selected(seq, keys.ravel(), where.reshape(keys.shape).ravel() >= 0)
-            out[seq] = [keys.ravel()]
+            record_entropy(r.kv.selection(seq), float(entropy[slot]), current=not p.lagged)
+            c = np.ascontiguousarray(codes[:, slot, :]).ravel()  # [Ls * W]
+            at = np.flatnonzero(c)
+            code = c.take(at)
+            layer, block = np.divmod(at, w)
+            keys = (layer + dense) * r.blocks.table(seq).capacity + block
+            heads = (code & 0x7F).astype(np.int64)
+            if p.lagged:
+                r.kv.promoter.count_distinct(seq, keys, code >= 0x80, heads)
+                out[seq] = keys
+            else:
+                out[seq] = np.repeat(keys, heads)
         return out
 
     def _hbf_inputs(self, g: _Graph, seqs: list[SeqId], tables: list[BlockTable]) -> None:
@@ -659,6 +666,7 @@ class DecodeGraphs:
                 k=key.k,
                 anchors=torch.zeros((ls, b, hkv, most), dtype=torch.int64, device=dev),
                 picked=torch.zeros((ls, b, hkv, n), dtype=torch.int64, device=dev),
+                codes=torch.zeros((ls, b, w), dtype=torch.uint8, device=dev),
                 entropy=torch.zeros(b, dtype=torch.float32, device=dev),
                 heads=torch.zeros((b, hkv, max(n, w) if key.mixed else n), dtype=torch.int32, device=dev),
                 nblocks=torch.ones((b, hkv), dtype=torch.int32, device=dev),
@@ -700,7 +708,29 @@ class DecodeGraphs:
     def _forward(self, g: _Graph) -> torch.Tensor:
         r = self.runner
         x = g.small.device
-        return r.model(x["token"], x["pos"], _GraphKV(r.pools, r, g))
+        hidden = r.model(x["token"], x["pos"], _GraphKV(r.pools, r, g))
+        if g.hbf is not None:
+            self._code_picks(g)
+        return hidden
+
+    def _code_picks(self, g: _Graph) -> None:
+        """The step's picks as the host needs them for promotion, made on the device: for every
+        sparse layer, slot and block, how many KV heads read it (each selecting slot's first
+        `sinks + room + recent` list entries) and, in the high bit, whether the step read it from
+        below HBM (its location in `locs`). The host reads W bytes per layer and slot instead of
+        every head's list, already a union, its locations already looked up."""
+        r, hb, x = self.runner, g.hbf, g.small.device
+        assert hb is not None
+        sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
+        ls, b, hkv, n = hb.picked.shape
+        w = g.key.width
+        room = x["room"]
+        valid = (torch.arange(n, device=room.device) < (room + sinks + recent)[:, None]) & (room > 0)[:, None]
+        ones = valid[None, :, None, :].expand(ls, b, hkv, n).reshape(ls, b, hkv * n).to(torch.int32)
+        heads = torch.zeros((ls, b, w), dtype=torch.int32, device=room.device)
+        heads.scatter_add_(2, hb.picked.clamp(0, w - 1).view(ls, b, hkv * n), ones)
+        below = (g.tables.device["locs"][r.hbf.dense_layers :] < 0) & (heads > 0)  # [Ls, B, W], read blocks only
+        hb.codes.copy_(heads.clamp(max=127).to(torch.uint8) | (below.to(torch.uint8) << 7))
 
     def _capture(self, g: _Graph) -> None:
         """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture. The

@@ -52,14 +52,13 @@ class Promoter:
             return 0.0, 0.0
         return lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
 
-    def count_selected(self, seq: SeqId, keys: np.ndarray, in_hbm: np.ndarray) -> None:
-        """Count a step's selection reads (`keys` as `promote` takes them, one per reading KV head)
-        where they were when the step read them (`in_hbm`, per key), for a promotion made later
-        (`promote(..., counted=True)`): the distinct blocks, those read from DDR, the heads' bytes."""
-        size = self.blocks.num_layers * self.blocks.table(seq).capacity
-        missed = keys[~in_hbm]  # a block's keys all share its residency
-        fetched = len(missed) * self.head_bytes
-        self.tiers.count_reads(seq, len(self._union(keys, size)), len(self._union(missed, size)), fetched)
+    def count_distinct(self, seq: SeqId, keys: np.ndarray, below: np.ndarray, heads: np.ndarray) -> None:
+        """Count a step's selection reads for a promotion made later (`promote(..., counted=True)`):
+        `keys` the distinct (layer, block) pairs it read, as `promote` takes them, `below` whether
+        each was read from below HBM where the step read it, `heads` how many KV heads read each
+        (what crossed PCIe is their share of the block)."""
+        fetched = int(heads[below].sum()) * self.head_bytes
+        self.tiers.count_reads(seq, len(keys), int(np.count_nonzero(below)), fetched)
 
     def promote(
         self,
@@ -76,8 +75,8 @@ class Promoter:
         where several KV heads read a block; their reads are counted here (`count_reads`). All
         layers at once: no per-layer or per-block loop. Times the decisions (`hbf_latency_us`):
         the union of the heads' picks, the counts, the choice of victims and the table updates,
-        not the copies. `counted`: the reads were counted already (`count_selected`), as the step
-        that made them saw them.
+        not the copies. `counted`: the reads were counted already (`count_distinct`), as the step
+        that made them saw them, and each session's keys are distinct and ascending.
 
         At most `promote_blocks_per_step` blocks move per step (`promote_mb_per_step`), shared
         equally by the sessions, each session's hottest first: a block read from DDR in place
@@ -126,7 +125,7 @@ class Promoter:
         t = b.table(seq)
         width = t.capacity
         e = b.entries
-        at = self._union(keys, b.num_layers * width)  # [n] distinct pairs, by layer then block
+        at = keys if counted else self._union(keys, b.num_layers * width)  # [n] distinct, by layer then block
         at_ids = t.ids.ravel().take(at)  # [n] their entries
         e.hotness[at_ids] += weight  # a use (see `rank`); `at` is distinct: one add each
         in_hbm = e.hbm.take(at_ids)  # [n] slot or NONE
