@@ -53,20 +53,20 @@ def test_warm_captures_the_set_keeps_it_and_leaves_no_trace_of_its_scratch_seque
     checkpoint: Callable[[str], FsPath], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(warmup, "BATCHES", (2,))  # one scratch batch: the path, at a CPU's cost
-    engine = _engine(checkpoint, graphs=True, context=4096, prefill_chunk_tokens=128)
+    engine = _engine(checkpoint, graphs=True, context=1024, prefill_chunk_tokens=128)  # 64 blocks: 18 graphs
     g = engine.runner.graphs
     warm = engine.warm(kernels=True)
     keys = g.warm_set(engine.max_context)
     assert warm.prompt_tokens == 128  # the scratch prompt, within the prefill chunk
     assert warm.graphs == len(keys) and g.warm_keys == frozenset(keys)
     assert g.built > len(keys)  # and the scratch batch's own graphs
-    assert warm.batches == (1,) and warm.widths == (16, 256)
+    assert warm.batches == (1,) and warm.widths == (16, 64)
     assert all(k in g._graphs for k in keys)  # none dropped while the others were made
     assert g.deferring and not g.deferred and g.captures_after_ready == 0
     stats = engine.tier_stats()
     assert not engine.kv.sessions and stats.hbm_used_bytes == stats.ddr_used_bytes == 0  # the scratch sequence is gone
     fields = warm.fields()
-    assert fields["graphs"] == len(keys) and fields["graph_widths"] == [16, 256]
+    assert fields["graphs"] == len(keys) == 18 and fields["graph_widths"] == [16, 64]
     engine.close()
 
 

@@ -724,7 +724,10 @@ def _real_text() -> str:
 
 @pytest.mark.slow
 def test_real_model_tiered_equals_untiered(smol_dir: Path, tmp_path: Path) -> None:
-    prompt_len, gen = 2000, 128
+    """The embedded model's 48 greedy tokens after a 2,000-token real-text prompt, with HBM 10 % and
+    DDR 30 % of the session's KV (most blocks come back from the archive every step), equal
+    untiered decoding's with the lossless codec; the lossy one's agreement is printed."""
+    prompt_len, gen = 2000, 48  # each tiered step reads most of the context back from the archive
     params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
     kv = (prompt_len + gen) * SMOL_KV_BYTES_PER_TOKEN
 
