@@ -186,8 +186,10 @@ class _Hbf:
     heads: torch.Tensor  # [B, Hkv, NW] int32: the kernels' lists (NW: n, or max(n, W) when mixed)
     nblocks: torch.Tensor  # [B, Hkv] int32: their lengths
     anchored: list[tuple[SeqId, int] | None]  # per slot: (session, anchors_version) in `anchors`
-    codes_host: torch.Tensor | None = None  # where `codes` is copied after a step
-    entropy_host: torch.Tensor | None = None  # where `entropy` is copied after a step
+    # Where `codes` and `entropy` are copied after a step (pinned on CUDA: made with the graph, as
+    # pinning host memory on a step's path can wait for the device)
+    codes_host: torch.Tensor
+    entropy_host: torch.Tensor
 
     @property
     def nbytes(self) -> int:
@@ -557,9 +559,6 @@ class DecodeGraphs:
         hb = g.hbf
         slots = tuple(i for i, _, _ in g.selecting)
         seqs = tuple(seq for _, seq, _ in g.selecting)
-        if hb.codes_host is None or hb.entropy_host is None:
-            hb.codes_host = torch.empty(hb.codes.shape, dtype=hb.codes.dtype, pin_memory=self.capture)
-            hb.entropy_host = torch.empty(hb.entropy.shape, dtype=hb.entropy.dtype, pin_memory=self.capture)
         hb.codes_host.copy_(hb.codes, non_blocking=self.capture)
         hb.entropy_host.copy_(hb.entropy, non_blocking=self.capture)
         done = torch.cuda.Event() if self.capture else None
@@ -671,6 +670,8 @@ class DecodeGraphs:
                 heads=torch.zeros((b, hkv, max(n, w) if key.mixed else n), dtype=torch.int32, device=dev),
                 nblocks=torch.ones((b, hkv), dtype=torch.int32, device=dev),
                 anchored=[None] * b,
+                codes_host=torch.zeros((ls, b, w), dtype=torch.uint8, pin_memory=pin),
+                entropy_host=torch.zeros(b, dtype=torch.float32, pin_memory=pin),
             )
         self.built += 1
         return g
