@@ -473,9 +473,18 @@ def test_health_config_stats_top(d: RunningDaemon) -> None:
     assert 0 < p50 <= p99
 
 
+def _ctrl_c_on() -> None:
+    """In the child before h3ctl starts: SIGINT at its default, so that Python turns it into
+    KeyboardInterrupt as a terminal's Ctrl-C would, even where the tests run with SIGINT ignored
+    (a shell's background job: the children would inherit that, and ignore it too)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_stats_watch_until_interrupted(d: RunningDaemon) -> None:
     cmd = [sys.executable, "-m", "h3d.ctl", "--socket", str(d.socket), "--json", "stats", "--watch"]
-    proc = subprocess.Popen([*cmd, "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*cmd, "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_on
+    )
     assert proc.stdout is not None
     lines = [proc.stdout.readline() for _ in range(3)]
     proc.send_signal(signal.SIGINT)
@@ -591,7 +600,7 @@ def top_on_a_pty(d: RunningDaemon, stop: str) -> None:
     master, slave = pty.openpty()
     before = termios.tcgetattr(slave)
     cmd = [sys.executable, "-m", "h3d.ctl", "--socket", str(d.socket), "top", "--interval", "0.2"]
-    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave)
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, preexec_fn=_ctrl_c_on)
     out = bytearray()
 
     def pump(seconds: float) -> None:
@@ -631,7 +640,9 @@ def test_top_quits_on_q(d: RunningDaemon) -> None:
     top_on_a_pty(d, "SIGINT")
     # Not on a terminal: no key reading, Ctrl-C as before (the footer says so).
     cmd = [sys.executable, "-m", "h3d.ctl", "--socket", str(d.socket), "top", "--interval", "0.2"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_on
+    )
     assert proc.stdout is not None
     while "quits" not in (line := proc.stdout.readline()):
         assert line, "top ended"
