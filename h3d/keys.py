@@ -283,6 +283,14 @@ DAEMON: tuple[Key, ...] = (
     Key("stats_interval_s", "period of the `tier_stats` log event"),
     Key("drain_timeout_s", "on SIGTERM or `Drain`, how long streams in flight may take before they are cancelled"),
     Key(
+        "shutdown_budget_s",
+        "on SIGTERM, after the drain: how long the daemon may spend writing the sessions' KV to the archive "
+        "(the most recently used sessions first). No session's write starts past it; the sessions left are "
+        "computed again from their token logs after the restart, and the `checkpoint` log event says how many "
+        "blocks. The daemon asks systemd for this much more time (`EXTEND_TIMEOUT_USEC`) as it works, and reports "
+        "its progress in `STATUS=`. 0 writes no KV",
+    ),
+    Key(
         "max_pending_requests",
         "AppendContext + Generate streams admitted at once; beyond, RESOURCE_EXHAUSTED with a `retry-after-ms` trailer",
     ),

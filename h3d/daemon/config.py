@@ -26,6 +26,7 @@ RELOADABLE = (
     "log_level",
     "stats_interval_s",
     "drain_timeout_s",
+    "shutdown_budget_s",
     "max_pending_requests",
     "max_tokens_limit",
     "auth_token_file",
@@ -51,6 +52,7 @@ class DaemonConfig:
     log_level: str = "info"
     stats_interval_s: float = 10.0
     drain_timeout_s: float = 30.0
+    shutdown_budget_s: float = 45.0  # SIGTERM: time for the checkpoint after the drain (h3d.daemon.server)
     max_pending_requests: int = 256
     max_tokens_limit: int = 4096
     max_message_bytes: int = 4 * 1024 * 1024
@@ -75,6 +77,8 @@ class DaemonConfig:
                 raise ConfigError(f"{key}: must be > 0, got {getattr(self, key)}")
         if self.max_message_bytes < 1024:
             raise ConfigError(f"max_message_bytes: must be >= 1024, got {self.max_message_bytes}")
+        if not self.shutdown_budget_s >= 0:
+            raise ConfigError(f"shutdown_budget_s: must be >= 0 (0 writes no KV), got {self.shutdown_budget_s}")
         if not self.session_ttl_s >= 0:
             raise ConfigError(f"session_ttl_s: must be >= 0 (0 keeps sessions forever), got {self.session_ttl_s}")
         if self.retry_after_ms < 0:

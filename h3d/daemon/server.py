@@ -6,7 +6,9 @@ run:   every `stats_interval_s` a `tier_stats` log event; WATCHDOG=1 at half the
        period; SIGHUP reloads the keys in `config.RELOADABLE`
 stop:  SIGTERM/SIGINT -> STOPPING=1, health NOT_SERVING, new work refused (UNAVAILABLE);
        streams in flight get `drain_timeout_s` to finish, then end with finish reason
-       CANCELLED; archive writes are flushed; exit 0.
+       CANCELLED; the sessions' KV goes to the archive within `shutdown_budget_s` (systemd told
+       through EXTEND_TIMEOUT_USEC and STATUS=; what does not fit is computed again after the
+       restart); archive writes are flushed; exit 0.
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ from h3d.errors import ConfigError, H3Error
 from h3d.store.files import make_dirs
 
 if TYPE_CHECKING:
-    from h3d.engine.engine import Engine
+    from h3d.engine.engine import Checkpoint, Engine
     from h3d.engine.session import SessionId
 
 log = structlog.get_logger("h3d.server")
 SERVICES = ("h3.v1.H3", "h3.v1.H3Admin")
+# Asked of systemd beyond the checkpoint's time left: a session's write that starts just before the
+# deadline, then the archive's close (what was written made durable).
+SHUTDOWN_OVERRUN_S = 60.0
 
 
 class Daemon:
@@ -122,6 +127,7 @@ class Daemon:
         self.notifier.send(READY="1", STATUS="serving", MAINPID=str(os.getpid()))
 
         await self.stop_requested.wait()
+        cfg = self.config  # with what SIGHUP reloaded since the start (drain_timeout_s, shutdown_budget_s)
         self.notifier.send(STOPPING="1", STATUS="draining")
         log.info("draining", in_flight=self.state.in_flight, timeout_s=cfg.drain_timeout_s)
         finished, cancelled = await self.drain(cfg.drain_timeout_s)
@@ -133,13 +139,34 @@ class Daemon:
         await asyncio.to_thread(self.worker.stop, 30)
         self.worker.collector.stop()
         t0 = time.perf_counter()
-        written = await asyncio.to_thread(engine.checkpoint)  # every session's KV durable, logs synced
-        log.info("checkpoint", blocks_written=written, sessions=len(engine.sessions),
-                 seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+        done = await asyncio.to_thread(self.checkpoint, engine, cfg.shutdown_budget_s)
+        log.info("checkpoint", blocks_written=done.blocks_written, sessions=done.sessions,
+                 sessions_left_to_recompute=done.sessions_left, blocks_left_to_recompute=done.blocks_left,
+                 budget_s=cfg.shutdown_budget_s, seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
         await asyncio.to_thread(engine.close)  # archive writes in flight become durable
         self._unlink_socket()
         log.info("stopped", requests_finished=finished, requests_cancelled=cancelled)
         return 0
+
+    def checkpoint(self, engine: Engine, budget_s: float) -> Checkpoint:
+        """The sessions' KV into the archive within `budget_s` (`Engine.checkpoint`), telling
+        systemd before each session how much longer to wait (the time left, plus
+        `SHUTDOWN_OVERRUN_S` for a session's write that starts just before the deadline and for
+        closing the archive) and how far it got."""
+        from h3d.engine.engine import Checkpoint  # the model's modules load after the config is known good
+
+        deadline = time.monotonic() + budget_s
+
+        def tell(done: Checkpoint) -> None:
+            left = max(0.0, deadline - time.monotonic())
+            self.notifier.send(
+                EXTEND_TIMEOUT_USEC=str(int((left + SHUTDOWN_OVERRUN_S) * 1e6)),
+                STATUS=f"checkpoint: {done.sessions_done}/{done.sessions} sessions, {done.blocks_written} blocks "
+                f"written, {done.blocks_left} left to recompute",
+            )
+
+        tell(Checkpoint(sessions=len(engine.sessions)))
+        return engine.checkpoint(deadline, progress=tell)
 
     def _server(self) -> grpc.aio.Server:
         cfg = self.config

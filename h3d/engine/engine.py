@@ -16,7 +16,7 @@ import functools
 import itertools
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -65,6 +65,17 @@ from h3d.model.tokenizer import Tokenizer
 from h3d.store.tokenlog import TokenStore
 from h3d.tiers.identity import ArchiveCorrupt
 from h3d.tiers.stats import TierStats
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """What `Engine.checkpoint` did, so far."""
+
+    sessions: int = 0  # sessions to checkpoint
+    sessions_done: int = 0  # of them, handled (written, or left to recompute)
+    blocks_written: int = 0
+    sessions_left: int = 0  # sessions a restart will compute again in part
+    blocks_left: int = 0  # the blocks it will compute again from their token logs
 
 
 @dataclass(slots=True)
@@ -129,21 +140,37 @@ class Engine:
         if self.journal is not None:
             self.journal.set_meta(session.id, session_meta(session, self.kv))
 
-    def checkpoint(self) -> int:
+    def checkpoint(
+        self, deadline: float | None = None, progress: Callable[[Checkpoint], None] | None = None
+    ) -> Checkpoint:
         """Before a shutdown: every session's KV blocks (the partial last one too) durable in the
-        archive, its HBF state in its log, every log synced. Returns the blocks written. With the
-        SSD tier degraded, only the logs are written (the KV is computed again after a restart)."""
-        written = 0
+        archive, its HBF state in its log, every log synced. With the SSD tier degraded, only the
+        logs are written (the KV is computed again after a restart).
+
+        `deadline` (`time.monotonic()`): no session's snapshot starts after it; the sessions left
+        are computed again from their token logs after the restart, from their first block the
+        archive lacks (`Checkpoint.blocks_left`). The most recently used sessions go first: they
+        are the likeliest to come back first. `progress` is called after each session."""
+        done = Checkpoint(sessions=len(self.sessions))
         self.interleave.abandon()  # a long prompt half computed: its KV computed again after the restart
-        for session in self.sessions.values():
-            if self.kv.writable:
+        for session in sorted(self.sessions.values(), key=lambda s: s.last_used_at, reverse=True):
+            left = None
+            if self.kv.writable and (deadline is None or time.monotonic() < deadline):
                 # If it fails, the KV is computed again after the restart; the token log is the truth.
                 with contextlib.suppress(SsdDegraded):
-                    written += self.kv.snapshot(session.seq, partial=True)
+                    done.blocks_written += self.kv.snapshot(session.seq, partial=True)
+                    left = 0  # every block durable, the partial last one too
+            if left is None:
+                left = self.kv.to_recompute(session.seq)
+            done.blocks_left += left
+            done.sessions_left += left > 0
             self._save_meta(session)
+            done.sessions_done += 1
+            if progress is not None:
+                progress(done)
         if self.journal is not None:
             self.journal.sync()
-        return written
+        return done
 
     # ---- sessions -------------------------------------------------------------------------
 

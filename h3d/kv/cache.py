@@ -343,6 +343,10 @@ class KVCache:
         """Archive `seq`'s blocks durably (`h3d.tiers.lifecycle.snapshot`); returns the blocks written."""
         return lifecycle.snapshot(self.tiers, seq, partial)
 
+    def to_recompute(self, seq: SeqId) -> int:
+        """The blocks of `seq` a restart would compute again now (`h3d.tiers.lifecycle.to_recompute`)."""
+        return lifecycle.to_recompute(self.tiers, seq)
+
     def release(self, seq: SeqId, purge_archive: bool = True) -> None:
         """Forget `seq` entirely: its table and slots, digests, HBF state, tier bookkeeping, and
         (with `purge_archive`) its archived records."""

@@ -139,6 +139,17 @@ def _snapshot(tiers: TierManager, seq: SeqId, partial: bool) -> int:
     return written
 
 
+def to_recompute(tiers: TierManager, seq: SeqId) -> int:
+    """The blocks of `seq` a restart would compute again from its token log as things stand: those
+    from the first one the archive lacks in some layer on (`adopt` takes the longest prefix held in
+    every layer; the partial last block counts as lacking: only a checkpoint writes it)."""
+    t = tiers.blocks.table(seq)
+    full = t.num_tokens // tiers.blocks.block_size
+    held = t.archived[:, :full].all(axis=0)
+    prefix = full if held.all() else int(np.argmin(held))
+    return t.num_blocks - prefix
+
+
 def park(tiers: TierManager, seq: SeqId) -> int:
     """A closed session: every block, the partial last one included, durable in the archive,
     then every HBM and DDR copy dropped (the state a restart leaves: the next step that uses

@@ -5,8 +5,10 @@ The reference is always the in-process engine on the same tiny checkpoint, never
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -89,6 +91,52 @@ def test_sigterm_then_restart_continues_every_session_from_the_archive(
             assert _generate(h3, sid) == second
         stats = getattr(h3.GetStats(pb.GetStatsRequest()), "global")
         assert stats.kv_rebuild_blocks == 0 and stats.ssd_read_count > 0
+
+
+def test_a_shutdown_budget_too_small_leaves_sessions_to_recompute_with_the_same_tokens(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """`--shutdown-budget-s 0`: SIGTERM writes no session's KV; systemd is told how long to wait
+    (EXTEND_TIMEOUT_USEC) and how far the checkpoint got (STATUS=), the `checkpoint` event counts
+    the blocks left, and after the restart exactly those are computed again from the token logs,
+    the next generations equal to the uninterrupted engine's."""
+    ckpt = checkpoint(MODEL)
+    prompts = [random_prompt(n, VOCAB_SIZE, seed=70 + n) for n in (700, 420)]
+    expected = _uninterrupted(ckpt, prompts, generations=2)
+    data = tmp_path / "data"
+    notify = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(str(notify))
+        listener.settimeout(0.1)
+        budget = ["--shutdown-budget-s", "0"]
+        with running_daemon(ckpt, data, extra=budget, tcp=False, env={"NOTIFY_SOCKET": str(notify)}) as d:
+            h3 = d.h3()
+            sids = []
+            for ids, (first, _) in zip(prompts, expected, strict=True):
+                sid = h3.CreateSession(pb.CreateSessionRequest()).session_id
+                _append(h3, sid, ids)
+                assert _generate(h3, sid) == first
+                sids.append(sid)
+        messages = []
+        with contextlib.suppress(TimeoutError):
+            while True:
+                messages.append(dict(kv.split("=", 1) for kv in listener.recv(4096).decode().split("\n")))
+    [event] = d.events("checkpoint")
+    bs = EngineConfig().block_size  # the daemon's default
+    blocks = sum(-(-(len(ids) + 8) // bs) for ids in prompts)  # every block of both, after 8 tokens each
+    assert event["blocks_written"] == 0 and event["budget_s"] == 0
+    assert event["sessions_left_to_recompute"] == 2 and event["blocks_left_to_recompute"] == blocks
+    told = [m for m in messages if "EXTEND_TIMEOUT_USEC" in m]
+    assert len(told) == 3  # before the first session, then after each
+    assert all(int(m["EXTEND_TIMEOUT_USEC"]) >= 60_000_000 for m in told)  # the overrun, at least
+    assert told[-1]["STATUS"] == f"checkpoint: 2/2 sessions, 0 blocks written, {blocks} left to recompute"
+
+    with running_daemon(ckpt, data, tcp=False) as d:
+        h3 = d.h3()
+        for sid, (_, second) in zip(sids, expected, strict=True):
+            assert _generate(h3, sid) == second
+        stats = getattr(h3.GetStats(pb.GetStatsRequest()), "global")
+        assert stats.kv_rebuild_blocks == blocks  # what the checkpoint said it left
 
 
 def test_kill_9_during_streams_loses_no_streamed_token(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from helpers import (
 from safetensors.torch import load_file, save_file
 
 from h3d.config import EngineConfig
-from h3d.engine.engine import Engine
+from h3d.engine.engine import Checkpoint, Engine
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import AppendDone, FinishReason, GenerationDone, PrefillProgress, SessionId, TokenDelta
 from h3d.errors import ConfigError, ContextTooLong, InvalidRequest, ModelLoadError, OutOfBlocks, SessionNotFound
@@ -493,3 +493,46 @@ def test_rewind_branches_continuations_from_one_prefill(checkpoint: Callable[[st
     assert engine.complete(sid, "", params).token_ids == first
     with pytest.raises(InvalidRequest):
         engine.rewind(sid, 10_000)
+
+
+def test_a_checkpoint_past_its_deadline_writes_the_most_recently_used_sessions_first(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Three sessions; the checkpoint's deadline passes while it writes the first: that one is the
+    session used last, the other two are left to recompute (their blocks counted as a restart will
+    compute them again), and every session continues after the restart with the tokens of an
+    engine that never stopped."""
+    import time
+
+    ckpt = checkpoint("llama_long")
+    kw = {"ssd_path": str(tmp_path / "archive"), "session_log_path": str(tmp_path / "sessions")}
+    one, six = SamplingParams(max_tokens=1, ignore_eos=True), SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [random_prompt(n, 512, seed=n) for n in (300, 200, 250)]
+
+    def start(engine: Engine) -> list[SessionId]:
+        sids = [engine.create_session() for _ in prompts]
+        for sid, ids in zip(sids, prompts, strict=True):
+            engine.append(sid, token_ids=ids)
+        engine.complete(sids[1], "", one)  # the session used last
+        return sids
+
+    steady = make_engine(ckpt)
+    want = [list(steady.complete(sid, "", six).token_ids) for sid in start(steady)]
+    engine = make_engine(ckpt, **kw)
+    sids = start(engine)
+    seen = []
+
+    def slow(done: Checkpoint) -> None:
+        seen.append(done.blocks_written)
+        time.sleep(1.1)  # the deadline passes after the first session
+
+    done = engine.checkpoint(time.monotonic() + 1.0, progress=slow)
+    assert done.sessions == done.sessions_done == 3 and done.blocks_written == seen[0] > 0
+    bs = engine.kv.blocks.block_size
+    assert done.sessions_left == 2
+    assert done.blocks_left == sum(-(-len(prompts[i]) // bs) for i in (0, 2))  # nothing of theirs archived
+    engine.close()
+    again = make_engine(ckpt, **kw)
+    got = [list(again.complete(sid, "", six).token_ids) for sid in sids]
+    assert again.tier_stats().kv_rebuild_blocks == done.blocks_left  # what the checkpoint said it left
+    assert got == want
