@@ -56,6 +56,18 @@ def _uninterrupted(ckpt: Path, prompts: list[list[int]], generations: int) -> li
     return out
 
 
+def _sessions(stub: object, prompts: list[list[int]], expected: list[list[list[int]]]) -> list[str]:
+    """A session per prompt, appended, then one generation checked against the uninterrupted
+    engine's first; their ids."""
+    sids = []
+    for ids, (first, _) in zip(prompts, expected, strict=True):
+        sid = stub.CreateSession(pb.CreateSessionRequest()).session_id  # type: ignore[attr-defined]
+        _append(stub, sid, ids)
+        assert _generate(stub, sid) == first
+        sids.append(sid)
+    return sids
+
+
 def test_sigterm_then_restart_continues_every_session_from_the_archive(
     checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
@@ -68,13 +80,7 @@ def test_sigterm_then_restart_continues_every_session_from_the_archive(
 
     data = tmp_path / "data"
     with running_daemon(ckpt, data, tcp=False) as d:
-        h3 = d.h3()
-        sids = []
-        for ids, (first, _) in zip(prompts, expected, strict=True):
-            sid = h3.CreateSession(pb.CreateSessionRequest()).session_id
-            _append(h3, sid, ids)
-            assert _generate(h3, sid) == first
-            sids.append(sid)
+        sids = _sessions(d.h3(), prompts, expected)
     [event] = d.events("checkpoint")
     assert event["sessions"] == 3 and event["blocks_written"] > 0
 
@@ -110,13 +116,7 @@ def test_a_shutdown_budget_too_small_leaves_sessions_to_recompute_with_the_same_
         listener.settimeout(0.1)
         budget = ["--shutdown-budget-s", "0"]
         with running_daemon(ckpt, data, extra=budget, tcp=False, env={"NOTIFY_SOCKET": str(notify)}) as d:
-            h3 = d.h3()
-            sids = []
-            for ids, (first, _) in zip(prompts, expected, strict=True):
-                sid = h3.CreateSession(pb.CreateSessionRequest()).session_id
-                _append(h3, sid, ids)
-                assert _generate(h3, sid) == first
-                sids.append(sid)
+            sids = _sessions(d.h3(), prompts, expected)
         messages = []
         with contextlib.suppress(TimeoutError):
             while True:

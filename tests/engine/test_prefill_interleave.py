@@ -63,6 +63,16 @@ def _tokens(events: list[Any], rid: int) -> list[int]:
     return [e.token_id for e in events if isinstance(e, TokenDelta) and e.request_id == rid]
 
 
+def _decoded_alone(path: Path, vocab: int) -> list[int]:
+    """The tokens `_decoder`'s session decodes on an engine with nothing else to do."""
+    alone = _engine(path)
+    _, rid = _decoder(alone, vocab)
+    out: list[int] = []
+    while rid in alone.requests():
+        out += _tokens(alone.step(), rid)
+    return out
+
+
 def test_a_decoding_stream_gets_a_token_every_step_beside_a_long_prompt(checkpoint: Callable[[str], Path]) -> None:
     path = checkpoint(MODEL)
     engine = _engine(path, prefill_chunk_tokens=LONG - 1)  # the batch's decode token leaves it one short
@@ -94,12 +104,7 @@ def test_a_decoding_stream_gets_a_token_every_step_beside_a_long_prompt(checkpoi
     while ra in engine.requests():
         got += _tokens(engine.step(), ra)
 
-    alone = _engine(path)
-    _a2, ra2 = _decoder(alone, vocab)
-    want: list[int] = []
-    while ra2 in alone.requests():
-        want += _tokens(alone.step(), ra2)
-    assert got == want and len(got) == 40
+    assert got == _decoded_alone(path, vocab) and len(got) == 40
 
     # The long prompt's session continues as when it is appended alone in one go.
     def continuation(engine: Engine, sid: Any) -> list[int]:
@@ -151,12 +156,7 @@ def test_on_a_gpu_the_host_stays_one_piece_ahead_and_the_budget_counts_it(
     assert steps == -(-engine.interleave.pieces_total // 2)
     while ra in engine.requests():
         got += _tokens(engine.step(), ra)
-    alone = _engine(path)
-    _a2, ra2 = _decoder(alone, vocab)
-    want: list[int] = []
-    while ra2 in alone.requests():
-        want += _tokens(alone.step(), ra2)
-    assert got == want and len(got) == 40
+    assert got == _decoded_alone(path, vocab) and len(got) == 40
 
 
 def test_the_pieces_write_the_kv_of_the_plain_path(checkpoint: Callable[[str], Path]) -> None:
