@@ -5,9 +5,10 @@ All of it acts on KV only: a session's tokens (its token log) are the truth, so 
 here is computed again from them. `park_kv` / `purge_kv`: a session's KV when it is closed /
 purged (without a writable archive, closing forgets it; a refused purge leaves its records,
 unreachable); `enforce_ssd_capacity` forgets the archived KV of closed sessions past
-`ssd_capacity_mb`; `BlockRepair` rewrites a block whose archive record is damaged (a damaged
-block is never used). The last two record what they did in lists the engine holds
-(`Engine.evictions`, `Engine.rebuilds`), which the daemon logs and clears.
+`ssd_capacity_mb` (and asks the archive's own thread to reclaim the disk space); `BlockRepair`
+rewrites a block whose archive record is damaged (a damaged block is never used). The last two
+record what they did in lists the engine holds (`Engine.evictions`, `Engine.rebuilds`), which
+the daemon logs and clears.
 """
 
 from __future__ import annotations
@@ -65,9 +66,11 @@ def enforce_ssd_capacity(
                 if archive.live_bytes() <= limit:
                     break
         disk = archive.disk_bytes()
-        # worth copying the live records; not beside a purge's compaction (next check, then)
+        # Worth copying the live records; on the archive's own thread (the engine thread only
+        # asks: a compaction copies records for as long as they take); not while one is asked
+        # for or runs (next check, then).
         if disk > limit and disk - archive.live_bytes() >= limit / 10 and not archive.compacting:
-            archive.compact(keep_ratio=1.0)
+            archive.compact_later(keep_ratio=1.0)
     except ArchiveWriteFailed as e:
         kv.degrade(e)
 

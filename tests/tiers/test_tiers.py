@@ -947,8 +947,8 @@ def test_ssd_capacity_evicts_closed_sessions_coldest_first_and_reclaims_disk(
     checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
     """Past ssd_capacity_mb of live archive records, the archived KV of closed sessions goes, least
-    recently used first; compaction gives the disk space back; an evicted session reopens by
-    computing its KV again from its tokens, with the same output."""
+    recently used first; a compaction on the archive's own thread gives the disk space back; an
+    evicted session reopens by computing its KV again from its tokens, with the same output."""
     engine = _closing_engine(checkpoint(MODEL), tmp_path)
     prompts = [random_prompt(299, VOCAB_SIZE, seed=80 + i) for i in range(3)]
     sids = []
@@ -974,6 +974,7 @@ def test_ssd_capacity_evicts_closed_sessions_coldest_first_and_reclaims_disk(
     engine.close_session(extra)  # triggers the check
     assert engine.evictions == [sids[0]]
     assert archive.live_bytes() <= capacity_mb * 2**20
+    assert archive.wait_compactions(60) and archive.compaction_stats().runs == 1  # on the archive's thread
     assert archive.disk_bytes() < disk
     assert not archive.blocks_of(sids[0]) and archive.blocks_of(sids[1]) and archive.blocks_of(sids[2])
     assert engine.cached_tokens(sids[0]) == 0 and engine.session(sids[0]).closed
