@@ -56,6 +56,23 @@ def forward_kw(model: torch.nn.Module) -> tuple[str, dict[str, Any]]:
 
 
 @torch.inference_mode()
+def hf_prefill(model: torch.nn.Module, ids: list[int], device: torch.device) -> tuple[float, torch.Tensor, Any]:
+    """transformers' forward of `ids` into a fresh `DynamicCache`, timed with the device synced:
+    (seconds, the next greedy token [1, 1], the cache)."""
+    import transformers
+
+    kw, keep = forward_kw(model)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cache = transformers.DynamicCache()
+    x = torch.tensor([ids], device=device)
+    sync()
+    t0 = time.perf_counter()
+    tok = model(input_ids=x, use_cache=True, **{kw: cache}, **keep).logits[:, -1:].argmax(-1)
+    sync()
+    return time.perf_counter() - t0, tok, cache
+
+
+@torch.inference_mode()
 def hf_generate(b: Bench, cache: Any, ids: list[int], steps: int) -> tuple[float, list[float]]:
     """Prefill `ids` in one forward into `cache`, then greedy decode: (prefill seconds, timed step seconds)."""
     assert b.hf is not None

@@ -132,24 +132,13 @@ def _engine_part(prof: Profiled, model_dir: Path, data: Path, ids: list[int], de
 
 def _hf_part(prof: Profiled, shape: serve.Shape, ids: list[int], device: torch.device) -> None:
     """transformers' forward of the same prompt on the same weights, into `prof.figures`."""
-    import transformers
-
-    from h3d.bench.gpu_hf import build_hf, forward_kw
+    from h3d.bench.gpu_hf import build_hf, hf_prefill
 
     res, context = prof.figures, len(ids)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     model = build_hf(shape.model, shape.dtype, device, 0)
-    kw, keep = forward_kw(model)
 
     def forward(n: int = context) -> float:
-        cache = transformers.DynamicCache()
-        x = torch.tensor([ids[:n]], device=device)
-        sync()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model(input_ids=x, use_cache=True, **{kw: cache}, **keep).logits[:, -1:].argmax(-1)
-        sync()
-        return round(time.perf_counter() - t0, 3)
+        return round(hf_prefill(model, ids[:n], device)[0], 3)
 
     forward(min(1024, context))  # a warm-up
     res["hf_prefill_s"] = [forward() for _ in range(2)]

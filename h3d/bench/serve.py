@@ -509,25 +509,16 @@ def phase_single(run: Run) -> None:
 
 def hf_dynamic(run: Run, steps: int) -> dict[str, Any]:
     """transformers' LlamaForCausalLM (sdpa) with a DynamicCache: the same weights and prompts."""
-    from h3d.bench.gpu_hf import build_hf, forward_kw
+    from h3d.bench.gpu_hf import build_hf, forward_kw, hf_prefill
 
     shape = run.shape
     model = build_hf(shape.model, shape.dtype, run.device, run.args.seed)
-    kw, keep = forward_kw(model)
+    kw, _ = forward_kw(model)
     sync = torch.cuda.synchronize if run.device.type == "cuda" else (lambda: None)
     out: dict[str, Any] = {}
     with torch.inference_mode():
         for ctx in (1024, *shape.contexts):  # the first: a warm-up
-            import transformers
-
-            ids = prompt(run.vocab(), ctx, ctx)
-            cache = transformers.DynamicCache()
-            x = torch.tensor([ids], device=run.device)
-            sync()
-            t0 = time.perf_counter()
-            tok = model(input_ids=x, use_cache=True, **{kw: cache}, **keep).logits[:, -1:].argmax(-1)
-            sync()
-            prefill_s = time.perf_counter() - t0
+            prefill_s, tok, cache = hf_prefill(model, prompt(run.vocab(), ctx, ctx), run.device)
             times = []
             for _ in range(min(steps, 16)):
                 sync()
@@ -535,7 +526,7 @@ def hf_dynamic(run: Run, steps: int) -> dict[str, Any]:
                 tok = model(input_ids=tok, use_cache=True, **{kw: cache}).logits[:, -1:].argmax(-1)
                 sync()
                 times.append(time.perf_counter() - t0)
-            del cache, x
+            del cache
             free_memory()
             if ctx in shape.contexts:
                 out[str(ctx)] = {"prefill_s": round(prefill_s, 3),
