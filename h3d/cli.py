@@ -26,7 +26,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from h3d.config import AUTO, AUTO_KEYS, DTYPES, POLICIES, SSD_CODECS, EngineConfig, SamplingDefaults
+from h3d.config import AUTO, DTYPES, OR_AUTO, POLICIES, SSD_CODECS, EngineConfig, SamplingDefaults
 from h3d.daemon.config import key_types
 from h3d.errors import H3Error
 from h3d.keys import flag_help
@@ -44,7 +44,7 @@ def _add_key_flag(p: argparse.ArgumentParser, key: str, kind: type, dest: str | 
         p.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help)
     elif kind is tuple:
         p.add_argument(flag, dest=dest, type=int, nargs="*", default=None, help=help)
-    elif key in AUTO_KEYS:
+    elif key in OR_AUTO:
         p.add_argument(flag, dest=dest, type=_or_auto(kind), default=None, help=help, metavar="N|auto")
     elif kind in (int, float):
         p.add_argument(flag, dest=dest, type=kind, default=None, help=help)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 AUTO = "auto"  # the value of a key sized from the hardware (`AUTO_KEYS`)
 AUTO_KEYS = ("prefill_chunk_tokens", "hbm_mb", "ddr_mb")
+OR_AUTO = (*AUTO_KEYS, "ssd_capacity_mb")  # keys that take a number or `auto`
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 POLICIES = ("attention_entropy", "exact", "fixed", "layerwise")
@@ -58,7 +59,11 @@ class EngineConfig:
     ddr_high_watermark: float = 0.85
     promote_mb_per_step: float = 64.0  # HBF promotions DDR -> HBM per step, all sessions together
     rebalance_mb_per_step: float = 1024.0  # blocks moved toward the fair shares of HBM per step (h3d.tiers.shares)
-    ssd_capacity_mb: float | None = None  # live archive records beyond this: closed sessions' KV evicted
+    # live archive records beyond this: closed sessions' KV evicted; `auto`: the file system's free space
+    # at start less a margin (h3d.engine.build.ssd_capacity)
+    ssd_capacity_mb: float | str = AUTO
+    write_behind: bool = True  # full blocks archived in the background (h3d.tiers.writebehind)
+    write_behind_dirty_mb: float = 1024.0  # KV left not archived; past it the oldest is written behind
     ssd_retry_interval_s: float = 10.0  # a degraded SSD tier (full disk, I/O error) is tried again this often
     policy: str = "attention_entropy"
     window_tokens: int = 2048
@@ -123,7 +128,7 @@ class EngineConfig:
                 f"cpu_threads: must be >= 1 (0 or unset: the cores this process may run on), got {self.cpu_threads}"
             )
         _positive("block_size", self.block_size)
-        for key in AUTO_KEYS:
+        for key in OR_AUTO:
             value = getattr(self, key)
             if isinstance(value, str) and value != AUTO:
                 raise ConfigError(f"{key}: expected a number or 'auto', got {value!r}")
@@ -135,8 +140,10 @@ class EngineConfig:
             raise ConfigError(f"ddr_mb: must be >= 0, got {self.ddr_mb}")
         _choice("ssd_codec", self.ssd_codec, SSD_CODECS)
         _choice("policy", self.policy, POLICIES)
-        if self.ssd_capacity_mb is not None and not self.ssd_capacity_mb > 0:
-            raise ConfigError(f"ssd_capacity_mb: must be > 0, got {self.ssd_capacity_mb}")
+        if self.ssd_capacity_mb != AUTO and not self.ssd_capacity_mb > 0:  # type: ignore[operator]
+            raise ConfigError(f"ssd_capacity_mb: must be > 0 or 'auto', got {self.ssd_capacity_mb}")
+        if not self.write_behind_dirty_mb >= 0:
+            raise ConfigError(f"write_behind_dirty_mb: must be >= 0, got {self.write_behind_dirty_mb}")
         if not self.ssd_retry_interval_s > 0:
             raise ConfigError(f"ssd_retry_interval_s: must be > 0, got {self.ssd_retry_interval_s}")
         _positive("promote_mb_per_step", self.promote_mb_per_step)

@@ -153,9 +153,31 @@ ENGINE: tuple[Key, ...] = (
     Key("ssd_retry_interval_s", "how often a degraded SSD tier (full disk, I/O error) is tried again"),
     Key(
         "ssd_capacity_mb",
-        "live archive records beyond this: closed sessions' archived KV is evicted, coldest first, and the "
-        "archive compacted",
-        default="unset",
+        "live archive records the archive may hold (MiB). Write-behind writes no batch past it; open sessions' "
+        "blocks come first: closed sessions' archived KV is evicted, coldest first, to make room, and the archive "
+        "compacted. Spills past `ddr_high_watermark` and the shutdown checkpoint may pass it (they must free DDR "
+        "or save the sessions). `auto`: the free space of the archive's file system at start plus what the "
+        "archive takes there, less 5 % of the file system (at least 1 GiB), so that write-behind never fills the "
+        "disk (GetConfig shows the value it resolved to)",
+        help="live archive records the archive may hold (MiB), or auto: the file system's free space at start "
+        "less a margin",
+    ),
+    Key(
+        "write_behind",
+        "write full KV blocks to the archive in the background (`write_behind_dirty_mb` says how many stay "
+        "unwritten), so that a shutdown has little to flush and a restart resumes sessions from the archive "
+        "instead of computing their KV again. On threads of their own, never blocking a step; a block's DDR copy "
+        "is still dropped only once its archive write is durable",
+        help="write full KV blocks to the archive in the background",
+    ),
+    Key(
+        "write_behind_dirty_mb",
+        "KV (MiB) of full blocks left without an archive copy; past it, write-behind writes the oldest (least "
+        "recently used sessions first, from their first block), at most 32 MiB a step while requests run and "
+        "512 MiB in flight. 0 writes every full block as it is made. What stays dirty is what SIGTERM's "
+        "checkpoint writes within `shutdown_budget_s` (or a crash leaves to compute again): keep it within what "
+        "the disk writes in that time",
+        help="KV (MiB) of full blocks left without an archive copy; past it the oldest are written behind",
     ),
     Key(
         "policy",

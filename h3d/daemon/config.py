@@ -16,7 +16,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from h3d.config import AUTO, AUTO_KEYS, EngineConfig, SamplingDefaults
+from h3d.config import AUTO, OR_AUTO, EngineConfig, SamplingDefaults
 from h3d.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -158,12 +158,11 @@ def key_types() -> dict[str, type]:
             out[prefix + f.name] = type(default) if default is not None else str
     for f in fields(SamplingDefaults):
         out["sampling_" + f.name] = type(f.default)
-    out["hbm_mb"] = out["ddr_mb"] = float  # or "auto" (AUTO_KEYS)
+    out["hbm_mb"] = out["ddr_mb"] = out["ssd_capacity_mb"] = float  # or "auto" (OR_AUTO)
     out["prefill_chunk_tokens"] = int
     out["quantize_skip_layers"] = tuple
     out["max_context_tokens"] = int
     out["cpu_threads"] = int
-    out["ssd_capacity_mb"] = float
     out["dense_hbm_share"] = float
     out["check_invariants"] = bool
     return out
@@ -219,7 +218,7 @@ def load(path: str | None, overrides: dict[str, Any]) -> DaemonConfig:
 
 def _check_type(key: str, value: Any, kind: type) -> None:
     name = key.replace("sampling_", "sampling.", 1) if key.startswith("sampling_") else key
-    if key in AUTO_KEYS and value == AUTO:
+    if key in OR_AUTO and value == AUTO:
         return
     if kind is bool:
         ok = isinstance(value, bool)
@@ -232,7 +231,7 @@ def _check_type(key: str, value: Any, kind: type) -> None:
     else:
         ok = isinstance(value, str)
     if not ok:
-        also = " or 'auto'" if key in AUTO_KEYS else ""
+        also = " or 'auto'" if key in OR_AUTO else ""
         raise ConfigError(f"{name}: expected {_kind_name(kind)}{also}, got {value!r}")
 
 

@@ -104,6 +104,10 @@ def tier_stats_pb(engine: Engine) -> pb.TierStats:
         ssd_write_errors=t.ssd_write_errors,
         hbm_rebalance_count=t.hbm_rebalance_count,
         recompute_evict_count=t.recompute_evict_count,
+        dirty_bytes=t.dirty_bytes,
+        write_behind_bytes=t.write_behind_bytes,
+        write_behind_in_flight_bytes=t.write_behind_in_flight_bytes,
+        write_behind_lag_s=t.write_behind_lag_s,
     )
 
 

@@ -82,6 +82,13 @@ class Metrics:
         metric("h3d_ssd_write_errors_total", "counter", "Archive writes that failed.", g.ssd_write_errors)
         metric("h3d_recompute_evict_total", "counter", "Block copies forgotten while the SSD tier was degraded.",
                g.recompute_evict_count)  # fmt: skip
+        metric("h3d_kv_dirty_bytes", "gauge", "KV bytes of full blocks without a durable archive copy.", g.dirty_bytes)
+        metric("h3d_write_behind_bytes_total", "counter", "KV bytes written to the archive in the background.",
+               g.write_behind_bytes)  # fmt: skip
+        metric("h3d_write_behind_in_flight_bytes", "gauge", "KV bytes written behind and not yet durable.",
+               g.write_behind_in_flight_bytes)  # fmt: skip
+        metric("h3d_write_behind_lag_seconds", "gauge", "Seconds the dirty KV has been past write_behind_dirty_mb.",
+               g.write_behind_lag_s)  # fmt: skip
         # Stats carries microseconds (hbf_latency_us_p50/p99); Prometheus wants base units, and a quantile
         # label only on a summary. Quantiles over a window of recent steps are what a summary is; Stats
         # has no sum or count of the steps' planning time, so the summary has no _sum and _count lines.

@@ -96,6 +96,8 @@ class Daemon:
         self.worker.start()
         self.state = State(cfg, self.worker, Auth(cfg), self.metrics)
         self.state.resolved = {k: getattr(sized, k) for k in AUTO_KEYS} | {"device": cfg.engine.resolved_device}
+        if engine.kv.tiers.ssd_capacity is not None:
+            self.state.resolved["ssd_capacity_mb"] = round(engine.kv.tiers.ssd_capacity / 2**20, 1)
         self.state.owners = {sid: s.owner or LOCAL for sid, s in engine.sessions.items()}
         if engine.restored:
             log.info(
@@ -301,6 +303,9 @@ class Daemon:
                 ddr_used_bytes=g.ddr_used_bytes,
                 ddr_capacity_bytes=g.ddr_capacity_bytes,
                 ssd_used_bytes=g.ssd_used_bytes,
+                dirty_bytes=g.dirty_bytes,
+                write_behind_bytes=g.write_behind_bytes,
+                write_behind_lag_s=round(g.write_behind_lag_s, 2),
                 tokens_per_s=round(t.tokens_per_s, 2),
                 sessions=t.sessions,
                 in_flight=self.state.in_flight,

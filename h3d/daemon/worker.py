@@ -34,6 +34,7 @@ from h3d.errors import H3Error
 T = TypeVar("T")
 THROUGHPUT_WINDOW_S = 10.0
 IDLE_WAIT_S = 0.05
+WRITE_BEHIND_WAIT_S = 0.005  # idle with write-behind under way: its batches are applied this often
 SLOW_STEP_S = 1.0  # a step (with its upkeep) this long is logged (`slow_step`), with where its time went
 CAPTURE_IDLE_S = 1.0  # idle this long, the engine captures the decode graphs steps wanted (not between two requests)
 
@@ -157,7 +158,8 @@ class EngineWorker:
                 if self.engine.runner.graphs.deferred and time.monotonic() - self._busy_at >= CAPTURE_IDLE_S:
                     self.engine.upkeep(idle=True)  # graphs that steps wanted, captured once requests paused
                     continue
-                self._wake.wait(IDLE_WAIT_S)
+                more = self.engine.write_behind()  # dirty KV past its budget, unbounded per call while idle
+                self._wake.wait(WRITE_BEHIND_WAIT_S if more else IDLE_WAIT_S)
                 self._wake.clear()
                 continue
             before = self.engine.counters.generated_tokens

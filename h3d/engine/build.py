@@ -12,11 +12,12 @@ identity: `h3d.tiers.identity`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
-from h3d.config import EngineConfig
+from h3d.config import AUTO, EngineConfig
 from h3d.engine.runner import ModelRunner
 from h3d.hbf.policy import policy_named
 from h3d.kv.sizing import Budgets, Hardware, auto_budgets, plan_pools
@@ -69,20 +70,41 @@ def build_runner(config: EngineConfig, model: CausalLM, sizes: Budgets, max_cont
         sizes.hbm_mb, sizes.ddr_mb, config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
         model.lm_head.weight_t.dtype.itemsize, config.dense_layers, config.dense_hbm_share, whole_blocks=whole,
     )  # fmt: skip
+    archive = open_archive(config, mc)
     runner = ModelRunner(
         model,
         pools.regions,
         pools.ddr_slots,
         config.block_size,
-        archive=open_archive(config, mc),
+        archive=archive,
         high_watermark=config.ddr_high_watermark,
         check_invariants=config.check_invariants,
         hbf=config.hbf,
         promote_mb_per_step=config.promote_mb_per_step,
         rebalance_mb_per_step=config.rebalance_mb_per_step,
         ssd_retry_interval_s=config.ssd_retry_interval_s,
+        write_behind_dirty_mb=config.write_behind_dirty_mb if config.write_behind else None,
+        ssd_capacity=ssd_capacity(config, archive),
     )
     return runner
+
+
+SSD_MARGIN_SHARE = 0.05  # `ssd_capacity_mb = auto` leaves this share of the archive's file system free,
+SSD_MARGIN_MIN = 1 << 30  # and at least this much
+
+
+def ssd_capacity(config: EngineConfig, archive: Archive | None) -> int | None:
+    """The archive's capacity in bytes of live records: `ssd_capacity_mb`, or with `auto` the free
+    space of its file system at start plus what the archive takes there already, less a margin
+    (`SSD_MARGIN_SHARE` of the file system, at least `SSD_MARGIN_MIN`), so that write-behind never
+    fills the disk. None without an archive."""
+    if archive is None:
+        return None
+    if config.ssd_capacity_mb != AUTO:
+        return int(float(config.ssd_capacity_mb) * 2**20)
+    fs = os.statvfs(archive.path)
+    margin = max(SSD_MARGIN_MIN, int(SSD_MARGIN_SHARE * fs.f_blocks * fs.f_frsize))
+    return max(0, fs.f_bavail * fs.f_frsize + archive.disk_bytes() - margin)
 
 
 def open_archive(cfg: EngineConfig, mc: ModelConfig) -> Archive | None:

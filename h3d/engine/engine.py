@@ -237,7 +237,9 @@ class Engine:
         """Cut the session's context back to its first `num_tokens` tokens (and its KV with it).
 
         Used to branch several continuations from one prefill (benchmarks): the KV and the digests
-        are those of the kept tokens, so every branch selects as if the others had never run.
+        are those of the kept tokens, so every branch selects as if the others had never run. The
+        archive's records past the cut are deleted first; if the archive takes no writes, the
+        rewind is refused (SsdDegraded) and the tokens stay.
         """
         session = self.session(session_id)
         if session.busy:
@@ -246,10 +248,13 @@ class Engine:
             raise InvalidRequest("a chat session cannot be rewound (its messages would no longer match its context)")
         if not 0 <= num_tokens <= len(session.tokens):
             raise InvalidRequest(f"cannot rewind to {num_tokens} tokens: the context holds {len(session.tokens)}")
+        keep = max(0, min(self.cached_tokens(session_id), num_tokens - 1))
+        self.kv.truncate(session.seq, keep)
+        if num_tokens < len(session.tokens):  # other tokens will follow: the archived KV past the cut is not theirs
+            self.kv.forget_archived(session.seq, keep // self.kv.block_size)  # SsdDegraded: the tokens stay
         if self.journal is not None:
             self.journal.cut(session.id, num_tokens)
         del session.tokens[num_tokens:]
-        self.kv.truncate(session.seq, max(0, min(self.cached_tokens(session_id), num_tokens - 1)))
 
     def close_session(self, session_id: SessionId, purge: bool = False) -> None:
         """End `session_id`'s requests (cancelled) and free its memory. With `purge`, the session
@@ -274,7 +279,7 @@ class Engine:
         park_kv(kv, session.seq)
         session.closed = True
         self._save_meta(session)
-        enforce_ssd_capacity(self.kv, self.config.ssd_capacity_mb, self.sessions.values(), self.evictions)
+        enforce_ssd_capacity(self.kv, self.sessions.values(), self.evictions)
 
     def _reopen(self, session: Session) -> None:
         session.closed = False
@@ -482,7 +487,16 @@ class Engine:
                 self.captured.append(key)
         if self.counters.steps - self._upkept >= 64:
             self._upkept = self.counters.steps
-            enforce_ssd_capacity(self.kv, self.config.ssd_capacity_mb, self.sessions.values(), self.evictions)
+            enforce_ssd_capacity(self.kv, self.sessions.values(), self.evictions)
+
+    def write_behind(self) -> bool:
+        """While no request runs: dirty KV past `write_behind_dirty_mb` written behind, without the
+        per-step bound (`h3d.tiers.writebehind`). Returns whether more is to come (call again soon)."""
+        behind = self.kv.tiers.behind
+        if not behind.enabled:
+            return False
+        behind.pump([], dict(self.kv.frozen), busy=False)
+        return bool(behind.batches) or behind.pump_due
 
     def take_events(self) -> list[Event]:
         """Events of requests that ended outside a step (their session was closed), once."""

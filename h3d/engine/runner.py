@@ -59,6 +59,8 @@ class ModelRunner:
         promote_mb_per_step: float | None = None,
         rebalance_mb_per_step: float | None = None,
         ssd_retry_interval_s: float = 10.0,
+        write_behind_dirty_mb: float | None = None,
+        ssd_capacity: int | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -83,6 +85,8 @@ class ModelRunner:
             rebalance_bytes_per_step=None if rebalance_mb_per_step is None else int(rebalance_mb_per_step * 2**20),
             kinds=cfg.layer_kinds,
             ssd_retry_interval_s=ssd_retry_interval_s,
+            write_behind_dirty_mb=write_behind_dirty_mb,
+            ssd_capacity=ssd_capacity,
         )
         # The step's view of the cache's parts (the cache owns them).
         self.blocks, self.tiers, self.digests, self.hbf = self.kv.blocks, self.kv.tiers, self.kv.digests, hbf

@@ -5,10 +5,10 @@ All of it acts on KV only: a session's tokens (its token log) are the truth, so 
 here is computed again from them. `park_kv` / `purge_kv`: a session's KV when it is closed /
 purged (without a writable archive, closing forgets it; a refused purge leaves its records,
 unreachable); `enforce_ssd_capacity` forgets the archived KV of closed sessions past
-`ssd_capacity_mb` (and asks the archive's own thread to reclaim the disk space); `BlockRepair`
-rewrites a block whose archive record is damaged (a damaged block is never used). The last two
-record what they did in lists the engine holds (`Engine.evictions`, `Engine.rebuilds`), which
-the daemon logs and clears.
+`ssd_capacity_mb` or for the room write-behind needs (and asks the archive's own thread to
+reclaim the disk space); `BlockRepair` rewrites a block whose archive record is damaged (a
+damaged block is never used). The last two record what they did in lists the engine holds
+(`Engine.evictions`, `Engine.rebuilds`), which the daemon logs and clears.
 """
 
 from __future__ import annotations
@@ -45,16 +45,17 @@ def purge_kv(kv: KVCache, seq: SeqId) -> None:
         kv.degrade(e)
 
 
-def enforce_ssd_capacity(
-    kv: KVCache, capacity_mb: float | None, sessions: Iterable[Session], evictions: list[SessionId]
-) -> None:
-    """Past `ssd_capacity_mb` of live archive records: forget the archived KV of closed
-    sessions, least recently used first (their tokens stay; the KV is computed again if
-    they are reopened); then reclaim the disk space of dead records."""
+def enforce_ssd_capacity(kv: KVCache, sessions: Iterable[Session], evictions: list[SessionId]) -> None:
+    """Past the archive's capacity (`ssd_capacity_mb`, resolved: `TierManager.ssd_capacity`) of
+    live records, or short of the room write-behind asked for (open sessions' blocks come first):
+    forget the archived KV of closed sessions, least recently used first (their tokens stay; the
+    KV is computed again if they are reopened); then reclaim the disk space of dead records."""
     archive = kv.archive
-    if archive is None or capacity_mb is None or not kv.writable:
+    capacity = kv.tiers.ssd_capacity
+    if archive is None or capacity is None or not kv.writable:
         return
-    limit = int(capacity_mb * 2**20)
+    wanted = kv.tiers.behind.wants_room
+    limit = capacity - wanted
     try:
         if archive.live_bytes() > limit:
             closed = sorted((s for s in sessions if s.closed), key=lambda s: s.last_used_at)
@@ -65,11 +66,13 @@ def enforce_ssd_capacity(
                 evictions.append(session.id)
                 if archive.live_bytes() <= limit:
                     break
+        if wanted and archive.live_bytes() <= limit:
+            kv.tiers.behind.wants_room = 0
         disk = archive.disk_bytes()
         # Worth copying the live records; on the archive's own thread (the engine thread only
         # asks: a compaction copies records for as long as they take); not while one is asked
         # for or runs (next check, then).
-        if disk > limit and disk - archive.live_bytes() >= limit / 10 and not archive.compacting:
+        if disk > capacity and disk - archive.live_bytes() >= capacity / 10 and not archive.compacting:
             archive.compact_later(keep_ratio=1.0)
     except ArchiveWriteFailed as e:
         kv.degrade(e)

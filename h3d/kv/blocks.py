@@ -38,7 +38,7 @@ import numpy as np
 
 from h3d.errors import OutOfBlocks
 from h3d.kv.entries import NONE, NULL_ENTRY, Entries
-from h3d.kv.slots import FREE, NULL_SLOT, LayeredAllocator, SeqId, SlotAllocator
+from h3d.kv.slots import FREE, HELD, NULL_SLOT, LayeredAllocator, SeqId, SlotAllocator
 from h3d.model.config import LayerKind
 
 
@@ -90,8 +90,8 @@ class BlockTable:
 
     `ids[layer, j]` is the block's entry (`h3d.kv.entries`), where its residency is kept; past
     `num_blocks` the null entry. `num_tokens` is the number of tokens whose KV is written; the
-    last block may be partly filled. `version` changes with every residency change (it keys the
-    runs cache).
+    last block may be partly filled. `version` changes with every change of where attention reads
+    a block (`locations`; it keys the runs cache and the decode graphs' tables).
     """
 
     entries: Entries
@@ -371,6 +371,17 @@ class BlockManager:
         keep = self.blocks_for(num_tokens)
         self._release(table, keep, table.num_blocks)
         table.num_blocks, table.num_tokens = keep, num_tokens
+        if num_tokens % self.block_size:
+            # The last block is partial again and new tokens go to one copy of it (HBM's where it
+            # has one): its DDR copy beside an HBM one goes, and its archive record is no longer
+            # its copy (unless it is the only one: staged back before it is written, as after a restart).
+            e, ids = self.entries, table.ids[:, keep - 1]
+            both = ids[(e.hbm[ids] != NONE) & (e.ddr[ids] != NONE)]
+            self.ddr_alloc.release(e.ddr[both])
+            e.ddr[both] = NONE
+            stale = ids[e.archived[ids] & ((e.hbm[ids] != NONE) | (e.ddr[ids] != NONE))]
+            e.num_archived -= len(stale)
+            e.archived[stale] = False
         table.version += 1
 
     def free(self, seq: SeqId) -> BlockTable | None:
@@ -440,8 +451,9 @@ class BlockManager:
         ids = table.ids[layers, blocks]
         assert (self.entries.ddr[ids] == NONE).all(), "block already in DDR"
         slots = self.ddr_alloc.allocate(len(blocks), seq)
+        if (self.entries.hbm[ids] == NONE).any():  # a DDR copy beside an HBM one changes no location
+            table.version += 1
         self.entries.ddr[ids] = slots
-        table.version += 1
         return slots
 
     def move_hbm_many(
@@ -503,6 +515,13 @@ class BlockManager:
         e.archived[ids] = value
         table.version += 1
 
+    def set_archived_many(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray) -> None:
+        """(layer, block) pairs of `seq` have a durable archive copy now (write-behind): where
+        attention reads them does not change."""
+        e, ids = self.entries, self._tables[seq].ids[layers, blocks]
+        e.num_archived += len(np.unique(ids)) - int(np.count_nonzero(e.archived[np.unique(ids)]))
+        e.archived[ids] = True
+
     def _check_other_copy(self, layer: int, blocks: np.ndarray, other: np.ndarray, tier: str) -> None:
         if not other.all():
             bad = int(blocks[~other][0])
@@ -516,10 +535,11 @@ class BlockManager:
             ("HBM", self.hbm_owner, self.hbm_alloc),
             ("DDR", self.ddr_owner, [self.ddr_alloc]),
         ):
-            used = int((owner != FREE).sum())
+            used = int((owner >= 0).sum())
+            held = int((owner == HELD).sum())  # released while an archive write reads them
             free = np.concatenate([a.free_slots() for a in allocs])
             assert owner[NULL_SLOT] == FREE, f"{name}: the null slot was handed out"
-            assert used + len(free) == len(owner) - 1, f"{name}: free + used != capacity"
+            assert used + held + len(free) == len(owner) - 1, f"{name}: free + held + used != capacity"
             assert np.bincount(free, minlength=len(owner)).max(initial=0) <= 1, f"{name}: a slot is free twice"
             assert not (owner[free] != FREE).any(), f"{name}: a free slot has an owner"
             for a in allocs:
@@ -529,8 +549,8 @@ class BlockManager:
         seen_ddr: set[int] = set()
         for seq, table in self._tables.items():
             self._check_table(seq, table, seen_hbm, seen_ddr)
-        assert len(seen_hbm) == int((self.hbm_owner != FREE).sum()), "a used HBM slot belongs to no table"
-        assert len(seen_ddr) == int((self.ddr_owner != FREE).sum()), "a used DDR slot belongs to no table"
+        assert len(seen_hbm) == int((self.hbm_owner >= 0).sum()), "a used HBM slot belongs to no table"
+        assert len(seen_ddr) == int((self.ddr_owner >= 0).sum()), "a used DDR slot belongs to no table"
         self._check_entries()
 
     def _check_entries(self) -> None:
@@ -564,7 +584,7 @@ class BlockManager:
             inside = (row >= alloc.first) & (row < alloc.first + alloc.capacity)
             assert inside.all(), f"seq {seq}: layer {layer} region"
         assert ((hbm != NONE) | (ddr != NONE) | arch).all(), f"seq {seq}: a block is in no tier"
-        if table.num_tokens % self.block_size:  # the archive holds it only in the state a restart leaves
+        if table.num_tokens % self.block_size:  # where the archive holds it only, staged before it is written
             last = (hbm[:, -1] != NONE) | (ddr[:, -1] != NONE)
-            assert last.all() or (~last & arch[:, -1]).all(), f"seq {seq}: partial block not in HBM/DDR"
+            assert (last | arch[:, -1]).all(), f"seq {seq}: partial block not in HBM/DDR"
         assert (table.hbm[:, nb:] == NONE).all() and (table.ddr[:, nb:] == NONE).all(), f"seq {seq}: stale slots"

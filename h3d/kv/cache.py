@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from h3d.errors import SsdDegraded
 from h3d.hbf.digests import DigestStore
 from h3d.hbf.policy import HbfConfig, Policy, SelectionState, base_blocks, policy_named
 from h3d.kv.blocks import BlockManager, BlockTable, SeqId
@@ -94,9 +95,12 @@ class KVCache:
         rebalance_bytes_per_step: int | None = None,
         kinds: Sequence[LayerKind] | None = None,
         ssd_retry_interval_s: float = 10.0,
+        write_behind_dirty_mb: float | None = None,
+        ssd_capacity: int | None = None,
     ) -> None:
         """`hbm_regions`: every layer's HBM region in blocks, or one size per layer; `kinds`: each
-        layer's kind (`ModelConfig.layer_kinds`; all full attention by default)."""
+        layer's kind (`ModelConfig.layer_kinds`; all full attention by default);
+        `write_behind_dirty_mb`, `ssd_capacity`: see `TierManager`."""
         self.sessions: dict[SeqId, SessionKV] = {}
         self._archive = archive
         self.blocks = BlockManager(hbm_regions, ddr_slots, num_layers, block_size, kinds)
@@ -104,8 +108,9 @@ class KVCache:
         self.hbm = KVPool(self.blocks.num_slots, *shape, device)
         self.ddr = KVPool(len(self.blocks.ddr_owner), *shape, torch.device("cpu"), pin_memory=device.type == "cuda")
         self.tiers = TierManager(
-            self.blocks, self.hbm, self.ddr, archive, high_watermark, self.sessions, self.cut, ssd_retry_interval_s
-        )
+            self.blocks, self.hbm, self.ddr, archive, high_watermark, self.sessions, self.cut, ssd_retry_interval_s,
+            write_behind_dirty_mb, ssd_capacity,
+        )  # fmt: skip
         self.promoter = Promoter(self.tiers, promote_bytes_per_step)
         self.hbf = hbf
         self.frozen: dict[SeqId, int] = {}  # seq -> its first block no step may move (ModelRunner.begin)
@@ -294,6 +299,7 @@ class KVCache:
         record = self.sessions[seq]
         if num_tokens >= record.table.num_tokens:
             return
+        self.tiers.behind.cut(seq, num_tokens)  # its records in flight land before the blocks go
         self.blocks.truncate(seq, num_tokens)
         if not record.selection.policy.keeps_digests or record.stale_digests:
             return  # no digests kept, or rebuilt at the next step
@@ -307,6 +313,22 @@ class KVCache:
             return keys[:, start % bs :].transpose(0, 1).to(self.device)
 
         self.digests.truncate(seq, num_tokens, tail)
+
+    def forget_archived(self, seq: SeqId, first: int) -> None:
+        """Delete `seq`'s archive records of block `first` and later (its tokens there change: a
+        restart must not take them for the new tokens' KV), after its KV was cut to before them.
+        Raises SsdDegraded if the archive takes no writes."""
+        archive = self.tiers.archive
+        if archive is None or not archive.blocks_of(self.sessions[seq].name):
+            return
+        if not self.writable and not self.retry_ssd():
+            raise SsdDegraded(f"the SSD tier takes no writes now: {self.ssd_degraded}")
+        self.tiers.stage_partial(seq, [seq], {})  # a partial last block the archive alone holds: to DDR first
+        try:
+            archive.remove(self.sessions[seq].name, first)
+        except ArchiveWriteFailed as e:
+            self.degrade(e)
+            raise SsdDegraded(f"the SSD tier takes no writes now: {e}") from e
 
     def rebuild_from(self, seq: SeqId, block: int) -> int:
         """Forget `seq`'s KV from `block` on (a damaged block that could not be rewritten): its

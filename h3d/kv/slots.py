@@ -3,8 +3,9 @@ region for HBM as rows of one array (`LayeredAllocator`), so that a step's promo
 evictions over all layers are a few vectorized operations.
 
 Owner: `h3d.kv.blocks.BlockManager` is the only caller. What must stay true: a slot is either
-free (on exactly one stack, its owner `FREE`) or owned; the null slot (0) is never handed out; a
-lone session gets ascending, contiguous slots.
+free (on exactly one stack, its owner `FREE`), owned, or released while held (`HELD`: a DDR
+slot that an archive write still reads, free again once it is let go); the null slot (0) is
+never handed out; a lone session gets ascending, contiguous slots.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from h3d.errors import OutOfBlocks
 SeqId = NewType("SeqId", int)  # a session's KV, as the engine numbers them
 NULL_SLOT = 0
 FREE = -1
+HELD = -2  # released by its owner while an archive write still reads it: free once let go
 
 
 class SlotAllocator:
@@ -34,10 +36,29 @@ class SlotAllocator:
         self._stack = np.arange(first + capacity - 1, first - 1, -1, dtype=np.int64)
         self._top = capacity
         self.owner = owner
+        self._holds = np.zeros(len(owner), dtype=np.int32)  # readers of each slot (`hold`)
 
     @property
     def num_free(self) -> int:
         return self._top
+
+    @property
+    def num_held(self) -> int:
+        """Slots released while held: neither free nor owned until let go."""
+        return int(np.count_nonzero(self.owner[self.first : self.first + self.capacity] == HELD))
+
+    def hold(self, slots: np.ndarray) -> None:
+        """Keep `slots`' bytes where they are while a reader (an archive write on its own thread)
+        copies them: a slot released meanwhile goes back to the free list only at `let_go`."""
+        np.add.at(self._holds, slots, 1)
+
+    def let_go(self, slots: np.ndarray) -> None:
+        """The reader of `slots` is done: those released meanwhile are free again."""
+        np.subtract.at(self._holds, slots, 1)
+        done = np.unique(slots[(self._holds[slots] == 0) & (self.owner[slots] == HELD)])
+        self.owner[done] = FREE
+        self._stack[self._top : self._top + len(done)] = done[::-1]
+        self._top += len(done)
 
     def allocate(self, n: int, owner: SeqId) -> np.ndarray:
         if n > self._top:
@@ -49,6 +70,10 @@ class SlotAllocator:
 
     def release(self, slots: np.ndarray) -> None:
         slots = slots[slots > NULL_SLOT]
+        held = self._holds[slots] > 0
+        if held.any():
+            self.owner[slots[held]] = HELD
+            slots = slots[~held]
         self.owner[slots] = FREE
         self._stack[self._top : self._top + len(slots)] = slots[::-1]
         self._top += len(slots)

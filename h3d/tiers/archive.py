@@ -173,11 +173,16 @@ class Archive:
         blocks[(key.layer, key.index)] = loc
         self._live[loc.segment] = self._live.get(loc.segment, 0) + loc.length
 
-    def _forget(self, session: str) -> int:
-        blocks = self._index.pop(session, {})
-        for loc in blocks.values():
+    def _forget(self, session: str, first: int = 0) -> int:
+        """Drop `session`'s blocks of index `first` and later from the index (under `_state`, or while opening)."""
+        blocks = self._index.get(session, {})
+        gone = [key for key in blocks if key[1] >= first]
+        for key in gone:
+            loc = blocks.pop(key)
             self._live[loc.segment] -= loc.length
-        return len(blocks)
+        if not blocks:
+            self._index.pop(session, None)
+        return len(gone)
 
     def _seg_path(self, n: int) -> Path:
         return segment_path(self.path, n)
@@ -273,16 +278,17 @@ class Archive:
         self.files.fsync(self._man_fd)
         self._man_size += len(data)  # only once durable: `recover` cuts back to it
 
-    def remove(self, session: str) -> int:
-        """Forget every block of `session` (one durable tombstone line). -> number of blocks removed."""
+    def remove(self, session: str, first: int = 0) -> int:
+        """Forget every block of `session`, or those of index `first` and later (one durable
+        tombstone line). -> number of blocks removed."""
         with self._writing():
             with self._state:
-                n = len(self._index.get(session, {}))
+                n = sum(1 for key in self._index.get(session, {}) if key[1] >= first)
             if n == 0:
                 return 0
-            self._append_manifest([del_entry(session)])
+            self._append_manifest([del_entry(session, first)])
             with self._state:
-                self._forget(session)
+                self._forget(session, first)
             return n
 
     def live_bytes(self) -> int:

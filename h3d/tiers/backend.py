@@ -45,12 +45,17 @@ class ColdTier(Protocol):
         """The session's held blocks: (layer, index) -> tokens in the record."""
         ...
 
-    def remove(self, session: str) -> int:
-        """Forget every block of `session`, durably; returns the records dropped."""
+    def remove(self, session: str, first: int = 0) -> int:
+        """Forget every block of `session` (those of index `first` and later), durably; returns
+        the records dropped."""
         ...
 
     def stored_bytes(self) -> int:
         """Bytes the held records take in the tier (as stored: compressed)."""
+        ...
+
+    def live_bytes(self) -> int:
+        """Bytes of the records the tier holds now (what its capacity counts)."""
         ...
 
     def recover(self) -> None:

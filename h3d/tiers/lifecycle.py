@@ -69,7 +69,8 @@ def snapshot(tiers: TierManager, seq: SeqId, partial: bool = False) -> int:
     tokens go to, and only a restart reads that record. Returns the blocks written."""
     if tiers.archive is None:
         raise NoArchive("a snapshot needs an archive: configure ssd_path")
-    tiers.settle()
+    tiers.settle_spills()
+    tiers.behind.wait(seq)  # its blocks written behind are archived already: not written twice
     if tiers.ssd_degraded is not None and not tiers.retry_ssd():
         raise SsdDegraded(f"the SSD tier takes no writes now: {tiers.ssd_degraded}")
     try:

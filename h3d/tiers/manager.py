@@ -34,6 +34,7 @@ from h3d.tiers.backend import ColdTier
 from h3d.tiers.identity import ArchiveWriteFailed, BlockKey
 from h3d.tiers.mover import Mover, Transfer
 from h3d.tiers.stats import TierCounters, TierStats
+from h3d.tiers.writebehind import WriteBehind
 
 if TYPE_CHECKING:
     from h3d.kv.cache import SessionKV
@@ -52,9 +53,13 @@ class TierManager:
         sessions: dict[SeqId, SessionKV],
         truncate: Callable[[SeqId, int], None],
         ssd_retry_interval_s: float = 10.0,
+        write_behind_dirty_mb: float | None = None,
+        ssd_capacity: int | None = None,
     ) -> None:
         """`sessions`: the KV cache's records (read here; their tier fields written here);
-        `truncate`: the cache's cut of a session's KV (which keeps its digests exact)."""
+        `truncate`: the cache's cut of a session's KV (which keeps its digests exact);
+        `write_behind_dirty_mb`: the dirty KV write-behind leaves unwritten (None: off,
+        `h3d.tiers.writebehind`); `ssd_capacity`: the archive's live bytes write-behind stays within."""
         self.blocks = blocks
         self.hbm = hbm
         self.ddr = ddr
@@ -72,6 +77,8 @@ class TierManager:
         self.ssd_retry_interval_s = ssd_retry_interval_s
         self._ssd_retry_at = 0.0
         self.notices: list[tuple[str, dict[str, object]]] = []  # (log event, fields) for the daemon's log
+        self.ssd_capacity = ssd_capacity if archive is not None else None
+        self.behind = WriteBehind(self, write_behind_dirty_mb)
 
     @property
     def block_bytes(self) -> int:
@@ -80,7 +87,9 @@ class TierManager:
     def release(self, seq: SeqId, purge_archive: bool = True) -> None:
         """Give back `seq`'s slots (after the writes in flight), and delete its archived records
         with `purge_archive` (the KV cache forgets the rest of it)."""
-        self.settle()
+        self.settle_spills()
+        self.behind.cut(seq, 0)  # its write-behind batches in flight: waited for
+        self.behind.forget(seq)
         self.blocks.free(seq)
         if purge_archive and self.archive is not None:
             self.archive.remove(self.sessions[seq].name)
@@ -127,6 +136,7 @@ class TierManager:
         for seq in batch:
             self.sessions[seq].last_used = self.step
         self._complete(self.mover.poll())
+        self.behind.poll()
         if self.ssd_degraded is not None and time.monotonic() >= self._ssd_retry_at:
             self.retry_ssd()
 
@@ -188,7 +198,7 @@ class TierManager:
     def prepare_append(self, seq: SeqId, n_tokens: int, batch: list[SeqId], protect: dict[SeqId, int]) -> None:
         """Make room so that `blocks.append(seq, n_tokens)` succeeds."""
         b = self.blocks
-        self._stage_partial(seq, batch, protect)
+        self.stage_partial(seq, batch, protect)
         new = b.blocks_needed(seq, n_tokens)
         if new <= 0:
             return
@@ -200,7 +210,7 @@ class TierManager:
         if short > 0:
             self.free_ddr(short, self.eviction_order(batch, None), protect)
 
-    def _stage_partial(self, seq: SeqId, batch: list[SeqId], protect: dict[SeqId, int]) -> None:
+    def stage_partial(self, seq: SeqId, batch: list[SeqId], protect: dict[SeqId, int]) -> None:
         """Bring `seq`'s partial last block into DDR in every layer where only the archive holds
         it (a checkpoint's record, after a restart): new tokens are written into it."""
         b = self.blocks
@@ -306,8 +316,8 @@ class TierManager:
         mine.hbm_misses += below
 
     def end_step(self, batch: list[SeqId], protect: dict[SeqId, int] | None = None) -> None:
-        """Spill DDR past the high watermark (asynchronously), never `protect`'s blocks; track peak
-        HBM."""
+        """Spill DDR past the high watermark (asynchronously), never `protect`'s blocks; write
+        dirty blocks behind (`WriteBehind.pump`); track peak HBM."""
         b = self.blocks
         used_hbm = (b.hbm_capacity - int(b.hbm_alloc.free.sum())) * self.block_bytes
         self.counters.peak_hbm_bytes = max(self.counters.peak_hbm_bytes, used_hbm)
@@ -315,6 +325,8 @@ class TierManager:
         excess = (cap - b.ddr_free) - int(self.high_watermark * cap)
         if excess > 0 and self.writable and not self.mover.in_flight:
             self._spill(excess, self.eviction_order(batch, None), protect or {})
+        if self.behind.enabled:
+            self.behind.pump(batch, protect or {}, busy=True)
 
     # ---- moves ------------------------------------------------------------------------------
 
@@ -341,8 +353,9 @@ class TierManager:
         return np.flatnonzero(ddr & spare), np.flatnonzero(ddr & ~spare)
 
     def free_ddr(self, need: int, order: list[Pair], protect: dict[SeqId, int]) -> None:
-        """Free `need` DDR slots now: drop redundant copies first, then archive and drop."""
-        self.settle()
+        """Free `need` DDR slots now: drop redundant copies first, then archive and drop (write-behind
+        in flight is not waited for: its blocks keep their DDR copies until durable)."""
+        self.settle_spills()
         before = self.blocks.ddr_free
         self._spill(need, order, protect, wait=True)
         freed = self.blocks.ddr_free - before  # archive writes that failed freed nothing
@@ -354,9 +367,15 @@ class TierManager:
                 why = f" (the SSD tier is degraded: {self.ssd_degraded})"
             raise OutOfBlocks(f"DDR is full: {need - freed} more blocks are needed and none can be evicted{why}")
 
-    def _spill(self, need: int, order: list[Pair], protect: dict[SeqId, int], wait: bool = False) -> int:
+    def drop_cheap(self, need: int, order: list[Pair], protect: dict[SeqId, int]) -> int:
+        """Drop up to `need` DDR copies of blocks with another copy (in HBM, or durable in the
+        archive), in `order`; returns how many."""
+        return self._drop_cheap(need, order, protect, [])
+
+    def _drop_cheap(self, need: int, order: list[Pair], protect: dict[SeqId, int], plans: list) -> int:
+        """`drop_cheap`, recording in `plans` each pair it reached with its costly blocks (those
+        only DDR holds)."""
         freed = 0
-        plans: list[tuple[Pair, np.ndarray]] = []  # the pairs the first pass reached, with their costly blocks
         for pair in order:
             cheap, costly = self._candidates(pair, protect)
             plans.append((pair, costly))
@@ -367,8 +386,13 @@ class TierManager:
                 self.counters.ddr_evict_count += len(take)
                 freed += len(take)
             if freed >= need:
-                return freed
-        if not self.writable:
+                break
+        return freed
+
+    def _spill(self, need: int, order: list[Pair], protect: dict[SeqId, int], wait: bool = False) -> int:
+        plans: list[tuple[Pair, np.ndarray]] = []  # the pairs the first pass reached, with their costly blocks
+        freed = self._drop_cheap(need, order, protect, plans)
+        if freed >= need or not self.writable:
             return freed
         for (seq, layer), costly in plans:
             take = costly[: need - freed]
@@ -378,7 +402,7 @@ class TierManager:
             if freed >= need:
                 break
         if wait:
-            self.settle()
+            self.settle_spills()
         return freed
 
     def _archive(self, seq: SeqId, layer: int, idx: np.ndarray, wait: bool) -> None:
@@ -390,8 +414,15 @@ class TierManager:
         self.counters.ssd_write_count += len(idx)
 
     def settle(self) -> None:
-        """Wait for every archive write in flight and apply it."""
+        """Wait for every archive write in flight (spills and write-behind) and apply it."""
         self._complete(self.mover.poll(wait=True))
+        self.behind.poll(wait=True)
+
+    def settle_spills(self) -> None:
+        """Wait for the spills' archive writes in flight and apply them, and apply the write-behind
+        batches that are done (without waiting for the others)."""
+        self._complete(self.mover.poll(wait=True))
+        self.behind.poll()
 
     def _complete(self, done: list[Transfer]) -> None:
         for transfer in done:
@@ -469,6 +500,7 @@ class TierManager:
         hbm_used = hbm_cap - int(b.hbm_alloc.free.sum())
         ddr_used = b.ddr_alloc.capacity - b.ddr_free
         ssd = self.archive.stored_bytes() if self.archive is not None else 0
+        behind = self.behind.stats()
         return TierStats(
             **asdict(c),
             hbm_hit_rate=c.hbm_hit_rate,
@@ -478,11 +510,16 @@ class TierManager:
             ddr_capacity_bytes=b.ddr_alloc.capacity * self.block_bytes,
             ssd_used_bytes=ssd,
             ssd_degraded=self.ssd_degraded is not None,
+            dirty_bytes=behind.dirty_bytes,
+            write_behind_bytes=behind.written_bytes,
+            write_behind_in_flight_bytes=behind.in_flight_bytes,
+            write_behind_lag_s=behind.lag_s,
         )
 
     def check(self) -> None:
-        """Bookkeeping invariants, and every pair of copies of a block holding the same bytes."""
-        self.settle()
+        """Bookkeeping invariants, and every pair of copies of a block holding the same bytes
+        (write-behind in flight not waited for: a block is marked archived only once durable)."""
+        self.settle_spills()
         self.blocks.check_invariants()
         for seq, t in self.blocks.tables().items():
             full = t.num_tokens // self.blocks.block_size
@@ -508,6 +545,7 @@ class TierManager:
 
     def close(self) -> None:
         self.settle()
+        self.behind.close()
         self.mover.close()
 
 

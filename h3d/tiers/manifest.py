@@ -1,7 +1,8 @@
 """The archive's manifest log, `manifest.log`: the durable map from blocks to their records' places.
 
 One line per change, `<crc32 hex> <json>` (`encode_lines`): `put` (`put_entry`) maps a BlockKey to
-its record's place (a `Loc`), `del` (`del_entry`) drops a session. Replaying it (`replay`) gives
+its record's place (a `Loc`), `del` (`del_entry`) drops a session's blocks (all of them, or those
+from a block index on: `from`). Replaying it (`replay`) gives
 the live index; the last entry for a key wins. What must stay true:
 - a torn tail (partial or bad-crc last lines) is truncated at open; a bad line followed by good
   ones is real corruption and refuses to open (ArchiveCorrupt); an entry of an unknown format
@@ -29,7 +30,7 @@ from h3d.tiers.segments import Loc
 log = logging.getLogger(__name__)
 
 Place = Callable[[BlockKey, Loc], None]  # point the index at a record's place
-Forget = Callable[[str], object]  # drop a session from the index
+Forget = Callable[[str, int], object]  # drop a session's blocks from an index on (0: all) from the index
 
 
 def replay(folder: Path, place: Place, forget: Forget) -> tuple[dict[int, int], int]:
@@ -68,7 +69,7 @@ def replay(folder: Path, place: Place, forget: Forget) -> tuple[dict[int, int], 
 def _apply(entry: dict[str, Any], place: Place, forget: Forget, ends: dict[int, int], file: Path, pos: int) -> None:
     try:
         if entry["op"] == "del":
-            forget(entry["s"])
+            forget(entry["s"], int(entry.get("from", 0)))
             return
         loc = Loc(entry["seg"], entry["off"], entry["len"], entry["n"], Codec(entry["c"]), entry["crc"])
         place(BlockKey(entry["s"], entry["l"], entry["i"]), loc)
@@ -93,8 +94,9 @@ def put_entry(key: BlockKey, loc: Loc) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def del_entry(session: str) -> dict[str, Any]:
-    return {"op": "del", "s": session}
+def del_entry(session: str, first: int = 0) -> dict[str, Any]:
+    """Drop `session`'s blocks of index `first` and later (all of them with 0)."""
+    return {"op": "del", "s": session} | ({"from": first} if first else {})
 
 
 def _parse_line(line: bytes) -> dict[str, Any] | None:

@@ -79,6 +79,10 @@ class TierStats:
     promote_count: int
     hbm_rebalance_count: int
     ssd_degraded: bool
+    dirty_bytes: int = 0  # full blocks without a durable archive copy (what a shutdown flushes)
+    write_behind_bytes: int = 0  # KV written behind since start (before compression)
+    write_behind_in_flight_bytes: int = 0  # submitted to the archive, not yet durable
+    write_behind_lag_s: float = 0.0  # how long the dirty KV has been past write_behind_dirty_mb
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import pytest
 from helpers import VOCAB_SIZE, random_prompt
 from live_daemon import running_daemon
 
@@ -99,6 +100,30 @@ def test_sigterm_then_restart_continues_every_session_from_the_archive(
         assert stats.kv_rebuild_blocks == 0 and stats.ssd_read_count > 0
 
 
+def test_kill_9_during_the_shutdown_checkpoint_loses_nothing(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """SIGTERM, then kill -9 while the checkpoint may be writing (write-behind off: it has every
+    block to write): after the restart every session has its tokens, whatever KV the archive had
+    durably is read back (no torn record), the rest is computed again, and the next generation
+    equals the uninterrupted engine's."""
+    ckpt = checkpoint(MODEL)
+    prompts = [random_prompt(2000, VOCAB_SIZE, seed=90 + i) for i in range(3)]
+    expected = _uninterrupted(ckpt, prompts, generations=2)
+    data = tmp_path / "data"
+    with running_daemon(ckpt, data, tcp=False, extra=["--no-write-behind"]) as d:
+        sids = _sessions(d.h3(), prompts, expected)
+        d.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait(30)
+        d.proc.returncode = 0  # the fixture's own SIGTERM check does not apply to a killed process
+    with running_daemon(ckpt, data, tcp=False) as d:
+        h3 = d.h3()
+        for sid, ids, (first, second) in zip(sids, prompts, expected, strict=True):
+            full = h3.GetSession(pb.GetSessionRequest(session_id=sid, with_tokens=True))
+            assert list(full.token_ids) == ids + first
+            assert _generate(h3, sid) == second
+
+
 def test_a_shutdown_budget_too_small_leaves_sessions_to_recompute_with_the_same_tokens(
     checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
@@ -139,14 +164,22 @@ def test_a_shutdown_budget_too_small_leaves_sessions_to_recompute_with_the_same_
         assert stats.kv_rebuild_blocks == blocks  # what the checkpoint said it left
 
 
-def test_kill_9_during_streams_loses_no_streamed_token(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
-    """kill -9 while 4 streams run: every token a client received is in its session's log after the
-    restart, and generation continues as the engine continues that log."""
+@pytest.mark.parametrize("write_behind", [False, True])
+def test_kill_9_during_streams_loses_no_streamed_token(
+    checkpoint: Callable[[str], Path], tmp_path: Path, write_behind: bool
+) -> None:
+    """kill -9 while 4 streams run (and, with write-behind writing every full block as it is made,
+    while archive writes are in flight): every token a client received is in its session's log
+    after the restart, and generation continues as the engine continues that log; with
+    write-behind the restart reads the sessions' KV back from the archive (no torn record read)."""
     ckpt = checkpoint(MODEL)
     data = tmp_path / "data"
     prompts = [random_prompt(200 + 50 * i, VOCAB_SIZE, seed=60 + i) for i in range(4)]
     received: list[list[int]] = [[] for _ in prompts]
-    with running_daemon(ckpt, data, tcp=False, extra=["--max-tokens-limit", "5000"]) as d:
+    extra = ["--max-tokens-limit", "5000", "--write-behind-dirty-mb", "0"]
+    if not write_behind:
+        extra[2:] = ["--no-write-behind"]
+    with running_daemon(ckpt, data, tcp=False, extra=extra) as d:
         h3 = d.h3()
         sids = []
         for ids in prompts:
@@ -192,7 +225,8 @@ def test_kill_9_during_streams_loses_no_streamed_token(checkpoint: Callable[[str
             [done] = [e for e in engine.run(rid) if isinstance(e, GenerationDone)]
             assert _generate(h3, sid) == list(done.token_ids)
         stats = getattr(h3.GetStats(pb.GetStatsRequest()), "global")
-        assert stats.kv_rebuild_blocks > 0  # nothing was checkpointed: the KV was prefilled again
+        assert stats.kv_rebuild_blocks > 0  # nothing was checkpointed: some KV was prefilled again
+        assert (stats.ssd_read_count > 0) == write_behind  # what was written behind was read back
     engine.close()
 
 

@@ -72,6 +72,25 @@ export interface TierStats {
    * shares of HBM (h3d.tiers.shares), both ways.
    */
   'hbmRebalanceCount'?: (number | string | Long);
+  /**
+   * KV bytes of full blocks without a durable archive copy: what a shutdown's checkpoint must
+   * write, or a crash leaves to compute again from the token logs. Write-behind keeps it within
+   * write_behind_dirty_mb.
+   */
+  'dirtyBytes'?: (number | string | Long);
+  /**
+   * KV bytes written to the archive in the background since start (before compression).
+   */
+  'writeBehindBytes'?: (number | string | Long);
+  /**
+   * KV bytes submitted to the archive by write-behind and not yet durable.
+   */
+  'writeBehindInFlightBytes'?: (number | string | Long);
+  /**
+   * Seconds the dirty KV has been past write_behind_dirty_mb without a pause (0: within it): how
+   * far the archive lags behind.
+   */
+  'writeBehindLagS'?: (number | string);
 }
 
 /**
@@ -144,4 +163,23 @@ export interface TierStats__Output {
    * shares of HBM (h3d.tiers.shares), both ways.
    */
   'hbmRebalanceCount': (number);
+  /**
+   * KV bytes of full blocks without a durable archive copy: what a shutdown's checkpoint must
+   * write, or a crash leaves to compute again from the token logs. Write-behind keeps it within
+   * write_behind_dirty_mb.
+   */
+  'dirtyBytes': (number);
+  /**
+   * KV bytes written to the archive in the background since start (before compression).
+   */
+  'writeBehindBytes': (number);
+  /**
+   * KV bytes submitted to the archive by write-behind and not yet durable.
+   */
+  'writeBehindInFlightBytes': (number);
+  /**
+   * Seconds the dirty KV has been past write_behind_dirty_mb without a pause (0: within it): how
+   * far the archive lags behind.
+   */
+  'writeBehindLagS': (number);
 }

@@ -1,0 +1,287 @@
+"""Write-behind: full KV blocks written to the archive in the background, so that a shutdown has
+little left to flush and a restart resumes its sessions from the archive.
+
+A block is *dirty* when it is full (`block_size` tokens) and has no durable archive copy. Past
+`write_behind_dirty_mb` of dirty KV, the oldest dirty blocks are written until the dirty KV is
+back within it: the least recently used sessions first, each from its first dirty block on
+(0 writes every full block as soon as it is made). What stays dirty is what a shutdown flushes
+(`Engine.checkpoint`), or a crash leaves to compute again from the token log.
+
+How, without blocking a step. On the engine thread, between steps (`pump`): a block with no DDR
+copy gets one (copied down from HBM, one launch on the mover's stream like any demotion); the
+DDR slots to be written are held (`SlotAllocator.hold`: a slot released meanwhile is not reused
+until let go), and the batch goes to the write-behind threads (`WRITE_BEHIND_THREADS`), which
+wait for the copies on the device (a CUDA event), read the slots, compress and `put` them. A
+finished batch marks its blocks archived at the next `poll` (the engine thread again); the DDR
+copies stay, as cheap ones (an HBM or archive copy exists: dropped first when DDR passes its
+watermark). While requests run, a step submits at most `WRITE_BEHIND_STEP_MB`; at most
+`WRITE_BEHIND_IN_FLIGHT_MB` is in flight. Copies down use DDR only up to `ddr_high_watermark`,
+dropping cheap copies to make room.
+
+What must stay true: a block is marked archived only once its `put` returned (durable); a failed
+batch leaves its blocks dirty and degrades the SSD tier (`TierManager.degrade`); a session's KV
+is cut (`cut`) or released only after its batches in flight are done, so that no record of a
+block that is gone is taken for the block that replaces it; no batch is written past the
+archive's capacity (`TierManager.ssd_capacity`: the blocks stay dirty, and `wants_room` asks the
+engine's upkeep to evict closed sessions' archived KV first).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from h3d.kv.blocks import NONE, SeqId
+from h3d.tiers.identity import ArchiveWriteFailed, BlockKey
+
+if TYPE_CHECKING:
+    from h3d.tiers.manager import TierManager
+
+WRITE_BEHIND_THREADS = max(1, min(4, os.cpu_count() or 1))  # each compresses its own batches
+WRITE_BEHIND_BATCH_MB = 16  # one `put` (one fsync) holds at most this much KV
+WRITE_BEHIND_STEP_MB = 32  # submitted per step while requests run (the copies down lengthen it)
+WRITE_BEHIND_IN_FLIGHT_MB = 512  # submitted and not yet durable, at most
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Blocks of one session on their way to the archive."""
+
+    seq: SeqId
+    layers: np.ndarray
+    blocks: np.ndarray
+    slots: np.ndarray  # their DDR slots, held until the batch is done
+    future: Future[None]
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class WriteBehindStats:
+    dirty_bytes: int  # full blocks without a durable archive copy
+    in_flight_bytes: int  # submitted, not yet durable
+    written_bytes: int  # made durable by write-behind since start (KV bytes, before compression)
+    lag_s: float  # how long the dirty KV has been past write_behind_dirty_mb (0: within it)
+
+
+class WriteBehind:
+    def __init__(self, tiers: TierManager, dirty_mb: float | None) -> None:
+        """`dirty_mb`: the dirty KV left unwritten (None: write-behind off)."""
+        self.tiers = tiers
+        self.enabled = dirty_mb is not None and tiers.archive is not None
+        block = tiers.block_bytes
+        self.dirty_limit = int((dirty_mb or 0) * 2**20) // block  # one layer's blocks
+        self.per_batch = max(1, (WRITE_BEHIND_BATCH_MB << 20) // block)
+        self.per_step = max(1, (WRITE_BEHIND_STEP_MB << 20) // block)
+        self.max_in_flight = max(1, (WRITE_BEHIND_IN_FLIGHT_MB << 20) // block)
+        self.cursor: dict[SeqId, int] = {}  # blocks before it: archived or in flight in every layer
+        self.batches: list[_Batch] = []
+        self.written_blocks = 0
+        self.wants_room = 0  # archive bytes it was refused for want of capacity (the upkeep makes room)
+        self._over_since: float | None = None
+        self.pump_due = False  # dirty KV was left past the budget at the last `pump`
+        self._pool = (
+            ThreadPoolExecutor(WRITE_BEHIND_THREADS, thread_name_prefix="h3d-write-behind") if self.enabled else None
+        )
+
+    @property
+    def in_flight(self) -> int:
+        """Blocks (one layer's each) submitted and not yet applied."""
+        return sum(len(b.blocks) for b in self.batches)
+
+    # ---- the engine thread, between steps --------------------------------------------------
+
+    def pump(self, batch: list[SeqId], protect: dict[SeqId, int], busy: bool) -> int:
+        """Apply the finished batches, then submit the oldest dirty blocks past the budget (at most
+        `WRITE_BEHIND_STEP_MB` when `busy`: requests are running). `protect`: blocks from which on
+        a sequence is still being written (a long prefill in flight). Returns the blocks submitted."""
+        self.poll()
+        tiers = self.tiers
+        self.pump_due = False
+        if not self.enabled or not tiers.writable:
+            return 0
+        b = tiers.blocks
+        bs, L = b.block_size, b.num_layers
+        todo: list[tuple[int, SeqId, int, int]] = []  # (last use, seq, first block, end)
+        dirty = 0
+        for seq, t in b.tables().items():
+            full = t.num_tokens // bs
+            end = min(full, protect.get(seq, full))
+            start = min(self.cursor.get(seq, 0), end)
+            if start < end:
+                todo.append((tiers.sessions[seq].last_used, seq, start, end))
+                dirty += (end - start) * L
+        over = dirty - self.dirty_limit
+        now = time.monotonic()
+        if over <= 0:
+            self._over_since = None
+            return 0
+        if self._over_since is None:
+            self._over_since = now
+        room = min(over, self.max_in_flight - self.in_flight, self.per_step if busy else self.max_in_flight)
+        sent = 0
+        for _, seq, start, end in sorted(todo):
+            if sent >= room:
+                break
+            got = self._submit(seq, start, end, room - sent, batch, protect)
+            if got is None:
+                break  # no archive room: the upkeep makes some (closed sessions' KV), or none is left
+            sent += got  # 0: no DDR room for its copies down (its DDR blocks go first)
+        self.pump_due = sent > 0 and over > sent
+        return sent
+
+    def _submit(
+        self, seq: SeqId, start: int, end: int, room: int, batch: list[SeqId], protect: dict[SeqId, int]
+    ) -> int | None:
+        """Submit the unarchived blocks of `seq`'s block columns [start, end), at most about `room`
+        of them, in batches; advance its cursor. Returns how many (0: no DDR room for the first
+        block's copies down), None if the archive's capacity refused them."""
+        tiers = self.tiers
+        b = tiers.blocks
+        L = b.num_layers
+        e = b.entries
+        t = b.table(seq)
+        written = e.archived[t.ids[:, start:end]].all(axis=0)  # columns archived already (adopted, spilled)
+        start += int(np.argmin(written)) if not written.all() else end - start
+        self.cursor[seq] = start
+        if start >= end:
+            return 0
+        cols = min(end - start, max(1, room // L))
+        ids = t.ids[:, start : start + cols]  # [L, cols]
+        todo = ~e.archived[ids]
+        # DDR room for the copies down: what lies below the watermark, cheap copies dropped for it
+        # (perhaps of these blocks too: which need a copy down is read after the drops)
+        free = self._ddr_room(int((todo & (e.ddr[ids] == NONE)).sum()), batch, protect)
+        down = todo & (e.ddr[ids] == NONE)
+        need = np.cumsum(down.sum(axis=0))  # copies down needed by the first c + 1 columns
+        cols = int(np.searchsorted(need, free, side="right"))
+        if cols == 0:
+            return 0
+        ids, todo, down = ids[:, :cols], todo[:, :cols], down[:, :cols]
+        layers, offs = np.nonzero(todo.T)[::-1]  # block-major: a batch holds whole columns first
+        blocks = offs + start
+        order = np.lexsort((layers, blocks))
+        layers, blocks = layers[order], blocks[order]
+        nbytes = len(blocks) * tiers.block_bytes
+        if tiers.ssd_capacity is not None and tiers.archive is not None:
+            live = tiers.archive.live_bytes() + sum(x.bytes for x in self.batches)
+            if live + nbytes > tiers.ssd_capacity:
+                self.wants_room = live + nbytes - tiers.ssd_capacity
+                return None
+        self.wants_room = 0
+        dl, dc = np.nonzero(down)
+        if len(dl):
+            hbm = e.hbm[ids[dl, dc]]
+            slots = b.add_ddr_many(seq, dl, dc + start)
+            tiers.mover.hbm_to_ddr(hbm, slots)
+        ready = _device_event(tiers)
+        name = tiers.sessions[seq].name
+        for i in range(0, len(blocks), self.per_batch):
+            bl, ly = blocks[i : i + self.per_batch], layers[i : i + self.per_batch]
+            slots = e.ddr[t.ids[ly, bl]]
+            assert (slots != NONE).all(), "a block written behind without its DDR copy"
+            b.ddr_alloc.hold(slots)
+            keys = [BlockKey(name, int(layer), int(j)) for layer, j in zip(ly, bl, strict=True)]
+            assert self._pool is not None
+            future = self._pool.submit(self._write, ready, keys, slots)
+            self.batches.append(_Batch(seq, ly, bl, slots, future, len(bl) * tiers.block_bytes))
+        self.cursor[seq] = start + cols
+        return len(blocks)
+
+    def _ddr_room(self, want: int, batch: list[SeqId], protect: dict[SeqId, int]) -> int:
+        """DDR slots the copies down may take now: those below the high watermark, cheap copies
+        (an HBM or archive copy exists) dropped first where fewer than `want` are."""
+        tiers = self.tiers
+        alloc = tiers.blocks.ddr_alloc
+
+        def room() -> int:
+            return int(tiers.high_watermark * alloc.capacity) - (alloc.capacity - alloc.num_free)
+
+        if 0 < want and room() < want:
+            tiers.drop_cheap(want - max(room(), 0), tiers.eviction_order(batch, None), protect)
+        return max(0, room())
+
+    def _write(self, ready: torch.cuda.Event | None, keys: list[BlockKey], slots: np.ndarray) -> None:
+        """A write-behind thread: the blocks' bytes from their held DDR slots into the archive."""
+        if ready is not None:
+            ready.synchronize()
+        ddr = self.tiers.ddr
+        k, v = ddr.read(torch.from_numpy(slots))  # [Hkv, n, bs, D], copies
+        archive = self.tiers.archive
+        assert archive is not None
+        archive.put([(key, k[:, i], v[:, i]) for i, key in enumerate(keys)])
+
+    def poll(self, wait: bool = False, seq: SeqId | None = None) -> None:
+        """Apply the finished batches (all of them, or `seq`'s, waited for with `wait`): blocks
+        marked archived, slots let go; a failed batch's blocks stay dirty and degrade the SSD tier."""
+        if not self.batches:
+            return
+        tiers = self.tiers
+        b = tiers.blocks
+        keep: list[_Batch] = []
+        for x in self.batches:
+            mine = seq is None or x.seq == seq
+            if not (x.future.done() or (wait and mine)):
+                keep.append(x)
+                continue
+            error = x.future.exception()  # waits
+            b.ddr_alloc.let_go(x.slots)
+            if error is not None:
+                if not isinstance(error, ArchiveWriteFailed):
+                    raise error
+                tiers.degrade(error)
+                if x.seq in self.cursor:
+                    self.cursor[x.seq] = min(self.cursor[x.seq], int(x.blocks.min()))
+                continue
+            if b.has(x.seq):
+                b.set_archived_many(x.seq, x.layers, x.blocks)
+            self.written_blocks += len(x.blocks)
+            tiers.counters.ssd_write_count += len(x.blocks)
+        self.batches = keep
+
+    def wait(self, seq: SeqId) -> None:
+        """`seq`'s batches in flight done and applied (the others' applied if done)."""
+        if any(x.seq == seq for x in self.batches):
+            self.poll(wait=True, seq=seq)
+
+    def cut(self, seq: SeqId, num_tokens: int) -> None:
+        """`seq`'s KV is about to be cut back to `num_tokens` tokens: its batches in flight done
+        first (applied), its cursor moved back."""
+        self.wait(seq)
+        if seq in self.cursor:
+            self.cursor[seq] = min(self.cursor[seq], num_tokens // self.tiers.blocks.block_size)
+
+    def forget(self, seq: SeqId) -> None:
+        """`seq` is released (after `settle`)."""
+        self.cursor.pop(seq, None)
+
+    def stats(self) -> WriteBehindStats:
+        b = self.tiers.blocks
+        e = b.entries
+        dirty = 0
+        for t in b.tables().values():
+            full = t.num_tokens // b.block_size
+            dirty += int(np.count_nonzero(~e.archived[t.ids[:, :full]]))
+        lag = 0.0 if self._over_since is None else time.monotonic() - self._over_since
+        bb = self.tiers.block_bytes
+        return WriteBehindStats(dirty * bb, self.in_flight * bb, self.written_blocks * bb, lag)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self.poll(wait=True)
+            self._pool.shutdown(wait=True)
+
+
+def _device_event(tiers: TierManager) -> torch.cuda.Event | None:
+    """On CUDA, an event the write-behind threads wait for: every copy and write to DDR enqueued
+    so far is done when it is."""
+    if tiers.hbm.k.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tiers.hbm.k.device))
+    return event

@@ -1,0 +1,303 @@
+"""Write-behind (`h3d.tiers.writebehind`): full KV blocks archived in the background.
+
+- Every full block ends up archived, byte for byte what HBM or DDR holds; a shutdown's checkpoint
+  then writes only the partial blocks; the tokens equal an engine without tiers.
+- Property: under slow and failing archive writes, interleaved with appends, generations, idle
+  pumps, closes and rewinds, a block is marked archived only when the archive holds its bytes
+  (checked for every block, not settled first), no block is ever in no tier, and the tokens equal
+  the untiered engine's.
+- A rewind waits for its session's writes in flight, so no record of a cut block stands for the
+  block that replaces it; the archive's capacity stops write-behind (the blocks stay dirty).
+
+kill -9 during write-behind is in tests/daemon/test_durability.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import VOCAB_SIZE, make_engine, random_prompt
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from h3d.engine.engine import Engine
+from h3d.engine.sampling import SamplingParams
+from h3d.engine.session import SessionId
+from h3d.errors import ConfigError, SsdDegraded
+from h3d.kv.blocks import NONE
+from h3d.store.files import FileOps
+from h3d.tiers.identity import BlockKey
+
+MODEL = "llama_gqa4_tied"  # 3 layers, 2 KV heads of 16: 4 KiB per block of 16 tokens (fp32)
+SLOT_BYTES = 2 * 16 * 2 * 16 * 4
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _engine(model: Path, folder: Path, **overrides: Any) -> Engine:
+    kw: dict[str, Any] = {
+        "ssd_path": str(folder / "archive"),
+        "write_behind_dirty_mb": 0,
+        "hbm_mb": 3 * 8 * SLOT_BYTES / 2**20,  # 8 blocks per layer: most blocks live in DDR only
+        "prefill_chunk_tokens": 64,
+    }
+    return make_engine(model, **(kw | overrides))
+
+
+def _drain(engine: Engine) -> None:
+    """Write behind while idle until nothing is left past the budget, then apply what finished."""
+    for _ in range(1000):
+        if not engine.write_behind():
+            break
+        time.sleep(0.002)
+    engine.runner.tiers.behind.poll(wait=True)
+
+
+def _check_archived_blocks(engine: Engine) -> int:
+    """Every block marked archived is in the archive with the bytes its HBM or DDR copy holds
+    (without waiting for the writes in flight: a flag set before the write is durable fails here).
+    Returns the blocks checked."""
+    tiers = engine.runner.tiers
+    archive = tiers.archive
+    assert archive is not None
+    b = tiers.blocks
+    checked = 0
+    for seq, t in b.tables().items():
+        name = tiers.sessions[seq].name
+        full = t.num_tokens // b.block_size
+        for layer in range(b.num_layers):
+            hbm, ddr, arch = t.layer_hbm(layer), t.layer_ddr(layer), t.layer_archived(layer)
+            for j in np.flatnonzero(arch[:full]).tolist():
+                k, v = archive.get(BlockKey(name, layer, j))  # raises if the record is missing
+                pool, slot = (tiers.hbm, hbm[j]) if hbm[j] != NONE else (tiers.ddr, ddr[j])
+                if slot == NONE:
+                    continue  # the archive is its only copy
+                pk, pv = pool.k[:, int(slot)], pool.v[:, int(slot)]
+                assert torch.equal(k, pk.cpu()) and torch.equal(v, pv.cpu()), f"{name} layer {layer} block {j}"
+                checked += 1
+    return checked
+
+
+def _all_full_blocks_archived(engine: Engine) -> bool:
+    b = engine.runner.blocks
+    return all(t.archived[:, : t.num_tokens // b.block_size].all() for t in b.tables().values())
+
+
+def test_every_full_block_is_written_behind_and_a_checkpoint_writes_only_partial_blocks(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    engine = _engine(checkpoint(MODEL), tmp_path)
+    plain = make_engine(checkpoint(MODEL))
+    prompts = [random_prompt(n, VOCAB_SIZE, seed=20 + n) for n in (299, 170)]
+    sids, twins = [], []
+    for ids in prompts:
+        sid, twin = engine.create_session(), plain.create_session()
+        engine.append(sid, token_ids=ids)
+        plain.append(twin, token_ids=ids)
+        assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+        sids.append(sid)
+        twins.append(twin)
+    _drain(engine)
+    stats = engine.tier_stats()
+    assert _all_full_blocks_archived(engine) and stats.dirty_bytes == 0
+    tables = list(engine.runner.blocks.tables().values())
+    full_blocks = sum(t.num_tokens // 16 for t in tables) * 3
+    partial_blocks = sum(t.num_tokens % 16 > 0 for t in tables) * 3
+    assert stats.write_behind_bytes == full_blocks * SLOT_BYTES and stats.write_behind_in_flight_bytes == 0
+    assert _check_archived_blocks(engine) == full_blocks  # every copy checked against its record
+    engine.runner.tiers.check()
+
+    done = engine.checkpoint()  # what a shutdown writes: the partial last blocks only
+    assert partial_blocks > 0 and done.blocks_written == partial_blocks and done.blocks_left == 0
+    for sid, twin in zip(sids, twins, strict=True):  # and serving goes on, the same
+        assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    engine.close()
+    plain.close()
+
+
+def test_a_dirty_budget_leaves_that_much_unwritten(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """With write_behind_dirty_mb at 20 blocks' worth, write-behind stops at 20 dirty blocks
+    (the newest: the oldest are written first); off, nothing is written behind."""
+    budget = 20 * SLOT_BYTES / 2**20
+    engine = _engine(checkpoint(MODEL), tmp_path, write_behind_dirty_mb=budget, ddr_mb=64.0)
+    sid = engine.create_session()
+    engine.append(sid, token_ids=random_prompt(400, VOCAB_SIZE, seed=3))
+    _drain(engine)
+    stats = engine.tier_stats()
+    t = engine.runner.blocks.table(engine.session(sid).seq)
+    assert stats.dirty_bytes <= 20 * SLOT_BYTES and stats.write_behind_bytes > 0
+    archived = t.archived[:, : t.num_tokens // 16]
+    assert archived[:, 0].all() and not archived[:, -1].any()  # oldest first
+    engine.close()
+
+    off = _engine(checkpoint(MODEL), tmp_path / "off", write_behind=False, ddr_mb=64.0)
+    sid = off.create_session()
+    off.append(sid, token_ids=random_prompt(400, VOCAB_SIZE, seed=3))
+    assert not off.write_behind()
+    full = off.runner.blocks.table(off.session(sid).seq).num_tokens // 16
+    assert off.tier_stats().write_behind_bytes == 0 and off.tier_stats().dirty_bytes == full * 3 * SLOT_BYTES
+    off.close()
+
+
+class _Disk(FileOps):
+    """An archive's file system calls, slowed (each fsync sleeps) or failing (ENOSPC) on demand."""
+
+    def __init__(self) -> None:
+        self.slow = 0.0
+        self.full = False
+        self.failed = 0
+
+    def write_all(self, fd: int, data: bytes, offset: int) -> None:
+        if self.full:
+            self.failed += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super().write_all(fd, data, offset)
+
+    def fsync(self, fd: int) -> None:
+        if self.slow:
+            time.sleep(self.slow)
+        super().fsync(fd)
+
+
+ACTIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.integers(0, 2), st.integers(1, 90)),
+        st.tuples(st.just("generate"), st.integers(0, 2), st.integers(1, 20)),
+        st.tuples(st.just("idle"), st.just(0), st.just(0)),
+        st.tuples(st.just("slow"), st.just(0), st.sampled_from([0, 1, 5])),
+        st.tuples(st.just("full"), st.just(0), st.booleans()),
+        st.tuples(st.just("close"), st.integers(0, 2), st.just(0)),
+        st.tuples(st.just("rewind"), st.integers(0, 2), st.integers(1, 40)),
+    ),
+    min_size=4,
+    max_size=14,
+)
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    phases=[Phase.explicit, Phase.generate],  # no shrinking: an example takes a second or two
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(actions=ACTIONS)
+def test_a_block_is_marked_archived_only_once_durable_whatever_the_disk_does(
+    checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory, actions: list[tuple[str, int, Any]]
+) -> None:
+    folder = tmp_path_factory.mktemp("wb")
+    engine = _engine(checkpoint(MODEL), folder, ssd_retry_interval_s=0.01, ddr_mb=40 * SLOT_BYTES / 2**20)
+    plain = make_engine(checkpoint(MODEL))
+    tiers = engine.runner.tiers
+    disk = _Disk()
+    assert tiers.archive is not None
+    tiers.archive.files = disk
+    pairs: list[tuple[SessionId, SessionId]] = []
+    for i in range(3):
+        ids = random_prompt(40 + 30 * i, VOCAB_SIZE, seed=i)
+        sid, twin = engine.create_session(), plain.create_session()
+        engine.append(sid, token_ids=ids)
+        plain.append(twin, token_ids=ids)
+        pairs.append((sid, twin))
+    for action, i, arg in actions:
+        sid, twin = pairs[i]
+        if action == "append":
+            ids = random_prompt(arg, VOCAB_SIZE, seed=arg)
+            engine.append(sid, token_ids=ids)
+            plain.append(twin, token_ids=ids)
+        elif action == "generate":
+            params = SamplingParams(max_tokens=arg, temperature=0.0, ignore_eos=True)
+            assert engine.complete(sid, "", params).token_ids == plain.complete(twin, "", params).token_ids
+        elif action == "idle":
+            engine.write_behind()
+        elif action == "slow":
+            disk.slow = arg / 1000
+        elif action == "full":
+            disk.full = arg
+        elif action == "close":
+            engine.close_session(sid)  # reopened by its next request
+        elif action == "rewind":
+            n = max(1, len(engine.session(sid).tokens) - arg)
+            try:
+                engine.rewind(sid, n)
+            except SsdDegraded:  # the records past the cut could not be deleted: refused, the tokens stay
+                assert disk.full and len(engine.session(sid).tokens) == len(plain.session(twin).tokens)
+            else:
+                plain.rewind(twin, n)
+        _check_archived_blocks(engine)
+        engine.runner.blocks.check_invariants()  # no block in no tier
+    disk.full, disk.slow = False, 0.0
+    time.sleep(0.02)  # past ssd_retry_interval_s: the next step's check recovers a degraded tier
+    for sid, twin in pairs:
+        assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    _drain(engine)
+    assert tiers.ssd_degraded is None and _all_full_blocks_archived(engine)
+    _check_archived_blocks(engine)
+    tiers.check()
+    engine.close()
+    plain.close()
+
+
+def test_a_rewind_waits_for_its_writes_in_flight(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """Writes held back by the disk: a rewind of the session waits for them (applied) before its
+    blocks go, so the blocks that replace them are dirty, never taken for archived; the archive's
+    records past the cut are written again with the new tokens' KV."""
+    engine = _engine(checkpoint(MODEL), tmp_path)
+    plain = make_engine(checkpoint(MODEL))
+    gate = threading.Event()
+
+    class Held(FileOps):
+        def fsync(self, fd: int) -> None:
+            gate.wait(30)
+            super().fsync(fd)
+
+    tiers = engine.runner.tiers
+    assert tiers.archive is not None
+    tiers.archive.files = Held()
+    ids = random_prompt(200, VOCAB_SIZE, seed=5)
+    sid, twin = engine.create_session(), plain.create_session()
+    engine.append(sid, token_ids=ids)
+    assert tiers.behind.batches  # in flight, held by the disk
+    threading.Timer(0.2, gate.set).start()
+    t0 = time.monotonic()
+    engine.rewind(sid, 100)
+    assert time.monotonic() - t0 >= 0.15 and not tiers.behind.batches  # waited, applied
+    seq = engine.session(sid).seq
+    t = tiers.blocks.table(seq)
+    assert t.num_tokens == 99 and not t.archived[:, t.num_tokens // 16 :].any()
+    other = random_prompt(120, VOCAB_SIZE, seed=6)
+    engine.append(sid, token_ids=other)
+    plain.append(twin, token_ids=ids[:100] + other)
+    _drain(engine)
+    _check_archived_blocks(engine)
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    engine.close()
+    plain.close()
+
+
+def test_the_archive_capacity_stops_write_behind(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """ssd_capacity_mb of 10 blocks: write-behind writes no batch past it (the rest stays dirty,
+    and the room it wanted is asked for); `auto` is the file system's free space less a margin."""
+    engine = _engine(checkpoint(MODEL), tmp_path, ssd_capacity_mb=10 * SLOT_BYTES / 2**20, ddr_mb=64.0)
+    sid = engine.create_session()
+    engine.append(sid, token_ids=random_prompt(300, VOCAB_SIZE, seed=9))
+    _drain(engine)
+    archive = engine.runner.tiers.archive
+    assert archive is not None and archive.live_bytes() <= 10 * SLOT_BYTES
+    assert engine.tier_stats().dirty_bytes > 0 and engine.runner.tiers.behind.wants_room > 0
+    engine.close()
+
+    auto = _engine(checkpoint(MODEL), tmp_path / "auto")
+    cap = auto.runner.tiers.ssd_capacity
+    assert cap is not None and cap > 0
+    auto.close()
+    with pytest.raises(ConfigError, match="write_behind_dirty_mb"):
+        _engine(checkpoint(MODEL), tmp_path / "bad", write_behind_dirty_mb=-1)
+    with pytest.raises(ConfigError, match="ssd_capacity_mb"):
+        _engine(checkpoint(MODEL), tmp_path / "bad", ssd_capacity_mb="lots")
