@@ -28,7 +28,13 @@ them):
   rate per session (min / mean), the engine-level tokens/s, and the floor of a step;
 - `prefill-under-load`: a 128K append arriving while 8 sessions of 32K decode: their inter-token
   p99 during it, the append's time against its time alone;
-- `restart`: left to the restart issue (`h3d.bench.restart` measures restarts on the CPU).
+- `restart`: the disk's bandwidth (`df`, a file written and fsynced, read back cold and warm);
+  sessions of 128K and 4 x 32K appended, decoding together while write-behind writes their KV
+  and again once it has (the inter-token p99 ratio), SIGTERM with no stream in flight (its time,
+  the blocks left to recompute), the archive's pages dropped from the page cache, a restart on the
+  same data folder: start to ready, tokens lost, the first token of each session (the 128K one
+  first: cold), the share of blocks the archive gave back, the 128K session closed and reopened
+  (warm), and a fresh 128K session's prefill and first token (recompute).
 
 The floor of a step: (weight bytes + the KV bytes it read from HBM) / the HBM copy bandwidth +
 the bytes it fetched over PCIe / the pinned host-to-device bandwidth, from the daemon's own
@@ -155,10 +161,10 @@ class Daemon:
     """`h3d serve` on a model folder and a data folder, with nothing else set; its JSON log in
     `<data>/daemon.log`."""
 
-    def __init__(self, model: Path, data: Path) -> None:
+    def __init__(self, model: Path, data: Path, log_name: str = "daemon.log") -> None:
         data.mkdir(parents=True, exist_ok=True)
         self.sock = data / "h3d.sock"
-        self.log_path = data / "daemon.log"
+        self.log_path = data / log_name
         cmd = [sys.executable, "-m", "h3d.cli", "serve", "--model", str(model), "--data-dir", str(data),
                "--socket", str(self.sock)]  # fmt: skip
         self.out = self.log_path.open("w")
@@ -263,8 +269,11 @@ class Client:
     def stats(self) -> Any:
         return self.h3.GetStats(self.pb.GetStatsRequest())
 
-    def close(self, sid: str) -> None:
-        self.h3.CloseSession(self.pb.CloseSessionRequest(session_id=sid, purge=True))
+    def close(self, sid: str, purge: bool = True) -> None:
+        self.h3.CloseSession(self.pb.CloseSessionRequest(session_id=sid, purge=purge))
+
+    def tokens(self, sid: str) -> list[int]:
+        return list(self.h3.GetSession(self.pb.GetSessionRequest(session_id=sid, with_tokens=True)).token_ids)
 
 
 def parallel(fn: Any, items: list[Any]) -> list[Any]:
@@ -624,6 +633,164 @@ def phase_prefill_under_load(run: Run) -> None:
     run.record("prefill_during_decode", out)
 
 
+RESTART_SESSIONS = 4  # sessions of `many_context` beside the one of `long_context`
+
+
+def disk_figures(folder: Path, gib: float) -> dict[str, Any]:
+    """The work folder's file system: its size and free space (`df`), and `gib` GiB written in
+    16 MiB pieces and fsynced, then read back cold (its pages dropped from the page cache with
+    posix_fadvise DONTNEED) and warm."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fs = os.statvfs(folder)
+    out: dict[str, Any] = {"fs_gb": round(fs.f_blocks * fs.f_frsize / 1e9, 1),
+                           "free_gb": round(fs.f_bavail * fs.f_frsize / 1e9, 1)}  # fmt: skip
+    path, piece = folder / "disk-test.bin", os.urandom(16 << 20)
+    n = max(1, int(gib * 1024 / 16))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            os.write(fd, piece)
+        os.fsync(fd)
+        out["write_gbps"] = round(n * len(piece) / (time.perf_counter() - t0) / 1e9, 2)
+    finally:
+        os.close(fd)
+    for kind in ("cold", "warm"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if kind == "cold":
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            while os.read(fd, 16 << 20):
+                pass
+            out[f"read_{kind}_gbps"] = round(n * len(piece) / (time.perf_counter() - t0) / 1e9, 2)
+        finally:
+            os.close(fd)
+    path.unlink()
+    return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def drop_page_cache(folder: Path) -> int:
+    """Drop the pages of every file under `folder` from the page cache (posix_fadvise DONTNEED:
+    clean pages go); returns the bytes of the files."""
+    total = 0
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return total
+
+
+def wait_written(client: Client, timeout: float) -> dict[str, Any]:
+    """Until write-behind has brought the dirty KV within its budget with nothing in flight (or
+    `timeout`): the seconds, the bytes it wrote meanwhile and the dirty bytes left."""
+    g0 = getattr(client.stats(), "global")
+    budget = float(client.config().get("write_behind_dirty_mb", 0)) * 2**20
+    t0 = time.perf_counter()
+    g = g0
+    while time.perf_counter() - t0 < timeout:
+        g = getattr(client.stats(), "global")
+        if g.dirty_bytes <= budget and g.write_behind_in_flight_bytes == 0:
+            break
+        time.sleep(0.5)
+    took = time.perf_counter() - t0
+    written = g.write_behind_bytes - g0.write_behind_bytes
+    return {"drain_s": round(took, 1), "written_gb": round(written / 1e9, 2),
+            "write_behind_gbps": round(written / took / 1e9, 2) if took > 0 else None,
+            "dirty_gb_left": round(g.dirty_bytes / 1e9, 2)}  # fmt: skip
+
+
+def phase_restart(run: Run) -> None:
+    """SIGTERM with sessions of 4 x 32K and 1 x 128K (no stream in flight), then a restart on the same
+    data folder: how long each takes, what the archive gives back, and the first tokens after it."""
+    shape = run.shape
+    long, ctx = shape.long_context, shape.many_context
+    prompts = [prompt(run.vocab(), long, 3100)] + [prompt(run.vocab(), ctx, 3101 + i) for i in range(RESTART_SESSIONS)]
+    out: dict[str, Any] = {
+        "sessions": [len(p) for p in prompts],
+        "disk": disk_figures(run.args.work, 0.0625 if run.args.tiny else 4),
+    }
+    log(f"disk: {out['disk']}")
+    daemon, client, config = start(run, "restart")
+    data = daemon.log_path.parent
+    sids = [client.session("attention_entropy") for _ in prompts]
+    t0 = time.perf_counter()
+    for sid, ids in zip(sids, prompts, strict=True):
+        client.append(sid, ids)
+    out["append_s"] = round(time.perf_counter() - t0, 1)
+    steps = run.args.steps or shape.steps
+    busy = parallel(lambda i: client.generate(sids[i], prompts[i][1], steps + 1), list(range(len(sids))))
+    g = getattr(client.stats(), "global")
+    out["dirty_gb_after_appends"] = round(g.dirty_bytes / 1e9, 2)
+    out["write_behind"] = wait_written(client, 240.0)
+    idle = parallel(lambda i: client.generate(sids[i], prompts[i][2], steps + 1), list(range(len(sids))))
+    on, off = itl([x for st in busy for x in st.gaps_ms()]), itl([x for st in idle for x in st.gaps_ms()])
+    out["itl_ms_p99_write_behind_busy"], out["itl_ms_p99_write_behind_idle"] = on["itl_ms_p99"], off["itl_ms_p99"]
+    if on["itl_ms_p99"] and off["itl_ms_p99"]:
+        out["write_behind_itl_p99_ratio"] = round(on["itl_ms_p99"] / off["itl_ms_p99"], 3)
+    before = [client.tokens(sid) for sid in sids]
+    g = getattr(client.stats(), "global")
+    out["dirty_gb_at_sigterm"] = round(g.dirty_bytes / 1e9, 2)
+    out["sigterm_s"] = round(daemon.stop(), 1)
+    checkpoint = next((e for e in daemon.events() if e.get("event") == "checkpoint"), {})
+    out["blocks_left_to_recompute"] = checkpoint.get("blocks_left_to_recompute")
+    out["checkpoint"] = {k: checkpoint.get(k) for k in ("blocks_written", "seconds", "sessions_left_to_recompute")}
+    out["archive_gb_on_disk"] = round(drop_page_cache(data / "archive") / 1e9, 1)
+    log(f"restart, before: {out}")
+
+    daemon = Daemon(run.model_dir, data, "daemon-restarted.log")
+    client = Client(daemon.sock)
+    events = {e.get("event"): e for e in daemon.events()}
+    resolved = client.config().get("resolved", {})
+    out["ready_s"] = daemon.listening.get("ready_s")
+    out["spawn_to_ready_s"] = round(daemon.spawn_to_ready_s, 1)
+    out["ddr_pinned_gb"] = round(float(resolved.get("ddr_mb", 0)) * 2**20 / 1e9, 1)
+    out["start"] = {"model_load_s": events.get("model_loaded", {}).get("seconds"),
+                    "warmed": {k: v for k, v in events.get("warmed", {}).items() if k.endswith("_s")}}  # fmt: skip
+    restored = events.get("sessions_restored", {})
+    after = [client.tokens(sid) for sid in sids]
+    out["tokens_lost"] = sum(
+        len(b) - len(a) if b[: len(a)] == a else len(b) for a, b in zip(after, before, strict=True)
+    )
+    firsts = []
+    for i, sid in enumerate(sids):  # the 128K session first: its blocks' pages are not cached
+        firsts.append(round(client.generate(sid, prompts[i][3], 1).ttft_s, 3))
+    out["resume_first_token_s"] = firsts
+    out["resume_first_token_s_128k"] = firsts[0]
+    bs = int(config.get("block_size", 32))
+    blocks = sum(-(-len(t) // bs) for t in after)
+    rebuilt = restored.get("kv_rebuild_blocks", 0)
+    out["archive_resume_share"] = round(1 - rebuilt / blocks, 4) if blocks else None
+    out["kv_rebuild_blocks"] = rebuilt
+    out["ssd_read_count"] = getattr(client.stats(), "global").ssd_read_count
+    client.close(
+        sids[0], purge=False
+    )  # its KV to the archive only (its pages now cached): reopened by the next Generate
+    out["resume_warm_s_128k"] = round(client.generate(sids[0], prompts[0][4], 1).ttft_s, 3)
+    fresh = client.session("attention_entropy")
+    t0 = time.perf_counter()
+    client.append(fresh, prompts[0])
+    first = client.generate(fresh, prompts[0][5], 1)
+    out["reprefill_s_128k"] = round(time.perf_counter() - t0, 3)
+    out["reprefill_first_token_s"] = round(first.ttft_s, 3)
+    client.close(fresh)
+    for sid in sids:
+        client.close(sid)
+    log(f"daemon stopped in {daemon.stop():.1f} s")
+    log(f"restart: {out}")
+    run.record("restart", out)
+
+
 # ---- the report ---------------------------------------------------------------------------------
 
 
@@ -702,10 +869,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     for phase in args.phase or ["single"]:
         t0 = time.perf_counter()
-        if phase == "restart":
-            log("the restart phase is the restart issue's; h3d.bench.restart measures restarts meanwhile")
-            continue
-        {"single": phase_single, "many": phase_many, "prefill-under-load": phase_prefill_under_load}[phase](run)
+        phases = {"single": phase_single, "many": phase_many, "prefill-under-load": phase_prefill_under_load,
+                  "restart": phase_restart}  # fmt: skip
+        phases[phase](run)
         log(f"phase {phase}: {time.perf_counter() - t0:.0f} s")
     print(table(run.data))
     if args.write is not None:

@@ -38,6 +38,26 @@ def test_tiny_single_phase_through_the_daemon_writes_the_specified_json(
     assert "| exact | 2K |" in (tmp_path / "B.md").read_text()
 
 
+RESTART = {
+    "sigterm_s", "blocks_left_to_recompute", "ready_s", "resume_first_token_s_128k", "resume_warm_s_128k",
+    "reprefill_s_128k", "archive_resume_share", "tokens_lost", "ddr_pinned_gb", "write_behind_itl_p99_ratio",
+}  # fmt: skip
+
+
+def test_tiny_restart_phase_writes_the_specified_json(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """SIGTERM with no stream in flight, then a restart on the same data folder: nothing lost,
+    nothing left to recompute, every block back from the archive."""
+    out = tmp_path / "serve.json"
+    argv = ["--tiny", "--phase", "restart", "--steps", "4", "--tokenizer", str(checkpoint("llama_gqa4_tied")),
+            "--work", str(tmp_path / "work"), "--out", str(out)]  # fmt: skip
+    assert serve.main(argv) == 0
+    r = json.loads(out.read_text())["restart"]
+    assert set(r) >= RESTART
+    assert r["tokens_lost"] == 0 and r["blocks_left_to_recompute"] == 0 and r["archive_resume_share"] == 1.0
+    assert r["kv_rebuild_blocks"] == 0 and r["ssd_read_count"] > 0  # the sessions' KV came from the archive
+    assert r["disk"]["write_gbps"] > 0 and r["sessions"] == [2048, 512, 512, 512, 512]
+
+
 def test_the_engine_level_run_takes_the_daemons_resolved_configuration(tmp_path: Path) -> None:
     daemon = {
         "model": "/m", "device": "auto", "hbm_mb": "auto", "ddr_mb": "auto", "prefill_chunk_tokens": "auto",
