@@ -202,7 +202,7 @@ class WriteBehind:
         def room() -> int:
             return int(tiers.high_watermark * alloc.capacity) - (alloc.capacity - alloc.num_free)
 
-        if 0 < want and room() < want:
+        if want > 0 and room() < want:
             tiers.drop_cheap(want - max(room(), 0), tiers.eviction_order(batch, None), protect)
         return max(0, room())
 
