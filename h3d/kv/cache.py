@@ -399,6 +399,7 @@ class KVCache:
         record, and is done again at the step after its repair."""
         record = self.sessions[seq]
         if record.stale_digests:
+            self.tiers.load(seq)  # its KV from the archive in parallel first: the digests read every key
             self._rebuild_digests(seq)
             record.stale_digests = False
 

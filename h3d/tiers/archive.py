@@ -51,7 +51,7 @@ import torch
 
 from h3d.store.files import FileOps, make_dirs, open_or_create
 from h3d.tiers import compaction
-from h3d.tiers.codecs import CODEC_IDS, DTYPES, Codec, decode, encode, pack_record
+from h3d.tiers.codecs import CODEC_IDS, DTYPES, Codec, decode, decompress_raw, encode, pack_record
 from h3d.tiers.compaction import COPY_CHUNK_BYTES, CompactionHooks, CompactionStats
 from h3d.tiers.identity import (
     ArchiveCorrupt,
@@ -135,6 +135,7 @@ class Archive:
         self._write_lock = threading.Lock()
         self._state = threading.Lock()
         self._index: dict[str, dict[tuple[int, int], Loc]] = {}  # session -> (layer, index) -> place
+        self._seg_paths: dict[int, str] = {}  # segment -> its path (reads name it for every record)
         self._live: dict[int, int] = {}  # segment -> bytes of its records the index points at
         self._counts = [0, 0, 0, 0]  # raw_bytes, stored_bytes, records, reads
         self._closed = False
@@ -368,17 +369,44 @@ class Archive:
 
     def get(self, key: BlockKey) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (k, v), each [Hkv, n, D] CPU of the identity's dtype (n as put). KeyError if not archived."""
+        codec, payload, loc, where = self._record(key)
+        ident = self.identity
+        try:
+            return decode(codec, payload, self._dtype, ident.num_kv_heads, loc.num_tokens, ident.head_dim)
+        except ValueError as e:
+            raise ArchiveCorrupt(f"{describe(key)} in {where} does not decode: {e}", key) from e
+
+    def get_raw(self, key: BlockKey) -> tuple[int, bytes] | None:
+        """A lossless record's bytes as put: (n, K then V, each [Hkv, n, D] of the identity's dtype,
+        in the host's byte order), without making tensors (a bulk read copies them into place);
+        None for a record of another codec (`get` decodes it). KeyError if not archived."""
+        codec, payload, loc, where = self._record(key)
+        if codec is not Codec.RAW_ZSTD:
+            return None
+        ident = self.identity
+        try:
+            size = 2 * ident.num_kv_heads * loc.num_tokens * ident.head_dim * self._dtype.itemsize
+            return loc.num_tokens, decompress_raw(payload, size)
+        except ValueError as e:
+            raise ArchiveCorrupt(f"{describe(key)} in {where} does not decode: {e}", key) from e
+
+    def _record(self, key: BlockKey) -> tuple[Codec, memoryview, Loc, str]:
+        """`key`'s record read and checked: (codec, payload, place, where it was read)."""
         with self._state:  # the segment is opened before a compaction can delete it (see compact)
             self._check_open()
             loc = self._index.get(key.session, {}).get((key.layer, key.index))
             if loc is None:
                 raise KeyError(key)
-            seg = self._seg_path(loc.segment)
-            where = f"{seg} at offset {loc.offset}"
+            seg = self._seg_paths.get(loc.segment)
+            if seg is None:
+                seg = self._seg_paths[loc.segment] = str(self._seg_path(loc.segment))
             try:
-                fd = self.files.open(seg, os.O_RDONLY)
+                fd = self.files.open(Path(seg), os.O_RDONLY)
             except OSError as e:
-                raise ArchiveCorrupt(f"{describe(key)} cannot be read from {where}: {e}", key) from e
+                raise ArchiveCorrupt(
+                    f"{describe(key)} cannot be read from {seg} at offset {loc.offset}: {e}", key
+                ) from e
+        where = f"{seg} at offset {loc.offset}"
         try:
             data = os.pread(fd, loc.length, loc.offset)
         except OSError as e:
@@ -386,14 +414,9 @@ class Archive:
         finally:
             os.close(fd)
         codec, payload = verify_record(self.identity, self.codec_for(key.layer), key, loc, data, where)
-        ident = self.identity
-        try:
-            k, v = decode(codec, payload, self._dtype, ident.num_kv_heads, loc.num_tokens, ident.head_dim)
-        except ValueError as e:
-            raise ArchiveCorrupt(f"{describe(key)} in {where} does not decode: {e}", key) from e
         with self._state:
             self._counts[3] += 1
-        return k, v
+        return codec, payload, loc, where
 
     def stored_bytes(self) -> int:
         """Bytes of the records written (compressed), `ArchiveStats.stored_bytes`."""

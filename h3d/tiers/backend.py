@@ -41,6 +41,10 @@ class ColdTier(Protocol):
         record."""
         ...
 
+    def get_raw(self, key: BlockKey) -> tuple[int, bytes] | None:
+        """A lossless record's bytes as put (tokens, K then V), or None where `get` must decode it."""
+        ...
+
     def blocks_of(self, session: str) -> dict[tuple[int, int], int]:
         """The session's held blocks: (layer, index) -> tokens in the record."""
         ...

@@ -139,8 +139,8 @@ def _compressor() -> zstandard.ZstdCompressor:
     return c
 
 
-def _decompress(payload: bytes | memoryview, expected: int) -> bytearray:
-    """Decompress into a fresh writable buffer of exactly `expected` bytes, or raise ValueError."""
+def decompress_raw(payload: bytes | memoryview, expected: int) -> bytes:
+    """A raw-zstd payload decompressed: exactly `expected` bytes (K then V), or ValueError."""
     d = getattr(_local, "dctx", None)
     if d is None:
         d = _local.dctx = _zstd().ZstdDecompressor()
@@ -150,7 +150,12 @@ def _decompress(payload: bytes | memoryview, expected: int) -> bytearray:
         raise ValueError(f"zstd payload does not decompress: {e}") from e
     if len(raw) != expected:
         raise ValueError(f"payload decompresses to {len(raw)} bytes, expected {expected}")
-    return bytearray(raw)
+    return raw
+
+
+def _decompress(payload: bytes | memoryview, expected: int) -> bytearray:
+    """Decompress into a fresh writable buffer of exactly `expected` bytes, or raise ValueError."""
+    return bytearray(decompress_raw(payload, expected))
 
 
 def _check(k: torch.Tensor, v: torch.Tensor) -> None:
@@ -183,10 +188,8 @@ def decode(
     shape = (num_kv_heads, num_tokens, head_dim)
     numel = num_kv_heads * num_tokens * head_dim
     if codec is Codec.RAW_ZSTD:
-        size = torch.empty((), dtype=dtype).element_size()
-        raw = _decompress(payload, 2 * numel * size)
-        flat = torch.frombuffer(raw, dtype=dtype)  # [2 * Hkv * n * D]
-        return flat[:numel].view(shape), flat[numel:].view(shape)
+        kv = torch.frombuffer(_decompress(payload, 2 * numel * dtype.itemsize), dtype=dtype).view(2, *shape)
+        return kv[0], kv[1]
     x = _decode_int8(payload, 2 * num_kv_heads, num_tokens, head_dim).to(dtype)  # [2Hkv, n, D]
     return x[:num_kv_heads], x[num_kv_heads:]
 

@@ -476,21 +476,56 @@ class TierManager:
 
     def read_keys(self, seq: SeqId, layer: int, first_block: int = 0) -> torch.Tensor:
         """The written keys of `seq`'s `layer` from block `first_block` on, from HBM, DDR or the
-        archive: [Hkv, tokens, D]."""
+        archive, on the HBM pool's device: [Hkv, tokens, D]."""
         b = self.blocks
         t = b.table(seq)
-        parts = []
-        hbm, ddr = t.layer_hbm(layer), t.layer_ddr(layer)
-        for j in range(first_block, t.num_blocks):
-            if hbm[j] != NONE:
-                k = self.hbm.k[:, int(hbm[j])]
-            elif ddr[j] != NONE:
-                k = self.ddr.k[:, int(ddr[j])]
-            else:
-                assert self.archive is not None
-                k = self.archive.get(BlockKey(self.sessions[seq].name, layer, j))[0]
-            parts.append(k.to(self.hbm.k.device)[:, : min(b.block_size, t.num_tokens - j * b.block_size)])
-        return torch.cat(parts, dim=1)
+        hbm, ddr = t.layer_hbm(layer)[first_block:], t.layer_ddr(layer)[first_block:]
+        pool = self.hbm.k
+        out = torch.empty((pool.shape[0], len(hbm), b.block_size, pool.shape[-1]), dtype=pool.dtype, device=pool.device)
+        here = np.flatnonzero(hbm != NONE)
+        if len(here):
+            out[:, torch.from_numpy(here).to(pool.device)] = pool[:, torch.from_numpy(hbm[here]).to(pool.device)]
+        there = np.flatnonzero((hbm == NONE) & (ddr != NONE))
+        if len(there):
+            k = self.ddr.k[:, torch.from_numpy(ddr[there])]
+            out[:, torch.from_numpy(there).to(pool.device)] = k.to(pool.device)
+        for j in np.flatnonzero((hbm == NONE) & (ddr == NONE)).tolist():
+            assert self.archive is not None
+            k = self.archive.get(BlockKey(self.sessions[seq].name, layer, first_block + j))[0]
+            out[:, j, : k.shape[1]] = k.to(pool.device)
+        return out.flatten(1, 2)[:, : t.num_tokens - first_block * b.block_size]
+
+    def load(self, seq: SeqId) -> int:
+        """Stage `seq`'s blocks that only the archive holds into DDR, all layers at once (its
+        records read on several threads: `Mover.read`), as many as fit below the high watermark
+        (the others stay in the archive, staged when a step needs them): a session resumed after
+        a restart or reopened. Returns the blocks staged."""
+        if self.archive is None:
+            return 0
+        b = self.blocks
+        t = b.table(seq)
+        layers, blocks = np.nonzero(t.archive_only())
+        cap = b.ddr_alloc.capacity
+        room = int(self.high_watermark * cap) - (cap - b.ddr_free)
+        if room <= 0 or not len(blocks):
+            return 0
+        order = np.lexsort((layers, blocks))[:room]  # the first blocks of every layer first
+        layers, blocks = layers[order], blocks[order]
+        slots = b.add_ddr_many(seq, layers, blocks)
+        name = self.sessions[seq].name
+        try:
+            self.mover.read([BlockKey(name, int(la), int(j)) for la, j in zip(layers, blocks, strict=True)], slots)
+        except BaseException:
+            for layer in np.unique(layers).tolist():
+                b.unadd_ddr(seq, layer, blocks[layers == layer])
+            raise
+        last = t.num_tokens // b.block_size
+        partial = blocks == last
+        for layer in layers[partial].tolist():  # its DDR copy is its one home: the record is stale once written to
+            b.set_archived(seq, layer, np.array([last]), False)
+        self.counters.ssd_read_count += len(blocks)
+        self.sessions[seq].counters.ssd_read_count += len(blocks)
+        return len(blocks)
 
     # ---- inspection -------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@
   the untiered engine's.
 - A rewind waits for its session's writes in flight, so no record of a cut block stands for the
   block that replaces it; the archive's capacity stops write-behind (the blocks stay dirty).
+- A session resumed after a restart reads its archived KV back on several threads.
 
 kill -9 during write-behind is in tests/daemon/test_durability.py.
 """
@@ -301,3 +302,44 @@ def test_the_archive_capacity_stops_write_behind(checkpoint: Callable[[str], Pat
         _engine(checkpoint(MODEL), tmp_path / "bad", write_behind_dirty_mb=-1)
     with pytest.raises(ConfigError, match="ssd_capacity_mb"):
         _engine(checkpoint(MODEL), tmp_path / "bad", ssd_capacity_mb="lots")
+
+
+def test_a_resumed_session_is_read_back_on_several_threads_and_continues_the_same(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a restart, a session's first step reads its whole archived KV into DDR at once, its
+    records decoded on several threads (pieces of 8 here), before its digests are rebuilt from
+    it; its generation equals the uninterrupted engine's."""
+    from h3d.tiers import mover
+
+    monkeypatch.setattr(mover, "READ_PIECE", 8)
+    folder = tmp_path / "data"
+    kw: dict[str, Any] = {"session_log_path": str(folder / "sessions"), "ddr_mb": 64.0}
+    engine = _engine(checkpoint(MODEL), folder, **kw)
+    plain = make_engine(checkpoint(MODEL))
+    ids = random_prompt(300, VOCAB_SIZE, seed=31)
+    sid, twin = engine.create_session(), plain.create_session()
+    engine.append(sid, token_ids=ids)
+    plain.append(twin, token_ids=ids)
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    engine.checkpoint()
+    engine.close()
+
+    engine = _engine(checkpoint(MODEL), folder, **kw)
+    tiers = engine.runner.tiers
+    seq = engine.session(sid).seq
+    blocks = tiers.blocks.table(seq).num_blocks * 3
+    assert tiers.blocks.table(seq).archive_only().all()
+    threads: set[str] = set()
+    read_piece = tiers.mover._read_piece
+
+    def spy(*args: Any) -> None:
+        threads.add(threading.current_thread().name)
+        read_piece(*args)
+
+    monkeypatch.setattr(tiers.mover, "_read_piece", spy)
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    assert engine.tier_stats().ssd_read_count == blocks and engine.tier_stats().kv_rebuild_blocks == 0
+    assert len(threads) > 1 and all(name.startswith("h3d-archive-read") for name in threads)
+    engine.close()
+    plain.close()
