@@ -29,8 +29,9 @@ them):
 - `prefill-under-load`: a 128K append arriving while 8 sessions of 32K decode: their inter-token
   p99 during it, the append's time against its time alone;
 - `restart`: the disk's bandwidth (`df`, a file written and fsynced, read back cold and warm);
-  sessions of 128K and 4 x 32K appended, decoding together while write-behind writes their KV
-  and again once it has (the inter-token p99 ratio), SIGTERM with no stream in flight (its time,
+  sessions of 128K and 4 x 32K appended, decoding together (after a few tokens that capture the
+  batch's graphs) while write-behind writes their KV and again once it has (the inter-token p99
+  ratio), SIGTERM with no stream in flight (its time,
   the blocks left to recompute), the archive's pages dropped from the page cache, a restart on the
   same data folder: start to ready, tokens lost, the first token of each session (the 128K one
   first: cold), the share of blocks the archive gave back, the 128K session closed and reopened
@@ -729,6 +730,7 @@ def phase_restart(run: Run) -> None:
         client.append(sid, ids)
     out["append_s"] = round(time.perf_counter() - t0, 1)
     steps = run.args.steps or shape.steps
+    parallel(lambda i: client.generate(sids[i], prompts[i][6], 4), list(range(len(sids))))  # the batch's graphs
     busy = parallel(lambda i: client.generate(sids[i], prompts[i][1], steps + 1), list(range(len(sids))))
     g = getattr(client.stats(), "global")
     out["dirty_gb_after_appends"] = round(g.dirty_bytes / 1e9, 2)
