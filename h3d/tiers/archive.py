@@ -376,19 +376,59 @@ class Archive:
         except ValueError as e:
             raise ArchiveCorrupt(f"{describe(key)} in {where} does not decode: {e}", key) from e
 
-    def get_raw(self, key: BlockKey) -> tuple[int, bytes] | None:
-        """A lossless record's bytes as put: (n, K then V, each [Hkv, n, D] of the identity's dtype,
-        in the host's byte order), without making tensors (a bulk read copies them into place);
-        None for a record of another codec (`get` decodes it). KeyError if not archived."""
-        codec, payload, loc, where = self._record(key)
-        if codec is not Codec.RAW_ZSTD:
-            return None
+    def get_raw(self, keys: list[BlockKey]) -> list[tuple[int, bytes] | None]:
+        """Lossless records' bytes as put: for each key (n, K then V, each [Hkv, n, D] of the
+        identity's dtype, in the host's byte order), without making tensors (a bulk read copies
+        them into place); None for a record of another codec (`get` decodes it). The index is
+        looked up and each segment opened once for all of them. KeyError if one is not archived."""
+        with self._state:  # the segments are opened before a compaction can delete them (see compact)
+            self._check_open()
+            locs = []
+            for key in keys:
+                loc = self._index.get(key.session, {}).get((key.layer, key.index))
+                if loc is None:
+                    raise KeyError(key)
+                locs.append(loc)
+            fds: dict[int, int] = {}
+            try:
+                for loc in locs:
+                    if loc.segment not in fds:
+                        fds[loc.segment] = self.files.open(Path(self._segment_path(loc.segment)), os.O_RDONLY)
+            except OSError as e:
+                for fd in fds.values():
+                    os.close(fd)
+                key = keys[len(fds)] if len(fds) < len(keys) else keys[0]
+                raise ArchiveCorrupt(f"{describe(key)}: its segment cannot be opened: {e}", key) from e
+            self._counts[3] += len(keys)
         ident = self.identity
+        out: list[tuple[int, bytes] | None] = []
         try:
-            size = 2 * ident.num_kv_heads * loc.num_tokens * ident.head_dim * self._dtype.itemsize
-            return loc.num_tokens, decompress_raw(payload, size)
-        except ValueError as e:
-            raise ArchiveCorrupt(f"{describe(key)} in {where} does not decode: {e}", key) from e
+            for key, loc in zip(keys, locs, strict=True):
+                where = f"{self._segment_path(loc.segment)} at offset {loc.offset}"
+                try:
+                    data = os.pread(fds[loc.segment], loc.length, loc.offset)
+                except OSError as e:
+                    raise ArchiveCorrupt(f"{describe(key)} cannot be read from {where}: {e}", key) from e
+                codec, payload = verify_record(ident, self.codec_for(key.layer), key, loc, data, where)
+                if codec is not Codec.RAW_ZSTD:
+                    out.append(None)
+                    continue
+                size = 2 * ident.num_kv_heads * loc.num_tokens * ident.head_dim * self._dtype.itemsize
+                try:
+                    out.append((loc.num_tokens, decompress_raw(payload, size)))
+                except ValueError as e:
+                    raise ArchiveCorrupt(f"{describe(key)} in {where} does not decode: {e}", key) from e
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return out
+
+    def _segment_path(self, n: int) -> str:
+        """Segment `n`'s path, as a string made once (reads name it for every record)."""
+        path = self._seg_paths.get(n)
+        if path is None:
+            path = self._seg_paths[n] = str(self._seg_path(n))
+        return path
 
     def _record(self, key: BlockKey) -> tuple[Codec, memoryview, Loc, str]:
         """`key`'s record read and checked: (codec, payload, place, where it was read)."""
@@ -397,9 +437,7 @@ class Archive:
             loc = self._index.get(key.session, {}).get((key.layer, key.index))
             if loc is None:
                 raise KeyError(key)
-            seg = self._seg_paths.get(loc.segment)
-            if seg is None:
-                seg = self._seg_paths[loc.segment] = str(self._seg_path(loc.segment))
+            seg = self._segment_path(loc.segment)
             try:
                 fd = self.files.open(Path(seg), os.O_RDONLY)
             except OSError as e:

@@ -41,8 +41,8 @@ class ColdTier(Protocol):
         record."""
         ...
 
-    def get_raw(self, key: BlockKey) -> tuple[int, bytes] | None:
-        """A lossless record's bytes as put (tokens, K then V), or None where `get` must decode it."""
+    def get_raw(self, keys: list[BlockKey]) -> list[tuple[int, bytes] | None]:
+        """Lossless records' bytes as put (tokens, K then V), None where `get` must decode one."""
         ...
 
     def blocks_of(self, session: str) -> dict[tuple[int, int], int]:

@@ -199,6 +199,28 @@ def test_persistence_supersede_and_delete(tmp_path: Path) -> None:
     del a1
 
 
+def test_raw_reads_give_the_bytes_put_and_leave_lossy_records_to_get(tmp_path: Path) -> None:
+    """`get_raw` (a bulk read): each lossless record's K then V bytes as `get` decodes them, a
+    partial block's too; None for an int8 record; a key not archived is a KeyError; a read of the
+    kept session's blocks after a tail is deleted (`remove` from a block on) finds only those."""
+    with Archive(tmp_path, IDENT, Codec.INT8_DELTA_ZSTD, lossless_layers=frozenset({0})) as a:
+        full = put(a, BlockKey("s", 0, 0), 1)
+        part = put(a, BlockKey("s", 0, 1), 2, n=5)
+        put(a, BlockKey("s", 1, 0), 3)  # int8: only `get` decodes it
+        got = a.get_raw([BlockKey("s", 0, 0), BlockKey("s", 0, 1), BlockKey("s", 1, 0)])
+        for (k, v), one in zip((full, part), got[:2], strict=True):
+            assert one is not None and one[0] == k.shape[1]
+            raw = torch.frombuffer(bytearray(one[1]), dtype=torch.float32).view(2, 3, k.shape[1], 64)
+            assert same_bits(raw[0], k) and same_bits(raw[1], v)
+        assert got[2] is None
+        with pytest.raises(KeyError):
+            a.get_raw([BlockKey("s", 0, 0), BlockKey("s", 0, 7)])
+        assert a.remove("s", first=1) == 1 and a.blocks_of("s") == {(0, 0): 32, (1, 0): 32}
+    with Archive(tmp_path, IDENT, Codec.INT8_DELTA_ZSTD, lossless_layers=frozenset({0})) as a:
+        assert a.blocks_of("s") == {(0, 0): 32, (1, 0): 32}  # the deleted tail stays deleted
+        assert_holds(a, BlockKey("s", 0, 0), full)
+
+
 def test_corrupt_payload_is_named(tmp_path: Path) -> None:
     with Archive(tmp_path, IDENT) as a:
         put(a, BlockKey("sess-x", 3, 7), 1)
