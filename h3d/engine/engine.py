@@ -150,7 +150,9 @@ class Engine:
         `deadline` (`time.monotonic()`): no session's snapshot starts after it; the sessions left
         are computed again from their token logs after the restart, from their first block the
         archive lacks (`Checkpoint.blocks_left`). The most recently used sessions go first: they
-        are the likeliest to come back first. `progress` is called after each session."""
+        are the likeliest to come back first. A session's dirty full blocks are written on
+        write-behind's threads (`WriteBehind.flush`), the rest (its partial last block) by its
+        snapshot. `progress` is called after each session."""
         done = Checkpoint(sessions=len(self.sessions))
         self.interleave.abandon()  # a long prompt half computed: its KV computed again after the restart
         for session in sorted(self.sessions.values(), key=lambda s: s.last_used_at, reverse=True):
@@ -158,6 +160,7 @@ class Engine:
             if self.kv.writable and (deadline is None or time.monotonic() < deadline):
                 # If it fails, the KV is computed again after the restart; the token log is the truth.
                 with contextlib.suppress(SsdDegraded):
+                    done.blocks_written += self.kv.tiers.behind.flush(session.seq, deadline)  # on its threads
                     done.blocks_written += self.kv.snapshot(session.seq, partial=True)
                     left = 0  # every block durable, the partial last one too
             if left is None:

@@ -244,6 +244,29 @@ class WriteBehind:
             tiers.counters.ssd_write_count += len(x.blocks)
         self.batches = keep
 
+    def flush(self, seq: SeqId, deadline: float | None = None) -> int:
+        """Write `seq`'s dirty full blocks now on the write-behind threads, without the budget or
+        the per-step bound (a shutdown's checkpoint: several threads compress, where a snapshot
+        has one), until none is left or `deadline` (`time.monotonic()`) passes; what is in
+        flight then is waited for. Returns the blocks it made durable."""
+        tiers = self.tiers
+        if not self.enabled or not tiers.writable:
+            return 0
+        t = tiers.blocks.table(seq)
+        full = t.num_tokens // tiers.blocks.block_size
+        before = int(np.count_nonzero(t.archived[:, :full]))
+        while deadline is None or time.monotonic() < deadline:
+            self.poll()
+            start, room = min(self.cursor.get(seq, 0), full), self.max_in_flight - self.in_flight
+            if start < full and room > 0 and self._submit(seq, start, full, room, [], {}) is None:
+                break  # the archive's capacity: the snapshot writes the rest
+            mine = [x for x in self.batches if x.seq == seq]
+            if not mine:
+                break  # all written (or no DDR room to copy the rest down: the snapshot writes it)
+            mine[0].future.exception()  # the oldest done; the next poll applies it
+        self.wait(seq)
+        return int(np.count_nonzero(t.archived[:, :full])) - before
+
     def wait(self, seq: SeqId) -> None:
         """`seq`'s batches in flight done and applied (the others' applied if done)."""
         if any(x.seq == seq for x in self.batches):

@@ -106,7 +106,7 @@ def test_kill_9_during_the_shutdown_checkpoint_loses_nothing(checkpoint: Callabl
     durably is read back (no torn record), the rest is computed again, and the next generation
     equals the uninterrupted engine's."""
     ckpt = checkpoint(MODEL)
-    prompts = [random_prompt(2000, VOCAB_SIZE, seed=90 + i) for i in range(3)]
+    prompts = [random_prompt(1000, VOCAB_SIZE, seed=90 + i) for i in range(3)]
     expected = _uninterrupted(ckpt, prompts, generations=2)
     data = tmp_path / "data"
     with running_daemon(ckpt, data, tcp=False, extra=["--no-write-behind"]) as d:

@@ -183,7 +183,7 @@ ACTIONS = st.lists(
 
 
 @settings(
-    max_examples=12,
+    max_examples=8,
     deadline=None,
     phases=[Phase.explicit, Phase.generate],  # no shrinking: an example takes a second or two
     suppress_health_check=[HealthCheck.function_scoped_fixture],
@@ -343,3 +343,23 @@ def test_a_resumed_session_is_read_back_on_several_threads_and_continues_the_sam
     assert len(threads) > 1 and all(name.startswith("h3d-archive-read") for name in threads)
     engine.close()
     plain.close()
+
+
+def test_a_checkpoint_writes_dirty_blocks_on_the_write_behind_threads(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Within its budget nothing is written behind; SIGTERM's checkpoint then writes the dirty
+    full blocks on write-behind's threads and only the partial last blocks by snapshot (which
+    leaves them unmarked: new tokens go there), and every block is durable."""
+    engine = _engine(checkpoint(MODEL), tmp_path, write_behind_dirty_mb=1024, ddr_mb=64.0)
+    ids = random_prompt(300, VOCAB_SIZE, seed=41)
+    sid = engine.create_session()
+    engine.append(sid, token_ids=ids)
+    assert not engine.write_behind() and engine.tier_stats().write_behind_bytes == 0
+    t = engine.runner.blocks.table(engine.session(sid).seq)
+    full, partial = t.num_tokens // 16, int(t.num_tokens % 16 > 0)
+    done = engine.checkpoint()
+    assert done.blocks_written == (full + partial) * 3 and done.blocks_left == 0
+    assert engine.tier_stats().write_behind_bytes == full * 3 * SLOT_BYTES  # the full ones, on its threads
+    assert t.archived[:, :full].all() and engine.tier_stats().dirty_bytes == 0  # the partial one stays unmarked
+    engine.close()
