@@ -60,7 +60,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -160,7 +160,9 @@ def prompt(vocab: int, n: int, seed: int) -> list[int]:
 
 class Daemon:
     """`h3d serve` on a model folder and a data folder, with nothing else set; its JSON log in
-    `<data>/daemon.log`."""
+    `<data>/daemon.log`. `running`: the ones not stopped yet (killed if a phase fails)."""
+
+    running: ClassVar[list[Daemon]] = []
 
     def __init__(self, model: Path, data: Path, log_name: str = "daemon.log") -> None:
         data.mkdir(parents=True, exist_ok=True)
@@ -171,6 +173,7 @@ class Daemon:
         self.out = self.log_path.open("w")
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, text=True)
+        Daemon.running.append(self)
         self.listening = self.wait_for("listening", READY_TIMEOUT_S)
         self.spawn_to_ready_s = time.perf_counter() - self.t0
 
@@ -204,6 +207,8 @@ class Daemon:
     def stop(self, timeout: float = 300.0) -> float:
         """SIGTERM; the seconds until it exited."""
         t0 = time.perf_counter()
+        if self in Daemon.running:
+            Daemon.running.remove(self)
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout)
@@ -869,12 +874,18 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args, shape, model_dir, data, device)
     write_model(model_dir, shape, args.tokenizer, args.seed)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    for phase in args.phase or ["single"]:
-        t0 = time.perf_counter()
-        phases = {"single": phase_single, "many": phase_many, "prefill-under-load": phase_prefill_under_load,
-                  "restart": phase_restart}  # fmt: skip
-        phases[phase](run)
-        log(f"phase {phase}: {time.perf_counter() - t0:.0f} s")
+    phases = {"single": phase_single, "many": phase_many, "prefill-under-load": phase_prefill_under_load,
+              "restart": phase_restart}  # fmt: skip
+    try:
+        for phase in args.phase or ["single"]:
+            t0 = time.perf_counter()
+            phases[phase](run)
+            log(f"phase {phase}: {time.perf_counter() - t0:.0f} s")
+    finally:
+        for daemon in Daemon.running:  # a phase that failed leaves none behind
+            daemon.proc.kill()
+            daemon.proc.wait()
+        Daemon.running.clear()
     print(table(run.data))
     if args.write is not None:
         write_section(args.write, "## `h3d serve` on the GPU, through gRPC\n\n" + table(run.data), "serve")
