@@ -51,6 +51,11 @@ def stats_text(stats: Any) -> str:
         ("ssd_write_count", str(g.ssd_write_count)),
         ("ssd_tier", f"DEGRADED: {g.ssd_degraded_reason}" if g.ssd_degraded else "ok"),
         ("kv_rebuild_blocks", str(g.kv_rebuild_blocks)),
+        (
+            "write_behind_mib",
+            f"{mib(g.dirty_bytes)} dirty, {mib(g.write_behind_in_flight_bytes)} in flight, "
+            f"{mib(g.write_behind_bytes)} written; lag {g.write_behind_lag_s:.1f}s",
+        ),
         ("hbf_latency_us", f"p50 {g.hbf_latency_us_p50:.1f}  p99 {g.hbf_latency_us_p99:.1f}"),
         (
             "occupancy_mib",
@@ -102,7 +107,7 @@ def top_frame(stats: Any, sessions: list[Any]) -> str:
         f"h3d  up {duration(stats.uptime_s)}  sessions {t.sessions}  in flight {t.active_requests + t.queued_requests}"
         f" ({t.queued_requests} queued)  tokens/s {t.tokens_per_s:.2f}" + ("  DRAINING" if stats.draining else ""),
         f"HBM {mib(g.hbm_used_bytes)}/{mib(g.hbm_capacity_bytes)} MiB  DDR {mib(g.ddr_used_bytes)}/"
-        f"{mib(g.ddr_capacity_bytes)} MiB  SSD {mib(g.ssd_used_bytes)} MiB",
+        f"{mib(g.ddr_capacity_bytes)} MiB  SSD {mib(g.ssd_used_bytes)} MiB  dirty {mib(g.dirty_bytes)} MiB",
         f"hbm_hit_rate {g.hbm_hit_rate:.4f}  hbm_evict {g.hbm_evict_count}  ddr_evict {g.ddr_evict_count}  "
         f"ssd_read {g.ssd_read_count}  ssd_write {g.ssd_write_count}  "
         f"hbf p50/p99 {g.hbf_latency_us_p50:.1f}/{g.hbf_latency_us_p99:.1f} us",

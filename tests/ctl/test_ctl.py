@@ -456,6 +456,8 @@ def test_health_config_stats_top(d: RunningDaemon) -> None:
     human = ok(d, "stats")
     for key in ("hbm_hit_rate", "ddr_evict_count", "ssd_read_count", "hbf_latency_us", "occupancy_mib"):
         assert key in human
+    # within its 1 GiB budget, nothing of this small session is written behind
+    assert "0.0 in flight, 0.0 written; lag 0.0s" in human and stats["global"]["dirty_bytes"] > 0
     assert "tokens_per_s" in human and "in_flight" in human
     assert "graphs" in human and "after ready" in human  # the CPU captures none: "0 captured"
 
