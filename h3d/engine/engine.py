@@ -498,7 +498,7 @@ class Engine:
         behind = self.kv.tiers.behind
         if not behind.enabled:
             return False
-        behind.pump([], dict(self.kv.frozen), busy=False)
+        behind.pump([], self.kv.frozen, busy=False)
         return bool(behind.batches) or behind.pump_due
 
     def take_events(self) -> list[Event]:

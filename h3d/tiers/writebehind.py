@@ -280,7 +280,8 @@ class WriteBehind:
             self.cursor[seq] = min(self.cursor[seq], num_tokens // self.tiers.blocks.block_size)
 
     def forget(self, seq: SeqId) -> None:
-        """`seq` is released (after `settle`)."""
+        """`seq` is about to be released: its batches in flight done first (applied)."""
+        self.wait(seq)
         self.cursor.pop(seq, None)
 
     def stats(self) -> WriteBehindStats:
