@@ -262,10 +262,12 @@ class Client:
             pass
         return time.perf_counter() - t0
 
-    def generate(self, sid: str, first: int, tokens: int) -> Stream:
+    def generate(self, sid: str, first: int | None, tokens: int) -> Stream:
+        """`tokens` tokens after the prompt token `first` (None: a continuation, no prompt)."""
         sampling = self.pb.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         stream = Stream(time.perf_counter(), [])
-        request = self.pb.GenerateRequest(session_id=sid, prompt_token_ids=[first], sampling=sampling)
+        prompt = [] if first is None else [first]
+        request = self.pb.GenerateRequest(session_id=sid, prompt_token_ids=prompt, sampling=sampling)
         for msg in self.h3.Generate(request):
             if msg.HasField("delta"):
                 now = time.perf_counter()
@@ -751,7 +753,9 @@ def phase_restart(run: Run) -> None:
     out["sigterm_s"] = round(daemon.stop(), 1)
     checkpoint = next((e for e in daemon.events() if e.get("event") == "checkpoint"), {})
     out["blocks_left_to_recompute"] = checkpoint.get("blocks_left_to_recompute")
-    out["checkpoint"] = {k: checkpoint.get(k) for k in ("blocks_written", "seconds", "sessions_left_to_recompute")}
+    out["checkpoint"] = {
+        k: checkpoint.get(k) for k in ("blocks_written", "seconds", "sessions_left_to_recompute", "digest_bytes")
+    }
     out["archive_gb_on_disk"] = round(drop_page_cache(data / "archive") / 1e9, 1)
     log(f"restart, before: {out}")
 
@@ -769,11 +773,21 @@ def phase_restart(run: Run) -> None:
     out["tokens_lost"] = sum(
         len(b) - len(a) if b[: len(a)] == a else len(b) for a, b in zip(after, before, strict=True)
     )
+    # The first token of each session continued (a decode step: it reads what HBF selects; a
+    # prompt of new tokens is an exact prefill, which reads every block: `follow_up` below).
     firsts = []
-    for i, sid in enumerate(sids):  # the 128K session first: its blocks' pages are not cached
-        firsts.append(round(client.generate(sid, prompts[i][3], 1).ttft_s, 3))
+    g0 = getattr(client.stats(), "global")
+    for sid in sids:  # the 128K session first: its blocks' pages are not cached
+        firsts.append(round(client.generate(sid, None, 1).ttft_s, 3))
+        if len(firsts) == 1:  # what its first token read: blocks (one layer's each) and read-ahead's share
+            g1 = getattr(client.stats(), "global")
+            out["resume_128k_blocks_read"] = g1.ssd_read_count - g0.ssd_read_count
+            out["resume_128k_read_ahead_gb"] = round((g1.read_ahead_bytes - g0.read_ahead_bytes) / 1e9, 2)
     out["resume_first_token_s"] = firsts
     out["resume_first_token_s_128k"] = firsts[0]
+    # The long session's next tokens, while the rest of its KV is read back (`h3d.tiers.readahead`).
+    cont = itl(client.generate(sids[0], None, 33).gaps_ms())
+    out["after_resume_itl_ms_p50"], out["after_resume_itl_ms_p99"] = cont["itl_ms_p50"], cont["itl_ms_p99"]
     bs = int(config.get("block_size", 32))
     blocks = sum(-(-len(t) // bs) for t in after)
     rebuilt = restored.get("kv_rebuild_blocks", 0)
@@ -783,7 +797,10 @@ def phase_restart(run: Run) -> None:
     client.close(
         sids[0], purge=False
     )  # its KV to the archive only (its pages now cached): reopened by the next Generate
-    out["resume_warm_s_128k"] = round(client.generate(sids[0], prompts[0][4], 1).ttft_s, 3)
+    out["resume_warm_s_128k"] = round(client.generate(sids[0], None, 1).ttft_s, 3)
+    # A question on it: the prompt token and the last one generated, an exact prefill over the 128K
+    # context (its KV in the archive or read back into DDR so far).
+    out["follow_up_after_resume_s_128k"] = round(client.generate(sids[0], prompts[0][4], 1).ttft_s, 3)
     fresh = client.session("attention_entropy")
     t0 = time.perf_counter()
     client.append(fresh, prompts[0])

@@ -108,6 +108,8 @@ def tier_stats_pb(engine: Engine) -> pb.TierStats:
         write_behind_bytes=t.write_behind_bytes,
         write_behind_in_flight_bytes=t.write_behind_in_flight_bytes,
         write_behind_lag_s=t.write_behind_lag_s,
+        read_ahead_bytes=t.read_ahead_bytes,
+        read_ahead_in_flight_bytes=t.read_ahead_in_flight_bytes,
     )
 
 

@@ -89,6 +89,10 @@ class Metrics:
                g.write_behind_in_flight_bytes)  # fmt: skip
         metric("h3d_write_behind_lag_seconds", "gauge", "Seconds the dirty KV has been past write_behind_dirty_mb.",
                g.write_behind_lag_s)  # fmt: skip
+        metric("h3d_read_ahead_bytes_total", "counter", "Resumed sessions' KV read back into DDR in the background.",
+               g.read_ahead_bytes)  # fmt: skip
+        metric("h3d_read_ahead_in_flight_bytes", "gauge", "Resumed sessions' KV being read back into DDR now.",
+               g.read_ahead_in_flight_bytes)  # fmt: skip
         # Stats carries microseconds (hbf_latency_us_p50/p99); Prometheus wants base units, and a quantile
         # label only on a summary. Quantiles over a window of recent steps are what a summary is; Stats
         # has no sum or count of the steps' planning time, so the summary has no _sum and _count lines.

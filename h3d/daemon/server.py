@@ -144,7 +144,8 @@ class Daemon:
         done = await asyncio.to_thread(self.checkpoint, engine, cfg.shutdown_budget_s)
         log.info("checkpoint", blocks_written=done.blocks_written, sessions=done.sessions,
                  sessions_left_to_recompute=done.sessions_left, blocks_left_to_recompute=done.blocks_left,
-                 budget_s=cfg.shutdown_budget_s, seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+                 digest_bytes=done.digest_bytes, budget_s=cfg.shutdown_budget_s,
+                 seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
         await asyncio.to_thread(engine.close)  # archive writes in flight become durable
         self._unlink_socket()
         log.info("stopped", requests_finished=finished, requests_cancelled=cancelled)

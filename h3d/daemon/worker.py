@@ -34,7 +34,7 @@ from h3d.errors import H3Error
 T = TypeVar("T")
 THROUGHPUT_WINDOW_S = 10.0
 IDLE_WAIT_S = 0.05
-WRITE_BEHIND_WAIT_S = 0.005  # idle with write-behind under way: its batches are applied this often
+WRITE_BEHIND_WAIT_S = 0.005  # idle with write-behind or read-ahead under way: their work is applied this often
 SLOW_STEP_S = 1.0  # a step (with its upkeep) this long is logged (`slow_step`), with where its time went
 CAPTURE_IDLE_S = 1.0  # idle this long, the engine captures the decode graphs steps wanted (not between two requests)
 
@@ -144,7 +144,7 @@ class EngineWorker:
                      after_ready=True, ms=ms)  # fmt: skip
         engine.captured.clear()
         for name, fields in engine.kv.take_notices():
-            (log.info if name == "ssd_recovered" else log.warning)(name, **fields)
+            (log.info if name in ("ssd_recovered", "digests_restored") else log.warning)(name, **fields)
 
     def _run(self) -> None:
         while True:
@@ -159,6 +159,7 @@ class EngineWorker:
                     self.engine.upkeep(idle=True)  # graphs that steps wanted, captured once requests paused
                     continue
                 more = self.engine.write_behind()  # dirty KV past its budget, unbounded per call while idle
+                more = self.engine.read_ahead() or more  # resumed sessions' archived KV back into DDR
                 self._wake.wait(WRITE_BEHIND_WAIT_S if more else IDLE_WAIT_S)
                 self._wake.clear()
                 continue

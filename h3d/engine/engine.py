@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -66,6 +67,8 @@ from h3d.store.tokenlog import TokenStore
 from h3d.tiers.identity import ArchiveCorrupt
 from h3d.tiers.stats import TierStats
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class Checkpoint:
@@ -76,6 +79,7 @@ class Checkpoint:
     blocks_written: int = 0
     sessions_left: int = 0  # sessions a restart will compute again in part
     blocks_left: int = 0  # the blocks it will compute again from their token logs
+    digest_bytes: int = 0  # digest snapshots written (`h3d.tiers.digestfile`)
 
 
 @dataclass(slots=True)
@@ -163,6 +167,11 @@ class Engine:
                     done.blocks_written += self.kv.tiers.behind.flush(session.seq, deadline)  # on its threads
                     done.blocks_written += self.kv.snapshot(session.seq, partial=True)
                     left = 0  # every block durable, the partial last one too
+                if left == 0 and (deadline is None or time.monotonic() < deadline):
+                    try:  # the digests its resume reads first; without them, rebuilt from its keys
+                        done.digest_bytes += self.kv.save_digests(session.seq)
+                    except OSError as e:
+                        log.warning("digest snapshot of session %s not written: %s", session.id, e)
             if left is None:
                 left = self.kv.to_recompute(session.seq)
             done.blocks_left += left
@@ -500,6 +509,15 @@ class Engine:
             return False
         behind.pump([], self.kv.frozen, busy=False)
         return bool(behind.batches) or behind.pump_due
+
+    def read_ahead(self) -> bool:
+        """While no request runs: resumed sessions' archived KV read back into DDR, without the
+        per-step bound (`h3d.tiers.readahead`). Returns whether more is to come (call again soon)."""
+        ahead = self.kv.tiers.ahead
+        if not ahead.queue:
+            return False
+        ahead.pump(busy=False)
+        return bool(ahead.queue)
 
     def take_events(self) -> list[Event]:
         """Events of requests that ended outside a step (their session was closed), once."""

@@ -119,25 +119,19 @@ class HostStepKV(_Writes):
 
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
         r, plan = self.runner, self.plan
-        if plan.staging:
-            r.tiers.stage(index, self.seqs, plan.protect)
+        chosen = [self._select(i, index, q, scale) if plan.selects[i] else None for i in range(len(self.seqs))]
+        if plan.staging:  # from the archive, only what the selections read (a resumed session's first steps)
+            only = {seq: np.unique(sel) for seq, sel in zip(self.seqs, chosen, strict=True) if sel is not None}
+            r.tiers.stage(index, self.seqs, plan.protect, only=only)
         runs: list = []
         kv_lens: list[int] = []
         locs: list[np.ndarray | None] = []
         heads: list[np.ndarray | None] = []  # per-KV-head locations of a per-head selection
         for i, seq in enumerate(self.seqs):
             t = r.blocks.table(seq)
-            sel = None
-            state = r.kv.selection(seq)
+            sel = chosen[i]
             if plan.probes[i]:
                 self._probe(i, index, q, scale)
-            if plan.selects[i]:
-                digests = r.digests.get(seq, index, t.num_blocks)
-                sel = state.policy.select(
-                    state, r.hbf, index, q[self.offsets[i]], digests, t.num_blocks, r.blocks.block_size, scale
-                )
-            if isinstance(sel, torch.Tensor):
-                sel = sel.cpu().numpy()
             if sel is None:
                 seq_runs = r.blocks.runs(seq, index)
                 if self.query_lens[i] > 1:  # a chunk attends to its own K/V as written (`fresh`)
@@ -190,6 +184,17 @@ class HostStepKV(_Writes):
             head_tables=head_tables,
             fresh=fresh,
         )
+
+    def _select(self, i: int, index: int, q: torch.Tensor, scale: float) -> np.ndarray | None:
+        """Sequence i's selection in this layer ([n] or [Hkv, n] block indices; None: every block)."""
+        r, seq = self.runner, self.seqs[i]
+        t = r.blocks.table(seq)
+        state = r.kv.selection(seq)
+        digests = r.digests.get(seq, index, t.num_blocks)
+        sel = state.policy.select(
+            state, r.hbf, index, q[self.offsets[i]], digests, t.num_blocks, r.blocks.block_size, scale
+        )
+        return sel.cpu().numpy() if isinstance(sel, torch.Tensor) else sel
 
     def _probe(self, i: int, index: int, q: torch.Tensor, scale: float) -> None:
         """HBF's prompt probe (`probe_anchors`) of chunk i, which ends its prompt: its last queries

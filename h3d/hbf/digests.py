@@ -248,6 +248,20 @@ class DigestStore:
                 d[:, :, 0].scatter_reduce_(1, idx, kt[:, lo:hi], reduce="amin", include_self=True)
                 d[:, :, 1].scatter_reduce_(1, idx, kt[:, lo:hi], reduce="amax", include_self=True)
 
+    def head(self, seq: SeqId, num_blocks: int) -> torch.Tensor:
+        """All layers' digests of `seq`'s first `num_blocks` blocks: [L, Hkv, num_blocks * parts, 2, D]
+        (a view of the arena: a snapshot copies it, `h3d.tiers.digestfile`)."""
+        start = self._extents[seq].start
+        return self._arena[:, :, start : start + num_blocks * self.parts]
+
+    def load(self, seq: SeqId, rows: torch.Tensor) -> None:
+        """Take `rows` ([L, Hkv, blocks * parts, 2, D], as `head` gives them) as the digests of
+        `seq`'s first blocks; the parts past them keep the empty sentinels."""
+        n = rows.shape[2]
+        d = self.ensure(seq, n)
+        for layer in range(rows.shape[0]):  # a layer at a time: a copy's staging is a layer's size
+            d[layer, :, :n].copy_(rows[layer])
+
     def layer(self, seq: SeqId, layer: int) -> torch.Tensor:
         """One layer of the session's rows: [Hkv, capacity * parts, 2, D] (min, max)."""
         ext = self._extents[seq]

@@ -285,6 +285,22 @@ class Policy:
         """The selection of a context longer than its window (`w`)."""
         return w.base
 
+    def known(
+        self, state: SelectionState, cfg: HbfConfig, layer: int, num_blocks: int, block_size: int
+    ) -> np.ndarray | None:
+        """The blocks of `layer` that the next decode step reads whatever its query (ascending;
+        None: every block), so that a resumed session reads them ahead (`h3d.tiers.readahead`)."""
+        budget = max(1, state.window_tokens // block_size)
+        if not self.selects or layer < cfg.dense_layers or num_blocks <= budget:
+            return None
+        base = base_blocks(num_blocks, cfg, block_size)
+        return self._known(state, cfg, layer, num_blocks, base, budget - len(base))
+
+    def _known(
+        self, state: SelectionState, cfg: HbfConfig, layer: int, num_blocks: int, base: np.ndarray, room: int
+    ) -> np.ndarray:
+        return base
+
     def after_step(self, state: SelectionState, cfg: HbfConfig) -> None:
         """Count a decode step of a session under this policy."""
         state.steps += 1
@@ -310,6 +326,12 @@ class Layerwise(Policy):
         extra = np.setdiff1d(state.anchors.get(w.layer, np.empty(0, dtype=np.int64)), w.base)[: w.room]
         return np.union1d(w.base, extra) if w.room > 0 else w.base
 
+    def _known(
+        self, state: SelectionState, cfg: HbfConfig, layer: int, num_blocks: int, base: np.ndarray, room: int
+    ) -> np.ndarray:
+        extra = np.setdiff1d(state.anchors.get(layer, np.empty(0, dtype=np.int64)), base)[:room]
+        return np.union1d(base, extra) if room > 0 else base
+
 
 class AttentionEntropy(Policy):
     name = "attention_entropy"
@@ -332,6 +354,17 @@ class AttentionEntropy(Policy):
         masked[:, where] = float("-inf")
         top = torch.topk(masked, min(w.room, w.num_blocks - len(w.base)), dim=-1).indices  # [Hkv, room]
         return torch.cat([where.expand(len(top), -1), top], dim=1).sort(dim=1).values
+
+    def _known(
+        self, state: SelectionState, cfg: HbfConfig, layer: int, num_blocks: int, base: np.ndarray, room: int
+    ) -> np.ndarray:
+        """The base and every head's anchors that come first (what `_pick` marks +inf)."""
+        anchors = state.head_anchors.get(layer)
+        if room <= 0 or anchors is None:
+            return base
+        take = min(int(room * cfg.anchor_share), anchors.shape[1])
+        first = anchors[:, :take].clamp(max=num_blocks - 1).cpu().numpy().ravel()
+        return np.union1d(base, first)
 
     def after_step(self, state: SelectionState, cfg: HbfConfig) -> None:
         """Count a decode step; every `resize_every` steps resize the window from the mean entropy

@@ -456,6 +456,16 @@ class BlockManager:
         self.entries.ddr[ids] = slots
         return slots
 
+    def place_ddr_many(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray, slots: np.ndarray) -> None:
+        """Blocks in neither HBM nor DDR take the DDR slots read ahead for them
+        (`SlotAllocator.take`, filled from the archive)."""
+        table = self._tables[seq]
+        ids = table.ids[layers, blocks]
+        assert ((self.entries.ddr[ids] == NONE) & (self.entries.hbm[ids] == NONE)).all(), "block has a copy"
+        self.ddr_alloc.claim(slots, seq)
+        self.entries.ddr[ids] = slots
+        table.version += 1
+
     def move_hbm_many(
         self, seq: SeqId, layers: np.ndarray, old: np.ndarray, new: np.ndarray, slots: np.ndarray
     ) -> None:

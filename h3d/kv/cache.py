@@ -21,12 +21,15 @@ What must stay true:
 - every truncation (a rewind, a failed step, KV dropped to be computed again, a damaged block)
   goes through `truncate`, which keeps the digests exact: each part's min and max of its kept keys;
 - a session whose policy keeps no digests has none; one adopted from the archive or parked has
-  `stale_digests` until its next step rebuilds them;
+  `stale_digests` until its next step takes them from its snapshot (`h3d.tiers.digestfile`;
+  the blocks past it rebuilt from their keys) or rebuilds them all; a snapshot never covers a
+  block whose keys changed (`cut` deletes it);
 - only the engine's thread calls it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -41,6 +44,7 @@ from h3d.kv.pool import KVPool
 from h3d.model.config import LayerKind
 from h3d.tiers import lifecycle
 from h3d.tiers.archive import Archive, ArchiveWriteFailed
+from h3d.tiers.digestfile import DigestFiles
 from h3d.tiers.manager import TierManager
 from h3d.tiers.promotion import Promoter
 from h3d.tiers.shares import HbmShares
@@ -128,6 +132,13 @@ class KVCache:
         self.digests = DigestStore(
             num_layers, num_kv_heads, head_dim, block_size, dtype, device, hbf.digest_tokens, blocks=per_layer
         )
+        # Digest snapshots beside the archive (`h3d.tiers.digestfile`): a resumed session's
+        # digests read first, not rebuilt from every key.
+        self.digest_files = (
+            DigestFiles(archive.path / "digests", archive.identity.fingerprint) if archive is not None else None
+        )
+        if self.digest_files is not None:
+            self.digest_files.clean()
         # The HBF picks of the last step replayed as a CUDA graph, not yet promoted (the runner's
         # graphs hand them over: `DecodeGraphs.take_lagged`).
         self.lagged: Callable[[], dict[SeqId, np.ndarray]] = dict
@@ -299,7 +310,10 @@ class KVCache:
         record = self.sessions[seq]
         if num_tokens >= record.table.num_tokens:
             return
+        if self.digest_files is not None:  # its snapshot holds the digests of the blocks cut
+            self.digest_files.cut(record.name, num_tokens // self.block_size)
         self.tiers.behind.cut(seq, num_tokens)  # its records in flight land before the blocks go
+        self.tiers.ahead.drop(seq, stop=False)  # and its reads ahead are given back
         self.blocks.truncate(seq, num_tokens)
         if not record.selection.policy.keeps_digests or record.stale_digests:
             return  # no digests kept, or rebuilt at the next step
@@ -354,6 +368,8 @@ class KVCache:
         """Forget all of `seq`'s KV, its archived records too: computed again from its tokens when
         it is used next. Returns the block copies dropped."""
         self.flush_lagged()
+        if self.digest_files is not None:
+            self.digest_files.remove(self.sessions[seq].name)
         return lifecycle.forget(self.tiers, seq)
 
     def demote(self, seq: SeqId, to_ssd: bool) -> int:
@@ -376,6 +392,8 @@ class KVCache:
         record = self.sessions.get(seq)
         try:
             self.tiers.release(seq, purge_archive and record is not None)
+            if purge_archive and record is not None and self.digest_files is not None:
+                self.digest_files.remove(record.name)
         finally:
             self.digests.drop(seq)
             self.sessions.pop(seq, None)
@@ -395,24 +413,86 @@ class KVCache:
             self.promote(lagged, protect or {}, counted=True)
 
     def refresh_digests(self, seq: SeqId) -> None:
-        """Rebuild `seq`'s digests if they are stale (adopted or parked); may meet a damaged
-        record, and is done again at the step after its repair."""
+        """Rebuild `seq`'s digests if they are stale (adopted or parked): from its snapshot where
+        there is one (the blocks past it from their keys), else from all its keys, its KV read
+        from the archive in parallel first. May meet a damaged record, and is done again at the
+        step after its repair."""
         record = self.sessions[seq]
         if record.stale_digests:
-            self.tiers.load(seq)  # its KV from the archive in parallel first: the digests read every key
-            self._rebuild_digests(seq)
+            t0 = time.perf_counter()
+            snapshot = self.digest_files is not None and self.digest_files.header(record.name) is not None
+            if snapshot:  # its KV read back into DDR beside the snapshot's read, what its step reads for sure first
+                self.tiers.ahead.start(seq, self._known(seq))
+            covered = self._load_digests(seq)
+            t1 = time.perf_counter()
+            staged = self.tiers.load(seq, covered)  # the keys the digests are rebuilt from (all, without a snapshot)
+            self._rebuild_digests(seq, covered)
             record.stale_digests = False
+            self.tiers.ahead.start(seq)  # (the rest of) its KV back into DDR
+            blocks = record.table.num_blocks
+            self.tiers.notices.append(("digests_restored", {
+                "session": record.name, "blocks": blocks, "from_snapshot": covered, "rebuilt": blocks - covered,
+                "blocks_read_first": staged, "snapshot_s": round(t1 - t0, 3),
+                "seconds": round(time.perf_counter() - t0, 3),
+            }))  # fmt: skip
+
+    def _known(self, seq: SeqId) -> np.ndarray:
+        """[L, blocks] what `seq`'s next decode step reads whatever its query (`Policy.known`)."""
+        record = self.sessions[seq]
+        state, nb = record.selection, record.table.num_blocks
+        mask = np.zeros((self.blocks.num_layers, nb), dtype=bool)
+        for layer in range(self.blocks.num_layers):
+            known = state.policy.known(state, self.hbf, layer, nb, self.block_size)
+            if known is None:
+                mask[layer] = True
+            else:
+                mask[layer, known[known < nb]] = True
+        return mask
 
     @torch.inference_mode()
-    def _rebuild_digests(self, seq: SeqId) -> None:
-        """Digests of every written block of `seq`, from its K wherever it is."""
+    def _load_digests(self, seq: SeqId) -> int:
+        """`seq`'s digests from its snapshot into the arena; returns the blocks it covered (0:
+        none, or one that does not match)."""
+        record = self.sessions[seq]
+        if self.digest_files is None:
+            return 0
+        d = self.digests
+        got = self.digest_files.read(
+            record.name, (*d.shape, 2, d.head_dim), d.dtype, d.part_tokens, record.table.num_tokens // self.block_size
+        )
+        if got is None:
+            return 0
+        blocks, rows = got
+        d.drop(seq)
+        d.load(seq, rows)
+        return blocks
+
+    def save_digests(self, seq: SeqId) -> int:
+        """Snapshot `seq`'s digests of its full blocks (a shutdown's checkpoint) unless its snapshot
+        covers them already; returns the bytes written. Raises OSError if the write fails."""
+        record = self.sessions[seq]
+        full = record.table.num_tokens // self.block_size
+        if self.digest_files is None or record.stale_digests or not self.digests.has(seq) or not full:
+            return 0
+        meta = self.digest_files.header(record.name)
+        if meta is not None and meta.get("blocks") == full:
+            return 0
+        rows = self.digests.head(seq, full)
+        return self.digest_files.write(record.name, full, self.digests.part_tokens, rows)
+
+    @torch.inference_mode()
+    def _rebuild_digests(self, seq: SeqId, first_block: int = 0) -> None:
+        """Digests of `seq`'s written blocks from `first_block` on, from their K wherever it is
+        (those before it are loaded already)."""
         table = self.sessions[seq].table
-        self.digests.drop(seq)
-        if table.num_tokens == 0:
+        if not first_block:
+            self.digests.drop(seq)
+        start = first_block * self.block_size
+        if table.num_tokens <= start:
             return
         for layer in range(self.blocks.num_layers):
-            k = self.tiers.read_keys(seq, layer)  # [Hkv, num_tokens, D]
-            self.digests.update(seq, layer, 0, k.transpose(0, 1).to(self.device))
+            k = self.tiers.read_keys(seq, layer, first_block)  # [Hkv, num_tokens - start, D]
+            self.digests.update(seq, layer, start, k.transpose(0, 1).to(self.device))
 
     def check(self) -> None:
         """Every invariant of the bookkeeping and the copies (tests switch this on)."""

@@ -60,6 +60,18 @@ class SlotAllocator:
         self._stack[self._top : self._top + len(done)] = done[::-1]
         self._top += len(done)
 
+    def take(self, n: int) -> np.ndarray:
+        """`n` slots for a reader that fills them before they belong to anyone (an archive read
+        ahead): released while held (`HELD`) until `claim`ed, or free again once let go."""
+        slots = self.allocate(n, SeqId(HELD))
+        self._holds[slots] += 1
+        return slots
+
+    def claim(self, slots: np.ndarray, owner: SeqId) -> None:
+        """`take`n slots, filled: now `owner`'s."""
+        self._holds[slots] -= 1
+        self.owner[slots] = owner
+
     def allocate(self, n: int, owner: SeqId) -> np.ndarray:
         if n > self._top:
             raise OutOfBlocks(f"KV pool exhausted: need {n} blocks, {self._top} free")

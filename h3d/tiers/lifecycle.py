@@ -155,6 +155,7 @@ def park(tiers: TierManager, seq: SeqId) -> int:
     """A closed session: every block, the partial last one included, durable in the archive,
     then every HBM and DDR copy dropped (the state a restart leaves: the next step that uses
     it stages its blocks back). Returns the blocks written."""
+    tiers.ahead.drop(seq)  # nothing read back into DDR after the drop
     written = snapshot(tiers, seq, partial=True)
     b = tiers.blocks
     t = b.table(seq)

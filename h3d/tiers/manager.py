@@ -33,6 +33,7 @@ from h3d.kv.pool import KVPool
 from h3d.tiers.backend import ColdTier
 from h3d.tiers.identity import ArchiveWriteFailed, BlockKey
 from h3d.tiers.mover import Mover, Transfer
+from h3d.tiers.readahead import ReadAhead
 from h3d.tiers.stats import TierCounters, TierStats
 from h3d.tiers.writebehind import WriteBehind
 
@@ -79,6 +80,7 @@ class TierManager:
         self.notices: list[tuple[str, dict[str, object]]] = []  # (log event, fields) for the daemon's log
         self.ssd_capacity = ssd_capacity if archive is not None else None
         self.behind = WriteBehind(self, write_behind_dirty_mb)
+        self.ahead = ReadAhead(self)
 
     @property
     def block_bytes(self) -> int:
@@ -89,6 +91,7 @@ class TierManager:
         with `purge_archive` (the KV cache forgets the rest of it)."""
         self.settle_spills()
         self.behind.forget(seq)  # its write-behind batches in flight: waited for
+        self.ahead.drop(seq)
         self.blocks.free(seq)
         if purge_archive and self.archive is not None:
             self.archive.remove(self.sessions[seq].name)
@@ -136,6 +139,7 @@ class TierManager:
             self.sessions[seq].last_used = self.step
         self._complete(self.mover.poll())
         self.behind.poll()
+        self.ahead.poll()
         if self.ssd_degraded is not None and time.monotonic() >= self._ssd_retry_at:
             self.retry_ssd()
 
@@ -240,10 +244,16 @@ class TierManager:
         self.sessions[seq].counters.ssd_read_count += len(layers)
 
     def stage(
-        self, layer: int, batch: list[SeqId], protect: dict[SeqId, int], upto: dict[SeqId, int] | None = None
+        self,
+        layer: int,
+        batch: list[SeqId],
+        protect: dict[SeqId, int],
+        upto: dict[SeqId, int] | None = None,
+        only: dict[SeqId, np.ndarray] | None = None,
     ) -> None:
         """Make every block of `layer` of the batch's sequences readable (HBM or DDR); with
-        `upto`, only each sequence's first `upto[seq]` blocks."""
+        `upto`, only each sequence's first `upto[seq]` blocks; with `only`, of the sequences it
+        names only those blocks (sorted, unique: what a selection reads)."""
         if self.archive is None:
             return  # without an archive every block is in HBM or DDR already
         b = self.blocks
@@ -251,7 +261,14 @@ class TierManager:
         for seq in batch:
             t = b.table(seq)
             nb = t.num_blocks if upto is None else min(t.num_blocks, upto[seq])
-            gone = np.flatnonzero(t.archive_only(layer, nb))
+            pick = None if only is None else only.get(seq)
+            if self.ahead.pieces:  # read ahead: its pieces in flight that hold these blocks are waited for
+                self.ahead.wait_for(seq, layer, np.arange(nb) if pick is None else pick)
+            if pick is None:
+                gone = np.flatnonzero(t.archive_only(layer, nb))
+            else:
+                pick = pick[pick < nb]
+                gone = pick[t.archive_only(layer, nb)[pick]]
             if len(gone):
                 missing.append((seq, gone))
         staged = sum(len(g) for _, g in missing)
@@ -326,6 +343,8 @@ class TierManager:
             self._spill(excess, self.eviction_order(batch, None), protect or {})
         if self.behind.enabled:
             self.behind.pump(batch, protect or {}, busy=True)
+        if self.ahead.queue:
+            self.ahead.pump(busy=True)
 
     # ---- moves ------------------------------------------------------------------------------
 
@@ -494,16 +513,18 @@ class TierManager:
             out[:, j, : k.shape[1]] = k.to(pool.device)
         return out.flatten(1, 2)[:, : t.num_tokens - first_block * b.block_size]
 
-    def load(self, seq: SeqId) -> int:
-        """Stage `seq`'s blocks that only the archive holds into DDR, all layers at once (its
-        records read on several threads: `Mover.read`), as many as fit below the high watermark
-        (the others stay in the archive, staged when a step needs them): a session resumed after
-        a restart or reopened. Returns the blocks staged."""
+    def load(self, seq: SeqId, first_block: int = 0) -> int:
+        """Stage `seq`'s blocks from `first_block` on that only the archive holds into DDR, all
+        layers at once (its records read on several threads: `Mover.read`), as many as fit below
+        the high watermark (the others stay in the archive, staged when a step needs them): a
+        session resumed after a restart or reopened, whose digests are rebuilt from them.
+        Returns the blocks staged."""
         if self.archive is None:
             return 0
         b = self.blocks
         t = b.table(seq)
         layers, blocks = np.nonzero(t.archive_only())
+        layers, blocks = layers[blocks >= first_block], blocks[blocks >= first_block]
         cap = b.ddr_alloc.capacity
         room = int(self.high_watermark * cap) - (cap - b.ddr_free)
         if room <= 0 or not len(blocks):
@@ -547,6 +568,8 @@ class TierManager:
             dirty_bytes=behind.dirty_bytes,
             write_behind_bytes=behind.written_bytes,
             write_behind_in_flight_bytes=behind.in_flight_bytes,
+            read_ahead_bytes=self.ahead.read_blocks * self.block_bytes,
+            read_ahead_in_flight_bytes=self.ahead.in_flight * self.block_bytes,
             write_behind_lag_s=behind.lag_s,
         )
 
@@ -580,6 +603,7 @@ class TierManager:
     def close(self) -> None:
         self.settle()
         self.behind.close()
+        self.ahead.close()
         self.mover.close()
 
 

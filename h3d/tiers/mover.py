@@ -161,6 +161,10 @@ class Mover:
                 raise first
         return len(keys) * self.ddr.slot_bytes
 
+    def read_into(self, keys: list[BlockKey], ddr_slots: np.ndarray) -> None:
+        """`read` on the calling thread (a read-ahead thread: `h3d.tiers.readahead`)."""
+        self._read_piece(keys, ddr_slots.tolist(), range(len(keys)))
+
     def _read_piece(self, keys: list[BlockKey], slots: list[int], piece: range) -> None:
         assert self.archive is not None
         # NumPy views of the pool and the records as integers of the same width: their slice

@@ -83,6 +83,8 @@ class TierStats:
     write_behind_bytes: int = 0  # KV written behind since start (before compression)
     write_behind_in_flight_bytes: int = 0  # submitted to the archive, not yet durable
     write_behind_lag_s: float = 0.0  # how long the dirty KV has been past write_behind_dirty_mb
+    read_ahead_bytes: int = 0  # resumed sessions' KV read back into DDR in the background since start
+    read_ahead_in_flight_bytes: int = 0  # being read back now
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -163,9 +163,11 @@ class WriteBehind:
         if cols == 0:
             return 0
         ids, todo, down = ids[:, :cols], todo[:, :cols], down[:, :cols]
-        layers, offs = np.nonzero(todo.T)[::-1]  # block-major: a batch holds whole columns first
+        layers, offs = np.nonzero(todo)
         blocks = offs + start
-        order = np.lexsort((layers, blocks))
+        # Layer-major: a layer's blocks lie in runs in the archive's segments, so that a resume
+        # reads a layer (a dense one whole, `h3d.tiers.readahead`) in large sequential pieces.
+        order = np.lexsort((blocks, layers))
         layers, blocks = layers[order], blocks[order]
         nbytes = len(blocks) * tiers.block_bytes
         if tiers.ssd_capacity is not None and tiers.archive is not None:

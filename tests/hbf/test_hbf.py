@@ -233,6 +233,33 @@ def test_attention_entropy_reads_each_heads_prompt_anchors_first() -> None:
     assert none is not None and none.tolist() == [[0, 15, 16, 17, 18, 19]] * 2
 
 
+@pytest.mark.parametrize("policy", ["fixed", "attention_entropy", "layerwise", "exact"])
+@given(num_blocks=st.integers(1, 60), seed=st.integers(0, 2**16), share=st.sampled_from([0.0, 0.5, 1.0]))
+@settings(max_examples=40, deadline=None)
+def test_known_blocks_are_read_by_every_selection(policy: str, num_blocks: int, seed: int, share: float) -> None:
+    """`Policy.known` (what a resumed session reads ahead before its first step) lies within
+    the selection of any query (None exactly where every block is read), and is no more than
+    the base and the anchors."""
+    cfg = replace(
+        EngineConfig(), policy=policy, window_tokens=8 * BS, sink_blocks=1, recent_tokens=BS, dense_layers=1,
+        anchor_share=share,
+    ).hbf  # fmt: skip
+    state = SelectionState(POLICIES[policy], cfg.window_tokens)
+    g = torch.Generator().manual_seed(seed)
+    state.head_anchors[2] = torch.randint(0, num_blocks + 3, (2, 5), generator=g)  # some past the end
+    state.anchors[2] = np.unique(torch.randint(0, num_blocks, (6,), generator=g).numpy())
+    for layer in (0, 2):
+        known = state.policy.known(state, cfg, layer, num_blocks, BS)
+        for _ in range(3):
+            digests = torch.randn(2, num_blocks, 2, 16, generator=g).sort(dim=2).values
+            sel = state.policy.select(state, cfg, layer, torch.randn(4, 16, generator=g), digests, num_blocks, BS, 1.0)
+            if sel is None:
+                assert known is None
+                continue
+            assert known is not None and set(known.tolist()) <= set(np.unique(np.asarray(sel)).tolist())
+            assert len(known) <= 1 + 1 + 2 * 5 + 6
+
+
 def test_prompt_anchors_are_probed_at_the_prompts_last_chunk(
     checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

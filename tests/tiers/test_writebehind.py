@@ -35,6 +35,7 @@ from h3d.engine.session import SessionId
 from h3d.errors import ConfigError, SsdDegraded
 from h3d.kv.blocks import NONE
 from h3d.store.files import FileOps
+from h3d.tiers.digestfile import DigestFiles
 from h3d.tiers.identity import BlockKey
 
 MODEL = "llama_gqa4_tied"  # 3 layers, 2 KV heads of 16: 4 KiB per block of 16 tokens (fp32)
@@ -307,9 +308,10 @@ def test_the_archive_capacity_stops_write_behind(checkpoint: Callable[[str], Pat
 def test_a_resumed_session_is_read_back_on_several_threads_and_continues_the_same(
     checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """After a restart, a session's first step reads its whole archived KV into DDR at once, its
-    records decoded on several threads (pieces of 8 here), before its digests are rebuilt from
-    it; its generation equals the uninterrupted engine's."""
+    """After a restart without a digest snapshot (a kill -9 before the checkpoint wrote it), a
+    session's first step reads its whole archived KV into DDR at once, its records decoded on
+    several threads (pieces of 8 here), before its digests are rebuilt from it; its generation
+    equals the uninterrupted engine's. (With a snapshot: tests/tiers/test_resume.py.)"""
     from h3d.tiers import mover
 
     monkeypatch.setattr(mover, "READ_PIECE", 8)
@@ -324,6 +326,7 @@ def test_a_resumed_session_is_read_back_on_several_threads_and_continues_the_sam
     assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
     engine.checkpoint()
     engine.close()
+    DigestFiles(folder / "archive" / "digests", "").remove(sid)
 
     engine = _engine(checkpoint(MODEL), folder, **kw)
     tiers = engine.runner.tiers

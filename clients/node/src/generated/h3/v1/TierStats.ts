@@ -91,6 +91,12 @@ export interface TierStats {
    * far the archive lags behind.
    */
   'writeBehindLagS'?: (number | string);
+  /**
+   * KV bytes of resumed sessions read back from the archive into DDR in the background since
+   * start (h3d.tiers.readahead), and those being read now.
+   */
+  'readAheadBytes'?: (number | string | Long);
+  'readAheadInFlightBytes'?: (number | string | Long);
 }
 
 /**
@@ -182,4 +188,10 @@ export interface TierStats__Output {
    * far the archive lags behind.
    */
   'writeBehindLagS': (number);
+  /**
+   * KV bytes of resumed sessions read back from the archive into DDR in the background since
+   * start (h3d.tiers.readahead), and those being read now.
+   */
+  'readAheadBytes': (number);
+  'readAheadInFlightBytes': (number);
 }

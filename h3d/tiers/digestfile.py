@@ -1,0 +1,233 @@
+"""Digest snapshots: a session's block digests kept beside the archive, read first when it resumes.
+
+HBF's selection reads every block's digest (`h3d.hbf.digests`) before a decode step reads any
+block. A session resumed from the archive (after a restart, or closed and reopened) has no digests
+on the device; rebuilt from its keys they cost a read of every block it has (half its KV: 8.6 GB
+for a 128K-token session of an 8B model), before its first token. A snapshot holds the digests of
+its first `blocks` full blocks, all layers, an eighth of its KV by default (`digest_tokens` 8):
+read first, it lets the first step read only the blocks it selects (`TierManager.stage`).
+
+A full block's keys never change while the session keeps it, so a snapshot stays valid for the
+blocks it covers as the session grows; what must stay true is that a cut below its coverage (a
+rewind, a damaged block computed again: `KVCache.cut`) deletes it, and so does forgetting the
+session's KV. Snapshots are written at a shutdown's checkpoint (`Engine.checkpoint`), after the
+blocks themselves. After a kill -9 there may be none, or one that covers fewer blocks: the digests
+of the blocks past it are rebuilt from their keys, as they always were.
+
+File `<archive>/digests/<session>.h3dg`: `MAGIC`, the header's length and crc32 (two little-endian
+u32), a JSON header (format version, the model fingerprint, dtype, shape [L, Hkv, rows, 2, D],
+part tokens, blocks covered, piece bytes, one crc32 per piece), then at `DATA_OFFSET` or the next
+4 KiB boundary past the header the rows as stored on the device. Written under a temporary name,
+fsynced, renamed over the old one and the folder fsynced: a crash leaves the old snapshot or the
+new one. Read in pieces of `PIECE_BYTES` on `THREADS` threads (zlib's crc32 releases the GIL), each
+piece's crc checked: a snapshot that does not match (another model or shape, a bad crc, a short
+file) is ignored with a warning and deleted, and the digests are rebuilt from the keys, never taken wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from h3d.store.files import FILE_MODE, fsync_dir, make_dirs
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"H3DG"
+VERSION = 1
+PREFIX = struct.Struct("<4sII")  # magic, header length, header crc32
+DATA_ALIGN = 4096
+PIECE_BYTES = 32 << 20
+THREADS = min(8, os.cpu_count() or 1)
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+class DigestFiles:
+    """The snapshots of one archive's sessions (`folder` is `<archive>/digests`), for the cache
+    whose model `fingerprint` they were computed with."""
+
+    def __init__(self, folder: Path, fingerprint: str) -> None:
+        self.folder = Path(folder)
+        self.fingerprint = fingerprint
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def path(self, session: str) -> Path:
+        name = session if _SAFE_NAME.fullmatch(session) else hashlib.sha256(session.encode()).hexdigest()
+        return self.folder / f"{name}.h3dg"
+
+    # ---- writing ---------------------------------------------------------------------------
+
+    def write(self, session: str, blocks: int, part_tokens: int, rows: torch.Tensor) -> int:
+        """Save `rows` ([L, Hkv, blocks * parts, 2, D], any device) as `session`'s snapshot of its
+        first `blocks` blocks, atomically. Returns the bytes written."""
+        data = torch.empty(rows.shape, dtype=rows.dtype)
+        for layer in range(rows.shape[0]):  # a layer at a time: a device copy's staging is a layer's size
+            data[layer].copy_(rows[layer])
+        raw = data.view(torch.uint8).numpy().reshape(-1)
+        pieces = [raw[i : i + PIECE_BYTES].data for i in range(0, len(raw), PIECE_BYTES)]
+        with ThreadPoolExecutor(THREADS) as pool:
+            crcs = list(pool.map(zlib.crc32, pieces))
+        header = json.dumps({
+            "version": VERSION,
+            "fingerprint": self.fingerprint,
+            "dtype": str(data.dtype).removeprefix("torch."),
+            "shape": list(data.shape),
+            "part_tokens": part_tokens,
+            "blocks": blocks,
+            "piece_bytes": PIECE_BYTES,
+            "crcs": crcs,
+        }).encode()  # fmt: skip
+        start = _data_offset(len(header))
+        make_dirs(self.folder)
+        final = self.path(session)
+        tmp = final.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+        try:
+            os.fchmod(fd, FILE_MODE)
+            head = PREFIX.pack(MAGIC, len(header), zlib.crc32(header)) + header
+            _write_all(fd, head + b"\0" * (start - len(head)))
+            for piece in pieces:
+                _write_all(fd, piece)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        os.close(fd)
+        os.replace(tmp, final)
+        fsync_dir(self.folder)
+        self.bytes_written += start + len(raw)
+        return start + len(raw)
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def header(self, session: str) -> dict[str, Any] | None:
+        """The snapshot's header, or None if there is none (or it is unreadable)."""
+        path = self.path(session)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(PREFIX.size)
+                if len(head) < PREFIX.size:
+                    raise ValueError("shorter than its prefix")
+                magic, n, crc = PREFIX.unpack(head)
+                if magic != MAGIC:
+                    raise ValueError("not a digest snapshot")
+                body = f.read(n)
+            if len(body) != n or zlib.crc32(body) != crc:
+                raise ValueError("its header fails its checksum")
+            meta = json.loads(body)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            self._ignore(session, str(e))
+            return None
+        return meta if isinstance(meta, dict) else None
+
+    def read(
+        self, session: str, shape: tuple[int, ...], dtype: torch.dtype, part_tokens: int, max_blocks: int
+    ) -> tuple[int, torch.Tensor] | None:
+        """`session`'s snapshot as (blocks, rows [L, Hkv, blocks * parts, 2, D] on the CPU), if
+        there is one that matches this cache (`shape` is [L, Hkv, 2, D]) and covers at most
+        `max_blocks` blocks (the session's full blocks now); None otherwise (a warning says why,
+        except where there is simply none)."""
+        meta = self.header(session)
+        if meta is None:
+            return None
+        path = self.path(session)
+        want_dtype = str(dtype).removeprefix("torch.")
+        got = meta.get("shape", [])
+        problem = None
+        if meta.get("version") != VERSION or meta.get("fingerprint") != self.fingerprint:
+            problem = "written for another model or format"
+        elif meta.get("dtype") != want_dtype or meta.get("part_tokens") != part_tokens:
+            problem = f"dtype {meta.get('dtype')}, {meta.get('part_tokens')}-token parts"
+            problem += f" (this cache: {want_dtype}, {part_tokens})"
+        elif len(got) != 5 or (got[0], got[1], got[3], got[4]) != tuple(shape):
+            problem = f"shape {got}, not {list(shape)} with rows"
+        elif not 0 < int(meta.get("blocks", 0)) <= max_blocks:
+            problem = f"it covers {meta.get('blocks')} blocks, the session has {max_blocks} full ones"
+        if problem is not None:
+            self._ignore(session, problem)
+            return None
+        out = torch.empty(got, dtype=dtype)
+        raw = out.view(torch.uint8).numpy().reshape(-1)
+        piece, crcs = int(meta["piece_bytes"]), list(meta["crcs"])
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            self._ignore(session, str(e))
+            return None
+        try:
+            start = _data_offset(PREFIX.unpack(os.pread(fd, PREFIX.size, 0))[1])
+            if os.fstat(fd).st_size != start + len(raw) or len(crcs) != -(-len(raw) // piece):
+                raise ValueError("its length does not match its header")
+
+            def one(i: int) -> bool:
+                view = raw[i * piece : (i + 1) * piece].data
+                n = os.preadv(fd, [view], start + i * piece)
+                return n == len(view) and zlib.crc32(view) == crcs[i]
+
+            with ThreadPoolExecutor(THREADS) as pool:
+                good = all(pool.map(one, range(len(crcs))))
+            if not good:
+                raise ValueError("a piece fails its checksum")
+        except (OSError, ValueError) as e:
+            os.close(fd)
+            self._ignore(session, str(e))
+            return None
+        os.close(fd)
+        self.bytes_read += len(raw)
+        return int(meta["blocks"]), out
+
+    def _ignore(self, session: str, why: str) -> None:
+        """A snapshot that cannot be used: deleted (the next checkpoint writes a good one)."""
+        log.warning("digest snapshot %s ignored and deleted: %s", self.path(session), why)
+        with contextlib.suppress(OSError):
+            self.remove(session)
+
+    # ---- upkeep ----------------------------------------------------------------------------
+
+    def cut(self, session: str, blocks: int) -> None:
+        """The session keeps only its first `blocks` blocks as they are: a snapshot covering more is deleted."""
+        meta = self.header(session)
+        if meta is not None and int(meta.get("blocks", 0)) > blocks:
+            self.remove(session)
+
+    def remove(self, session: str) -> None:
+        path = self.path(session)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            fsync_dir(self.folder)
+
+    def clean(self) -> int:
+        """Delete what an interrupted write left (temporary files); returns how many."""
+        gone = 0
+        for tmp in self.folder.glob("*.tmp") if self.folder.is_dir() else ():
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+                gone += 1
+        return gone
+
+
+def _data_offset(header_bytes: int) -> int:
+    return -(-(PREFIX.size + header_bytes) // DATA_ALIGN) * DATA_ALIGN
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.write(fd, view)
+        view = view[n:]

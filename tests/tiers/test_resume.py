@@ -1,0 +1,334 @@
+"""Resuming a session from the archive: its digests first (`h3d.tiers.digestfile`), then only the blocks its steps read.
+
+- A shutdown's checkpoint writes each session's digest snapshot; after the restart the digests are
+  read from it, bit for bit those rebuilt from the keys, and the first step reads from the archive
+  only the blocks it reads: every block of the dense layers, the selections' blocks of the others
+  (counted record by record). The tokens equal an untiered engine's.
+- A snapshot that does not match (a flipped byte, another shape) is ignored and the digests are
+  rebuilt from every key; one that covers fewer blocks than the session has (it grew after) gives
+  its blocks and the rest are rebuilt; a rewind below its blocks deletes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import VOCAB_SIZE, make_engine, random_prompt
+
+from h3d.engine.engine import Engine
+from h3d.engine.sampling import SamplingParams
+from h3d.engine.session import SessionId
+from h3d.engine.stepkv import HostStepKV
+from h3d.tiers.digestfile import DigestFiles
+
+MODEL = "llama_gqa4_tied"  # 3 layers, 2 KV heads of 16, blocks of 16 tokens
+HBF: dict[str, Any] = {
+    "policy": "attention_entropy",
+    "window_tokens": 128,
+    "window_min_tokens": 64,
+    "window_max_tokens": 256,
+    "recent_tokens": 32,
+    "dense_layers": 1,
+}
+PROMPT = 600  # 38 blocks: a window of 8 of them per KV head
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def _engine(model: Path, folder: Path, **overrides: Any) -> Engine:
+    kw: dict[str, Any] = {
+        "ssd_path": str(folder / "archive"),
+        "session_log_path": str(folder / "sessions"),
+        "hbm_mb": 3 * 8 * 4096 / 2**20,
+        **HBF,
+    }
+    return make_engine(model, **(kw | overrides))
+
+
+def _first_run(checkpoint: Callable[[str], Path], folder: Path) -> tuple[SessionId, Engine, SessionId]:
+    """A session of PROMPT tokens and 6 generated, checkpointed and closed; its untiered twin
+    (left open, at the same point)."""
+    engine = _engine(checkpoint(MODEL), folder)
+    plain = make_engine(checkpoint(MODEL), **HBF)
+    ids = random_prompt(PROMPT, VOCAB_SIZE, seed=41)
+    sid, twin = engine.create_session(), plain.create_session()
+    engine.append(sid, token_ids=ids)
+    plain.append(twin, token_ids=ids)
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    done = engine.checkpoint()
+    assert done.digest_bytes > 0 and done.blocks_left == 0
+    engine.close()
+    return sid, plain, twin
+
+
+def _files(engine: Engine) -> DigestFiles:
+    files = engine.runner.kv.digest_files
+    assert files is not None
+    return files
+
+
+def _digests(engine: Engine, sid: SessionId, blocks: int) -> torch.Tensor:
+    return engine.runner.kv.digests.head(engine.session(sid).seq, blocks).cpu().clone()
+
+
+def test_a_resumed_session_reads_its_digests_then_only_the_blocks_its_first_step_selects(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from h3d.tiers.readahead import ReadAhead
+
+    monkeypatch.setattr(ReadAhead, "start", lambda *_: None)  # read-ahead off: the step's own reads
+    folder = tmp_path / "data"
+    sid, plain, twin = _first_run(checkpoint, folder)
+    engine = _engine(checkpoint(MODEL), folder)
+    seq = engine.session(sid).seq
+    tiers = engine.runner.tiers
+    table = tiers.blocks.table(seq)
+    nb, last = table.num_blocks, table.num_tokens // tiers.blocks.block_size
+    assert table.archive_only().all()
+    selected: dict[int, set[int]] = {}
+    select = HostStepKV._select
+
+    def spy_select(self: HostStepKV, i: int, index: int, q: torch.Tensor, scale: float) -> np.ndarray | None:
+        sel = select(self, i, index, q, scale)
+        if sel is not None:
+            selected.setdefault(index, set()).update(np.unique(sel).tolist())
+        return sel
+
+    reads: dict[int, set[int]] = {}
+    read = tiers.mover.read
+
+    def spy_read(keys: list[Any], slots: np.ndarray) -> int:
+        for key in keys:
+            assert (key.index) not in reads.setdefault(key.layer, set()), "a block read twice"
+            reads[key.layer].add(key.index)
+        return read(keys, slots)
+
+    monkeypatch.setattr(HostStepKV, "_select", spy_select)
+    monkeypatch.setattr(tiers.mover, "read", spy_read)
+    out = engine.complete(sid, "", ONE).token_ids
+    monkeypatch.undo()
+
+    assert _files(engine).bytes_read > 0  # the digests came from the snapshot
+    assert set(selected) == {1, 2}  # the dense layer 0 selects nothing
+    assert reads[0] == set(range(nb))  # a dense layer reads every block
+    for layer in (1, 2):
+        assert len(selected[layer]) < nb - 4  # a window, not the whole context
+        assert reads[layer] == selected[layer] | {last}, layer  # the selection's blocks and the partial last one
+    assert tiers.counters.ssd_read_count == sum(len(r) for r in reads.values())
+    assert tiers.blocks.table(seq).archive_only().any()  # the rest stays in the archive
+
+    # The digests loaded are those rebuilt from every key, and the tokens the untiered engine's.
+    loaded = _digests(engine, sid, last)
+    assert out + engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", ONE).token_ids + (
+        plain.complete(twin, "", GREEDY).token_ids
+    )
+    engine.close()
+    DigestFiles(folder / "archive" / "digests", "").remove(sid)
+    rebuilt_engine = _engine(checkpoint(MODEL), folder)
+    rebuilt_engine.complete(sid, "", ONE)
+    assert _files(rebuilt_engine).bytes_read == 0
+    assert torch.equal(_digests(rebuilt_engine, sid, last), loaded)
+    rebuilt_engine.close()
+    plain.close()
+
+
+def test_a_snapshot_that_does_not_match_is_ignored_and_one_that_covers_less_gives_what_it_has(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A flipped byte in a snapshot's rows: ignored, the digests rebuilt from every key. A
+    snapshot of fewer blocks than the session has: its blocks loaded, the rest rebuilt. Both give
+    the digests rebuilt from the keys and the untiered engine's tokens."""
+    folder = tmp_path / "data"
+    sid, plain, twin = _first_run(checkpoint, folder)
+    files = DigestFiles(folder / "archive" / "digests", "")
+    path = files.path(sid)
+    good = path.read_bytes()
+    engine = _engine(checkpoint(MODEL), folder)
+    engine.complete(sid, "", ONE)
+    blocks = len(engine.session(sid).tokens) // 16
+    want = _digests(engine, sid, blocks)
+    engine.checkpoint()  # (its HBF state, which the tokens depend on: its snapshot covers these blocks already)
+    engine.close()
+
+    bad = bytearray(good)
+    bad[-100] ^= 0x40
+    path.write_bytes(bytes(bad))
+    engine = _engine(checkpoint(MODEL), folder)
+    engine.complete(sid, "", ONE)
+    assert _files(engine).bytes_read == 0 and not path.exists()  # ignored, deleted
+    assert torch.equal(_digests(engine, sid, blocks), want)
+    engine.checkpoint()
+    engine.close()
+
+    # A snapshot of the first 20 blocks only, written by hand from the good rows.
+    engine = _engine(checkpoint(MODEL), folder)
+    files = _files(engine)
+    meta = files.header(sid)
+    assert meta is not None and meta["blocks"] == 37
+    path.write_bytes(good)
+    got = files.read(sid, (3, 2, 2, 16), torch.float32, 8, 37)
+    assert got is not None and got[0] == 37
+    rows = got[1][:, :, : 20 * 2]  # 2 parts per block of 16 tokens
+    files.write(sid, 20, 8, rows)
+    before = files.bytes_read
+    engine.complete(sid, "", ONE)
+    assert files.bytes_read - before == rows.numel() * 4
+    tokens = engine.complete(sid, "", GREEDY).token_ids
+    assert torch.equal(_digests(engine, sid, blocks), want)
+    engine.close()
+    for _ in range(3):
+        plain.complete(twin, "", ONE)
+    assert tokens == plain.complete(twin, "", GREEDY).token_ids
+    plain.close()
+
+
+def test_a_rewind_below_a_snapshot_deletes_it(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    folder = tmp_path / "data"
+    sid, plain, _ = _first_run(checkpoint, folder)
+    plain.close()
+    engine = _engine(checkpoint(MODEL), folder)
+    files = _files(engine)
+    assert files.header(sid) is not None
+    engine.rewind(sid, 37 * 16 + 1)  # the KV of blocks 0..36 kept whole (the last token is fed again): it stays
+    assert files.header(sid) is not None
+    engine.rewind(sid, 300)
+    assert files.header(sid) is None and not files.path(sid).exists()
+    engine.close()
+
+
+def test_digest_files_round_trip_and_refuse_what_is_not_theirs(tmp_path: Path) -> None:
+    files = DigestFiles(tmp_path / "digests", "abc")
+    rows = torch.randn(3, 2, 10, 2, 16).to(torch.bfloat16)
+    assert files.read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5) is None  # none yet
+    n = files.write("s1", 5, 8, rows)
+    assert n == files.path("s1").stat().st_size and files.path("s1").stat().st_mode & 0o777 == 0o600
+    got = files.read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5)
+    assert got is not None and got[0] == 5 and torch.equal(got[1], rows)
+    for args in (
+        ((3, 2, 2, 16), torch.bfloat16, 8, 4),  # it covers more than the session has
+        ((3, 2, 2, 16), torch.float16, 8, 5),
+        ((3, 2, 2, 16), torch.bfloat16, 16, 5),
+        ((3, 4, 2, 16), torch.bfloat16, 8, 5),
+    ):
+        assert files.read("s1", *args) is None and not files.path("s1").exists(), args  # ignored, deleted
+        files.write("s1", 5, 8, rows)
+    assert DigestFiles(tmp_path / "digests", "other").read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5) is None
+    files.write("s1", 5, 8, rows)
+    path = files.path("s1")
+    path.write_bytes(path.read_bytes()[:-1])  # short
+    assert files.read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5) is None
+    assert files.path("../x y").parent == files.folder  # a name that is not a plain id is hashed
+    (files.folder / "s2.tmp").write_bytes(b"torn")
+    assert files.clean() == 1 and not (files.folder / "s2.tmp").exists()
+    assert not path.exists()  # deleted once found bad
+    files.write("s1", 5, 8, rows)
+    files.cut("s1", 5)
+    assert path.exists()
+    files.cut("s1", 3)
+    assert not path.exists()
+
+
+def test_the_rest_is_read_ahead_after_the_first_step_and_a_step_waits_for_a_piece_in_flight(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From the resume on, read-ahead brings every archived block back into DDR (each read once,
+    the partial one by the step), in pieces on its own threads; a step that needs a block of a
+    piece still in flight waits for it. The tokens equal the untiered engine's."""
+    import threading
+
+    from h3d.tiers import readahead
+
+    monkeypatch.setattr(readahead, "READ_AHEAD_PIECE", 8)
+    folder = tmp_path / "data"
+    sid, plain, twin = _first_run(checkpoint, folder)
+    engine = _engine(checkpoint(MODEL), folder)
+    seq = engine.session(sid).seq
+    tiers = engine.runner.tiers
+    ahead = tiers.ahead
+    read_into = tiers.mover.read_into
+    gate = threading.Event()
+    threads: set[str] = set()
+    keys_read: list[tuple[int, int]] = []
+
+    def slow(keys: list[Any], slots: np.ndarray) -> None:
+        threads.add(threading.current_thread().name)
+        gate.wait(10)  # held until the step below has asked for its blocks
+        keys_read.extend((k.layer, k.index) for k in keys)
+        read_into(keys, slots)
+
+    waited: list[int] = []
+    wait_for = ahead.wait_for
+
+    def spy_wait(s: Any, layer: int, blocks: np.ndarray) -> None:
+        if any(p.seq == s and not p.future.done() for p in ahead.pieces):
+            waited.append(layer)
+            gate.set()
+        wait_for(s, layer, blocks)
+
+    monkeypatch.setattr(tiers.mover, "read_into", slow)
+    monkeypatch.setattr(ahead, "wait_for", spy_wait)
+    monkeypatch.setattr(readahead, "READ_AHEAD_IN_FLIGHT_MB", 1)  # 256 blocks at a time: 32 pieces of 8
+    before, nb = tiers.counters.ssd_read_count, tiers.blocks.table(seq).num_blocks
+    # Read-ahead starts with the resume, beside the snapshot's read; the first step's layers wait
+    # for the pieces that hold what they read (the gate opens at the first wait).
+    first = engine.complete(sid, "", ONE).token_ids
+    assert waited and waited[0] == 0
+    out = engine.complete(sid, "", GREEDY).token_ids
+    for _ in range(200):
+        if not engine.read_ahead():
+            break
+    assert not ahead.queue and not ahead.pieces
+    table = tiers.blocks.table(seq)
+    assert not table.archive_only().any()  # all of it back
+    assert threads and all(name.startswith("h3d-read-ahead") for name in threads)
+    assert len(keys_read) == len(set(keys_read))
+    assert tiers.counters.ssd_read_count - before == 3 * nb  # every archived block read once
+    assert 0 < ahead.read_blocks < 3 * nb
+    stats = engine.tier_stats()
+    assert stats.read_ahead_bytes == ahead.read_blocks * 4096 and stats.read_ahead_in_flight_bytes == 0
+    assert first + out == plain.complete(twin, "", ONE).token_ids + plain.complete(twin, "", GREEDY).token_ids
+    engine.runner.kv.check()
+    engine.close()
+    plain.close()
+
+
+def test_read_ahead_submits_what_the_first_step_reads_for_sure_before_the_rest(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the resume, read-ahead's first submission is every block the step reads whatever its
+    query (`Policy.known`: the dense layer whole, sinks, recent window, the prompt's anchors),
+    past the in-flight bound (0 here); the rest waits for the bound."""
+    from h3d.tiers import readahead
+
+    monkeypatch.setattr(readahead, "READ_AHEAD_IN_FLIGHT_MB", 0)
+    folder = tmp_path / "data"
+    sid, plain, twin = _first_run(checkpoint, folder)
+    engine = _engine(checkpoint(MODEL), folder)
+    seq = engine.session(sid).seq
+    kv = engine.runner.kv
+    table = kv.tiers.blocks.table(seq)
+    nb, last = table.num_blocks, table.num_tokens // 16
+    want = kv._known(seq)
+    want[:, last] = False  # the partial block: the step's own
+    assert want[0, :last].all() and not want[1:].all() and want[1:].any()
+    submitted: list[np.ndarray] = []
+    submit = kv.tiers.ahead._submit
+
+    def spy(s: Any, layers: np.ndarray, blocks: np.ndarray) -> int:
+        mask = np.zeros((3, nb), dtype=bool)
+        mask[layers, blocks] = True
+        submitted.append(mask)
+        return submit(s, layers, blocks)
+
+    monkeypatch.setattr(kv.tiers.ahead, "_submit", spy)
+    out = engine.complete(sid, "", GREEDY).token_ids
+    assert submitted and np.array_equal(submitted[0], want)
+    assert len(submitted) == 1  # nothing else within a bound of 0
+    assert out == plain.complete(twin, "", GREEDY).token_ids
+    engine.close()
+    plain.close()
