@@ -56,6 +56,10 @@ def stats_text(stats: Any) -> str:
             f"{mib(g.dirty_bytes)} dirty, {mib(g.write_behind_in_flight_bytes)} in flight, "
             f"{mib(g.write_behind_bytes)} written; lag {g.write_behind_lag_s:.1f}s",
         ),
+        (
+            "read_ahead_mib",
+            f"{mib(g.read_ahead_bytes)} read back, {mib(g.read_ahead_in_flight_bytes)} in flight",
+        ),
         ("hbf_latency_us", f"p50 {g.hbf_latency_us_p50:.1f}  p99 {g.hbf_latency_us_p99:.1f}"),
         (
             "occupancy_mib",

@@ -458,6 +458,7 @@ def test_health_config_stats_top(d: RunningDaemon) -> None:
         assert key in human
     # within its 1 GiB budget, nothing of this small session is written behind
     assert "0.0 in flight, 0.0 written; lag 0.0s" in human and stats["global"]["dirty_bytes"] > 0
+    assert "read_ahead_mib" in human and "0.0 read back, 0.0 in flight" in human  # nothing resumed
     assert "tokens_per_s" in human and "in_flight" in human
     assert "graphs" in human and "after ready" in human  # the CPU captures none: "0 captured"
 
