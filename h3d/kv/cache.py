@@ -44,7 +44,7 @@ from h3d.kv.pool import KVPool
 from h3d.model.config import LayerKind
 from h3d.tiers import lifecycle
 from h3d.tiers.archive import Archive, ArchiveWriteFailed
-from h3d.tiers.digestfile import DigestFiles
+from h3d.tiers.digestfile import DigestFiles, host_copy
 from h3d.tiers.manager import TierManager
 from h3d.tiers.promotion import Promoter
 from h3d.tiers.shares import HbmShares
@@ -355,12 +355,14 @@ class KVCache:
         return dropped
 
     def park(self, seq: SeqId) -> None:
-        """A closed session: its KV to the archive only (`h3d.tiers.lifecycle.park`), unpinned, its digests
-        dropped (rebuilt from the archive if it is reopened)."""
+        """A closed session: its KV to the archive only (`h3d.tiers.lifecycle.park`), unpinned, its
+        digests snapshot (written on a thread of its own) and dropped: read back from the snapshot
+        if it is reopened."""
         self.flush_lagged()
         record = self.sessions[seq]
         lifecycle.park(self.tiers, seq)
         record.pinned_until = None
+        self._save_digests_later(seq)
         self.digests.drop(seq)
         record.stale_digests = record.selection.policy.keeps_digests
 
@@ -470,15 +472,30 @@ class KVCache:
     def save_digests(self, seq: SeqId) -> int:
         """Snapshot `seq`'s digests of its full blocks (a shutdown's checkpoint) unless its snapshot
         covers them already; returns the bytes written. Raises OSError if the write fails."""
+        full = self._unsaved_digests(seq)
+        if not full:
+            return 0
+        assert self.digest_files is not None
+        rows = self.digests.head(seq, full)
+        return self.digest_files.write(self.sessions[seq].name, full, self.digests.part_tokens, rows)
+
+    def _save_digests_later(self, seq: SeqId) -> None:
+        """`save_digests` with the write on a thread (`DigestFiles.write_later`): only the copy to
+        the host is done here."""
+        full = self._unsaved_digests(seq)
+        if full:
+            assert self.digest_files is not None
+            rows = host_copy(self.digests.head(seq, full))
+            self.digest_files.write_later(self.sessions[seq].name, full, self.digests.part_tokens, rows)
+
+    def _unsaved_digests(self, seq: SeqId) -> int:
+        """The full blocks whose digests `seq`'s snapshot would hold, if it lacks some (else 0)."""
         record = self.sessions[seq]
         full = record.table.num_tokens // self.block_size
         if self.digest_files is None or record.stale_digests or not self.digests.has(seq) or not full:
             return 0
         meta = self.digest_files.header(record.name)
-        if meta is not None and meta.get("blocks") == full:
-            return 0
-        rows = self.digests.head(seq, full)
-        return self.digest_files.write(record.name, full, self.digests.part_tokens, rows)
+        return 0 if meta is not None and meta.get("blocks") == full else full
 
     @torch.inference_mode()
     def _rebuild_digests(self, seq: SeqId, first_block: int = 0) -> None:
@@ -501,6 +518,8 @@ class KVCache:
 
     def close(self) -> None:
         """Finish the archive writes in flight and release the archive (its folder stays)."""
+        if self.digest_files is not None:
+            self.digest_files.close()
         self.tiers.close()
         if self.tiers.archive is not None:
             self.tiers.archive.close()

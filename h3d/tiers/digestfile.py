@@ -11,7 +11,9 @@ A full block's keys never change while the session keeps it, so a snapshot stays
 blocks it covers as the session grows; what must stay true is that a cut below its coverage (a
 rewind, a damaged block computed again: `KVCache.cut`) deletes it, and so does forgetting the
 session's KV. Snapshots are written at a shutdown's checkpoint (`Engine.checkpoint`), after the
-blocks themselves. After a kill -9 there may be none, or one that covers fewer blocks: the digests
+blocks themselves, and when a session is closed (`KVCache.park`: copied to the host on the
+engine thread, written on a thread of its own, `write_later`; every other call on that session
+waits for it). After a kill -9 there may be none, or one that covers fewer blocks: the digests
 of the blocks past it are rebuilt from their keys, as they always were.
 
 File `<archive>/digests/<session>.h3dg`: `MAGIC`, the header's length and crc32 (two little-endian
@@ -34,7 +36,7 @@ import os
 import re
 import struct
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,8 @@ class DigestFiles:
         self.fingerprint = fingerprint
         self.bytes_read = 0
         self.bytes_written = 0
+        self._writer: ThreadPoolExecutor | None = None  # `write_later`'s one thread
+        self._pending: dict[str, Future[int]] = {}  # session -> its write under way
 
     def path(self, session: str) -> Path:
         name = session if _SAFE_NAME.fullmatch(session) else hashlib.sha256(session.encode()).hexdigest()
@@ -72,9 +76,7 @@ class DigestFiles:
     def write(self, session: str, blocks: int, part_tokens: int, rows: torch.Tensor) -> int:
         """Save `rows` ([L, Hkv, blocks * parts, 2, D], any device) as `session`'s snapshot of its
         first `blocks` blocks, atomically. Returns the bytes written."""
-        data = torch.empty(rows.shape, dtype=rows.dtype)
-        for layer in range(rows.shape[0]):  # a layer at a time: a device copy's staging is a layer's size
-            data[layer].copy_(rows[layer])
+        data = rows if rows.device.type == "cpu" and rows.is_contiguous() else host_copy(rows)
         raw = data.view(torch.uint8).numpy().reshape(-1)
         pieces = [raw[i : i + PIECE_BYTES].data for i in range(0, len(raw), PIECE_BYTES)]
         with ThreadPoolExecutor(THREADS) as pool:
@@ -112,10 +114,36 @@ class DigestFiles:
         self.bytes_written += start + len(raw)
         return start + len(raw)
 
+    def write_later(self, session: str, blocks: int, part_tokens: int, rows: torch.Tensor) -> None:
+        """`write` on a thread of its own (a closed session's snapshot: `KVCache.park`); `rows` on
+        the CPU, no longer written to. Every other call on `session` waits for it first."""
+        self.settle(session)
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="h3d-digest-write")
+        self._pending[session] = self._writer.submit(self.write, session, blocks, part_tokens, rows)
+
+    def settle(self, session: str | None = None) -> None:
+        """Wait for `write_later`'s writes (of `session`, or all): one that failed is logged and
+        leaves the old snapshot, or none (the digests are then rebuilt from the keys)."""
+        for name in [session] if session is not None else list(self._pending):
+            future = self._pending.pop(name, None)
+            if future is None:
+                continue
+            try:
+                future.result()
+            except OSError as e:
+                log.warning("digest snapshot %s not written: %s", self.path(name), e)
+
+    def close(self) -> None:
+        self.settle()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+
     # ---- reading ---------------------------------------------------------------------------
 
     def header(self, session: str) -> dict[str, Any] | None:
         """The snapshot's header, or None if there is none (or it is unreadable)."""
+        self.settle(session)
         path = self.path(session)
         try:
             with open(path, "rb") as f:
@@ -207,6 +235,7 @@ class DigestFiles:
             self.remove(session)
 
     def remove(self, session: str) -> None:
+        self.settle(session)
         path = self.path(session)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
@@ -220,6 +249,15 @@ class DigestFiles:
                 tmp.unlink()
                 gone += 1
         return gone
+
+
+def host_copy(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` as a contiguous CPU tensor, copied a layer at a time (a device copy's staging is a
+    layer's size, not the whole)."""
+    data = torch.empty(rows.shape, dtype=rows.dtype)
+    for layer in range(rows.shape[0]):
+        data[layer].copy_(rows[layer])
+    return data
 
 
 def _data_offset(header_bytes: int) -> int:

@@ -332,3 +332,39 @@ def test_read_ahead_submits_what_the_first_step_reads_for_sure_before_the_rest(
     assert out == plain.complete(twin, "", GREEDY).token_ids
     engine.close()
     plain.close()
+
+
+def test_a_closed_session_is_snapshot_behind_and_reopens_from_it(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closing a session (its KV parked in the archive) writes its digest snapshot on a thread of
+    its own; reopening it while that write is under way waits for it, then reads the digests from
+    it rather than from every key. The tokens equal the untiered engine's."""
+    import threading
+
+    engine = _engine(checkpoint(MODEL), tmp_path / "data")
+    plain = make_engine(checkpoint(MODEL), **HBF)
+    ids = random_prompt(PROMPT, VOCAB_SIZE, seed=43)
+    sid, twin = engine.create_session(), plain.create_session()
+    engine.append(sid, token_ids=ids)
+    plain.append(twin, token_ids=ids)
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    files = _files(engine)
+    gate, threads = threading.Event(), set()
+    write = files.write
+
+    def slow(*args: Any) -> int:
+        threads.add(threading.current_thread().name)
+        gate.wait(10)
+        return write(*args)
+
+    monkeypatch.setattr(files, "write", slow)
+    engine.close_session(sid)
+    assert not files.path(sid).exists()  # under way, held
+    threading.Timer(0.3, gate.set).start()
+    out = engine.complete(sid, "", GREEDY).token_ids  # reopened: waits for the write, then reads it
+    assert files.path(sid).exists() and files.bytes_read > 0
+    assert threads and all(name.startswith("h3d-digest-write") for name in threads)
+    assert out == plain.complete(twin, "", GREEDY).token_ids
+    engine.close()
+    plain.close()
