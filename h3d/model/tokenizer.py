@@ -57,10 +57,20 @@ class Tokenizer:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+        def raise_exception(message: str) -> None:
+            raise jinja2.TemplateError(message)
+
+        # As transformers renders them: undefined names are falsy (Qwen's templates test `tools`),
+        # `tools` and `documents` are None, `raise_exception` fails the render, loops may break.
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(self.chat_template).render(
                 messages=messages,
+                tools=None,
+                documents=None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._token_text("bos_token") or "",
                 eos_token=self._token_text("eos_token") or "",

@@ -136,3 +136,24 @@ def test_the_embedded_instruct_model_chats_as_its_template_says(smol_dir: Path) 
     engine.append(sid, text="And three mountains?")
     text = engine.tokenizer.decode(engine.session(sid).tokens, skip_special_tokens=False)
     assert text.endswith("<|im_end|>\n<|im_start|>user\nAnd three mountains?<|im_end|>\n")
+
+
+QWEN_LIKE = (
+    "{%- if tools %}{{- 'TOOLS' }}{%- else %}{{- 'NO TOOLS\\n' }}{%- endif %}"
+    "{%- for m in messages %}{%- if m.role not in ['user', 'assistant'] %}"
+    "{{- raise_exception('bad role ' + m.role) }}{%- endif %}"
+    "{%- if loop.index > 2 %}{%- break %}{%- endif %}"
+    "{{- '<' + m.role + '>' + m.content + '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<assistant>' }}{%- endif %}"
+)
+
+
+def test_templates_render_as_transformers_renders_them(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A template in the manner of Qwen's: `tools` is None (not an error), `raise_exception` fails
+    the render with its message (InvalidRequest), loops may `break`."""
+    tok = engine.tokenizer
+    monkeypatch.setattr(tok, "chat_template", QWEN_LIKE)
+    messages = [{"role": r, "content": c} for r, c in (("user", "a"), ("assistant", "b"), ("user", "c"))]
+    assert tok.apply_chat_template(messages) == "NO TOOLS\n<user>a\n<assistant>b\n<assistant>"
+    with pytest.raises(InvalidRequest, match="bad role robot"):
+        tok.apply_chat_template([{"role": "robot", "content": "x"}])
