@@ -14,7 +14,8 @@ depths, a question, and the strings its answer must hold:
 
 Keys are two words, values random digits the model cannot guess, variable names random capitals;
 every value and name occurs in the prompt exactly where it is inserted (the generator draws again
-on a clash with the haystack). Deterministic from (task, context, depth, seed). Rendering with a
+on a clash with the haystack). Deterministic from (task, depth, seed): the facts and the question
+are the same at every length. Rendering with a
 chat template and fitting the context is the caller's (`body` tokens of haystack and facts).
 """
 
@@ -78,7 +79,7 @@ def make(name: str, encode: Encode, hay_ids: list[int], hay_text: str, body: int
         raise ValueError(f"unknown task {name!r} (one of {', '.join(TASKS)})")
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must lie in [0, 1], got {depth}")
-    rng = random.Random(f"{name}/{body}/{depth}/{seed}")
+    rng = random.Random(f"{name}/{depth}/{seed}")  # not the body: the question is the same at every length
     taken: set[str] = set()
     facts: list[tuple[float, str]] = []  # (depth, text)
     answers: tuple[str, ...]
