@@ -512,12 +512,13 @@ class Engine:
 
     def read_ahead(self) -> bool:
         """While no request runs: resumed sessions' archived KV read back into DDR, without the
-        per-step bound (`h3d.tiers.readahead`). Returns whether more is to come (call again soon)."""
+        per-step bound (`h3d.tiers.readahead`). Returns whether work is under way (call again
+        soon); not while DDR has no room for it (the idle loop then calls at its slower pace)."""
         ahead = self.kv.tiers.ahead
         if not ahead.queue:
             return False
-        ahead.pump(busy=False)
-        return bool(ahead.queue)
+        sent = ahead.pump(busy=False)
+        return sent > 0 or bool(ahead.pieces)
 
     def take_events(self) -> list[Event]:
         """Events of requests that ended outside a step (their session was closed), once."""
