@@ -51,7 +51,17 @@ import torch
 
 from h3d.store.files import FileOps, make_dirs, open_or_create
 from h3d.tiers import compaction
-from h3d.tiers.codecs import CODEC_IDS, DTYPES, Codec, decode, decompress_raw, encode, pack_record
+from h3d.tiers.codecs import (
+    CODEC_IDS,
+    DTYPES,
+    Codec,
+    decode,
+    decode_int8_many,
+    decompress_raw,
+    encode,
+    encode_int8_many,
+    pack_record,
+)
 from h3d.tiers.compaction import COPY_CHUNK_BYTES, CompactionHooks, CompactionStats
 from h3d.tiers.identity import (
     ArchiveCorrupt,
@@ -227,7 +237,8 @@ class Archive:
         Durable once this returns; a key put again supersedes its older record. Encoding runs
         outside the locks, so several threads' puts compress in parallel.
         """
-        pending = [self._pack_record(key, k, v) for key, k, v in items]
+        payloads = self._encode([(key, *self._checked(key, k, v)) for key, k, v in items])
+        pending = [self._pack_record(key, k, p) for (key, k, _), p in zip(items, payloads, strict=True)]
         if not pending:
             return
         with self._writing():
@@ -240,7 +251,7 @@ class Archive:
                     self._counts[1] += p.payload_bytes
                 self._counts[2] += len(pending)
 
-    def _pack_record(self, key: BlockKey, k: torch.Tensor, v: torch.Tensor) -> _Pending:
+    def _checked(self, key: BlockKey, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ident = self.identity
         n = k.shape[1] if k.dim() == 3 else -1
         shape = (ident.num_kv_heads, n, ident.head_dim)
@@ -248,9 +259,28 @@ class Archive:
             raise ValueError(f"{describe(key)}: k, v must be {list(shape)} with 1 <= n <= {ident.block_size}")
         if k.dtype != self._dtype or v.dtype != self._dtype:
             raise ValueError(f"{describe(key)}: dtype must be {self._dtype}, got {k.dtype}, {v.dtype}")
+        return k, v
+
+    def _encode(self, items: list[tuple[BlockKey, torch.Tensor, torch.Tensor]]) -> list[bytes]:
+        """Each block's payload under its layer's codec; int8 blocks of one token count are
+        encoded together (`encode_int8_many`), each payload the same bytes as alone."""
+        out: list[bytes | None] = [None] * len(items)
+        lossy: dict[int, list[int]] = {}  # token count -> positions
+        for i, (key, k, v) in enumerate(items):
+            codec = self.codec_for(key.layer)
+            if codec is Codec.INT8_DELTA_ZSTD:
+                lossy.setdefault(k.shape[1], []).append(i)
+            else:
+                out[i] = encode(codec, k, v)
+        for at in lossy.values():
+            for i, payload in zip(at, encode_int8_many([(items[i][1], items[i][2]) for i in at]), strict=True):
+                out[i] = payload
+        return out  # type: ignore[return-value]
+
+    def _pack_record(self, key: BlockKey, k: torch.Tensor, payload: bytes) -> _Pending:
+        n = k.shape[1]
         codec = self.codec_for(key.layer)
-        payload = encode(codec, k, v)
-        record, crc = pack_record(record_header(ident, key, n, CODEC_IDS[codec]), payload)
+        record, crc = pack_record(record_header(self.identity, key, n, CODEC_IDS[codec]), payload)
         return _Pending(key, record, n, codec, crc, 2 * k.numel() * k.element_size(), len(payload))
 
     def _rotate(self) -> None:
@@ -376,23 +406,36 @@ class Archive:
         except ValueError as e:
             raise ArchiveCorrupt(f"{describe(key)} in {where} does not decode: {e}", key) from e
 
-    def get_raw(self, keys: list[BlockKey]) -> list[tuple[int, bytes] | None]:
-        """Lossless records' bytes as put: for each key (n, K then V, each [Hkv, n, D] of the
-        identity's dtype, in the host's byte order), without making tensors (a bulk read copies
-        them into place); None for a record of another codec (`get` decodes it). KeyError if one
-        is not archived."""
+    def get_bytes(self, keys: list[BlockKey]) -> list[tuple[int, bytes | memoryview]]:
+        """A bulk read: for each key (n, K then V, each [Hkv, n, D] of the identity's dtype, in the
+        host's byte order) without making tensors per record (the mover copies them into place).
+        Lossless records come back as put; int8 ones decoded, those of one token count together
+        (`decode_int8_many`), each as `get` decodes it. KeyError if one is not archived."""
         ident = self.identity
-        out: list[tuple[int, bytes] | None] = []
-        for key, (codec, payload, loc, where) in zip(keys, self._records(keys), strict=True):
+        hkv, d, itemsize = ident.num_kv_heads, ident.head_dim, self._dtype.itemsize
+        records = self._records(keys)
+        out: list[tuple[int, bytes | memoryview] | None] = [None] * len(keys)
+        lossy: dict[int, list[int]] = {}  # token count -> positions of int8 records
+        for i, (key, (codec, payload, loc, where)) in enumerate(zip(keys, records, strict=True)):
             if codec is not Codec.RAW_ZSTD:
-                out.append(None)
+                lossy.setdefault(loc.num_tokens, []).append(i)
                 continue
-            size = 2 * ident.num_kv_heads * loc.num_tokens * ident.head_dim * self._dtype.itemsize
             try:
-                out.append((loc.num_tokens, decompress_raw(payload, size)))
+                out[i] = (loc.num_tokens, decompress_raw(payload, 2 * hkv * loc.num_tokens * d * itemsize))
             except ValueError as e:
                 raise ArchiveCorrupt(f"{describe(key)} in {where} does not decode: {e}", key) from e
-        return out
+        for n, at in lossy.items():
+            try:
+                x = decode_int8_many([records[i][1] for i in at], self._dtype, hkv, n, d)
+            except ValueError:  # name the record: decode them one by one until it fails
+                for i in at:
+                    self.get(keys[i])
+                raise
+            view = x.view(torch.uint8).numpy().data.cast("B")
+            per = 2 * hkv * n * d * itemsize
+            for j, i in enumerate(at):
+                out[i] = (n, view[j * per : (j + 1) * per])
+        return out  # type: ignore[return-value]
 
     def _records(self, keys: list[BlockKey]) -> list[tuple[Codec, memoryview, Loc, str]]:
         """`keys`' records read and checked: (codec, payload, place, where it was read) each. The

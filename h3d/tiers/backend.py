@@ -41,8 +41,9 @@ class ColdTier(Protocol):
         record."""
         ...
 
-    def get_raw(self, keys: list[BlockKey]) -> list[tuple[int, bytes] | None]:
-        """Lossless records' bytes as put (tokens, K then V), None where `get` must decode one."""
+    def get_bytes(self, keys: list[BlockKey]) -> list[tuple[int, bytes | memoryview]]:
+        """The blocks' bytes (tokens, K then V of the tier's dtype), lossy records decoded, as
+        `get` would give them; many at once. Raises `ArchiveCorrupt` or KeyError like `get`."""
         ...
 
     def blocks_of(self, session: str) -> dict[tuple[int, int], int]:

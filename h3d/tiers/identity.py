@@ -125,10 +125,11 @@ def verify_record(
     except ValueError as e:
         raise ArchiveCorrupt(f"{describe(key)} is corrupt: {e}, in {where}", key) from e
     want = record_header(identity, key, loc.num_tokens, found.codec_id)
-    for f in fields(RecordHeader):
-        expected, got = getattr(want, f.name), getattr(found, f.name)
-        if expected != got:
-            raise ArchiveMismatch(f"{describe(key)} in {where}: {f.name} expected {expected!r}, found {got!r}")
+    if found != want:  # one comparison of the whole header; the loop only names what differs
+        for f in fields(RecordHeader):
+            expected, got = getattr(want, f.name), getattr(found, f.name)
+            if expected != got:
+                raise ArchiveMismatch(f"{describe(key)} in {where}: {f.name} expected {expected!r}, found {got!r}")
     codec = CODECS_BY_ID.get(found.codec_id)
     if codec is None or not (codec is want_codec or codec.lossless):
         name = codec.value if codec else f"id {found.codec_id}"

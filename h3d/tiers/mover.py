@@ -172,18 +172,10 @@ class Mover:
         bits = _INT_OF_WIDTH[self.ddr.k.element_size()]
         k, v = self.ddr.k.view(bits).numpy(), self.ddr.v.view(bits).numpy()
         hkv, d = k.shape[0], k.shape[-1]
-        raws = self.archive.get_raw([keys[i] for i in piece])
-        for i, got in zip(piece, raws, strict=True):
+        for i, (n, raw) in zip(piece, self.archive.get_bytes([keys[i] for i in piece]), strict=True):
             slot = slots[i]
-            if got is not None:  # lossless: its bytes straight into place
-                n, raw = got
-                kv = np.frombuffer(raw, dtype=k.dtype).reshape(2, hkv, n, d)
-                k[:, slot, :n], v[:, slot, :n] = kv[0], kv[1]
-            else:
-                kb, vb = self.archive.get(keys[i])  # [Hkv, n, D]
-                n = kb.shape[1]
-                k[:, slot, :n] = kb.view(bits).numpy()
-                v[:, slot, :n] = vb.view(bits).numpy()
+            kv = np.frombuffer(raw, dtype=k.dtype).reshape(2, hkv, n, d)
+            k[:, slot, :n], v[:, slot, :n] = kv[0], kv[1]
             if n < self.ddr.block_size:
                 k[:, slot, n:] = 0
                 v[:, slot, n:] = 0

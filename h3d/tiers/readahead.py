@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from h3d.tiers.manager import TierManager
 
 READ_AHEAD_THREADS = max(1, min(4, os.cpu_count() or 1))
-READ_AHEAD_PIECE = 64  # records per piece (one `Archive.get_raw`)
+READ_AHEAD_PIECE = 64  # records per piece (one `Archive.get_bytes`)
 READ_AHEAD_STEP_MB = 64  # submitted per step while requests run
 READ_AHEAD_IN_FLIGHT_MB = 1024  # submitted and not yet applied, at most (an 8B model's two dense layers at 128K)
 

@@ -18,8 +18,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from h3d.store.files import FileOps
+from h3d.tiers import codecs
 from h3d.tiers.archive import Archive
-from h3d.tiers.codecs import INT8_MAX_REL_ERROR, INT8_MIN_SCALE, Codec, decode, encode
+from h3d.tiers.codecs import (
+    INT8_MAX_REL_ERROR,
+    INT8_MIN_SCALE,
+    Codec,
+    decode,
+    decode_int8_many,
+    encode,
+    encode_int8_many,
+)
 from h3d.tiers.compaction import COPY_CHUNK_BYTES, CompactionHooks
 from h3d.tiers.identity import ArchiveCorrupt, ArchiveError, ArchiveMismatch, BlockKey, CacheIdentity
 
@@ -107,6 +116,25 @@ def test_int8_codec_within_bound(kv: tuple[torch.Tensor, torch.Tensor]) -> None:
     assert k2.dtype == k.dtype and k2.shape == k.shape
     check_int8_bound(k, k2)
     check_int8_bound(v, v2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(blocks(finite=True), min_size=1, max_size=4))
+def test_int8_records_decoded_together_equal_each_decoded_alone(kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """`encode_int8_many` and `decode_int8_many` (a bulk write's and read's) against `encode` and
+    `decode` a record at a time: the same bytes, and bit for bit the same values."""
+    hkv, n, d = kvs[0][0].shape
+    dtype = kvs[0][0].dtype
+    same = [(k, v) for k, v in kvs if k.shape == (hkv, n, d) and k.dtype == dtype]
+    payloads = [encode(Codec.INT8_DELTA_ZSTD, k, v) for k, v in same]
+    assert encode_int8_many(same) == payloads
+    together = decode_int8_many(payloads, dtype, hkv, n, d)
+    assert together.shape == (len(same), 2 * hkv, n, d) and together.dtype == dtype
+    for i, payload in enumerate(payloads):
+        k, v = decode(Codec.INT8_DELTA_ZSTD, payload, dtype, hkv, n, d)
+        assert same_bits(together[i, :hkv], k) and same_bits(together[i, hkv:], v)
+    with pytest.raises(ValueError, match=f"payload {len(payloads)}"):
+        decode_int8_many([*payloads, b"not zstd"], dtype, hkv, n, d)
 
 
 def test_int8_codec_refuses_non_finite() -> None:
@@ -199,23 +227,32 @@ def test_persistence_supersede_and_delete(tmp_path: Path) -> None:
     del a1
 
 
-def test_raw_reads_give_the_bytes_put_and_leave_lossy_records_to_get(tmp_path: Path) -> None:
-    """`get_raw` (a bulk read): each lossless record's K then V bytes as `get` decodes them, a
-    partial block's too; None for an int8 record; a key not archived is a KeyError; a read of the
-    kept session's blocks after a tail is deleted (`remove` from a block on) finds only those."""
+def test_bulk_reads_give_each_block_as_get_does(tmp_path: Path) -> None:
+    """`get_bytes` (a bulk read): each lossless record's K then V bytes as put, a partial block's
+    too; an int8 record's as `get` decodes it (bit for bit, decoded together with the others of
+    its token count); a key not archived is a KeyError; a read of the kept session's blocks after
+    a tail is deleted (`remove` from a block on) finds only those."""
     with Archive(tmp_path, IDENT, Codec.INT8_DELTA_ZSTD, lossless_layers=frozenset({0})) as a:
         full = put(a, BlockKey("s", 0, 0), 1)
         part = put(a, BlockKey("s", 0, 1), 2, n=5)
-        put(a, BlockKey("s", 1, 0), 3)  # int8: only `get` decodes it
-        got = a.get_raw([BlockKey("s", 0, 0), BlockKey("s", 0, 1), BlockKey("s", 1, 0)])
+        lossy = [BlockKey("s", 1, 0), BlockKey("s", 1, 1), BlockKey("s", 1, 2)]
+        put(a, lossy[0], 3)
+        put(a, lossy[1], 4, n=7)
+        put(a, lossy[2], 5)
+        got = a.get_bytes([BlockKey("s", 0, 0), BlockKey("s", 0, 1), *lossy])
+
+        def kv(one: tuple[int, bytes | memoryview]) -> torch.Tensor:
+            return torch.frombuffer(bytearray(one[1]), dtype=torch.float32).view(2, 3, one[0], 64)
+
         for (k, v), one in zip((full, part), got[:2], strict=True):
-            assert one is not None and one[0] == k.shape[1]
-            raw = torch.frombuffer(bytearray(one[1]), dtype=torch.float32).view(2, 3, k.shape[1], 64)
-            assert same_bits(raw[0], k) and same_bits(raw[1], v)
-        assert got[2] is None
+            assert one[0] == k.shape[1] and same_bits(kv(one)[0], k) and same_bits(kv(one)[1], v)
+        for key, one in zip(lossy, got[2:], strict=True):
+            k, v = a.get(key)
+            assert one[0] == k.shape[1] and same_bits(kv(one)[0], k) and same_bits(kv(one)[1], v)
+        assert [one[0] for one in got[2:]] == [32, 7, 32]
         with pytest.raises(KeyError):
-            a.get_raw([BlockKey("s", 0, 0), BlockKey("s", 0, 7)])
-        assert a.remove("s", first=1) == 1 and a.blocks_of("s") == {(0, 0): 32, (1, 0): 32}
+            a.get_bytes([BlockKey("s", 0, 0), BlockKey("s", 0, 7)])
+        assert a.remove("s", first=1) == 3 and a.blocks_of("s") == {(0, 0): 32, (1, 0): 32}
     with Archive(tmp_path, IDENT, Codec.INT8_DELTA_ZSTD, lossless_layers=frozenset({0})) as a:
         assert a.blocks_of("s") == {(0, 0): 32, (1, 0): 32}  # the deleted tail stays deleted
         assert_holds(a, BlockKey("s", 0, 0), full)
@@ -659,3 +696,18 @@ def test_archive_files_are_private_whatever_the_umask(tmp_path: Path, umask: int
         assert p.stat().st_mode & 0o777 == 0o600, f"{p.name}: {oct(p.stat().st_mode & 0o777)}"
     for d in (root, root / "kv", root / "kv" / "archive"):
         assert d.stat().st_mode & 0o777 == 0o700, f"{d}: {oct(d.stat().st_mode & 0o777)}"
+
+
+def test_bulk_codec_paths_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More blocks than one pass takes (`BULK_BLOCKS`) are coded in chunks, each as alone; a bad
+    payload is named by its chunk and place."""
+    monkeypatch.setattr(codecs, "BULK_BLOCKS", 2)
+    blocks = [block(seed, 32) for seed in range(5)]
+    payloads = [encode(Codec.INT8_DELTA_ZSTD, k, v) for k, v in blocks]
+    assert encode_int8_many(blocks) == payloads
+    together = decode_int8_many(payloads, torch.float32, 3, 32, 64)
+    for i, payload in enumerate(payloads):
+        k, v = decode(Codec.INT8_DELTA_ZSTD, payload, torch.float32, 3, 32, 64)
+        assert same_bits(together[i, :3], k) and same_bits(together[i, 3:], v)
+    with pytest.raises(ValueError, match="from 2: payload 1"):
+        decode_int8_many([*payloads[:3], b"not zstd", payloads[4]], torch.float32, 3, 32, 64)
