@@ -62,7 +62,7 @@ lint: $(STAMP)
 	$(BIN)/mypy h3d
 
 test: lint promtool
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 	$(MAKE) test-node
 
 test-node: $(STAMP)
