@@ -427,10 +427,14 @@ class Archive:
         for n, at in lossy.items():
             try:
                 x = decode_int8_many([records[i][1] for i in at], self._dtype, hkv, n, d)
-            except ValueError:  # name the record: decode them one by one until it fails
+            except ValueError as e:  # name the record: decode them one by one until one fails
                 for i in at:
-                    self.get(keys[i])
-                raise
+                    codec, payload, _, where = records[i]
+                    try:
+                        decode(codec, payload, self._dtype, hkv, n, d)
+                    except ValueError as one:
+                        raise ArchiveCorrupt(f"{describe(keys[i])} in {where} does not decode: {one}", keys[i]) from e
+                raise ArchiveCorrupt(f"{describe(keys[at[0]])}: int8 records do not decode: {e}", keys[at[0]]) from e
             view = x.view(torch.uint8).numpy().data.cast("B")
             per = 2 * hkv * n * d * itemsize
             for j, i in enumerate(at):

@@ -711,3 +711,20 @@ def test_bulk_codec_paths_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
         assert same_bits(together[i, :3], k) and same_bits(together[i, 3:], v)
     with pytest.raises(ValueError, match="from 2: payload 1"):
         decode_int8_many([*payloads[:3], b"not zstd", payloads[4]], torch.float32, 3, 32, 64)
+
+
+def test_a_bulk_read_that_cannot_decode_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure of the int8 records' joint decode is an ArchiveCorrupt naming a block of the
+    read, never a bare ValueError."""
+    from h3d.tiers import archive as archive_mod
+
+    def broken(*args: object) -> torch.Tensor:
+        raise ValueError("payload 0: broken")
+
+    with Archive(tmp_path, IDENT, Codec.INT8_DELTA_ZSTD) as a:
+        put(a, BlockKey("s", 2, 0), 1)
+        put(a, BlockKey("s", 2, 1), 2)
+        monkeypatch.setattr(archive_mod, "decode_int8_many", broken)
+        with pytest.raises(ArchiveCorrupt, match="broken") as err:
+            a.get_bytes([BlockKey("s", 2, 0), BlockKey("s", 2, 1)])
+        assert err.value.key == BlockKey("s", 2, 0)
