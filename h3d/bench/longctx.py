@@ -347,21 +347,37 @@ def same(row: dict[str, Any], c: Config) -> bool:
 
 
 def combine(paths: list[Path]) -> dict[str, Any]:
-    """One result from the JSON of several runs (split by context or task, or on the archive):
-    `rows` from the runs without an archive, `archive_rows` (each with its `codec`) from the others."""
-    out: dict[str, Any] = {"rows": [], "archive_rows": [], "prompts": [], "archive_prompts": []}
+    """One result from the JSON of several runs (split by context, task or depth, or on the
+    archive): `prompts` and `rows` from the runs without an archive, `archive_prompts` and
+    `archive_rows` (each with its `codec`) from the others. Rows are counted again from the
+    prompts; a prompt and configuration run twice (same task, context, depth, seed, codec)
+    counts once, as first given."""
+    out: dict[str, Any] = {"prompts": [], "archive_prompts": []}
+    seen: set[tuple[Any, ...]] = set()
     for path in paths:
         part = json.loads(path.read_text())
         out.setdefault("model", part["model"])
         out.setdefault("max_tokens", part["max_tokens"])
-        if "archive" in part:
+        codec = part["archive"]["codec"] if "archive" in part else None
+        if codec is not None:
             out["archive"] = {k: v for k, v in part["archive"].items() if k != "codec"}
-            codec = part["archive"]["codec"]
-            out["archive_rows"] += [{**r, "codec": codec} for r in part["rows"]]
-            out["archive_prompts"] += [{**p, "codec": codec} for p in part["prompts"]]
-        else:
-            out["rows"] += part["rows"]
-            out["prompts"] += part["prompts"]
+        for p in part["prompts"]:
+            key = (p["task"], p["context"], p["depth"], p["seed"], p["config"], codec)
+            if key not in seen:
+                seen.add(key)
+                out["archive_prompts" if codec else "prompts"].append({**p, "codec": codec} if codec else p)
+    by_label = {c.label: c for c in CONFIGS}
+    for rows, prompts in (("rows", "prompts"), ("archive_rows", "archive_prompts")):
+        tally: dict[tuple[Any, ...], list[int]] = {}
+        for p in out[prompts]:
+            t = tally.setdefault((p["task"], p["context"], p["config"], p.get("codec")), [0, 0])
+            t[0] += p["correct"]
+            t[1] += 1
+        out[rows] = [
+            {"task": task, "context": context, "policy": by_label[label].policy, "budget": by_label[label].budget,
+             "resize": by_label[label].resize, "correct": v[0], "total": v[1], **({"codec": codec} if codec else {})}
+            for (task, context, label, codec), v in tally.items()
+        ]  # fmt: skip
     return out
 
 

@@ -106,6 +106,8 @@ def test_with_the_archive_in_play_answers_equal_the_untiered_ones(
     assert both["rows"] == plain["rows"]
     assert both["archive_rows"] == [{**r, "codec": "raw-zstd"} for r in tiered["rows"]]
     assert "| task | context | codec |" in longctx.table(both["archive_rows"], by_codec=True)
+    twice = longctx.combine([tmp_path / "plain.json", tmp_path / "plain.json"])  # a prompt run twice counts once
+    assert twice["rows"] == plain["rows"] and twice["prompts"] == plain["prompts"]
 
 
 def test_the_departure_from_exact_is_the_first_differing_step() -> None:
