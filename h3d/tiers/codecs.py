@@ -174,7 +174,7 @@ def encode(codec: Codec, k: torch.Tensor, v: torch.Tensor) -> bytes:
     if codec is Codec.RAW_ZSTD:
         flat = torch.cat([k.reshape(-1), v.reshape(-1)])  # [2 * Hkv * n * D]
         return _compressor().compress(flat.view(torch.uint8).numpy().data)
-    return _encode_int8(k, v)
+    return encode_int8_many([(k, v)])[0]
 
 
 def decode(
@@ -191,7 +191,7 @@ def decode(
     if codec is Codec.RAW_ZSTD:
         kv = torch.frombuffer(_decompress(payload, 2 * numel * dtype.itemsize), dtype=dtype).view(2, *shape)
         return kv[0], kv[1]
-    x = _decode_int8(payload, 2 * num_kv_heads, num_tokens, head_dim).to(dtype)  # [2Hkv, n, D]
+    x = decode_int8_many([payload], dtype, num_kv_heads, num_tokens, head_dim)[0]  # [2Hkv, n, D]
     return x[:num_kv_heads], x[num_kv_heads:]
 
 
@@ -202,8 +202,9 @@ def decode_int8_many(
     payloads: Sequence[bytes | memoryview], dtype: torch.dtype, num_kv_heads: int, num_tokens: int, head_dim: int
 ) -> torch.Tensor:
     """int8-delta-zstd payloads of one token count, decoded together: [m, 2 * Hkv, n, D] of
-    `dtype` (K's heads, then V's), each record bit for bit what `decode` gives for it. One NumPy
-    pass for all of them (a record at a time costs several times more in calls than in work).
+    `dtype` (K's heads, then V's) = codes * scale, each record bit for bit as decoded alone
+    (`decode` is this with m = 1). `BULK_BLOCKS` at a time in one NumPy pass: a record at a time
+    costs several times more in calls than in work.
     Raises ValueError naming the position of a payload that does not decode."""
     if len(payloads) > BULK_BLOCKS:
         parts = []
@@ -230,14 +231,10 @@ def decode_int8_many(
     return (torch.from_numpy(codes).to(torch.float32) * torch.from_numpy(scale)[..., None]).to(dtype)
 
 
-def _encode_int8(k: torch.Tensor, v: torch.Tensor) -> bytes:
-    return encode_int8_many([(k, v)])[0]
-
-
 def encode_int8_many(blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bytes]:
     """int8-delta-zstd payloads of blocks of one shape and dtype ((k, v) each [Hkv, n, D]),
     quantized `BULK_BLOCKS` at a time in one NumPy pass and compressed one by one: each the bytes
-    `encode` gives it."""
+    it has encoded alone (`encode` is this with one block)."""
     for k, v in blocks:
         _check(k, v)
     if len(blocks) > BULK_BLOCKS:
@@ -255,13 +252,3 @@ def encode_int8_many(blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> list[by
     delta[:, :, 1:] -= c[:, :, :-1]  # uint8 arithmetic wraps mod 256; token 0 stays raw
     compress = _compressor().compress
     return [compress(scale[i].tobytes() + delta[i].tobytes()) for i in range(len(blocks))]
-
-
-def _decode_int8(payload: bytes | memoryview, rows: int, num_tokens: int, head_dim: int) -> torch.Tensor:
-    """-> x̂ [rows, n, D] float32 = codes * scale."""
-    scale_bytes = rows * num_tokens * 4
-    raw = _decompress(payload, scale_bytes + rows * num_tokens * head_dim)
-    scale = np.frombuffer(raw, dtype="<f4", count=rows * num_tokens).reshape(rows, num_tokens)
-    delta = np.frombuffer(raw, dtype=np.uint8, offset=scale_bytes).reshape(rows, num_tokens, head_dim)
-    codes = np.cumsum(delta, axis=1, dtype=np.uint8).view(np.int8)  # [rows, n, D]
-    return torch.from_numpy(codes).to(torch.float32) * torch.from_numpy(scale)[..., None]  # [rows, n, D]
