@@ -349,23 +349,25 @@ def same(row: dict[str, Any], c: Config) -> bool:
 def combine(paths: list[Path]) -> dict[str, Any]:
     """One result from the JSON of several runs (split by context, task or depth, or on the
     archive): `prompts` and `rows` from the runs without an archive, `archive_prompts` and
-    `archive_rows` (each with its `codec`) from the others. Rows are counted again from the
-    prompts; a prompt and configuration run twice (same task, context, depth, seed, codec)
-    counts once, as first given."""
+    `archive_rows` (each with its `codec`) from the others. An earlier combined result is a run
+    like the others (its `archive_prompts` keep their codecs), so a run that completes it can be
+    added later. Rows are counted again from the prompts; a prompt and configuration run twice
+    (same task, context, depth, seed, codec) counts once, as first given."""
     out: dict[str, Any] = {"prompts": [], "archive_prompts": []}
     seen: set[tuple[Any, ...]] = set()
     for path in paths:
         part = json.loads(path.read_text())
         out.setdefault("model", part["model"])
         out.setdefault("max_tokens", part["max_tokens"])
-        codec = part["archive"]["codec"] if "archive" in part else None
-        if codec is not None:
+        codec = part["archive"].get("codec") if "archive" in part else None
+        if "archive" in part:
             out["archive"] = {k: v for k, v in part["archive"].items() if k != "codec"}
-        for p in part["prompts"]:
-            key = (p["task"], p["context"], p["depth"], p["seed"], p["config"], codec)
+        given = [(p, codec) for p in part["prompts"]] + [(p, p["codec"]) for p in part.get("archive_prompts", [])]
+        for p, c in given:
+            key = (p["task"], p["context"], p["depth"], p["seed"], p["config"], c)
             if key not in seen:
                 seen.add(key)
-                out["archive_prompts" if codec else "prompts"].append({**p, "codec": codec} if codec else p)
+                out["archive_prompts" if c else "prompts"].append({**p, "codec": c} if c else p)
     by_label = {c.label: c for c in CONFIGS}
     for rows, prompts in (("rows", "prompts"), ("archive_rows", "archive_prompts")):
         tally: dict[tuple[Any, ...], list[int]] = {}

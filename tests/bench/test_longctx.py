@@ -108,6 +108,10 @@ def test_with_the_archive_in_play_answers_equal_the_untiered_ones(
     assert "| task | context | codec |" in longctx.table(both["archive_rows"], by_codec=True)
     twice = longctx.combine([tmp_path / "plain.json", tmp_path / "plain.json"])  # a prompt run twice counts once
     assert twice["rows"] == plain["rows"] and twice["prompts"] == plain["prompts"]
+    (tmp_path / "both.json").write_text(json.dumps(both))
+    again = longctx.combine([tmp_path / "both.json", tmp_path / "tiered.json"])  # a combined result is a run too
+    assert again["rows"] == both["rows"] and again["archive_rows"] == both["archive_rows"]
+    assert again["archive_prompts"] == both["archive_prompts"] and again["archive"] == both["archive"]
 
 
 def test_the_departure_from_exact_is_the_first_differing_step() -> None:
