@@ -154,9 +154,15 @@ class H3Servicer:
         limit = self.s.config.max_tokens_limit
         started = time.perf_counter()  # TTFT counts the prompt's prefill too
         with self.s.slot():
+
+            def submit(engine: Engine) -> Any:
+                params = sampling_from(engine.session(sid).sampling, request.sampling, limit)
+                return engine.submit(sid, generate=True, params=params)
+
             if request.prompt or ids:
                 # As `Engine.generate`: append the prompt first, so that (append T; generate) and
-                # (generate T) feed the same tokens in the same chunks.
+                # (generate T) feed the same tokens in the same chunks. The generation is chained
+                # to the append: submitted on the engine thread at the step that ends it.
                 def append(engine: Engine) -> Any:
                     session = engine.session(sid)
                     if session.busy:
@@ -165,23 +171,9 @@ class H3Servicer:
                     check_token_ids(engine, ids, "prompt_token_ids")
                     return engine.submit(sid, text=request.prompt or None, token_ids=ids or None, generate=False)
 
-                rid, events = await self.s.worker.start_request(append)
-                try:
-                    while True:
-                        event = await events.get()
-                        if isinstance(event, RequestFailed):
-                            raise event.error
-                        if isinstance(event, AppendDone):
-                            break
-                except BaseException:
-                    self.s.worker.cancel(rid)
-                    raise
-
-            def submit(engine: Engine) -> Any:
-                params = sampling_from(engine.session(sid).sampling, request.sampling, limit)
-                return engine.submit(sid, generate=True, params=params)
-
-            rid, events = await self.s.worker.start_request(submit)
+                rid, events = await self.s.worker.start_request(append, then=submit)
+            else:
+                rid, events = await self.s.worker.start_request(submit)
             finished = False
             first: float | None = None
             last = started
@@ -210,6 +202,7 @@ class H3Servicer:
                     elif isinstance(event, RequestFailed):
                         finished = True
                         raise event.error
+                    # AppendDone: the prompt is in; its generation follows on the same queue
             finally:
                 if not finished:
                     self.s.worker.cancel(rid)

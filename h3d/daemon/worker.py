@@ -63,6 +63,9 @@ class EngineWorker:
         )
         self._wake = threading.Event()
         self._streams: dict[RequestId, asyncio.Queue[Event | Finished]] = {}
+        self._then: dict[RequestId, Callable[[Engine], RequestId]] = {}  # an append -> what follows its end
+        self._chained: dict[RequestId, RequestId] = {}  # a chain's first request -> its second, while live
+        self._heads: dict[RequestId, RequestId] = {}  # and back
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="h3d-engine", daemon=True)
         self._tokens: deque[tuple[float, int]] = deque()  # (time, generated tokens) per step
@@ -82,16 +85,24 @@ class EngineWorker:
         return await future
 
     async def start_request(
-        self, submit: Callable[[Engine], RequestId]
+        self, submit: Callable[[Engine], RequestId], then: Callable[[Engine], RequestId] | None = None
     ) -> tuple[RequestId, asyncio.Queue[Event | Finished]]:
         """Submit a request (`submit` calls `engine.submit`); its events arrive on the queue, the
-        last one a `Finished` (a generation's end), AppendDone or RequestFailed."""
+        last one a `Finished` (a generation's end), AppendDone or RequestFailed.
+
+        `then` chains a second request to an append: it is submitted on the engine thread at the
+        step that ends the append, before the next step, and its events follow the AppendDone on
+        the same queue (a prompt and its generation without a step boundary between them, as a
+        caller of the engine would submit them). If `then` fails, a RequestFailed follows the
+        AppendDone. `cancel` with the first request's id cancels whichever of the two is live."""
         events: asyncio.Queue[Event | Finished] = asyncio.Queue()
         made: list[RequestId] = []
 
         def run(engine: Engine) -> RequestId:
             rid = submit(engine)
             self._streams[rid] = events  # before any step can produce its events
+            if then is not None:
+                self._then[rid] = then
             made.append(rid)
             return rid
 
@@ -111,8 +122,13 @@ class EngineWorker:
         self._wake.set()
 
     def cancel(self, rid: RequestId) -> None:
-        """Cancel a request (its client went away): it ends at the next step, freeing its slot."""
-        self.post(lambda engine: engine.cancel(rid))
+        """Cancel a request (its client went away): it ends at the next step, freeing its slot.
+        A chain (`start_request`'s `then`) is cancelled by its first request's id."""
+        self.post(lambda engine: self._cancel(engine, rid))
+
+    def _cancel(self, engine: Engine, rid: RequestId) -> None:
+        self._then.pop(rid, None)  # an append cancelled before its end chains nothing
+        engine.cancel(self._chained.get(rid, rid))
 
     def throughput(self) -> float:
         """Generated tokens per second over the last THROUGHPUT_WINDOW_S seconds."""
@@ -219,14 +235,44 @@ class EngineWorker:
         for event in events:
             done = isinstance(event, GenerationDone | AppendDone | RequestFailed)
             stream = self._streams.pop(event.request_id, None) if done else self._streams.get(event.request_id)
+            then = self._then.pop(event.request_id, None) if done else None
+            if done:
+                self._chain_ended(event.request_id)
             if stream is None:
                 continue
             if isinstance(event, GenerationDone):
                 batch.append((stream, Finished(event, _summary_of(self.engine, event))))
             else:
                 batch.append((stream, event))
+            if then is not None and isinstance(event, AppendDone):
+                failed = self._chain(event, then, stream)
+                if failed is not None:
+                    batch.append((stream, failed))
         if batch:
             self._loop.call_soon_threadsafe(_deliver, batch)
+
+    def _chain(
+        self, done: AppendDone, then: Callable[[Engine], RequestId], stream: asyncio.Queue[Event | Finished]
+    ) -> RequestFailed | None:
+        """Submit what follows an append that just ended, onto the append's stream; a failure is
+        the stream's RequestFailed."""
+        try:
+            rid = then(self.engine)
+        except H3Error as exc:
+            return RequestFailed(done.request_id, done.session_id, exc)
+        except Exception:
+            log.exception("engine_command_failed")
+            fault = InternalFault("internal error in the engine; the daemon's log has the details")
+            return RequestFailed(done.request_id, done.session_id, fault)
+        self._streams[rid] = stream
+        self._chained[done.request_id] = rid
+        self._heads[rid] = done.request_id
+        return None
+
+    def _chain_ended(self, rid: RequestId) -> None:
+        first = self._heads.pop(rid, None)
+        if first is not None:
+            del self._chained[first]
 
 
 def _summary_of(engine: Engine, done: GenerationDone) -> pb.GenerateSummary:

@@ -51,7 +51,8 @@ from h3d.config import EngineConfig
 from h3d.daemon.worker import EngineWorker, Finished
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
-from h3d.engine.session import RequestFailed
+from h3d.engine.session import AppendDone, FinishReason, PrefillProgress, RequestFailed, TokenDelta
+from h3d.errors import InvalidRequest
 
 MODEL = "llama_gqa4_tied"
 VOCAB = 512
@@ -632,6 +633,86 @@ def test_worker_failed_step_leaves_sessions_usable(model: Path, monkeypatch: pyt
     fresh = engine.create_session()
     engine.append(fresh, token_ids=context)
     assert list(done.done.token_ids) == list(engine.complete(fresh, "", params).token_ids)
+    engine.close()
+
+
+def test_a_prompt_s_generation_is_chained_to_its_append(model: Path) -> None:
+    """Generate with a prompt is an append with its generation chained (`start_request`'s `then`):
+    submitted on the engine thread at the step that ends the append, so the next step already
+    runs it while another session keeps the engine busy (no step boundary lost to a round trip
+    through the event loop), with the tokens of `Engine.complete`. A chain whose second request
+    is refused ends with a RequestFailed after the AppendDone; cancelling by the first id
+    cancels the generation."""
+    engine = Engine(EngineConfig.build(model=str(model)))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    steps: list[tuple[set[Any], list[Any]]] = []  # per step: the requests live at its start, its events
+    real = engine.step
+
+    def step() -> list[Any]:
+        live = set(engine.requests())
+        events = real()
+        steps.append((live, events))
+        return events
+
+    engine.step = step  # type: ignore[method-assign]
+
+    def refuse(e: Engine) -> Any:
+        raise InvalidRequest("refused after the append")
+
+    async def until(events: asyncio.Queue[Any], kinds: Any) -> list[Any]:
+        """The stream's events up to one of `kinds`, without its prefill progress."""
+        got: list[Any] = []
+        while not got or not isinstance(got[-1], kinds):
+            event = await asyncio.wait_for(events.get(), T)
+            if not isinstance(event, PrefillProgress):
+                got.append(event)
+        return got
+
+    async def until_end(events: asyncio.Queue[Any]) -> list[Any]:
+        return await until(events, Finished | RequestFailed)
+
+    async def main() -> tuple[Any, ...]:
+        worker = EngineWorker(engine, asyncio.get_running_loop())
+        worker.start()
+        try:
+            busy = await worker.call(lambda e: e.create_session())
+            await worker.call(lambda e: e.append(busy, text=TEXTS[1]))
+            long = SamplingParams(max_tokens=60, ignore_eos=True)
+            _, other = await worker.start_request(lambda e: e.submit(busy, generate=True, params=long))
+            sid = await worker.call(lambda e: e.create_session())
+            rid, events = await worker.start_request(
+                lambda e: e.submit(sid, text=TEXTS[0], generate=False),
+                then=lambda e: e.submit(sid, generate=True, params=params),
+            )
+            chained = await until_end(events)
+            _, events = await worker.start_request(lambda e: e.submit(sid, text=" more", generate=False), then=refuse)
+            refused = await until_end(events)
+            rid2, events = await worker.start_request(
+                lambda e: e.submit(sid, text=" again", generate=False),
+                then=lambda e: e.submit(sid, generate=True, params=long),
+            )
+            assert [type(e) for e in await until(events, AppendDone)] == [AppendDone]
+            worker.cancel(rid2)  # the append's id: the generation is what is live
+            cancelled = await until_end(events)
+            await until_end(other)
+            return rid, chained, refused, cancelled
+        finally:
+            worker.stop(30)
+
+    rid, chained, refused, cancelled = asyncio.run(main())
+    assert isinstance(chained[0], AppendDone) and chained[0].request_id == rid
+    assert all(isinstance(e, TokenDelta) for e in chained[1:-1]) and len(chained) == 6
+    end = chained[-1]
+    assert isinstance(end, Finished) and end.done.request_id != rid
+    ended = next(i for i, (_, events) in enumerate(steps) if any(e.request_id == rid for e in events))
+    assert end.done.request_id in steps[ended + 1][0]  # in flight from the very next step
+    assert any(live - {end.done.request_id} for live, _ in steps[ended : ended + 2])  # the busy session ran too
+    fresh = engine.create_session()
+    assert end.done.token_ids == engine.complete(fresh, TEXTS[0], params).token_ids
+    assert [type(e) for e in refused] == [AppendDone, RequestFailed]
+    assert str(refused[1].error) == "refused after the append"
+    assert isinstance(cancelled[-1], Finished) and cancelled[-1].done.finish_reason == FinishReason.CANCELLED
+    assert len(cancelled[-1].done.token_ids) < 60
     engine.close()
 
 
