@@ -14,6 +14,8 @@ GetConfig, `auto` keys as it resolved them, with an archive and token logs of it
 does the same durable writes: a token log per session, the KV parked on close): every client's
 requests in flight together, one step loop. `grpc overhead per token` is the difference of the
 wall times per generated token, daemon minus engine, measured side by side in this one run.
+Both sides count their engine steps (the daemon's GetStats `steps_total`): tokens per step is how
+full the steps were, wall per step what each cost.
 `--tiny` runs on the first two layers of the model (same tokenizer and widths), which makes the
 model cheap so that the daemon's own cost shows. Loopback only; the clients share the host's
 cores with the daemon, so the figures are upper bounds on the daemon's cost.
@@ -78,6 +80,17 @@ def daemon_config(sock: str) -> dict[str, object]:
         return dict(json.loads(rpc.H3AdminStub(ch).GetConfig(pb.GetConfigRequest()).json))
 
 
+def daemon_steps(sock: str) -> int:
+    """The daemon's engine steps since start (GetStats `throughput.steps_total`)."""
+    import grpc
+
+    from h3d._proto.h3.v1 import h3_pb2 as pb
+    from h3d._proto.h3.v1 import h3_pb2_grpc as rpc
+
+    with grpc.insecure_channel(f"unix:{sock}") as ch:
+        return int(rpc.H3Stub(ch).GetStats(pb.GetStatsRequest()).throughput.steps_total)
+
+
 def cpu_s(pid: int) -> float:
     """CPU seconds (user + system) the process has used."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -128,17 +141,19 @@ async def _round(
     return time.perf_counter() - t0, sum(counts), ttft, gaps
 
 
-def in_process(config: EngineConfig, clients: int, requests: int, max_tokens: int) -> tuple[float, int]:
+def in_process(config: EngineConfig, clients: int, requests: int, max_tokens: int) -> tuple[float, int, int]:
     """The same requests through an Engine in this process, every client's requests in flight
-    together as in the daemon: wall seconds and tokens generated."""
+    together as in the daemon: wall seconds, tokens generated and engine steps."""
     engine = Engine(config)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     _batches(engine, clients, 2, params)  # warm-up, as the daemon had
+    steps = engine.counters.steps
     t0 = time.perf_counter()
     tokens = _batches(engine, clients, requests, params)
     wall = time.perf_counter() - t0
+    steps = engine.counters.steps - steps
     engine.close()
-    return wall, tokens
+    return wall, tokens, steps
 
 
 def _batches(engine: Engine, clients: int, requests: int, params: SamplingParams) -> int:
@@ -195,18 +210,20 @@ def run(args: argparse.Namespace) -> tuple[str, dict[str, object]]:
         config = engine_config(daemon_config(sock), work / "inproc")
         rss_warm = rss_mb(proc.pid)
         cpu_daemon0, cpu_client0 = cpu_s(proc.pid), time.process_time()
+        steps0 = daemon_steps(sock)
         print(f"warm-up done, daemon RSS {rss_warm:.0f} MiB; running {args.clients} x {args.requests}", flush=True)
         wall, tokens, ttft, gaps = asyncio.run(
             asyncio.wait_for(_round(sock, args.clients, args.requests, args.max_tokens), args.time_limit_s)
         )
         cpu_daemon, cpu_client = cpu_s(proc.pid) - cpu_daemon0, time.process_time() - cpu_client0
+        steps = daemon_steps(sock) - steps0
         time.sleep(2)
         rss_after = rss_mb(proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(120)
     print(f"daemon exited {code}; in-process baseline ...", flush=True)
-    base_wall, base_tokens = in_process(config, args.clients, args.requests, args.max_tokens)
+    base_wall, base_tokens, base_steps = in_process(config, args.clients, args.requests, args.max_tokens)
     shutil.rmtree(work, ignore_errors=True)
     ms = lambda xs, q: float(np.percentile(xs, q) * 1e3)  # noqa: E731
     overhead_ms = (wall / tokens - base_wall / base_tokens) * 1e3
@@ -218,6 +235,9 @@ def run(args: argparse.Namespace) -> tuple[str, dict[str, object]]:
         ("wall per token, daemon (ms)", f"{wall / tokens * 1e3:.3f}"),
         ("wall per token, in-process engine (ms)", f"{base_wall / base_tokens * 1e3:.3f}"),
         ("gRPC overhead per token (ms)", f"{overhead_ms:.3f}"),
+        ("engine steps (daemon / in-process)", f"{steps} / {base_steps}"),
+        ("tokens per step (daemon / in-process)", f"{tokens / steps:.1f} / {base_tokens / base_steps:.1f}"),
+        ("wall per step, daemon / in-process (ms)", f"{wall / steps * 1e3:.2f} / {base_wall / base_steps * 1e3:.2f}"),
         ("throughput, daemon (tokens/s)", f"{tokens / wall:.1f}"),
         ("CPU seconds during the run: daemon / clients (wall s)", f"{cpu_daemon:.0f} / {cpu_client:.0f} ({wall:.0f})"),
         ("daemon RSS after warm-up / after the run (MiB)",
@@ -235,6 +255,8 @@ def run(args: argparse.Namespace) -> tuple[str, dict[str, object]]:
         "inprocess_ms_per_token": round(base_wall / base_tokens * 1e3, 4),
         "daemon_tokens_per_s": round(tokens / wall, 2),
         "inprocess_tokens_per_s": round(base_tokens / base_wall, 2),
+        "daemon_steps": steps,
+        "inprocess_steps": base_steps,
         "ttft_ms_p50": round(ms(ttft, 50), 2),
         "ttft_ms_p99": round(ms(ttft, 99), 2),
         "itl_ms_p50": round(ms(gaps, 50), 2),

@@ -69,7 +69,7 @@ def stats_text(stats: Any) -> str:
         (
             "tokens_per_s",
             f"{t.tokens_per_s:.2f} (last {t.window_s:.0f}s; generated {t.generated_tokens_total}, "
-            f"prefilled {t.prefill_tokens_total})",
+            f"prefilled {t.prefill_tokens_total}; {t.steps_total} steps)",
         ),
         ("sessions", str(t.sessions)),
         (

@@ -187,6 +187,7 @@ def stats_pb(state: State, engine: Engine, ids: list[SessionId]) -> pb.Stats:
             active_requests=min(active, engine.config.max_batch_size),
             queued_requests=max(active - engine.config.max_batch_size, 0),
             sessions=len(engine.sessions),
+            steps_total=engine.counters.steps,
         ),
         uptime_s=time.time() - state.started,
         draining=state.draining,

@@ -114,6 +114,7 @@ class Metrics:
         metric("h3d_tokens_per_second", "gauge", "Generated tokens per second (last 10 s).", t.tokens_per_s)
         metric("h3d_generated_tokens_total", "counter", "Tokens generated.", t.generated_tokens_total)
         metric("h3d_prefill_tokens_total", "counter", "Tokens prefilled.", t.prefill_tokens_total)
+        metric("h3d_steps_total", "counter", "Engine steps (batched forward passes).", t.steps_total)
         metric("h3d_sessions", "gauge", "Open sessions.", t.sessions)
         metric("h3d_requests_in_flight", "gauge", "AppendContext and Generate streams admitted.", in_flight)
         metric("h3d_draining", "gauge", "1 while the daemon drains.", int(stats.draining))

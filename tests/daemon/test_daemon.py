@@ -1171,8 +1171,13 @@ def test_metrics_and_log_events(main_daemon: RunningDaemon) -> None:
     url = f"http://{listening['address']}/metrics"
     h3 = d.h3()
     sid = new_session(h3, TEXTS[0])
+    before = h3.GetStats(pb.GetStatsRequest(), timeout=T).throughput
     stream = generate(h3, sid, 8)
     assert stream.done.completion_tokens == 8
+    after = h3.GetStats(pb.GetStatsRequest(), timeout=T).throughput
+    # One stream alone: a step per token (its context's last token is fed by the first).
+    assert after.steps_total - before.steps_total == 8
+    assert after.generated_tokens_total - before.generated_tokens_total == 8
 
     def scrape() -> str:
         with urllib.request.urlopen(url, timeout=T) as resp:
@@ -1193,6 +1198,7 @@ def test_metrics_and_log_events(main_daemon: RunningDaemon) -> None:
     assert _metric(text, "h3d_ttft_seconds_count") >= 1
     stats = h3.GetStats(pb.GetStatsRequest(), timeout=T)
     assert _metric(text, "h3d_generated_tokens_total") <= stats.throughput.generated_tokens_total
+    assert after.steps_total <= _metric(text, "h3d_steps_total") <= stats.throughput.steps_total
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(f"http://{listening['address']}/nothing", timeout=T)
     assert missing.value.code == 404

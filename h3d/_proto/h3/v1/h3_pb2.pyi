@@ -318,7 +318,7 @@ class SessionStats(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ..., hbm_hit_rate: _Optional[float] = ..., ssd_read_count: _Optional[int] = ..., window_tokens: _Optional[int] = ..., itl_ms_p50: _Optional[float] = ..., itl_ms_p99: _Optional[float] = ..., hbm_share_blocks: _Optional[int] = ...) -> None: ...
 
 class Throughput(_message.Message):
-    __slots__ = ("tokens_per_s", "window_s", "generated_tokens_total", "prefill_tokens_total", "active_requests", "queued_requests", "sessions")
+    __slots__ = ("tokens_per_s", "window_s", "generated_tokens_total", "prefill_tokens_total", "active_requests", "queued_requests", "sessions", "steps_total")
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +326,7 @@ class Throughput(_message.Message):
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     tokens_per_s: float
     window_s: float
     generated_tokens_total: int
@@ -333,7 +334,8 @@ class Throughput(_message.Message):
     active_requests: int
     queued_requests: int
     sessions: int
-    def __init__(self, tokens_per_s: _Optional[float] = ..., window_s: _Optional[float] = ..., generated_tokens_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+    steps_total: int
+    def __init__(self, tokens_per_s: _Optional[float] = ..., window_s: _Optional[float] = ..., generated_tokens_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., sessions: _Optional[int] = ..., steps_total: _Optional[int] = ...) -> None: ...
 
 class GraphStats(_message.Message):
     __slots__ = ("captures_total", "captures_after_ready", "replays_total", "eager_steps_total", "warm_graphs", "warm_s", "deferred")

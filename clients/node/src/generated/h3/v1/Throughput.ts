@@ -16,6 +16,12 @@ export interface Throughput {
   'activeRequests'?: (number);
   'queuedRequests'?: (number);
   'sessions'?: (number);
+  /**
+   * Engine steps (one batched forward pass each: decode tokens and prefill chunks together)
+   * since start. The growth of generated_tokens_total over that of steps_total is the mean
+   * decode batch: how full the engine's steps are.
+   */
+  'stepsTotal'?: (number | string | Long);
 }
 
 export interface Throughput__Output {
@@ -32,4 +38,10 @@ export interface Throughput__Output {
   'activeRequests': (number);
   'queuedRequests': (number);
   'sessions': (number);
+  /**
+   * Engine steps (one batched forward pass each: decode tokens and prefill chunks together)
+   * since start. The growth of generated_tokens_total over that of steps_total is the mean
+   * decode batch: how full the engine's steps are.
+   */
+  'stepsTotal': (number);
 }
