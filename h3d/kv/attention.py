@@ -9,11 +9,16 @@ Two implementations with one signature (`AttentionFn`):
   strided view of its pool (no gather copy), concatenates the runs' scores, and sums the runs'
   probability-weighted values; a prefill chunk goes through torch SDPA over the same views.
   Sequences whose blocks are scattered into more than `MAX_RUNS` runs are gathered first.
+  A short sequence's decode attention is a dozen tiny ops; those run on one thread
+  (`SERIAL_ELEMENTS`, `one_thread`), because each of them would otherwise open an OpenMP parallel
+  region, and with the daemon's passive wait policy (`h3d.engine.threads`) waking a sleeping
+  partner thread costs ten times the op itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -24,6 +29,26 @@ import torch.nn.functional as F
 from h3d.kv.blocks import Runs
 
 MAX_RUNS = 8
+# A decode sequence whose keys hold at most this many elements (KV heads x tokens x head dim) is
+# attended on one thread: below it a parallel region costs more than it saves (about 50 us to wake
+# a passive OpenMP thread, against 5 us per op; docs/BENCHMARKS.md, "Small ops on one thread").
+SERIAL_ELEMENTS = 1 << 16
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch's intra-op thread count set to 1 for the block (ops run inline, no parallel region),
+    restored after. Cheap (a fraction of a microsecond each way); the count is the calling thread's
+    (OpenMP's nthreads ICV), so the engine thread's scope does not change other threads' ops."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,19 +399,30 @@ def paged_attention(
     (`out` may receive a lone prefill chunk's result: see `causal_attention`)."""
     if layer.lists is not None:  # a decode step planned on the device (its runs are not built)
         return reference_attention(q, pools, layer, scale)
-    outs = []
-    start = 0
     heads = layer.head_locs or (None,) * len(layer.runs)
     alone = len(layer.runs) == 1
-    for n, kv_len, runs, locs in zip(layer.query_lens, layer.kv_lens, layer.runs, heads, strict=True):
-        rows = slice(start, start + n)
+    starts = np.cumsum((0, *layer.query_lens)).tolist()
+
+    def one(i: int) -> torch.Tensor:
+        n, kv_len, runs, locs = layer.query_lens[i], layer.kv_lens[i], layer.runs[i], heads[i]
+        rows = slice(starts[i], starts[i] + n)
         if locs is not None:
-            outs.append(head_attention(q[rows], pools, locs, kv_len, scale))
-        else:
-            fresh = None if layer.fresh is None else (layer.fresh[0][rows], layer.fresh[1][rows])
-            outs.append(run_attention(q[rows], pools, runs, kv_len, scale, fresh, out if alone else None))
-        start += n
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+            return head_attention(q[rows], pools, locs, kv_len, scale)
+        fresh = None if layer.fresh is None else (layer.fresh[0][rows], layer.fresh[1][rows])
+        return run_attention(q[rows], pools, runs, kv_len, scale, fresh, out if alone else None)
+
+    hkv, d = pools.k[0].shape[0], pools.k[0].shape[-1]
+    small = [
+        n == 1 and locs is None and hkv * kv_len * d <= SERIAL_ELEMENTS
+        for n, kv_len, locs in zip(layer.query_lens, layer.kv_lens, heads, strict=True)
+    ]
+    outs: list[torch.Tensor | None] = [None] * len(small)
+    if any(small):
+        with one_thread():
+            for i in np.flatnonzero(small).tolist():
+                outs[i] = one(i)
+    done = [o if o is not None else one(i) for i, o in enumerate(outs)]
+    return done[0] if len(done) == 1 else torch.cat(done, dim=0)
 
 
 class AttentionFn(Protocol):

@@ -442,3 +442,37 @@ def test_causal_sdpa_repeats_kv_where_no_fast_kernel_takes_gqa(monkeypatch: pyte
 
     monkeypatch.setattr(A.F, "scaled_dot_product_attention", no_gqa)
     torch.testing.assert_close(A.causal_sdpa(q, k, v, 0.2, 4, fast_only=True), want, rtol=1e-5, atol=1e-5)
+
+
+def test_short_decode_sequences_are_attended_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`paged_attention` runs each decode sequence with at most `SERIAL_ELEMENTS` key elements on
+    one thread (no OpenMP parallel region per tiny op), the longer ones and the chunks on all of
+    torch's threads; the batch's rows come back in order, equal to the oracle, and the thread
+    count is restored."""
+    h, hkv = 8, 2
+    bs = 16
+    g = torch.Generator().manual_seed(11)
+    kv_lens = [3, 200, 17, 45, 81]
+    query_lens = [1, 1, 1, 12, 1]
+    tables = [_place(t, "split", g) for t in _slot_tables(kv_lens, bs, "few_runs", g)]
+    p = TwoPools(bs, hkv, torch.float32, g)
+    p.fill(tables, kv_lens)
+    q = 2.0 * torch.randn(sum(query_lens), h, HEAD_DIM, generator=g)
+    monkeypatch.setattr(A, "SERIAL_ELEMENTS", hkv * HEAD_DIM * 100)  # 200 tokens are over it, 81 under
+    seen: list[tuple[int, int]] = []
+    inner = A.run_attention
+
+    def spy(q: torch.Tensor, pools: A.Pools, runs: Runs, kv_len: int, *rest: object) -> torch.Tensor:
+        seen.append((kv_len, torch.get_num_threads()))
+        return inner(q, pools, runs, kv_len, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(A, "run_attention", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = A.paged_attention(q, p.pools, _layer_kv(tables, query_lens, kv_lens), SCALE)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert sorted(seen) == [(3, 1), (17, 1), (45, 2), (81, 1), (200, 2)]
+    assert_close_to_oracle(got, _oracle_batch(q, p, tables, query_lens, kv_lens))
