@@ -143,7 +143,16 @@ def check_token_ids(engine: Engine, ids: list[int], field: str) -> None:
         raise InvalidRequest(f"{field}: token id {bad} is outside the vocabulary (size {vocab})")
 
 
-def summary_pb(engine: Engine, *, sid: SessionId, done: GenerationDone, ttft_s: float = 0.0) -> pb.GenerateSummary:
+def summary_pb(
+    engine: Engine,
+    *,
+    sid: SessionId,
+    done: GenerationDone,
+    ttft_s: float = 0.0,
+    tier_stats: pb.TierStats | None = None,
+) -> pb.GenerateSummary:
+    """`tier_stats`: the daemon's tier figures if already taken at this step (several generations
+    that end at one step share them); taken here otherwise."""
     residency = residency_pb(engine, engine.session(sid)) if sid in engine.sessions else pb.TierResidency()
     return pb.GenerateSummary(
         finish_reason=FINISH[done.finish_reason],
@@ -152,7 +161,7 @@ def summary_pb(engine: Engine, *, sid: SessionId, done: GenerationDone, ttft_s: 
         ttft_s=ttft_s,
         tokens_per_s=done.decode_tokens_per_s,
         residency=residency,
-        tier_stats=tier_stats_pb(engine),
+        tier_stats=tier_stats_pb(engine) if tier_stats is None else tier_stats,
     )
 
 

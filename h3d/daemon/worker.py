@@ -26,7 +26,7 @@ import structlog
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.daemon.collector import Collector
-from h3d.daemon.convert import FINISH, summary_pb
+from h3d.daemon.convert import FINISH, summary_pb, tier_stats_pb
 from h3d.engine.engine import Engine
 from h3d.engine.session import AppendDone, Event, GenerationDone, RequestFailed, RequestId, SessionId
 from h3d.errors import H3Error
@@ -195,7 +195,7 @@ class EngineWorker:
                 for event in events:
                     _drop_unsampled_kv(self.engine, event.session_id)
             if self.engine.journal is not None:
-                self.engine.journal.sync_due()  # group commit of the token logs
+                self.engine.journal.sync_due(behind=True)  # group commit of the token logs, on their thread
             self._report()
             made = self.engine.counters.generated_tokens - before
             if made:
@@ -232,6 +232,7 @@ class EngineWorker:
     def _dispatch(self, events: list[Event]) -> None:
         """Hand a step's events to their streams: one wake-up of the loop per step, not per event."""
         batch: list[tuple[asyncio.Queue[Event | Finished], Event | Finished]] = []
+        tiers: list[pb.TierStats] = []
         for event in events:
             done = isinstance(event, GenerationDone | AppendDone | RequestFailed)
             stream = self._streams.pop(event.request_id, None) if done else self._streams.get(event.request_id)
@@ -241,7 +242,7 @@ class EngineWorker:
             if stream is None:
                 continue
             if isinstance(event, GenerationDone):
-                batch.append((stream, Finished(event, _summary_of(self.engine, event))))
+                batch.append((stream, Finished(event, _summary_of(self.engine, event, tiers))))
             else:
                 batch.append((stream, event))
             if then is not None and isinstance(event, AppendDone):
@@ -275,11 +276,15 @@ class EngineWorker:
             del self._chained[first]
 
 
-def _summary_of(engine: Engine, done: GenerationDone) -> pb.GenerateSummary:
+def _summary_of(engine: Engine, done: GenerationDone, tiers: list[pb.TierStats]) -> pb.GenerateSummary:
     """The GenerateSummary of a generation that just ended; never fails the engine thread (a
-    failure is logged and the summary goes without the session's residency and the counters)."""
+    failure is logged and the summary goes without the session's residency and the counters).
+    `tiers`: the step's tier figures once taken (empty before), shared by the generations that end
+    at one step."""
     try:
-        return summary_pb(engine, sid=done.session_id, done=done)
+        if not tiers:
+            tiers.append(tier_stats_pb(engine))
+        return summary_pb(engine, sid=done.session_id, done=done, tier_stats=tiers[0])
     except Exception:
         log.exception("generate_summary_failed", session_id=done.session_id)
         return pb.GenerateSummary(

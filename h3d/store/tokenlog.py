@@ -12,8 +12,14 @@ One file per session, `<folder>/<session id>.h3log`, a sequence of records:
   then the token ids as in `TOKENS`), so that a message never exists without its tokens.
 
 Writes go to the file at once (the OS has them, so a killed process loses nothing it wrote);
-`fsync` runs at most every `fsync_interval_ms` for all dirty logs (group commit) and whenever a
-caller asks (`sync`, at the end of every Generate). Reading stops at the first torn or corrupt
+`fsync` runs at most every `fsync_interval_ms` for all dirty logs (group commit, `sync_due`) and
+whenever a caller asks (`sync`, at the end of every Generate). The daemon's group commit runs
+behind (`sync_due(behind=True)`): the dirty logs' descriptors are duplicated and fsynced on the
+store's own thread, so the engine thread never waits on the disk for it; a log counts as synced up
+to the bytes it held when its fsync began, and only once that fsync returned (`sync` of a log
+with a commit in flight fsyncs it again itself rather than trust it). A failed fsync behind is
+raised by the next `sync` of that log, on the caller's thread (the end of a Generate fails rather
+than report a log durable that may not be). Reading stops at the first torn or corrupt
 record and truncates the file there: what follows it was never acknowledged as durable.
 
 Files are created 0600 and a folder it creates 0700, whatever the umask (`h3d.store.files`).
@@ -32,9 +38,11 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,8 +71,17 @@ class Restored:
 @dataclass
 class _Log:
     fd: int
-    size: int
-    dirty: bool = False
+    size: int  # bytes written
+    synced: int = -1  # bytes an fsync that returned covered (the size at open, by default)
+    error: OSError | None = None  # a failed fsync behind, raised by the next `sync` of this log
+
+    def __post_init__(self) -> None:
+        if self.synced < 0:
+            self.synced = self.size
+
+    @property
+    def dirty(self) -> bool:
+        return self.synced < self.size
 
 
 @dataclass
@@ -79,6 +96,9 @@ class TokenStore:
     syncs: int = 0
     _logs: dict[str, _Log] = field(default_factory=dict, init=False)
     _last_sync: float = field(default=0.0, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _behind: ThreadPoolExecutor | None = field(default=None, init=False)
+    _in_flight: Future[None] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         make_dirs(self.folder)
@@ -136,24 +156,67 @@ class TokenStore:
         self.files.fsync_dir(self.folder)
 
     def sync(self, session_id: str | None = None) -> None:
-        """fsync one session's log (or every dirty one) now."""
+        """fsync one session's log (or every dirty one) now, on this thread; raises what an fsync
+        behind of that log raised."""
         logs = [self._logs[session_id]] if session_id in self._logs else []
         if session_id is None:
-            logs = [log for log in self._logs.values() if log.dirty]
+            logs = list(self._logs.values())
+        failed: OSError | None = None
         for log in logs:
+            error, log.error = log.error, None
+            if error is not None:
+                failed = failed or error
             if log.dirty:
-                self.files.fsync(log.fd)
-                log.dirty = False
-                self.syncs += 1
+                self._fsync(log, log.fd, log.size)
         if session_id is None:
             self._last_sync = self.clock()
+        if failed is not None:
+            raise failed
 
-    def sync_due(self) -> None:
-        """Group commit: fsync the dirty logs if `fsync_interval_ms` has passed since the last time."""
-        if (self.clock() - self._last_sync) * 1000 >= self.fsync_interval_ms:
+    def sync_due(self, behind: bool = False) -> None:
+        """Group commit: fsync the dirty logs if `fsync_interval_ms` has passed since the last time;
+        `behind`: on the store's thread, without waiting (one commit in flight at a time: while
+        one is, this does nothing, and the next call after it returned is due at once)."""
+        if (self.clock() - self._last_sync) * 1000 < self.fsync_interval_ms:
+            return
+        if not behind:
             self.sync()
+            return
+        if self._in_flight is not None and not self._in_flight.done():
+            return
+        work = [(log, os.dup(log.fd), log.size) for log in self._logs.values() if log.dirty]
+        self._last_sync = self.clock()
+        if work:
+            if self._behind is None:
+                self._behind = ThreadPoolExecutor(1, thread_name_prefix="h3d-log-sync")
+            self._in_flight = self._behind.submit(self._commit_behind, work)
+
+    def _commit_behind(self, work: list[tuple[_Log, int, int]]) -> None:
+        for log, fd, size in work:
+            try:
+                self._fsync(log, fd, size)
+            except OSError as exc:
+                log.error = exc
+            finally:
+                os.close(fd)
+
+    def _fsync(self, log: _Log, fd: int, size: int) -> None:
+        """fsync `fd` (the log's, or a duplicate of it); the log is then synced up to `size` bytes."""
+        self.files.fsync(fd)
+        with self._lock:
+            log.synced = max(log.synced, size)
+            self.syncs += 1
+
+    def settle(self) -> None:
+        """Wait for the group commit behind in flight, if any (its failures stay for `sync`)."""
+        if self._in_flight is not None:
+            self._in_flight.result()
 
     def close(self) -> None:
+        self.settle()
+        if self._behind is not None:
+            self._behind.shutdown(wait=True)
+            self._behind = None
         self.sync()
         for log in self._logs.values():
             os.close(log.fd)
@@ -214,7 +277,6 @@ class TokenStore:
             self.files.truncate(log.fd, log.size)
             raise OSError(28, "short write to the token log (disk full?)")
         log.size += written
-        log.dirty = True
 
 
 def read_log(path: Path) -> Restored:

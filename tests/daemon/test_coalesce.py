@@ -87,6 +87,30 @@ def test_a_summary_that_cannot_be_made_still_ends_the_stream(monkeypatch: pytest
         raise RuntimeError("injected")
 
     monkeypatch.setattr(worker, "summary_pb", broken)
-    summary = worker._summary_of(object(), _done())  # type: ignore[arg-type]
+    summary = worker._summary_of(object(), _done(), [])  # type: ignore[arg-type]
     assert summary.finish_reason == worker.FINISH[FinishReason.LENGTH]
     assert (summary.prompt_tokens, summary.completion_tokens) == (3, 5)
+
+
+def test_the_generations_that_end_at_one_step_share_its_tier_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's tier figures (global, not per session) are taken once for all the summaries of
+    a step's ends, and each summary carries them."""
+    import h3d.daemon.worker as worker
+    from h3d._proto.h3.v1 import h3_pb2 as pb
+
+    taken: list[int] = []
+
+    def tier_stats(engine: object) -> pb.TierStats:
+        taken.append(1)
+        return pb.TierStats(hbm_hits=7 * len(taken))
+
+    def summary(engine: object, *, sid: str, done: object, tier_stats: pb.TierStats) -> pb.GenerateSummary:
+        return pb.GenerateSummary(completion_tokens=5, tier_stats=tier_stats)
+
+    monkeypatch.setattr(worker, "tier_stats_pb", tier_stats)
+    monkeypatch.setattr(worker, "summary_pb", summary)
+    step: list[pb.TierStats] = []
+    ends = [worker._summary_of(object(), _done(), step) for _ in range(3)]  # type: ignore[arg-type]
+    assert len(taken) == 1 and [s.tier_stats.hbm_hits for s in ends] == [7, 7, 7]
+    worker._summary_of(object(), _done(), [])  # type: ignore[arg-type]  # the next step takes its own
+    assert len(taken) == 2

@@ -9,6 +9,8 @@ import json
 import os
 import struct
 import tempfile
+import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -737,3 +739,72 @@ def test_logs_are_private_whatever_the_umask(tmp_path: Path, umask: int) -> None
         assert p.stat().st_mode & 0o777 == 0o600, f"{p.name}: {oct(p.stat().st_mode & 0o777)}"
     for d in (root, root / "sessions", root / "sessions" / "logs"):
         assert d.stat().st_mode & 0o777 == 0o700, f"{d}: {oct(d.stat().st_mode & 0o777)}"
+
+
+class HeldFsyncs(FileOps):
+    """Records (inode, thread name) of each fsync; one on a thread other than the test's waits for
+    `release` (a slow disk behind); `fail` makes those fail (EIO)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, str]] = []
+        self.release = threading.Event()
+        self.fail = False
+
+    def fsync(self, fd: int) -> None:
+        name = threading.current_thread().name
+        self.calls.append((os.fstat(fd).st_ino, name))
+        if name != "MainThread":
+            assert self.release.wait(10)
+            if self.fail:
+                raise OSError(5, "fsync failed (a test's disk)")
+        super().fsync(fd)
+
+
+def test_group_commit_behind_counts_a_log_synced_only_once_its_fsync_returned(tmp_path: Path) -> None:
+    held = HeldFsyncs()
+    store = TokenStore(tmp_path, fsync_interval_ms=0, files=held)
+    store.create("a", {"created_at": 1.0}, [1])
+    store.create("b", {"created_at": 2.0}, [2])
+    a, b = inode(tmp_path, "a"), inode(tmp_path, "b")
+    held.calls.clear()
+    store.append("a", [3])
+    store.append("b", [4])
+
+    store.sync_due(behind=True)  # returns at once: the fsyncs wait on the store's thread
+    for _ in range(1000):
+        if held.calls:
+            break
+        time.sleep(0.01)
+    assert held.calls[0][1] == "h3d-log-sync_0"
+    assert store.unsynced("a") and store.unsynced("b")  # in flight is not durable
+    store.append("b", [5])
+    store.sync_due(behind=True)  # one commit in flight at a time: nothing more submitted
+    assert len(held.calls) == 1
+
+    store.sync("a")  # the end of a Generate: fsyncs a itself, on its own thread
+    assert held.calls[-1] == (a, "MainThread") and not store.unsynced("a")
+    held.release.set()
+    store.close()  # waits for the commit behind, then syncs b's write made after it began
+    behind = [ino for ino, name in held.calls if name != "MainThread"]
+    assert sorted(behind) == sorted([a, b])
+    assert (b, "MainThread") in held.calls
+
+
+def test_a_failed_fsync_behind_is_raised_by_the_next_sync_of_that_log(tmp_path: Path) -> None:
+    held = HeldFsyncs()
+    held.fail = True
+    held.release.set()
+    store = TokenStore(tmp_path, fsync_interval_ms=0, files=held)
+    store.create("a", {"created_at": 1.0}, [1])
+    store.create("b", {"created_at": 2.0}, [2])
+    store.append("a", [3])
+    store.sync_due(behind=True)
+    store.settle()
+    assert [name for _, name in held.calls] == ["MainThread"] * 2 + ["h3d-log-sync_0"]  # the creates, then behind
+    assert store.unsynced("a")  # never counted durable
+    store.sync("b")  # another log's sync does not see a's failure
+    with pytest.raises(OSError, match="fsync failed"):
+        store.sync("a")
+    store.sync("a")  # raised once (after fsyncing it again on this thread)
+    assert not store.unsynced("a")
+    store.close()
