@@ -252,7 +252,8 @@ ENGINE: tuple[Key, ...] = (
     ),
     Key(
         "fsync_interval_ms",
-        "group commit of the token logs: fsync at most this often, and at the end of every generation",
+        "group commit of the token logs: fsync at most this often (in `h3d serve` on a thread of its own, "
+        "beside the engine's), and at the end of every generation",
     ),
     Key(
         "max_context_tokens",

@@ -1,4 +1,4 @@
-"""Fixtures: tiny random Llama / Qwen2 / Mistral checkpoints built with transformers' save_pretrained.
+"""Fixtures: tiny random Llama / Qwen2 / Qwen3 / Mistral checkpoints built with transformers' save_pretrained.
 
 Every checkpoint is a complete Hugging Face folder (config.json, model.safetensors in fp32,
 tokenizer.json, tokenizer_config.json) that both h3d and transformers load. The tokenizer is a
@@ -113,6 +113,7 @@ def _model_classes(arch: str) -> tuple[Any, Any]:
     return {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
     }[arch]
 
@@ -136,7 +137,7 @@ def _build_checkpoint(out_dir: Path, spec: Spec, tokenizer_dir: Path, vocab: int
         "pad_token_id": PAD_ID,
         "rope_parameters": rope,
     }
-    if spec.arch == "llama":
+    if spec.arch in ("llama", "qwen3"):
         kw["head_dim"] = 16
     else:
         assert 64 // spec.heads == 16

@@ -37,7 +37,7 @@ MARGIN = 1e-3
 class Spec:
     """One tiny checkpoint: architecture, attention shape, embeddings, RoPE scaling."""
 
-    arch: str  # "llama" | "qwen2" | "mistral"
+    arch: str  # "llama" | "qwen2" | "qwen3" | "mistral"
     heads: int
     kv_heads: int
     layers: int
@@ -98,6 +98,8 @@ SPECS: dict[str, Spec] = {
     "qwen2_gqa4_untied": Spec("qwen2", heads=4, kv_heads=1, layers=2, tied=False, seed=6),
     "qwen2_mha_tied": Spec("qwen2", heads=4, kv_heads=4, layers=3, tied=True, seed=7),
     "mistral_gqa2": Spec("mistral", heads=4, kv_heads=2, layers=2, tied=False, seed=8),
+    # QK-norm, no q/k/v bias, 8 heads of 16 over a hidden size of 64 (as Qwen3's explicit head_dim).
+    "qwen3_gqa4_tied": Spec("qwen3", heads=8, kv_heads=2, layers=2, tied=True, seed=9),
 }
 
 # The configs whose logits are position-independent in the sense that feeding the prompt in chunks

@@ -18,6 +18,7 @@ from h3d.errors import ModelLoadError
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
 }
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
@@ -44,7 +45,8 @@ class RopeConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder. `qkv_bias` is True for Qwen2."""
+    """Shape of a Llama-family decoder. `qkv_bias` is True for Qwen2; `qk_norm` (Qwen3): an RMSNorm
+    over each query and key head (weights per head dimension, shared by the heads) before RoPE."""
 
     architecture: str
     vocab_size: int
@@ -62,6 +64,7 @@ class ModelConfig:
     o_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    qk_norm: bool = False
 
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:
@@ -116,6 +119,9 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
             raise ModelLoadError(f"unsupported architecture {archs or model_type!r} (supported: {supported})")
     if raw.get("use_sliding_window") or (arch == "mistral" and raw.get("sliding_window")):
         raise ModelLoadError("sliding-window attention is not supported")
+    kinds = sorted(set(raw.get("layer_types") or ()) - {"full_attention"})
+    if kinds:
+        raise ModelLoadError(f"layer types {', '.join(map(str, kinds))} are not supported (supported: full_attention)")
     if raw.get("mlp_bias"):
         raise ModelLoadError("mlp_bias = true is not supported")
     if raw.get("hidden_act", "silu") != "silu":
@@ -144,6 +150,7 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
             o_bias=arch != "qwen2" and bool(raw.get("attention_bias", False)),
             eos_token_ids=eos,
             bos_token_id=raw.get("bos_token_id"),
+            qk_norm=arch == "qwen3",
         )
     except KeyError as exc:
         raise ModelLoadError(f"config.json lacks required key {exc.args[0]!r}") from exc

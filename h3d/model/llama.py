@@ -1,4 +1,5 @@
-"""A Llama-family decoder in plain torch: RMSNorm, RoPE, GQA, SwiGLU; Qwen2 adds q/k/v biases.
+"""A Llama-family decoder in plain torch: RMSNorm, RoPE, GQA, SwiGLU; Qwen2 adds q/k/v biases,
+Qwen3 an RMSNorm over each query and key head before RoPE (`q_norm`, `k_norm`).
 
 Tokens of several sequences are packed along one axis ([N, hidden]); attention reads and writes the
 paged KV cache through a `StepKV`, so prefill chunks and decode steps of many sessions run
@@ -84,6 +85,10 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.attention: AttentionFn = paged_attention
         self.fused: bool | None = None  # RoPE in one Triton launch; None: on CUDA (`CausalLM.use_fused`)
 
@@ -101,6 +106,9 @@ class Attention(nn.Module):
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads side by side: one rotation for both.
         qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         qk = rotary(qk, cos, sin) if (qk.is_cuda if self.fused is None else self.fused) else apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [N, H, D], [N, Hkv, D]
         return q, k, v.view(n, self.num_kv_heads, self.head_dim)

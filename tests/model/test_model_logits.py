@@ -1,6 +1,6 @@
 """Teacher-forced logits of h3d equal transformers' on the same checkpoint (fp32, max |Δ| <= 1e-4).
 
-Every tiny checkpoint (MHA and GQA, tied and untied heads, Llama / Qwen2 / Mistral, default,
+Every tiny checkpoint (MHA and GQA, tied and untied heads, Llama / Qwen2 / Qwen3 / Mistral, default,
 llama3, linear and dynamic RoPE) is fed a 300-token prompt in one chunk, in seven chunks of uneven
 sizes, and as a prefill followed by 50 one-token decode steps, with blocks of 16 and 32 tokens; the
 logits of every fed token are compared with `model(input_ids).logits`.
@@ -22,6 +22,7 @@ import pytest
 import torch
 from helpers import SPECS, hf_logits, make_engine, random_prompt, runner_logits, top2_margins
 
+from h3d.errors import ModelLoadError
 from h3d.kv.attention import reference_attention
 from h3d.kv.blocks import SeqId
 from h3d.model.config import load_model_config, parse_model_config
@@ -153,7 +154,34 @@ def test_legacy_and_current_rope_formats_parse_the_same() -> None:
     assert plain.num_kv_heads == 4 and plain.head_dim == 16
 
 
-@pytest.mark.parametrize("name", ["llama_gqa4_tied", "qwen2_mha_tied", "dynamic_rope"])
+def test_qwen3_configs_parse_and_what_h3d_cannot_run_is_refused() -> None:
+    """Qwen3: QK-norm on, no q/k/v bias unless `attention_bias`; a configuration with layers of
+    another kind (sliding-window) is refused with the kinds named, never run as full attention."""
+    qwen3 = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "layer_types": ["full_attention", "full_attention"],
+        "use_sliding_window": False,
+    }
+    cfg = parse_model_config(qwen3)
+    assert (cfg.architecture, cfg.qk_norm, cfg.qkv_bias, cfg.o_bias, cfg.head_dim) == ("qwen3", True, False, False, 16)
+    assert parse_model_config({**qwen3, "attention_bias": True}).qkv_bias
+    assert not parse_model_config({**qwen3, "architectures": ["Qwen2ForCausalLM"]}).qk_norm
+    with pytest.raises(ModelLoadError, match="layer types sliding_attention are not supported"):
+        parse_model_config({**qwen3, "layer_types": ["sliding_attention", "full_attention"]})
+    with pytest.raises(ModelLoadError, match="sliding-window attention is not supported"):
+        parse_model_config({**qwen3, "use_sliding_window": True})
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        parse_model_config({**qwen3, "architectures": ["Gemma3ForCausalLM"]})
+
+
+@pytest.mark.parametrize("name", ["llama_gqa4_tied", "qwen2_mha_tied", "qwen3_gqa4_tied", "dynamic_rope"])
 def test_fast_attention_equals_reference_attention_in_the_model(name: str, checkpoint: Callable[[str], Path]) -> None:
     """The whole model with `reference_attention` (gather) and with the default fast path agree."""
     ids = random_prompt(PROMPT_LEN, 512, seed=5)
