@@ -100,6 +100,34 @@ SPECS: dict[str, Spec] = {
     "mistral_gqa2": Spec("mistral", heads=4, kv_heads=2, layers=2, tied=False, seed=8),
     # QK-norm, no q/k/v bias, 8 heads of 16 over a hidden size of 64 (as Qwen3's explicit head_dim).
     "qwen3_gqa4_tied": Spec("qwen3", heads=8, kv_heads=2, layers=2, tied=True, seed=9),
+    # YaRN as Qwen2.5 and Qwen3 configure it for long contexts, with a short original context so that
+    # the ramp crosses the dimensions of a 16-wide head and the cos/sin scale is not 1.
+    "qwen3_yarn": Spec(
+        "qwen3",
+        heads=4,
+        kv_heads=2,
+        layers=2,
+        tied=False,
+        rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        seed=10,
+    ),
+    "qwen2_yarn_mscale": Spec(
+        "qwen2",
+        heads=4,
+        kv_heads=1,
+        layers=2,
+        tied=True,
+        rope={
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 0.8,
+            "mscale_all_dim": 0.5,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+        },
+        seed=11,
+    ),
 }
 
 # The configs whose logits are position-independent in the sense that feeding the prompt in chunks

@@ -21,7 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
 }
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 class LayerKind(enum.Enum):
@@ -41,6 +41,14 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # yarn: the ramp's bounds in rotations, the cos/sin scale (None: from `factor` and the mscales,
+    # as transformers infers it) and whether the ramp's range is rounded out to whole dimensions.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,14 +103,26 @@ def _rope(raw: dict[str, Any], max_pos: int) -> RopeConfig:
     rope_type = str(merged.get("rope_type", merged.get("type", "default")))
     if rope_type not in ROPE_TYPES:
         raise ModelLoadError(f"unsupported rope type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+    partial = float(merged.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        raise ModelLoadError(f"partial_rotary_factor {partial} is not supported (RoPE over whole heads only)")
     original = merged.get("original_max_position_embeddings")
+    factor = merged.get("factor")
+    if rope_type == "yarn":  # as transformers' standardize_rope_params: the top-level key wins
+        original = int(raw.get("original_max_position_embeddings", original) or max_pos)
+        factor = max_pos / original if factor is None else factor
+    optional = {k: float(merged[k]) for k in ("attention_factor", "mscale", "mscale_all_dim") if merged.get(k)}
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=float(merged.get("factor", 1.0)),
+        factor=float(1.0 if factor is None else factor),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(original) if original is not None else None,
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        truncate=bool(merged.get("truncate", True)),
+        **optional,
     )
 
 

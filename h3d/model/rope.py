@@ -30,6 +30,39 @@ def _llama3(inv_freq: torch.Tensor, rope: RopeConfig, max_pos: int) -> torch.Ten
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(rope: RopeConfig, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+    """YaRN: each frequency between its original (extrapolated) and its interpolated (/ factor)
+    value by a linear ramp over the dimensions whose wavelengths fit between `beta_fast` and
+    `beta_slow` rotations in the original context; and the cos/sin scale. -> (inv_freq, scale)."""
+    base, factor = rope.theta, rope.factor
+    original = rope.original_max_position_embeddings or max_pos
+    scale = rope.attention_factor
+    if scale is None:
+        if rope.mscale and rope.mscale_all_dim:
+            scale = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
+        else:
+            scale = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(scale)
+
+
 class RotaryEmbedding:
     """cos/sin tables for positions, per the config's rope type.
 
@@ -37,6 +70,7 @@ class RotaryEmbedding:
     `max_position_embeddings`; as in transformers, the base follows the sequence's current length
     (`seq_ends`: for each token, its sequence's length after this forward pass), so a growing
     sequence sees the same frequencies it would see there, and each sequence of a batch its own.
+    `yarn` also scales cos and sin (`attention_scaling`, in fp32 before the cast, as transformers).
     """
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_pos: int, device: torch.device) -> None:
@@ -44,10 +78,13 @@ class RotaryEmbedding:
         self.head_dim = head_dim
         self.max_pos = max_pos
         inv_freq = _base_inv_freq(rope.theta, head_dim)
+        self.attention_scaling = 1.0
         if rope.rope_type == "linear":
             inv_freq = inv_freq / rope.factor
         elif rope.rope_type == "llama3":
             inv_freq = _llama3(inv_freq, rope, max_pos)
+        elif rope.rope_type == "yarn":
+            inv_freq, self.attention_scaling = _yarn(rope, head_dim, max_pos)
         self.inv_freq = inv_freq.to(device)  # [D/2] fp32
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
         self._exponents = exponents.to(device)  # [D/2]
@@ -69,6 +106,8 @@ class RotaryEmbedding:
         else:
             freqs = pos * self.inv_freq[None, :]  # [N, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
+        if self.attention_scaling != 1.0:
+            return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

@@ -132,6 +132,21 @@ def test_rope_scaling_configs_are_parsed_and_matter(checkpoint: Callable[[str], 
     dynamic_cfg = load_model_config(checkpoint("dynamic_rope"))
     assert (dynamic_cfg.rope.rope_type, dynamic_cfg.rope.factor) == ("dynamic", 2.0)
 
+    # YaRN: the fastest frequencies kept, the slowest divided by the factor, a ramp between; cos and
+    # sin scaled by 0.1 ln(factor) + 1 (the logits tests check the whole against transformers).
+    yarn_cfg = load_model_config(checkpoint("qwen3_yarn"))
+    assert (yarn_cfg.rope.rope_type, yarn_cfg.rope.factor, yarn_cfg.rope.original_max_position_embeddings) == (
+        "yarn",
+        4.0,
+        64,
+    )
+    yarn = RotaryEmbedding(yarn_cfg.rope, 16, 1024, torch.device("cpu"))
+    torch.testing.assert_close(yarn.inv_freq[0], base.inv_freq[0])
+    torch.testing.assert_close(yarn.inv_freq[-1], base.inv_freq[-1] / 4)
+    ramp = (yarn.inv_freq < base.inv_freq) & (yarn.inv_freq > base.inv_freq / 4)
+    assert ramp.any()
+    assert yarn.attention_scaling == pytest.approx(0.1 * math.log(4.0) + 1.0)
+
 
 def test_legacy_and_current_rope_formats_parse_the_same() -> None:
     common = {
@@ -179,6 +194,19 @@ def test_qwen3_configs_parse_and_what_h3d_cannot_run_is_refused() -> None:
         parse_model_config({**qwen3, "use_sliding_window": True})
     with pytest.raises(ModelLoadError, match="unsupported architecture"):
         parse_model_config({**qwen3, "architectures": ["Gemma3ForCausalLM"]})
+    with pytest.raises(ModelLoadError, match=r"partial_rotary_factor 0\.5 is not supported"):
+        parse_model_config({**qwen3, "partial_rotary_factor": 0.5})
+    yarn = parse_model_config({**qwen3, "max_position_embeddings": 131072, "rope_scaling": {"rope_type": "yarn"}})
+    assert (yarn.rope.factor, yarn.rope.original_max_position_embeddings) == (1.0, 131072)  # transformers' defaults
+    yarn = parse_model_config(
+        {
+            **qwen3,
+            "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 32768,
+            "rope_scaling": {"rope_type": "yarn"},
+        }
+    )
+    assert (yarn.rope.factor, yarn.rope.original_max_position_embeddings) == (4.0, 32768)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa4_tied", "qwen2_mha_tied", "qwen3_gqa4_tied", "dynamic_rope"])
