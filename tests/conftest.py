@@ -1,4 +1,4 @@
-"""Fixtures: tiny random Llama / Qwen2 / Qwen3 / Mistral checkpoints built with transformers' save_pretrained.
+"""Fixtures: tiny random Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 checkpoints built with transformers' save_pretrained.
 
 Every checkpoint is a complete Hugging Face folder (config.json, model.safetensors in fp32,
 tokenizer.json, tokenizer_config.json) that both h3d and transformers load. The tokenizer is a
@@ -114,6 +114,7 @@ def _model_classes(arch: str) -> tuple[Any, Any]:
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
     }[arch]
 
@@ -137,12 +138,25 @@ def _build_checkpoint(out_dir: Path, spec: Spec, tokenizer_dir: Path, vocab: int
         "pad_token_id": PAD_ID,
         "rope_parameters": rope,
     }
-    if spec.arch in ("llama", "qwen3"):
+    if spec.arch in ("llama", "qwen3", "gemma3"):
         kw["head_dim"] = 16
     else:
         assert 64 // spec.heads == 16
-    if spec.arch == "mistral":
-        kw["sliding_window"] = None
+    if spec.arch == "gemma3":  # every third layer full, the others sliding; two RoPE bases
+        kw.update(
+            sliding_window=spec.window,
+            layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(spec.layers)],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6, **spec.rope},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            query_pre_attn_scalar=24,  # not head_dim: the attention scale is its own
+            final_logit_softcapping=spec.softcap,
+        )
+    elif spec.arch == "mistral":
+        kw["sliding_window"] = spec.window
+    elif spec.window is not None:
+        kw.update(use_sliding_window=True, sliding_window=spec.window, max_window_layers=spec.window_from)
     torch.manual_seed(spec.seed)
     model = model_cls(config_cls(**kw)).float()
     with torch.no_grad():

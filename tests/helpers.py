@@ -37,7 +37,7 @@ MARGIN = 1e-3
 class Spec:
     """One tiny checkpoint: architecture, attention shape, embeddings, RoPE scaling."""
 
-    arch: str  # "llama" | "qwen2" | "qwen3" | "mistral"
+    arch: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "gemma3"
     heads: int
     kv_heads: int
     layers: int
@@ -47,6 +47,10 @@ class Spec:
     # "v5": transformers 5's `rope_parameters`; "v4": legacy `rope_theta` + `rope_scaling`.
     rope_format: str = "v5"
     seed: int = 0
+    # Sliding-window attention: Mistral's on every layer; Qwen2's from layer `window_from` on.
+    window: int | None = None
+    window_from: int = 0
+    softcap: float | None = None  # Gemma's final_logit_softcapping
 
 
 SPECS: dict[str, Spec] = {
@@ -128,6 +132,13 @@ SPECS: dict[str, Spec] = {
         },
         seed=11,
     ),
+    # Sliding windows shorter than the prompt and not a multiple of the blocks: Mistral's on every
+    # layer, Qwen2's on its last two of three (`use_sliding_window`, `max_window_layers` = 1).
+    "mistral_window": Spec("mistral", heads=4, kv_heads=2, layers=2, tied=False, seed=12, window=40),
+    "qwen2_window_layers": Spec("qwen2", heads=4, kv_heads=2, layers=3, tied=True, seed=13, window=24, window_from=1),
+    # Gemma 3: QK-norm, 1 + w norms, sandwich norms, GeGLU, scaled embeddings, its own attention
+    # scale, a 24-token window on two layers of three with a local RoPE base, soft-capped logits.
+    "gemma3_window": Spec("gemma3", heads=4, kv_heads=2, layers=3, tied=True, seed=14, window=24, softcap=30.0),
 }
 
 # The configs whose logits are position-independent in the sense that feeding the prompt in chunks

@@ -23,6 +23,7 @@ from h3d.config import EngineConfig
 from h3d.engine.graphs import DecodeGraphs
 from h3d.engine.step import Chunk, Path, StepPlan, StepReport
 from h3d.engine.stepkv import DeviceStepKV, HostStepKV, RewriteKV
+from h3d.errors import ModelLoadError
 from h3d.hbf.policy import Exact, HbfConfig
 from h3d.kv.attention import Pools, kernel_attention
 from h3d.kv.blocks import SeqId
@@ -65,6 +66,14 @@ class ModelRunner:
         cfg = model.config
         self.model = model
         self.device = model.lm_head.weight_t.device
+        # Each layer's sliding window (None: full attention). A window is read on the host path
+        # only: the device-planned step, the graphs and the paged kernel have none yet.
+        self.windows = cfg.windows
+        if self.device.type == "cuda" and cfg.sliding_layers:
+            raise ModelLoadError(
+                f"{len(cfg.sliding_layers)} of the model's {cfg.num_layers} layers use a sliding window, which "
+                "h3d runs on the CPU only so far: serve it with --device cpu"
+            )
         if self.device.type == "cuda":
             model.use_attention(kernel_attention)  # decode steps through the Triton paged kernel
         hbf = hbf or replace(EngineConfig(), policy=Exact.name).hbf
@@ -164,7 +173,7 @@ class ModelRunner:
             ),
             staging=self.tiers.archive is not None and any(kv.archive_only(s) for s in seqs),
         )
-        if plan.decode and not plan.staging:  # nothing moves during the step: the device can plan it
+        if plan.decode and not plan.staging and not any(self.windows):  # nothing moves: the device can plan it
             key = self.graphs.applies(seqs)
             if key is not None:
                 plan.path, plan.graph = Path.GRAPH, key

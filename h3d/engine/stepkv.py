@@ -119,7 +119,11 @@ class HostStepKV(_Writes):
 
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
         r, plan = self.runner, self.plan
-        chosen = [self._select(i, index, q, scale) if plan.selects[i] else None for i in range(len(self.seqs))]
+        window = r.windows[index]
+        if window is None:
+            chosen = [self._select(i, index, q, scale) if plan.selects[i] else None for i in range(len(self.seqs))]
+        else:  # a sliding-window layer: a decode token reads its window's blocks, whatever the policy
+            chosen = [self._window(i, window) for i in range(len(self.seqs))]
         if plan.staging:  # from the archive, only what the selections read (a resumed session's first steps)
             only = {seq: np.unique(sel) for seq, sel in zip(self.seqs, chosen, strict=True) if sel is not None}
             r.tiers.stage(index, self.seqs, plan.protect, only=only)
@@ -162,7 +166,12 @@ class HostStepKV(_Writes):
         fresh = self.take_fresh(index)
         if all(h is None for h in heads):
             return LayerKV(
-                query_lens=self.query_lens, kv_lens=tuple(kv_lens), runs=tuple(runs), tables=tables, fresh=fresh
+                query_lens=self.query_lens,
+                kv_lens=tuple(kv_lens),
+                runs=tuple(runs),
+                tables=tables,
+                fresh=fresh,
+                window=window,
             )
         hkv = r.hbm.k.shape[0]
 
@@ -184,6 +193,14 @@ class HostStepKV(_Writes):
             head_tables=head_tables,
             fresh=fresh,
         )
+
+    def _window(self, i: int, window: int) -> np.ndarray | None:
+        """A decode token's blocks in a sliding-window layer: those that hold its last `window`
+        positions (None: all of them; a chunk reads every block, masked by the window)."""
+        if self.query_lens[i] != 1:
+            return None
+        first = max(0, self.kv_lens[i] - window) // self.runner.blocks.block_size
+        return np.arange(first, self.runner.blocks.table(self.seqs[i]).num_blocks) if first else None
 
     def _select(self, i: int, index: int, q: torch.Tensor, scale: float) -> np.ndarray | None:
         """Sequence i's selection in this layer ([n] or [Hkv, n] block indices; None: every block)."""
@@ -324,4 +341,5 @@ class RewriteKV(HostStepKV):
             kv_lens=self.kv_lens,
             runs=(runs_of(locations),),
             tables=lambda: r.padded_locations([locations]),
+            window=r.windows[index],
         )

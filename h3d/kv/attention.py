@@ -81,6 +81,7 @@ class LayerKV:
     prefill chunk (more than one query) then attends to its own tokens from there, and its
     `runs[i]` list only the blocks before the chunk (their first kv_len - n tokens are read), so
     that a chunk never reads back what it has just written (over PCIe, for blocks placed in DDR).
+    `window`, when set, limits every query to its last `window` positions (sliding-window layers).
     """
 
     query_lens: tuple[int, ...]
@@ -93,6 +94,9 @@ class LayerKV:
     # tails [B]) already there (`h3d.engine.stepkv.DeviceStepKV`); `runs` are then empty.
     lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None
+    # A sliding-window layer's window: a query at position p reads keys p - window < j <= p only
+    # (positions within what `runs` list: a decode step may list only the window's blocks).
+    window: int | None = None
 
     def heads(self, first: int, end: int) -> LayerKV:
         """What attention over KV heads first..end-1 only reads (with `Pools.heads` and those
@@ -121,9 +125,10 @@ def gather_blocks(pools: tuple[torch.Tensor, ...], loc: torch.Tensor) -> torch.T
 
 
 def decode_attention(
-    q: torch.Tensor, pools: Pools, tables: torch.Tensor, kv_lens: torch.Tensor, scale: float
+    q: torch.Tensor, pools: Pools, tables: torch.Tensor, kv_lens: torch.Tensor, scale: float, window: int | None = None
 ) -> torch.Tensor:
-    """One query token per sequence. q: [B, H, D]; tables: [B, W]; kv_lens: [B] -> [B, H, D]."""
+    """One query token per sequence. q: [B, H, D]; tables: [B, W]; kv_lens: [B] -> [B, H, D];
+    `window`: only the last `window` keys of each sequence."""
     b, h, d = q.shape
     k = gather_blocks(pools.k, tables)  # [B, T, Hkv, D]
     v = gather_blocks(pools.v, tables)  # [B, T, Hkv, D]
@@ -131,6 +136,8 @@ def decode_attention(
     qg = q.float().view(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
     t = torch.arange(k.shape[1], device=q.device)
     past = t[None, :] >= kv_lens[:, None]  # [B, T]: padding and unwritten rows
+    if window is not None:
+        past |= t[None, :] < kv_lens[:, None] - window  # before the window
     k = k.masked_fill(past[..., None, None], 0.0)
     v = v.masked_fill(past[..., None, None], 0.0)
     scores = torch.einsum("bkgd,btkd->bkgt", qg, k) * scale  # [B, Hkv, G, T]
@@ -140,11 +147,13 @@ def decode_attention(
     return out.reshape(b, h, d).to(q.dtype)
 
 
-def prefill_attention(q: torch.Tensor, pools: Pools, table: torch.Tensor, kv_len: int, scale: float) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor, pools: Pools, table: torch.Tensor, kv_len: int, scale: float, window: int | None = None
+) -> torch.Tensor:
     """A chunk of one sequence's queries, causal. q: [n, H, D]; table: [W] -> [n, H, D].
 
     The n queries are the sequence's last n tokens: query j sits at position kv_len - n + j and
-    sees keys 0..that position.
+    sees keys 0..that position (the last `window` of them only, with a window).
     """
     n, h, d = q.shape
     k = gather_blocks(pools.k, table)[:kv_len]  # [T, Hkv, D]
@@ -154,7 +163,10 @@ def prefill_attention(q: torch.Tensor, pools: Pools, table: torch.Tensor, kv_len
     scores = torch.einsum("nkgd,tkd->kgnt", qg, k) * scale  # [Hkv, G, n, T]
     qpos = torch.arange(kv_len - n, kv_len, device=q.device)
     kpos = torch.arange(kv_len, device=q.device)
-    scores.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
+    hidden = kpos[None, :] > qpos[:, None]
+    if window is not None:
+        hidden |= kpos[None, :] <= qpos[:, None] - window
+    scores.masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("kgnt,tkd->nkgd", probs, v)  # [n, Hkv, G, D]
     return out.reshape(n, h, d).to(q.dtype)
@@ -184,16 +196,18 @@ def reference_attention(
     if layer.head_tables is not None or layer.lists is not None:  # per-KV-head lists
         from h3d.kernels.decode import torch_paged_decode
 
+        assert layer.window is None, "a sliding-window layer never selects per KV head"
+
         lists = layer.lists if layer.lists is not None else _head_lists(q, pools, layer)
         return torch_paged_decode(q, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), *lists, scale)
     tables = layer.tables()  # [B, W]
     if all(n == 1 for n in layer.query_lens):
         kv_lens = torch.tensor(layer.kv_lens, dtype=torch.int64, device=q.device)
-        return decode_attention(q, pools, tables, kv_lens, scale)
+        return decode_attention(q, pools, tables, kv_lens, scale, layer.window)
     outs = []
     start = 0
     for i, (n, kv_len) in enumerate(zip(layer.query_lens, layer.kv_lens, strict=True)):
-        outs.append(prefill_attention(q[start : start + n], pools, tables[i], kv_len, scale))
+        outs.append(prefill_attention(q[start : start + n], pools, tables[i], kv_len, scale, layer.window))
         start += n
     return torch.cat(outs, dim=0)
 
@@ -218,19 +232,23 @@ def run_attention(
     scale: float,
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One sequence's last n queries over its blocks read in place. q: [n, H, D] -> [n, H, D].
     A chunk (n > 1) with `fresh` (its own K/V, [n, Hkv, D] each) reads only its first kv_len - n
-    keys from `runs`; `out` may receive the result (see `causal_attention`)."""
+    keys from `runs`; `out` may receive the result (see `causal_attention`); `window`: each query
+    reads its last `window` positions only."""
     n, h, d = q.shape
     if n > 1:
-        return _chunk_attention(q, pools, runs, kv_len, scale, fresh, out)
+        return _chunk_attention(q, pools, runs, kv_len, scale, fresh, out, window)
     # One query: every KV head's group of queries in one bmm per run, keys read in place.
     hkv = pools.k[0].shape[0]
     qh = q.float().view(hkv, h // hkv, d) * scale  # [Hkv, G, D]
     keys = _segments(pools.k, runs)
     scores = torch.cat([torch.bmm(qh, k.transpose(1, 2).float()) for k in keys], dim=-1)  # [Hkv, G, T]
     # The tail of the last block past kv_len is unwritten: dropped, not masked.
+    if window is not None and kv_len > window:
+        scores[..., : kv_len - window] = float("-inf")  # before the window (a fresh tensor: cat's)
     probs = torch.softmax(scores[..., :kv_len], dim=-1)
     acc: torch.Tensor | None = None
     offset = 0
@@ -275,9 +293,11 @@ def _chunk_attention(
     scale: float,
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """A prefill chunk (n > 1 queries): torch SDPA over the runs (views, or one copy if several),
-    and over the chunk's own K/V where `fresh` holds them.
+    and over the chunk's own K/V where `fresh` holds them; with a `window`, over each tile of
+    queries' band of keys (`window_attention`).
 
     A chunk that starts its sequence with its K/V at hand needs no mask at all (`causal_attention`).
     Otherwise SDPA's CPU kernel accumulates in fp32 and reads the keys once per query tile, faster
@@ -288,6 +308,8 @@ def _chunk_attention(
     n = q.shape[0]
     prior = kv_len - n if fresh is not None else kv_len  # keys read from the pools
     if fresh is not None and prior == 0:
+        if window is not None and n > window:
+            return window_attention(q, fresh[0].transpose(0, 1), fresh[1].transpose(0, 1), scale, window)
         return causal_attention(q, fresh[0], fresh[1], scale, out)
     keys, values = _segments(pools.k, runs), _segments(pools.v, runs)
     k = (keys[0] if len(keys) == 1 else torch.cat(keys, dim=1))[:, :prior]  # [Hkv, T, D]
@@ -295,6 +317,8 @@ def _chunk_attention(
     if fresh is not None:
         k = torch.cat([k.to(fresh[0].dtype), fresh[0].transpose(0, 1)], dim=1)
         v = torch.cat([v.to(fresh[1].dtype), fresh[1].transpose(0, 1)], dim=1)
+    if window is not None:
+        return window_attention(q, k, v, scale, window)
     if q.is_cuda:
         return causal_lower_right_attention(q, k, v, scale)
     kpos = torch.arange(kv_len, device=q.device)
@@ -309,6 +333,37 @@ def _chunk_attention(
         enable_gqa=True,
     )  # [1, H, n, D]
     return res[0].transpose(0, 1)
+
+
+WINDOW_TILE = 256  # `window_attention`: queries per SDPA call, at least (a window's worth if larger)
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """A chunk's sliding-window attention: q [n, H, D], the sequence's last n queries over k, v
+    [Hkv, T, D] (its first T keys, the chunk's own last) -> [n, H, D]. Query j sits at position
+    T - n + j and reads keys p - window < i <= p. Queries go in tiles, each over its band of keys
+    only, so the work and the mask grow with n x window, not n x T."""
+    n, h, _ = q.shape
+    t = k.shape[1]
+    q0 = t - n
+    step = max(window, WINDOW_TILE)
+    outs = []
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        lo, hi = max(0, q0 + a - window + 1), q0 + b
+        kpos = torch.arange(lo, hi, device=q.device)
+        qpos = torch.arange(q0 + a, q0 + b, device=q.device)[:, None]
+        mask = (kpos[None, :] <= qpos) & (kpos[None, :] > qpos - window)  # [b - a, hi - lo]
+        part = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1)[None],  # [1, H, m, D]
+            k[:, lo:hi].to(q.dtype)[None],
+            v[:, lo:hi].to(q.dtype)[None],
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=h != k.shape[0],
+        )  # [1, H, m, D]
+        outs.append(part[0].transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 GROUP_BYTES = 128 << 20  # `causal_attention`: the largest output one SDPA call writes (by default)
@@ -409,7 +464,7 @@ def paged_attention(
         if locs is not None:
             return head_attention(q[rows], pools, locs, kv_len, scale)
         fresh = None if layer.fresh is None else (layer.fresh[0][rows], layer.fresh[1][rows])
-        return run_attention(q[rows], pools, runs, kv_len, scale, fresh, out if alone else None)
+        return run_attention(q[rows], pools, runs, kv_len, scale, fresh, out if alone else None, layer.window)
 
     hkv, d = pools.k[0].shape[0], pools.k[0].shape[-1]
     small = [
@@ -462,7 +517,7 @@ def kernel_attention(
     the GPU path); otherwise its torch fallback computes the same thing."""
     from h3d.kernels.decode import paged_decode
 
-    if not all(n == 1 for n in layer.query_lens):
+    if not all(n == 1 for n in layer.query_lens) or layer.window is not None:  # (the kernel has no window)
         return paged_attention(q, pools, layer, scale, out)
     lists = layer.lists if layer.lists is not None else _head_lists(q, pools, layer)
     return paged_decode(q, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), *lists, scale)

@@ -182,8 +182,6 @@ class BlockManager:
         self.kinds = tuple(kinds) if kinds is not None else (LayerKind.FULL,) * num_layers
         if len(self.kinds) != num_layers:
             raise ValueError(f"{len(self.kinds)} layer kinds for {num_layers} layers")
-        if any(kind is not LayerKind.FULL for kind in self.kinds):
-            raise ValueError("sliding-window layers are not supported by the block tables yet")
         regions = np.broadcast_to(np.asarray(hbm_slots_per_layer, dtype=np.int64), (num_layers,)).copy()
         if (regions < 1).any():
             raise ValueError("the HBM pool needs at least one slot per layer")

@@ -1,5 +1,8 @@
 """A Llama-family decoder in plain torch: RMSNorm, RoPE, GQA, SwiGLU; Qwen2 adds q/k/v biases,
-Qwen3 an RMSNorm over each query and key head before RoPE (`q_norm`, `k_norm`).
+Qwen3 an RMSNorm over each query and key head before RoPE (`q_norm`, `k_norm`). Gemma 3 adds to
+those: norms that scale by 1 + w in fp32, a norm after attention and two around the MLP (the
+"sandwich"), GeGLU, embeddings scaled by sqrt(hidden), its own attention scale, a RoPE of its own
+for the sliding-window layers, and soft-capped logits (`ModelConfig`'s fields say which).
 
 Tokens of several sequences are packed along one axis ([N, hidden]); attention reads and writes the
 paged KV cache through a `StepKV`, so prefill chunks and decode steps of many sessions run
@@ -54,12 +57,16 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset  # Gemma: the weight w scales by 1 + w, in fp32, cast after
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
         if x.is_cuda and x.dtype != torch.float32:
             return self.fused(x)
         # x * rsqrt(mean(x^2) + eps) in fp32, cast back before the weight, as in transformers.
@@ -84,10 +91,11 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        self.local = layer in cfg.sliding_typed and cfg.rope_local is not None  # the sliding layers' RoPE
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
         self.qk_norm = cfg.qk_norm
         self.attention: AttentionFn = paged_attention
         self.fused: bool | None = None  # RoPE in one Triton launch; None: on CUDA (`CausalLM.use_fused`)
@@ -128,21 +136,33 @@ class MLP(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.activation == "gelu_tanh"  # GeGLU (tanh-approximated GELU), else SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [N, I] each
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
         self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Llama: the norm before the MLP. Sandwich (Gemma): the norm of the attention's output; the
+        # MLP has a norm before and one after it.
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: StepKV) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, kv))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -190,8 +210,13 @@ class DecoderLayer(nn.Module):
         del k, v, layer  # written (or being written, on the transfer stream): not kept through the MLP
         for a in range(0, n, rows):
             b = min(n, a + rows)
-            x[a:b] += attn.o_proj(q[a:b].reshape(b - a, attn.q_size))
-            x[a:b] += self.mlp(self.post_attention_layernorm(x[a:b]))
+            out = attn.o_proj(q[a:b].reshape(b - a, attn.q_size))
+            if self.sandwich:
+                x[a:b] += self.post_attention_layernorm(out)
+                x[a:b] += self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x[a:b])))
+            else:
+                x[a:b] += out
+                x[a:b] += self.mlp(self.post_attention_layernorm(x[a:b]))
             yield
 
 
@@ -199,8 +224,17 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_scale = cfg.embed_scale
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [N] -> [N, hidden], scaled by `embed_scale` (rounded to the weights' dtype first,
+        as transformers' Gemma does)."""
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale == 1.0:
+            return x
+        return x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
 
 
 class CausalLM(nn.Module):
@@ -213,6 +247,12 @@ class CausalLM(nn.Module):
         # Tied or not, the head keeps its own transposed copy (see Linear).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
+        # The sliding-window layers' own RoPE (Gemma 3's local base), where the config has one.
+        self.rotary_local = (
+            None
+            if cfg.rope_local is None
+            else RotaryEmbedding(cfg.rope_local, cfg.head_dim, cfg.max_position_embeddings, device)
+        )
         # Residual adds fused with the norms after them (a Triton kernel); None: on CUDA only.
         # Tests turn it on on the CPU, under Triton's interpreter (`use_fused`).
         self.fuse_norms: bool | None = None
@@ -225,11 +265,14 @@ class CausalLM(nn.Module):
         (`stages`, run in one go)."""
         if self.is_long(input_ids.shape[0]):
             return drain(self.stages(input_ids, positions, kv))
-        x = self.model.embed_tokens(input_ids)  # [N, hidden]
-        cos, sin = self.rotary.cos_sin(positions, x.dtype, kv.seq_ends)  # [N, D]
-        if not (x.is_cuda if self.fuse_norms is None else self.fuse_norms):
+        x = self.model.embed(input_ids)  # [N, hidden]
+        tables = self.rope_tables(positions, x.dtype, kv.seq_ends)
+        cos, sin = tables[False]
+        fused = x.is_cuda if self.fuse_norms is None else self.fuse_norms
+        if not fused or self.config.sandwich_norms:  # (the fused adds are Llama's order of norms)
             for layer in self.model.layers:
-                x = layer(x, cos, sin, kv)
+                assert isinstance(layer, DecoderLayer)
+                x = layer(x, *tables[layer.self_attn.local], kv)
             return self.model.norm(x)
         # Each residual add and the norm after it in one launch (`add_rms_norm`): the same
         # arithmetic as DecoderLayer.forward, a decode step's ~130 small kernels fewer.
@@ -243,6 +286,15 @@ class CausalLM(nn.Module):
             x, h = add_rms_norm(out, x, after.weight, after.eps)
         return h
 
+    def rope_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype, seq_ends: torch.Tensor
+    ) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin [N, D] of the global RoPE (key False) and of the sliding layers' own (True; the
+        global one where the model has none)."""
+        main = self.rotary.cos_sin(positions, dtype, seq_ends)
+        local = main if self.rotary_local is None else self.rotary_local.cos_sin(positions, dtype, seq_ends)
+        return {False: main, True: local}
+
     def is_long(self, n: int) -> bool:
         """Whether a forward of n tokens goes layer by layer in slices (`stages`)."""
         return n > self.slice_rows(self.lm_head.weight_t.element_size())
@@ -252,12 +304,12 @@ class CausalLM(nn.Module):
     ) -> Generator[None, None, torch.Tensor]:
         """A long forward (`is_long`) layer by layer, in the pieces `DecoderLayer.stages` yields
         between; returns the final hidden states [N, hidden] (x's buffer, normed in place)."""
-        x = self.model.embed_tokens(input_ids)  # [N, hidden]
-        cos, sin = self.rotary.cos_sin(positions, x.dtype, kv.seq_ends)  # [N, D]
+        x = self.model.embed(input_ids)  # [N, hidden]
+        tables = self.rope_tables(positions, x.dtype, kv.seq_ends)
         rows = self.slice_rows(x.element_size())
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
-            yield from layer.stages(x, cos, sin, kv, rows, self.unit_bytes)
+            yield from layer.stages(x, *tables[layer.self_attn.local], kv, rows, self.unit_bytes)
         for a in range(0, x.shape[0], rows):
             x[a : a + rows] = self.model.norm(x[a : a + rows])
         return x
@@ -285,5 +337,7 @@ class CausalLM(nn.Module):
             layer.self_attn.attention = fn
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [M, hidden] -> logits: [M, vocab] in fp32."""
-        return self.lm_head(hidden).float()
+        """hidden: [M, hidden] -> logits: [M, vocab] in fp32 (soft-capped where the config says)."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,4 +1,5 @@
-"""Load a Hugging Face model folder: config, safetensors weights (single file or sharded index).
+"""Load a Hugging Face model folder: config, safetensors weights (single file or sharded index);
+of a multimodal checkpoint (Gemma 3), the text model only.
 
 Weights are read tensor by tensor with `safetensors.safe_open`, cast to the requested dtype and
 placed on the device; q/k/v and gate/up are fused into the matrices `h3d.model.llama` expects.
@@ -72,6 +73,28 @@ def _fused(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Te
     }
 
 
+# A multimodal checkpoint's text model (Gemma 3 4B-27B): its names under these prefixes (transformers
+# 4 wrote the first, 5 the second) become a causal LM's; the vision tower and the projector are
+# not loaded.
+_TEXT_PREFIXES = {
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+    "model.language_model.": "model.",
+}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _text_model(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of the text model, under a causal LM's names (see `_TEXT_PREFIXES`)."""
+    out = {}
+    for name, t in raw.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        out[name if prefix is None else _TEXT_PREFIXES[prefix] + name[len(prefix) :]] = t
+    return out
+
+
 def load_model(model_dir: str | Path, dtype: str, device: str | torch.device) -> CausalLM:
     """Build the model for `model_dir` with weights in `dtype` ('fp32'|'bf16'|'fp16') on `device`."""
     path = Path(model_dir)
@@ -81,7 +104,7 @@ def load_model(model_dir: str | Path, dtype: str, device: str | torch.device) ->
         raise ModelLoadError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
     cfg = load_model_config(path)
     dev = torch.device(device)
-    raw = {name: t for name, t in _tensors(path)}
+    raw = _text_model({name: t for name, t in _tensors(path)})
     if cfg.tie_word_embeddings:
         raw.pop("lm_head.weight", None)
     try:
@@ -91,6 +114,8 @@ def load_model(model_dir: str | Path, dtype: str, device: str | torch.device) ->
     with torch.device("meta"):
         model = CausalLM(cfg, torch.device("meta"))
     model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, dev)
+    if cfg.rope_local is not None:
+        model.rotary_local = RotaryEmbedding(cfg.rope_local, cfg.head_dim, cfg.max_position_embeddings, dev)
     expected = set(model.state_dict().keys())
     missing = sorted(expected - state.keys())
     unexpected = sorted(state.keys() - expected)

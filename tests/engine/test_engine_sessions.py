@@ -373,10 +373,11 @@ def test_unsupported_architecture(model_copy: Callable[[str], Path]) -> None:
 @pytest.mark.parametrize(
     ("edit", "words"),
     [
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}}, "longrope"),
         ({"hidden_act": "gelu"}, "gelu"),
         ({"mlp_bias": True}, "mlp_bias"),
-        ({"use_sliding_window": True}, "sliding"),
+        ({"layer_types": ["chunked_attention"]}, "chunked_attention"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ],
 )
 def test_unsupported_config_values(model_copy: Callable[[str], Path], edit: dict, words: str) -> None:

@@ -169,6 +169,129 @@ def test_legacy_and_current_rope_formats_parse_the_same() -> None:
     assert plain.num_kv_heads == 4 and plain.head_dim == 16
 
 
+@pytest.mark.parametrize(
+    ("name", "layers"), [("mistral_window", (0, 1)), ("qwen2_window_layers", (1, 2)), ("gemma3_window", (0, 1))]
+)
+def test_sliding_windows_are_read_from_the_config_and_change_the_logits(
+    name: str,
+    layers: tuple[int, ...],
+    checkpoint: Callable[[str], Path],
+    hf_model: Callable[[str], Any],
+    tmp_path: Path,
+) -> None:
+    """The sliding layers and their window as transformers decides them; and the window matters to
+    the logits compared with transformers' (without it, transformers' own differ), so the
+    teacher-forced tests above cannot pass by ignoring it."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = load_model_config(checkpoint(name))
+    assert cfg.sliding_layers == layers and cfg.sliding_window == SPECS[name].window
+    # A window longer than the context: the same layers (and RoPEs), nothing left to limit.
+    raw = json.loads((checkpoint(name) / "config.json").read_text())
+    unwindowed = parse_model_config({**raw, "sliding_window": 4096})
+    assert unwindowed.sliding_layers == () and unwindowed.windows == (None,) * cfg.num_layers
+    assert unwindowed.sliding_typed == cfg.sliding_typed == layers
+    ids = random_prompt(PROMPT_LEN, 512, seed=123)
+    windowed = hf_logits(hf_model(name), ids)
+    config = AutoConfig.from_pretrained(checkpoint(name))
+    config.sliding_window = 4096
+    full = AutoModelForCausalLM.from_pretrained(
+        checkpoint(name), config=config, dtype=torch.float32, attn_implementation="eager"
+    )
+    unlimited = hf_logits(full, ids)
+    assert (unlimited - windowed).abs().max().item() > 1e-2
+    # h3d on the same folder with that window: transformers' logits too (the layers keep their type,
+    # so Gemma's sliding layers keep their RoPE).
+    folder = tmp_path / name
+    shutil.copytree(checkpoint(name), folder)
+    (folder / "config.json").write_text(json.dumps({**raw, "sliding_window": 4096}))
+    got = runner_logits(make_engine(folder, max_context_tokens=1024), 1, ids, CHUNKINGS["decode_tail"])
+    assert (got - unlimited).abs().max().item() <= TOL
+
+
+def test_gemma3_fields_are_read_from_the_config(checkpoint: Callable[[str], Path]) -> None:
+    """What sets Gemma 3 apart, as parsed from the tiny checkpoint transformers wrote; and a sparse
+    config in the hub's transformers-4 form (a multimodal checkpoint's `text_config`, a global RoPE
+    scaling, `rope_local_base_freq`, `sliding_window_pattern`) with transformers' defaults."""
+    cfg = load_model_config(checkpoint("gemma3_window"))
+    assert (cfg.architecture, cfg.qk_norm, cfg.norm_offset, cfg.sandwich_norms, cfg.activation) == (
+        "gemma3",
+        True,
+        True,
+        True,
+        "gelu_tanh",
+    )
+    assert cfg.embed_scale == 8.0 and cfg.attn_scale == 24**-0.5 and cfg.final_softcap == 30.0
+    assert cfg.rope.theta == 1e6 and cfg.rope_local is not None and cfg.rope_local.theta == 1e4
+    assert cfg.sliding_layers == (0, 1) and cfg.windows == (24, 24, None)
+    hub = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "eos_token_id": [1, 106],
+        "text_config": {
+            "model_type": "gemma3_text",
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }
+    cfg = parse_model_config(hub)
+    assert (cfg.num_layers, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (34, 256, 8, 4, 262208)
+    assert cfg.sliding_layers == tuple(i for i in range(34) if (i + 1) % 6) and cfg.sliding_window == 1024
+    assert (cfg.rope.rope_type, cfg.rope.factor, cfg.rope.theta) == ("linear", 8.0, 1e6)
+    assert cfg.rope_local is not None and (cfg.rope_local.rope_type, cfg.rope_local.theta) == ("default", 1e4)
+    assert cfg.eos_token_ids == (1, 106) and cfg.attn_scale == 256**-0.5 and cfg.tie_word_embeddings
+    with pytest.raises(ModelLoadError, match="attn_logit_softcapping"):
+        parse_model_config({**hub, "text_config": {**hub["text_config"], "attn_logit_softcapping": 50.0}})
+
+
+def test_a_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """A Gemma3ForConditionalGeneration folder (a vision tower beside the text model, the text
+    weights under `language_model.`): h3d loads the text model alone and its logits equal
+    transformers' multimodal model's on text."""
+    import shutil
+
+    import transformers as tf
+
+    text = tf.Gemma3TextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=24, max_position_embeddings=1024, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], bos_token_id=0, eos_token_id=1,
+        pad_token_id=2,
+    )  # fmt: skip
+    vision = tf.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = tf.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=5, boi_token_index=6,
+        eoi_token_index=7,
+    )  # fmt: skip
+    torch.manual_seed(15)
+    model = tf.Gemma3ForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("embed_tokens.weight"):
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, tmp_path / name)
+    (tmp_path / "generation_config.json").unlink(missing_ok=True)
+    ids = random_prompt(PROMPT_LEN, 512, seed=123)
+    want = hf_logits(model.eval(), ids)
+    engine = make_engine(tmp_path, max_context_tokens=1024)
+    got = runner_logits(engine, 1, ids, CHUNKINGS["decode_tail"])
+    assert want.std().item() > 0.5
+    assert (got - want).abs().max().item() <= TOL
+
+
 def test_qwen3_configs_parse_and_what_h3d_cannot_run_is_refused() -> None:
     """Qwen3: QK-norm on, no q/k/v bias unless `attention_bias`; a configuration with layers of
     another kind (sliding-window) is refused with the kinds named, never run as full attention."""

@@ -1071,3 +1071,43 @@ def test_reads_of_blocks_staged_from_the_archive_count_as_ssd_reads(
     if policy == "exact":  # every staged block is read by the step that staged it
         assert t.hbm_misses == t.ddr_hits + t.ssd_read_count
     engine.close()
+
+
+def test_sliding_window_layers_tiered_equal_untiered(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """A model with sliding-window layers (Qwen2's last two of three, a 24-token window), its
+    sessions' KV through HBM, DDR and the archive: every token's logits as with all of it in HBM.
+    A decode token of a sliding layer reads only its window's blocks (fewer reads than its full
+    layer's), so what the tiers hold of older blocks must not matter to those layers."""
+    name = "qwen2_window_layers"
+    ids = [list(p) + random_prompt(GEN, VOCAB_SIZE, seed=50 + i) for i, p in enumerate(PROMPTS)]
+    lens = [len(p) for p in PROMPTS]
+    big = make_engine(checkpoint(name), prefill_chunk_tokens=64, hbm_mb=64.0, ddr_mb=1.0)
+    per_token = kv_bytes_per_token(big)
+    tiered = make_engine(
+        checkpoint(name),
+        hbm_mb=per_token * TOTAL_TOKENS * 0.15 / 2**20,
+        ddr_mb=per_token * TOTAL_TOKENS * 0.40 / 2**20,
+        ssd_path=str(tmp_path / "ssd"),
+        check_invariants=True,
+    )
+    want = teacher_forced(big, ids, lens, 64)
+    got = teacher_forced(tiered, ids, lens, 64)
+    stats = tiered.tier_stats()
+    assert stats.ssd_read_count > 0 and stats.hbm_misses > 0
+    # The same weights with the window taken out of the config read every block of every layer.
+    full_dir = tmp_path / "full"
+    shutil.copytree(checkpoint(name), full_dir)
+    raw = json.loads((full_dir / "config.json").read_text())
+    raw.update(use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * 3)
+    (full_dir / "config.json").write_text(json.dumps(raw))
+    full = make_engine(full_dir, prefill_chunk_tokens=64, hbm_mb=64.0, ddr_mb=1.0)
+    unwindowed = teacher_forced(full, ids, lens, 64)
+    reads = lambda e: e.tier_stats().hbm_hits + e.tier_stats().hbm_misses  # noqa: E731
+    assert reads(big) < 0.6 * reads(full)  # two of three layers read 2-3 blocks a token, not up to 16
+    assert max((u - w).abs().max().item() for u, w in zip(unwindowed, want, strict=True)) > 1e-2
+    full.close()
+    for g, w in zip(got, want, strict=True):
+        scale = max(1.0, w.abs().max().item())
+        assert (g - w).abs().max().item() <= 1e-5 * scale
+    big.close()
+    tiered.close()
