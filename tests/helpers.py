@@ -9,6 +9,7 @@ that tell where a greedy comparison between two implementations stops being mean
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,6 +147,11 @@ SPECS: dict[str, Spec] = {
 STATIC_ROPE = [name for name, spec in SPECS.items() if spec.rope.get("rope_type") != "dynamic"]
 
 
+# The CPU tests' engines on a GPU host (`H3D_TEST_DEVICE=cuda`, in fp32 there: the oracles' 1e-4
+# holds), for the GPU paths of what the tests build (model families, windows).
+TEST_DEVICE = os.environ.get("H3D_TEST_DEVICE")
+
+
 def make_engine(model_dir: Path | str, **overrides: Any) -> Engine:
     # ddr_mb: the default 4 GiB is a million 4 KiB slots of a tiny model, which every
     # check_invariants pass (after each step) walks; 16 MiB is plenty for these tests.
@@ -156,6 +162,8 @@ def make_engine(model_dir: Path | str, **overrides: Any) -> Engine:
         "ddr_mb": 16.0,
         "check_invariants": True,
     }
+    if TEST_DEVICE:
+        kw.update(device=TEST_DEVICE, dtype="fp32")
     kw.update(overrides)
     return Engine(EngineConfig.build(model=str(model_dir), **kw))
 
@@ -191,7 +199,7 @@ def runner_logits(
     pos = start
     for n in split_sizes(len(ids), chunk_sizes):
         part = tuple(ids[pos - start : pos - start + n])
-        outs.append(runner.step([Chunk(SeqId(seq), part, pos, True)], all_logits=True))
+        outs.append(runner.step([Chunk(SeqId(seq), part, pos, True)], all_logits=True).cpu())
         pos += n
     return torch.cat(outs)
 

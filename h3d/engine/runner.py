@@ -23,7 +23,6 @@ from h3d.config import EngineConfig
 from h3d.engine.graphs import DecodeGraphs
 from h3d.engine.step import Chunk, Path, StepPlan, StepReport
 from h3d.engine.stepkv import DeviceStepKV, HostStepKV, RewriteKV
-from h3d.errors import ModelLoadError
 from h3d.hbf.policy import Exact, HbfConfig
 from h3d.kv.attention import Pools, kernel_attention
 from h3d.kv.blocks import SeqId
@@ -66,14 +65,11 @@ class ModelRunner:
         cfg = model.config
         self.model = model
         self.device = model.lm_head.weight_t.device
-        # Each layer's sliding window (None: full attention). A window is read on the host path
-        # only: the device-planned step, the graphs and the paged kernel have none yet.
+        # Each layer's sliding window (None: full attention). A model with windows runs every step on
+        # the host path (the device-planned step and the graphs have no window yet), its windowed
+        # layers through `paged_attention` (the paged kernel has none either; on CUDA, its reads of
+        # a window's few blocks copy DDR's to the device).
         self.windows = cfg.windows
-        if self.device.type == "cuda" and cfg.sliding_layers:
-            raise ModelLoadError(
-                f"{len(cfg.sliding_layers)} of the model's {cfg.num_layers} layers use a sliding window, which "
-                "h3d runs on the CPU only so far: serve it with --device cpu"
-            )
         if self.device.type == "cuda":
             model.use_attention(kernel_attention)  # decode steps through the Triton paged kernel
         hbf = hbf or replace(EngineConfig(), policy=Exact.name).hbf
@@ -107,6 +103,8 @@ class ModelRunner:
         self.plan_on_device = False
         self.device_planned_steps = 0  # steps on `Path.DEVICE`, for tests
         self.graphs = DecodeGraphs(self)  # exact decode steps as CUDA graphs (tests: `.enabled` on the CPU)
+        if any(self.windows):
+            self.graphs.enabled = False
         self.kv.lagged = self.graphs.take_lagged
         # Prefill's KV writes trail its compute here (CUDA; on the CPU they are written in place).
         self.transfer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None

@@ -21,7 +21,8 @@ def test_collection_happens_between_steps_only() -> None:
     try:
         gc.set_threshold(100, 10, 10)
         collector.start()
-        assert not gc.isenabled() and collector.frozen == gc.get_freeze_count() > 0
+        # (other threads of the test process may free frozen objects meanwhile: never more frozen)
+        assert not gc.isenabled() and collector.frozen >= gc.get_freeze_count() > 0
         a, b = Node(), Node()
         a.other, b.other = b, a  # a cycle: only the collector frees it
         dead = weakref.ref(a)

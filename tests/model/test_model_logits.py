@@ -293,8 +293,9 @@ def test_a_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path: Path, to
 
 
 def test_qwen3_configs_parse_and_what_h3d_cannot_run_is_refused() -> None:
-    """Qwen3: QK-norm on, no q/k/v bias unless `attention_bias`; a configuration with layers of
-    another kind (sliding-window) is refused with the kinds named, never run as full attention."""
+    """Qwen3: QK-norm on, no q/k/v bias unless `attention_bias`; Qwen's sliding layers from
+    `max_window_layers` on; layer types h3d does not run, or sliding layers without a window, are
+    refused with what is wrong named, never run as full attention."""
     qwen3 = {
         "architectures": ["Qwen3ForCausalLM"],
         "vocab_size": 512,
@@ -311,12 +312,16 @@ def test_qwen3_configs_parse_and_what_h3d_cannot_run_is_refused() -> None:
     assert (cfg.architecture, cfg.qk_norm, cfg.qkv_bias, cfg.o_bias, cfg.head_dim) == ("qwen3", True, False, False, 16)
     assert parse_model_config({**qwen3, "attention_bias": True}).qkv_bias
     assert not parse_model_config({**qwen3, "architectures": ["Qwen2ForCausalLM"]}).qk_norm
-    with pytest.raises(ModelLoadError, match="layer types sliding_attention are not supported"):
+    with pytest.raises(ModelLoadError, match="layer types chunked_attention are not supported"):
+        parse_model_config({**qwen3, "layer_types": ["chunked_attention", "full_attention"]})
+    with pytest.raises(ModelLoadError, match="need a positive integer sliding_window, got None"):
         parse_model_config({**qwen3, "layer_types": ["sliding_attention", "full_attention"]})
-    with pytest.raises(ModelLoadError, match="sliding-window attention is not supported"):
-        parse_model_config({**qwen3, "use_sliding_window": True})
+    with pytest.raises(ModelLoadError, match="layer_types lists 1 layers, the model has 2"):
+        parse_model_config({**qwen3, "layer_types": ["full_attention"]})
+    windowed = {**qwen3, "layer_types": None, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}
+    assert parse_model_config(windowed).windows == (None, 16)
     with pytest.raises(ModelLoadError, match="unsupported architecture"):
-        parse_model_config({**qwen3, "architectures": ["Gemma3ForCausalLM"]})
+        parse_model_config({**qwen3, "architectures": ["Phi3ForCausalLM"]})
     with pytest.raises(ModelLoadError, match=r"partial_rotary_factor 0\.5 is not supported"):
         parse_model_config({**qwen3, "partial_rotary_factor": 0.5})
     yarn = parse_model_config({**qwen3, "max_position_embeddings": 131072, "rope_scaling": {"rope_type": "yarn"}})
