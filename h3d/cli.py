@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_flags(srv)
     srv.set_defaults(func=cmd_serve)
 
-    conv = sub.add_parser("convert-gguf", help="convert a llama/qwen2 GGUF file into an HF folder")
+    conv = sub.add_parser("convert-gguf", help="convert a llama, qwen2, qwen3 or gemma3 GGUF file into an HF folder")
     conv.add_argument("file", nargs="?", help="the .gguf file")
     conv.add_argument("outdir", help="output folder")
     conv.add_argument("--embedded", action="store_true", help="convert the embedded SmolLM2 model")

@@ -1,4 +1,5 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face folder that h3d loads.
+"""Convert a GGUF file (llama, qwen2, qwen3, gemma3 architectures) into a Hugging Face folder that
+h3d loads.
 
 Weights are read straight from the `gguf` reader and dequantized to fp32 with its numpy codecs;
 the tokenizer (and the chat template, from the GGUF metadata) is rebuilt by `transformers`' GGUF
@@ -7,7 +8,11 @@ itself never needs them.
 
 llama.cpp stores the Q and K projections of llama-architecture files permuted for its own RoPE
 layout (pairs interleaved); h3d, like `transformers`, rotates halves, so the permutation is undone
-here. The output is `config.json`, `generation_config.json`, `model.safetensors`,
+here (for llama files only: the others are stored unpermuted). llama.cpp stores Gemma's norm
+weights as 1 + w (its norms multiply by the weight); transformers' Gemma adds the 1 itself, so it
+is taken off here, as transformers' own GGUF loader does. Gemma 3's settings that a GGUF file does
+not carry (`query_pre_attn_scalar`, the local RoPE base, the layer pattern) take transformers'
+defaults, as its GGUF loader does too. The output is `config.json`, `generation_config.json`, `model.safetensors`,
 `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja` (where the file has one).
 """
 
@@ -38,12 +43,32 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Per architecture, where its names differ: Gemma's `ffn_norm` is the norm before the MLP, and it has
+# norms after attention and after the MLP; Qwen3 and Gemma 3 have q/k norms.
+_ARCH_LAYER_NAMES = {
+    "qwen3": {
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+    },
+    "gemma3": {
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -53,12 +78,13 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, arch: str = "llama") -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     raise ModelLoadError(f"unexpected tensor {name!r} in GGUF file")
 
 
@@ -97,6 +123,19 @@ def _hf_config(reader: Any, arch: str, tied: bool) -> dict[str, Any]:
     if arch == "llama":
         config["attention_bias"] = False
         config["mlp_bias"] = False
+    if arch == "qwen3":
+        config["head_dim"] = int(_field(reader, p + "attention.key_length", config["head_dim"]))
+    if arch == "gemma3":
+        config.update(
+            model_type="gemma3_text",
+            head_dim=int(_field(reader, p + "attention.key_length", 256)),
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=int(_field(reader, p + "attention.sliding_window", 4096)),
+            query_pre_attn_scalar=256,
+            rope_local_base_freq=10_000.0,
+            sliding_window_pattern=6,
+        )
+        del config["hidden_act"]
     return config
 
 
@@ -119,7 +158,7 @@ def convert_gguf(gguf_file: str | os.PathLike[str], out_dir: str | os.PathLike[s
         raise ModelLoadError(f"{src} is not a readable GGUF file: {exc}") from exc
     arch = str(_field(reader, "general.architecture", ""))
     if arch not in _ARCHITECTURES:
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2)")
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(_ARCHITECTURES)})")
 
     n_heads = int(_field(reader, f"{arch}.attention.head_count"))
     n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
@@ -130,7 +169,9 @@ def convert_gguf(gguf_file: str | os.PathLike[str], out_dir: str | os.PathLike[s
             w = _unpermute(w, n_heads)
         elif arch == "llama" and t.name.endswith("attn_k.weight"):
             w = _unpermute(w, n_kv)
-        tensors[_hf_name(t.name)] = np.ascontiguousarray(w)
+        elif arch == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp's 1 + w back to Gemma's w
+        tensors[_hf_name(t.name, arch)] = np.ascontiguousarray(w)
     tied = "lm_head.weight" not in tensors
     config = _hf_config(reader, arch, tied)
 

