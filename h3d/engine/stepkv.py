@@ -134,7 +134,7 @@ class HostStepKV(_Writes):
         for i, seq in enumerate(self.seqs):
             t = r.blocks.table(seq)
             sel = chosen[i]
-            if plan.probes[i]:
+            if plan.probes[i] and window is None:  # (a sliding layer never selects: no anchors, no gather)
                 self._probe(i, index, q, scale)
             if sel is None:
                 seq_runs = r.blocks.runs(seq, index)

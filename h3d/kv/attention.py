@@ -38,8 +38,9 @@ SERIAL_ELEMENTS = 1 << 16
 @contextmanager
 def one_thread() -> Iterator[None]:
     """Torch's intra-op thread count set to 1 for the block (ops run inline, no parallel region),
-    restored after. Cheap (a fraction of a microsecond each way); the count is the calling thread's
-    (OpenMP's nthreads ICV), so the engine thread's scope does not change other threads' ops."""
+    restored after. Cheap (a fraction of a microsecond each way). The count is the calling thread's
+    (OpenMP's nthreads ICV): threads that already ran torch ops keep theirs; one whose first op
+    falls inside the block takes 1 (ATen's global default)."""
     n = torch.get_num_threads()
     if n == 1:
         yield

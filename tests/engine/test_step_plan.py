@@ -135,3 +135,14 @@ def test_a_planned_step_reports_its_reads_and_picks_and_the_commit_counts_them(
     whole = sum(r.total for r in report.reads)
     assert after.hbm_hits + after.hbm_misses - before.hbm_hits - before.hbm_misses > whole  # + the picks
     engine.close()
+
+
+def test_the_prompt_probe_skips_sliding_window_layers(checkpoint: Callable[[str], FsPath]) -> None:
+    """HBF's prompt probe (anchors, a gather of every earlier key) runs in the global layers only: a
+    sliding layer reads its window whatever the policy, so anchors there would be read for nothing."""
+    engine = make_engine(checkpoint("gemma3_window"), policy="layerwise", dense_layers=0)
+    sid = engine.create_session()
+    engine.append(sid, token_ids=random_prompt(300, 512, seed=3))
+    state = engine.runner.kv.selection(engine.session(sid).seq)
+    assert set(state.anchors) == {2} and set(state.head_anchors) == {2}  # layers 0 and 1 slide
+    engine.close()
