@@ -60,6 +60,7 @@ def stats_text(stats: Any) -> str:
             "read_ahead_mib",
             f"{mib(g.read_ahead_bytes)} read back, {mib(g.read_ahead_in_flight_bytes)} in flight",
         ),
+        ("window_layers", f"{mib(g.window_hbm_bytes)} MiB in HBM, {g.window_freed_blocks} blocks freed behind"),
         ("hbf_latency_us", f"p50 {g.hbf_latency_us_p50:.1f}  p99 {g.hbf_latency_us_p99:.1f}"),
         (
             "occupancy_mib",

@@ -110,6 +110,8 @@ def tier_stats_pb(engine: Engine) -> pb.TierStats:
         write_behind_lag_s=t.write_behind_lag_s,
         read_ahead_bytes=t.read_ahead_bytes,
         read_ahead_in_flight_bytes=t.read_ahead_in_flight_bytes,
+        window_freed_blocks=t.window_freed_blocks,
+        window_hbm_bytes=t.window_hbm_bytes,
     )
 
 

@@ -93,6 +93,9 @@ class Metrics:
                g.read_ahead_bytes)  # fmt: skip
         metric("h3d_read_ahead_in_flight_bytes", "gauge", "Resumed sessions' KV being read back into DDR now.",
                g.read_ahead_in_flight_bytes)  # fmt: skip
+        metric("h3d_window_freed_blocks_total", "counter", "Sliding-window layers' blocks freed behind their window.",
+               g.window_freed_blocks)  # fmt: skip
+        metric("h3d_window_hbm_bytes", "gauge", "HBM bytes held by sliding-window layers' blocks.", g.window_hbm_bytes)
         # Stats carries microseconds (hbf_latency_us_p50/p99); Prometheus wants base units, and a quantile
         # label only on a summary. Quantiles over a window of recent steps are what a summary is; Stats
         # has no sum or count of the steps' planning time, so the summary has no _sum and _count lines.

@@ -20,7 +20,7 @@ import torch
 from h3d.config import AUTO, EngineConfig
 from h3d.engine.runner import ModelRunner
 from h3d.hbf.policy import policy_named
-from h3d.kv.sizing import Budgets, Hardware, auto_budgets, plan_pools
+from h3d.kv.sizing import Budgets, Hardware, auto_budgets, plan_pools, window_caps
 from h3d.model.config import ModelConfig
 from h3d.model.fingerprint import model_fingerprint
 from h3d.model.llama import CausalLM
@@ -69,6 +69,7 @@ def build_runner(config: EngineConfig, model: CausalLM, sizes: Budgets, max_cont
     pools = plan_pools(
         sizes.hbm_mb, sizes.ddr_mb, config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
         model.lm_head.weight_t.dtype.itemsize, config.dense_layers, config.dense_hbm_share, whole_blocks=whole,
+        caps=window_caps(mc.windows, config.block_size, config.max_batch_size, sizes.prefill_chunk_tokens),
     )  # fmt: skip
     archive = open_archive(config, mc)
     runner = ModelRunner(

@@ -23,6 +23,7 @@ from h3d.config import EngineConfig
 from h3d.engine.graphs import DecodeGraphs
 from h3d.engine.step import Chunk, Path, StepPlan, StepReport
 from h3d.engine.stepkv import DeviceStepKV, HostStepKV, RewriteKV
+from h3d.errors import OutOfBlocks
 from h3d.hbf.policy import Exact, HbfConfig
 from h3d.kv.attention import Pools, kernel_attention
 from h3d.kv.blocks import SeqId
@@ -88,7 +89,7 @@ class ModelRunner:
             high_watermark=high_watermark,
             promote_bytes_per_step=promote,
             rebalance_bytes_per_step=None if rebalance_mb_per_step is None else int(rebalance_mb_per_step * 2**20),
-            kinds=cfg.layer_kinds,
+            windows=cfg.windows,
             ssd_retry_interval_s=ssd_retry_interval_s,
             write_behind_dirty_mb=write_behind_dirty_mb,
             ssd_capacity=ssd_capacity,
@@ -153,6 +154,7 @@ class ModelRunner:
                     raise RuntimeError(
                         f"chunk for seq {c.seq} starts at {c.start}, cache holds {self.cached_tokens(c.seq)}"
                     )
+                kv.drop_behind(c.seq, c.start)  # window layers' blocks no token of the chunk reads
                 self.tiers.prepare_append(c.seq, len(c.token_ids), held, protect)
                 rows.append(self.blocks.append(c.seq, len(c.token_ids)))  # [L, n]
         except BaseException:
@@ -361,6 +363,8 @@ class ModelRunner:
         start = block * self.blocks.block_size
         if len(token_ids) != min(self.blocks.block_size, self.cached_tokens(seq) - start):
             raise ValueError(f"block {block} of seq {seq} holds other tokens than the {len(token_ids)} given")
+        if self.blocks.keepable(seq, start) != start:
+            raise OutOfBlocks(f"block {block} of seq {seq} reads blocks a sliding window has freed: prefilled again")
         try:
             self.tiers.begin_rewrite(seq, block)
             rows = self.blocks.rewrite(seq, block)

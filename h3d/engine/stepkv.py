@@ -64,6 +64,8 @@ class _Writes:
         self.layers_written += 1
         self._write_rows(index, k, v)
         r = self.runner
+        if r.windows[index] is not None:
+            return  # a sliding-window layer keeps no digests (it never selects)
         for seq, start, off, n in zip(self.seqs, self.starts, self.offsets, self.query_lens, strict=True):
             if r.kv.policy(seq).keeps_digests:  # else built on a switch to a policy that keeps them
                 r.digests.update(seq, index, start, k[off : off + n])

@@ -31,7 +31,7 @@ captured again).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,11 +62,14 @@ class DigestStore:
         device: torch.device,
         part_tokens: int = DIGEST_TOKENS,
         blocks: int = 0,
+        layers: Sequence[int] | None = None,
     ) -> None:
         """`blocks`: per layer, the blocks whose digests the arena holds from the start (the
         tiers' blocks: it grows past them only for sessions whose blocks lie in the archive;
-        each growth replaces the arena, and captured steps are captured again)."""
+        each growth replaces the arena, and captured steps are captured again). `layers`: those
+        whose digests are kept (all by default; a sliding-window layer never selects, and keeps none)."""
         self.shape = (num_layers, num_kv_heads)
+        self.layers = tuple(range(num_layers)) if layers is None else tuple(layers)
         self.head_dim = head_dim
         self.block_size = block_size
         self.parts = max(1, block_size // part_tokens)
@@ -289,7 +292,7 @@ class DigestStore:
             self._clear(self._arena[:, :, ext.start + first : ext.start + ext.rows])
         if num_tokens % self.part_tokens:
             start = first * self.part_tokens
-            for layer in range(self.shape[0]):
+            for layer in self.layers:
                 self.update(seq, layer, start, tail(layer, start))
 
     def drop(self, seq: SeqId) -> None:

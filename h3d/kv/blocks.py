@@ -19,12 +19,17 @@ partially filled block of a session has exactly one home (HBM or DDR), where new
 Each block of one layer is an entry (`h3d.kv.entries`): its residency is kept there, and a
 session's `BlockTable` points to its entries by id, so that several tables may later point to one.
 
+A sliding-window layer's blocks older than its window are never read again: `drop_behind` frees
+them (every copy, in every tier) as the context moves on, and the table points at the null entry
+below that layer's `floor` (its first live block). They are in no tier, and counted nowhere.
+
 Owner: `BlockManager` is the only writer of free lists, slot owners, entries and residency; the
 tier manager (`h3d.tiers.manager`) decides what moves and calls it once the bytes have moved.
 What must stay true (checked by `BlockManager.check_invariants`):
 - no slot is owned twice, and free + used = capacity, per pool;
 - a table points only at slots owned by its session, each HBM slot in its layer's region;
-- every block is in at least one tier; the last partial block is in HBM or DDR;
+- every live block (at or past its layer's floor) is in at least one tier; the last partial block
+  is in HBM or DDR; a full-attention layer's floor is 0;
 - an entry is free exactly when no table points to it; its count is the cells that point to it.
 """
 
@@ -96,6 +101,7 @@ class BlockTable:
 
     entries: Entries
     ids: np.ndarray  # [L, capacity] int64 entry ids
+    floor: np.ndarray  # [L] each layer's first live block (a window layer's older ones are freed)
     num_blocks: int = 0
     num_tokens: int = 0
     version: int = 0
@@ -154,10 +160,14 @@ class BlockTable:
 
     def archive_only(self, layer: int | None = None, upto: int | None = None) -> np.ndarray:
         """Blocks in neither HBM nor DDR (the archive holds them): [L, n] bool, or [n] for one
-        layer; the first `upto` blocks (all of them by default)."""
+        layer; the first `upto` blocks (all of them by default). Blocks freed behind a window are not."""
         n = self.num_blocks if upto is None else min(upto, self.num_blocks)
         ids = self.ids[:, :n] if layer is None else self.ids[layer, :n]
-        return (self.entries.hbm[ids] == NONE) & (self.entries.ddr[ids] == NONE)
+        return (self.entries.hbm[ids] == NONE) & (self.entries.ddr[ids] == NONE) & (ids != NULL_ENTRY)
+
+    def live(self) -> np.ndarray:
+        """[L, num_blocks] whether each block is kept (False: freed behind its layer's window)."""
+        return self.ids[:, : self.num_blocks] != NULL_ENTRY
 
     def copies(self) -> tuple[int, int, int]:
         """Block copies over all layers: (in HBM, in DDR, archived)."""
@@ -175,13 +185,20 @@ class BlockManager:
         ddr_slots: int,
         num_layers: int,
         block_size: int,
-        kinds: Sequence[LayerKind] | None = None,
+        windows: Sequence[int | None] | None = None,
     ) -> None:
         """`hbm_slots_per_layer`: every layer's HBM region size, or one per layer (`h3d.kv.sizing`);
-        `kinds`: each layer's kind (all full attention by default)."""
-        self.kinds = tuple(kinds) if kinds is not None else (LayerKind.FULL,) * num_layers
-        if len(self.kinds) != num_layers:
-            raise ValueError(f"{len(self.kinds)} layer kinds for {num_layers} layers")
+        `windows`: each layer's sliding window in tokens, None for full attention (all full by
+        default; `ModelConfig.windows`)."""
+        self.windows = tuple(windows) if windows is not None else (None,) * num_layers
+        if len(self.windows) != num_layers:
+            raise ValueError(f"{len(self.windows)} layer windows for {num_layers} layers")
+        self.kinds = tuple(LayerKind.FULL if w is None else LayerKind.SLIDING for w in self.windows)
+        # The sliding-window layers and their windows, and the full-attention layers (the tiered ones).
+        self.window_layers = np.array([i for i, w in enumerate(self.windows) if w is not None], dtype=np.int64)
+        self._window_sizes = np.array([w for w in self.windows if w is not None], dtype=np.int64)
+        self.full_layers = np.array([i for i, w in enumerate(self.windows) if w is None], dtype=np.int64)
+        self.window_freed = 0  # blocks freed behind windows (all layers), ever
         regions = np.broadcast_to(np.asarray(hbm_slots_per_layer, dtype=np.int64), (num_layers,)).copy()
         if (regions < 1).any():
             raise ValueError("the HBM pool needs at least one slot per layer")
@@ -260,13 +277,56 @@ class BlockManager:
         table.runs_cache = cache
         return runs
 
+    def floors(self, num_tokens: int) -> np.ndarray:
+        """[L] the first block each layer still reads once `num_tokens` tokens are written: a
+        query at position p of a sliding-window layer reads keys p - window < j <= p, so from the
+        next token (position `num_tokens`) on the blocks before (num_tokens - window + 1) // bs
+        are never read again; a full-attention layer reads from block 0."""
+        out = np.zeros(self.num_layers, dtype=np.int64)
+        if len(self.window_layers):
+            out[self.window_layers] = np.maximum(num_tokens - self._window_sizes + 1, 0) // self.block_size
+        return out
+
+    def keepable(self, seq: SeqId, num_tokens: int) -> int:
+        """The tokens a cut of `seq`'s KV back to `num_tokens` keeps: all of them, unless a
+        window layer would then read a block it has freed. Then none: a window layer's KV at a
+        position depends, through the layers below, on a cone of earlier positions, so only a
+        prefill from the start computes it again exactly."""
+        table = self._tables[seq]
+        return num_tokens if (table.floor <= self.floors(num_tokens)).all() else 0
+
+    def drop_behind(self, seq: SeqId, num_tokens: int) -> int:
+        """Free the blocks of `seq`'s sliding-window layers that no token from position
+        `num_tokens` on reads (`floors`): every copy, in every tier. Returns the blocks freed."""
+        if not len(self.window_layers):
+            return 0
+        table = self._tables[seq]
+        want = np.minimum(self.floors(num_tokens), table.num_blocks)
+        layers = np.flatnonzero(want > table.floor)
+        if not len(layers):
+            return 0
+        e, freed = self.entries, 0
+        for layer in layers.tolist():
+            ids = table.ids[layer, table.floor[layer] : want[layer]]
+            self.hbm_alloc[layer].release(e.hbm[ids])
+            self.ddr_alloc.release(e.ddr[ids])
+            e.release(ids)
+            table.ids[layer, table.floor[layer] : want[layer]] = NULL_ENTRY
+            freed += len(ids)
+        table.floor[layers] = want[layers]
+        table.version += 1
+        self.window_freed += freed
+        return freed
+
     # ---- allocation -------------------------------------------------------------------------
 
     def allocate(self, seq: SeqId) -> BlockTable:
         """Open an empty table for `seq`."""
         if seq in self._tables:
             raise ValueError(f"sequence {seq} already has a block table")
-        table = BlockTable(self.entries, np.full((self.num_layers, 4), NULL_ENTRY, dtype=np.int64))
+        table = BlockTable(
+            self.entries, np.full((self.num_layers, 4), NULL_ENTRY, dtype=np.int64), np.zeros(self.num_layers, np.int64)
+        )
         self._tables[seq] = table
         return table
 
@@ -313,16 +373,20 @@ class BlockManager:
 
     def adopt_archived(self, seq: SeqId, num_tokens: int) -> None:
         """Open `seq`'s table over `num_tokens` tokens whose blocks are all in the archive only (a
-        restart): no slot is taken; the blocks are staged from the archive when first read."""
+        restart): no slot is taken; the blocks are staged from the archive when first read. A
+        window layer's blocks are those from its floor on (`floors`)."""
         table = self._tables[seq]
         if table.num_tokens:
             raise ValueError(f"sequence {seq} already holds tokens")
         nb = self.blocks_for(num_tokens)
         self._grow(table, nb)
-        ids = self.entries.allocate(self.num_layers * nb).reshape(self.num_layers, nb)
-        table.ids[:, :nb] = ids
+        floor = np.minimum(self.floors(num_tokens), nb)
+        live = np.arange(nb)[None, :] >= floor[:, None]  # [L, nb]
+        ids = self.entries.allocate(int(live.sum()))
+        table.ids[:, :nb][live] = ids
         self.entries.archived[ids] = True
         self.entries.num_archived += ids.size
+        table.floor = floor
         table.num_blocks, table.num_tokens = nb, num_tokens
         table.version += 1
 
@@ -334,6 +398,8 @@ class BlockManager:
         `append` does."""
         table = self._tables[seq]
         e = self.entries
+        if (table.ids[:, block] == NULL_ENTRY).any():
+            raise ValueError(f"seq {seq}: block {block} was freed behind a window")
         for i in table.ids[:, block].tolist():
             if e.hbm[i] != NONE and e.ddr[i] != NONE:
                 self.ddr_alloc.release(e.ddr[i : i + 1])
@@ -349,7 +415,7 @@ class BlockManager:
     def homeless(self, seq: SeqId, block: int) -> int:
         """Layers in which `block` of `seq` is in neither HBM nor DDR."""
         ids = self._tables[seq].ids[:, block]
-        return int(((self.entries.hbm[ids] == NONE) & (self.entries.ddr[ids] == NONE)).sum())
+        return int(((self.entries.hbm[ids] == NONE) & (self.entries.ddr[ids] == NONE) & (ids != NULL_ENTRY)).sum())
 
     def _release(self, table: BlockTable, first: int, end: int) -> None:
         """Give back the slots and entries of blocks [first, end) of every layer."""
@@ -367,7 +433,10 @@ class BlockManager:
         if num_tokens >= table.num_tokens:
             return
         keep = self.blocks_for(num_tokens)
+        if (table.floor > self.floors(num_tokens)).any() and num_tokens:
+            raise ValueError(f"seq {seq}: a cut to {num_tokens} tokens needs blocks freed behind a window (`keepable`)")
         self._release(table, keep, table.num_blocks)
+        table.floor = np.minimum(table.floor, keep)
         table.num_blocks, table.num_tokens = keep, num_tokens
         if num_tokens % self.block_size:
             # The last block is partial again and new tokens go to one copy of it (HBM's where it
@@ -496,7 +565,7 @@ class BlockManager:
         partial last block too, written as it is now): a closed session, like after a restart."""
         table = self._tables[seq]
         e, ids = self.entries, table.ids[:, : table.num_blocks]
-        if not e.archived[ids].all():
+        if not (e.archived[ids] | (ids == NULL_ENTRY)).all():
             raise RuntimeError(f"seq {seq}: dropping every copy of blocks the archive lacks")
         for layer, alloc in enumerate(self.hbm_alloc):
             alloc.release(e.hbm[ids[layer]])
@@ -563,7 +632,7 @@ class BlockManager:
 
     def _check_entries(self) -> None:
         e = self.entries
-        cells = [t.ids[:, : t.num_blocks].ravel() for t in self._tables.values()]
+        cells = [t.ids[:, : t.num_blocks][t.live()] for t in self._tables.values()]
         pointed = np.bincount(np.concatenate([np.empty(0, dtype=np.int64), *cells]), minlength=e.capacity)
         assert pointed[NULL_ENTRY] == 0, "a table points at the null entry inside its blocks"
         assert (pointed == e.refs).all(), "an entry's reference count is not the number of cells pointing to it"
@@ -578,6 +647,9 @@ class BlockManager:
     def _check_table(self, seq: SeqId, table: BlockTable, seen_hbm: set[int], seen_ddr: set[int]) -> None:
         nb = table.num_blocks
         assert nb == self.blocks_for(table.num_tokens), f"seq {seq}: block count off"
+        below = np.arange(nb)[None, :] < table.floor[:, None]
+        assert (table.live() == ~below).all(), f"seq {seq}: a block freed above its layer's floor, or kept below it"
+        assert not table.floor[self.full_layers].any() and (table.floor <= nb).all(), f"seq {seq}: floor off"
         hbm, ddr, arch = table.hbm[:, :nb], table.ddr[:, :nb], table.archived[:, :nb]
         for slots, seen, owner, name in (
             (hbm, seen_hbm, self.hbm_owner, "HBM"),
@@ -591,7 +663,7 @@ class BlockManager:
             row = hbm[layer][hbm[layer] != NONE]
             inside = (row >= alloc.first) & (row < alloc.first + alloc.capacity)
             assert inside.all(), f"seq {seq}: layer {layer} region"
-        assert ((hbm != NONE) | (ddr != NONE) | arch).all(), f"seq {seq}: a block is in no tier"
+        assert ((hbm != NONE) | (ddr != NONE) | arch | below).all(), f"seq {seq}: a block is in no tier"
         if table.num_tokens % self.block_size:  # where the archive holds it only, staged before it is written
             last = (hbm[:, -1] != NONE) | (ddr[:, -1] != NONE)
             assert (last | arch[:, -1]).all(), f"seq {seq}: partial block not in HBM/DDR"

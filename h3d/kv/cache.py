@@ -41,7 +41,6 @@ from h3d.hbf.digests import DigestStore
 from h3d.hbf.policy import HbfConfig, Policy, SelectionState, base_blocks, policy_named
 from h3d.kv.blocks import BlockManager, BlockTable, SeqId
 from h3d.kv.pool import KVPool
-from h3d.model.config import LayerKind
 from h3d.tiers import lifecycle
 from h3d.tiers.archive import Archive, ArchiveWriteFailed
 from h3d.tiers.digestfile import DigestFiles, host_copy
@@ -97,17 +96,17 @@ class KVCache:
         high_watermark: float = 0.85,
         promote_bytes_per_step: int | None = None,
         rebalance_bytes_per_step: int | None = None,
-        kinds: Sequence[LayerKind] | None = None,
+        windows: Sequence[int | None] | None = None,
         ssd_retry_interval_s: float = 10.0,
         write_behind_dirty_mb: float | None = None,
         ssd_capacity: int | None = None,
     ) -> None:
-        """`hbm_regions`: every layer's HBM region in blocks, or one size per layer; `kinds`: each
-        layer's kind (`ModelConfig.layer_kinds`; all full attention by default);
+        """`hbm_regions`: every layer's HBM region in blocks, or one size per layer; `windows`: each
+        layer's sliding window, None for full attention (`ModelConfig.windows`; all full by default);
         `write_behind_dirty_mb`, `ssd_capacity`: see `TierManager`."""
         self.sessions: dict[SeqId, SessionKV] = {}
         self._archive = archive
-        self.blocks = BlockManager(hbm_regions, ddr_slots, num_layers, block_size, kinds)
+        self.blocks = BlockManager(hbm_regions, ddr_slots, num_layers, block_size, windows)
         shape = (block_size, num_kv_heads, head_dim, dtype)
         self.hbm = KVPool(self.blocks.num_slots, *shape, device)
         self.ddr = KVPool(len(self.blocks.ddr_owner), *shape, torch.device("cpu"), pin_memory=device.type == "cuda")
@@ -130,8 +129,10 @@ class KVCache:
         # and each growth would capture them again. A CPU host grows it as sessions come.
         per_layer = (self.blocks.num_slots + len(self.blocks.ddr_owner)) // num_layers if device.type == "cuda" else 0
         self.digests = DigestStore(
-            num_layers, num_kv_heads, head_dim, block_size, dtype, device, hbf.digest_tokens, blocks=per_layer
-        )
+            num_layers, num_kv_heads, head_dim, block_size, dtype, device, hbf.digest_tokens, blocks=per_layer,
+            layers=self.blocks.full_layers.tolist(),
+        )  # fmt: skip
+        self.digest_layers = self.digests.layers
         # Digest snapshots beside the archive (`h3d.tiers.digestfile`): a resumed session's
         # digests read first, not rebuilt from every key.
         self.digest_files = (
@@ -240,6 +241,8 @@ class KVCache:
         if record.selection.policy.selects:
             window = -(-record.selection.window_tokens // self.block_size) + len(self.keep(seq))
             out[self.hbf.dense_layers :] = min(nb, window)
+        slide = self.blocks.window_layers  # a sliding-window layer reads its live blocks, whatever the policy
+        out[slide] = nb - record.table.floor[slide]
         return out
 
     def rebalance(self, active: list[SeqId]) -> int:
@@ -303,13 +306,23 @@ class KVCache:
         self.flush_lagged()
         self.cut(seq, num_tokens)
 
+    def drop_behind(self, seq: SeqId, num_tokens: int) -> int:
+        """Before `seq`'s tokens from position `num_tokens` on are computed: its sliding-window
+        layers' blocks that none of them reads are freed, in every tier (`BlockManager.drop_behind`).
+        Returns the blocks freed."""
+        freed = self.blocks.drop_behind(seq, num_tokens)
+        self.tiers.counters.window_freed_blocks += freed
+        return freed
+
     @torch.inference_mode()
     def cut(self, seq: SeqId, num_tokens: int) -> None:
         """`truncate` within a step (a step that failed midway, KV the tier manager drops to be
-        computed again): the lagged picks wait for the step's end."""
+        computed again): the lagged picks wait for the step's end. A cut that a sliding-window
+        layer's freed blocks would be read after drops the whole KV (`BlockManager.keepable`)."""
         record = self.sessions[seq]
         if num_tokens >= record.table.num_tokens:
             return
+        num_tokens = self.blocks.keepable(seq, num_tokens)
         if self.digest_files is not None:  # its snapshot holds the digests of the blocks cut
             self.digest_files.cut(record.name, num_tokens // self.block_size)
         self.tiers.behind.cut(seq, num_tokens)  # its records in flight land before the blocks go
@@ -507,7 +520,7 @@ class KVCache:
         start = first_block * self.block_size
         if table.num_tokens <= start:
             return
-        for layer in range(self.blocks.num_layers):
+        for layer in self.digest_layers:
             k = self.tiers.read_keys(seq, layer, first_block)  # [Hkv, num_tokens - start, D]
             self.digests.update(seq, layer, start, k.transpose(0, 1).to(self.device))
 

@@ -18,10 +18,14 @@ them).
 - a prompt in one chunk (`prefill_chunk_tokens` = the longest context, at most `AUTO_CHUNK_MAX`):
   the layer-by-layer path.
 On a CPU `auto` keeps the figures that suit a CPU host (`CPU_BUDGETS`).
+
+A sliding-window layer's region is capped at what its windows can use (`window_caps`: its blocks
+older than the window are freed); the slots it leaves go to the full-attention layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from h3d.config import AUTO
@@ -84,6 +88,15 @@ def region_sizes(
     return [dense] * dense_layers + [sparse] * (num_layers - dense_layers)
 
 
+def window_caps(windows: Sequence[int | None], block_size: int, max_batch: int, chunk_tokens: int) -> list[int | None]:
+    """The most HBM slots a sliding-window layer's region can use, per layer (None: a full
+    layer): `max_batch` sessions each holding the blocks of its window, the partial block and
+    one block more, and one prefill chunk's blocks beside (a chunk's blocks are all written
+    before the next chunk frees those its window has passed: `BlockManager.drop_behind`)."""
+    chunk = -(-chunk_tokens // block_size)
+    return [None if w is None else max_batch * (-(-w // block_size) + 2) + chunk for w in windows]
+
+
 def plan_pools(
     hbm_mb: float,
     ddr_mb: float,
@@ -97,16 +110,25 @@ def plan_pools(
     *,
     max_region_slots: int | None = None,
     whole_blocks: int | None = None,
+    caps: Sequence[int | None] | None = None,
 ) -> PoolPlan:
     """The slots `hbm_mb` and `ddr_mb` MiB hold, the HBM ones split into layer regions
     (`region_sizes`; `whole_blocks`: the dense layers' whole context); `max_region_slots` caps a
-    region (a run that knows how many blocks it writes). Raises ConfigError when HBM holds fewer
-    than one slot per layer."""
+    region (a run that knows how many blocks it writes); `caps`: the most each layer can use
+    (`window_caps`: a sliding-window layer's), what a capped region leaves shared equally by the
+    uncapped ones. Raises ConfigError when HBM holds fewer than one slot per layer."""
     slot = slot_bytes(block_size, num_kv_heads, head_dim, elem_bytes)
     hbm = int(hbm_mb * 2**20) // slot
     if hbm < num_layers:
         raise ConfigError(f"hbm_mb: {hbm_mb} MiB holds fewer than one KV block per layer")
     regions = region_sizes(hbm, num_layers, dense_layers, dense_hbm_share, max_region_slots, whole_blocks)
+    if caps is not None:
+        open_ = [i for i, c in enumerate(caps) if c is None]
+        spare = sum(max(0, r - c) for r, c in zip(regions, caps, strict=True) if c is not None)
+        regions = [r if c is None else max(1, min(r, c)) for r, c in zip(regions, caps, strict=True)]
+        for n, i in enumerate(open_):  # the spare slots, equally (the first ones take the remainder)
+            more = spare // len(open_) + (n < spare % len(open_))
+            regions[i] = regions[i] + more if max_region_slots is None else min(max_region_slots, regions[i] + more)
     return PoolPlan(tuple(regions), int(ddr_mb * 2**20) // slot)
 
 

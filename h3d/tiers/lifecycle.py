@@ -125,6 +125,7 @@ def _snapshot(tiers: TierManager, seq: SeqId, partial: bool) -> int:
 
     for layer in range(b.num_layers):
         todo = np.flatnonzero(~t.layer_archived(layer)[:full])
+        todo = todo[todo >= t.floor[layer]]  # (a window layer's blocks before its floor are freed)
         where = (t.layer_hbm(layer), t.layer_ddr(layer))
         for p, slots in enumerate(where):
             here = todo[slots[todo] != NONE]
@@ -146,7 +147,7 @@ def to_recompute(tiers: TierManager, seq: SeqId) -> int:
     every layer; the partial last block counts as lacking: only a checkpoint writes it)."""
     t = tiers.blocks.table(seq)
     full = t.num_tokens // tiers.blocks.block_size
-    held = t.archived[:, :full].all(axis=0)
+    held = (t.archived[:, :full] | ~t.live()[:, :full]).all(axis=0)
     prefix = full if held.all() else int(np.argmin(held))
     return t.num_blocks - prefix
 
@@ -183,18 +184,30 @@ def forget(tiers: TierManager, seq: SeqId) -> int:
 
 def adopt(tiers: TierManager, seq: SeqId, num_tokens: int) -> int:
     """After a restart: give `seq` the longest prefix of its first `num_tokens` tokens whose
-    blocks the archive holds in every layer (read lazily, when a step first needs them).
-    Returns the tokens adopted; the rest are to be prefilled again."""
+    blocks the archive holds in every layer (read lazily, when a step first needs them); a
+    sliding-window layer needs only those from its floor on (`BlockManager.floors`): a prefix
+    shorter than what the full layers hold needs older window blocks, which are freed, so
+    that prefix is taken whole or not at all. Returns the tokens adopted; the rest are to be
+    prefilled again."""
     if tiers.archive is None or num_tokens <= 0:
         return 0
     b = tiers.blocks
     have = tiers.archive.blocks_of(tiers.sessions[seq].name)
+    full_layers, window_layers = b.full_layers.tolist(), b.window_layers.tolist()
+
+    def held(j: int, layers: list[int], tokens: int) -> bool:
+        want = min(b.block_size, tokens - j * b.block_size)
+        return all(have.get((layer, j)) == want for layer in layers)
+
     done = 0
     for j in range(b.blocks_for(num_tokens)):
-        want = min(b.block_size, num_tokens - j * b.block_size)
-        if any(have.get((layer, j)) != want for layer in range(b.num_layers)):
+        if not held(j, full_layers, num_tokens):
             break
-        done += want
+        done = min(num_tokens, (j + 1) * b.block_size)
+    if window_layers and done:
+        floor = b.floors(done)
+        if not all(held(j, [layer], done) for layer in window_layers for j in range(floor[layer], b.blocks_for(done))):
+            done = 0  # (a shorter prefix reads window blocks older still)
     if done:
         b.adopt_archived(seq, done)
     return done

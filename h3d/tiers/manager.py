@@ -571,7 +571,14 @@ class TierManager:
             read_ahead_bytes=self.ahead.read_blocks * self.block_bytes,
             read_ahead_in_flight_bytes=self.ahead.in_flight * self.block_bytes,
             write_behind_lag_s=behind.lag_s,
+            window_hbm_bytes=self._window_hbm() * self.block_bytes,
         )
+
+    def _window_hbm(self) -> int:
+        """HBM slots the sliding-window layers' blocks hold."""
+        b = self.blocks
+        slide = b.window_layers
+        return int(b.hbm_regions[slide].sum() - b.hbm_alloc.free[slide].sum()) if len(slide) else 0
 
     def check(self) -> None:
         """Bookkeeping invariants, and every pair of copies of a block holding the same bytes

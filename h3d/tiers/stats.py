@@ -33,6 +33,7 @@ class TierCounters:
     recompute_evict_count: int = 0  # block copies forgotten while the SSD tier was degraded, recomputed later
     promote_count: int = 0  # blocks copied DDR -> HBM by HBF promotion
     hbm_rebalance_count: int = 0  # blocks moved toward the fair shares of HBM (h3d.tiers.shares), both ways
+    window_freed_blocks: int = 0  # sliding-window layers' blocks freed once behind every later token's window
 
     @property
     def hbm_hit_rate(self) -> float:
@@ -78,6 +79,7 @@ class TierStats:
     recompute_evict_count: int
     promote_count: int
     hbm_rebalance_count: int
+    window_freed_blocks: int
     ssd_degraded: bool
     dirty_bytes: int = 0  # full blocks without a durable archive copy (what a shutdown flushes)
     write_behind_bytes: int = 0  # KV written behind since start (before compression)
@@ -85,6 +87,7 @@ class TierStats:
     write_behind_lag_s: float = 0.0  # how long the dirty KV has been past write_behind_dirty_mb
     read_ahead_bytes: int = 0  # resumed sessions' KV read back into DDR in the background since start
     read_ahead_in_flight_bytes: int = 0  # being read back now
+    window_hbm_bytes: int = 0  # HBM held by sliding-window layers' blocks (part of hbm_used_bytes)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

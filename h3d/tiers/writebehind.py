@@ -5,7 +5,9 @@ A block is *dirty* when it is full (`block_size` tokens) and has no durable arch
 `write_behind_dirty_mb` of dirty KV, the oldest dirty blocks are written until the dirty KV is
 back within it: the least recently used sessions first, each from its first dirty block on
 (0 writes every full block as soon as it is made). What stays dirty is what a shutdown flushes
-(`Engine.checkpoint`), or a crash leaves to compute again from the token log.
+(`Engine.checkpoint`), or a crash leaves to compute again from the token log. Sliding-window
+layers are never written behind: their blocks are freed once the window has passed them
+(`BlockManager.drop_behind`); a shutdown's checkpoint writes the live ones.
 
 How, without blocking a step. On the engine thread, between steps (`pump`): a block with no DDR
 copy gets one (copied down from HBM, one launch on the mover's stream like any demotion); the
@@ -106,7 +108,7 @@ class WriteBehind:
         if not self.enabled or not tiers.writable:
             return 0
         b = tiers.blocks
-        bs, L = b.block_size, b.num_layers
+        bs, L = b.block_size, len(b.full_layers)
         todo: list[tuple[int, SeqId, int, int]] = []  # (last use, seq, first block, end)
         dirty = 0
         for seq, t in b.tables().items():
@@ -143,16 +145,19 @@ class WriteBehind:
         block's copies down), None if the archive's capacity refused them."""
         tiers = self.tiers
         b = tiers.blocks
-        L = b.num_layers
+        full_layers = b.full_layers  # (a sliding-window layer's blocks are not written behind)
+        L = len(full_layers)
+        if not L:
+            return 0
         e = b.entries
         t = b.table(seq)
-        written = e.archived[t.ids[:, start:end]].all(axis=0)  # columns archived already (adopted, spilled)
+        written = e.archived[t.ids[full_layers, start:end]].all(axis=0)  # columns archived already (adopted, spilled)
         start += int(np.argmin(written)) if not written.all() else end - start
         self.cursor[seq] = start
         if start >= end:
             return 0
         cols = min(end - start, max(1, room // L))
-        ids = t.ids[:, start : start + cols]  # [L, cols]
+        ids = t.ids[full_layers, start : start + cols]  # [L, cols]
         todo = ~e.archived[ids]
         # DDR room for the copies down: what lies below the watermark, cheap copies dropped for it
         # (perhaps of these blocks too: which need a copy down is read after the drops)
@@ -163,8 +168,8 @@ class WriteBehind:
         if cols == 0:
             return 0
         ids, todo, down = ids[:, :cols], todo[:, :cols], down[:, :cols]
-        layers, offs = np.nonzero(todo)
-        blocks = offs + start
+        rows, offs = np.nonzero(todo)
+        layers, blocks = full_layers[rows], offs + start
         # Layer-major: a layer's blocks lie in runs in the archive's segments, so that a resume
         # reads a layer (a dense one whole, `h3d.tiers.readahead`) in large sequential pieces.
         order = np.lexsort((blocks, layers))
@@ -176,10 +181,10 @@ class WriteBehind:
                 self.wants_room = live + nbytes - tiers.ssd_capacity
                 return None
         self.wants_room = 0
-        dl, dc = np.nonzero(down)
-        if len(dl):
-            hbm = e.hbm[ids[dl, dc]]
-            slots = b.add_ddr_many(seq, dl, dc + start)
+        dr, dc = np.nonzero(down)
+        if len(dr):
+            hbm = e.hbm[ids[dr, dc]]
+            slots = b.add_ddr_many(seq, full_layers[dr], dc + start)
             tiers.mover.hbm_to_ddr(hbm, slots)
         ready = _device_event(tiers)
         name = tiers.sessions[seq].name
@@ -292,7 +297,7 @@ class WriteBehind:
         dirty = 0
         for t in b.tables().values():
             full = t.num_tokens // b.block_size
-            dirty += int(np.count_nonzero(~e.archived[t.ids[:, :full]]))
+            dirty += int(np.count_nonzero(~e.archived[t.ids[b.full_layers, :full]]))
         lag = 0.0 if self._over_since is None else time.monotonic() - self._over_since
         bb = self.tiers.block_bytes
         return WriteBehindStats(dirty * bb, self.in_flight * bb, self.written_blocks * bb, lag)

@@ -634,12 +634,69 @@ def test_a_tables_blocks_are_entries_it_points_to() -> None:
     bm.check_invariants()
 
 
-def test_layer_kinds_are_one_per_layer() -> None:
-    """Each layer's kind is kept (a sliding layer's blocks are held as a full layer's: what its
-    decode tokens read is narrowed by the step, `HostStepKV`); a list of another length is refused."""
+def test_layer_kinds_follow_the_windows() -> None:
+    """Each layer's kind follows its window (None: full attention); a list of another length is refused."""
     from h3d.model.config import LayerKind
 
-    assert BlockManager(4, 4, 2, 4, [LayerKind.FULL] * 2).kinds == (LayerKind.FULL, LayerKind.FULL)
-    assert BlockManager(4, 4, 2, 4, [LayerKind.FULL, LayerKind.SLIDING]).kinds == (LayerKind.FULL, LayerKind.SLIDING)
-    with pytest.raises(ValueError, match="1 layer kinds for 2 layers"):
-        BlockManager(4, 4, 2, 4, [LayerKind.FULL])
+    assert BlockManager(4, 4, 2, 4).kinds == (LayerKind.FULL, LayerKind.FULL)
+    m = BlockManager(4, 4, 2, 4, [None, 8])
+    assert m.kinds == (LayerKind.FULL, LayerKind.SLIDING)
+    assert m.window_layers.tolist() == [1] and m.full_layers.tolist() == [0]
+    with pytest.raises(ValueError, match="1 layer windows for 2 layers"):
+        BlockManager(4, 4, 2, 4, [None])
+
+
+def test_window_layers_free_the_blocks_their_window_has_passed() -> None:
+    """A query at position p of a window-w layer reads keys p - w < j <= p: from the next token
+    (position n) on, blocks before (n - w + 1) // bs are never read again. They are freed in
+    every tier, the table points at the null entry below the layer's floor, and nothing counts
+    them; the full layer keeps every block."""
+    m = BlockManager(8, 8, 2, 4, [None, 6])
+    m.allocate(1)
+    m.append(1, 20)  # blocks 0-4 of both layers in HBM
+    assert m.floors(20).tolist() == [0, 3]  # (20 - 6 + 1) // 4
+    assert m.floors(4).tolist() == [0, 0]
+    free_before = m.hbm_alloc.free.tolist()
+    assert m.drop_behind(1, 20) == 3
+    assert m.drop_behind(1, 20) == 0  # nothing more until the context moves on
+    t = m.table(1)
+    assert t.floor.tolist() == [0, 3] and m.window_freed == 3
+    assert (m.hbm_alloc.free - np.array(free_before)).tolist() == [0, 3]
+    assert t.live().tolist() == [[True] * 5, [False, False, False, True, True]]
+    assert t.copies() == (7, 0, 0)
+    assert not t.archive_only().any()  # freed blocks are not "in the archive only"
+    assert (t.locations(1)[:3] == 0).all()  # (the null slot: read as zeros, masked by the window)
+    m.check_invariants()
+    # The freed slots are taken by the next blocks; a block of the full layer moved to DDR keeps its place.
+    m.append(1, 8)
+    m.drop_behind(1, 28)
+    assert t.floor.tolist() == [0, 5] and t.num_blocks == 7
+    m.check_invariants()
+
+
+def test_a_cut_behind_a_window_drops_the_whole_kv() -> None:
+    """A cut that leaves a window layer reading a block it has freed keeps nothing (`keepable`:
+    only a prefill from the start computes a window layer's KV again exactly); a cut within
+    the window keeps its floor; an adopted table starts at each layer's floor."""
+    m = BlockManager(8, 8, 2, 4, [None, 6])
+    m.allocate(1)
+    m.append(1, 20)
+    m.drop_behind(1, 20)
+    assert m.keepable(1, 18) == 18  # floors(18) = [0, 3]
+    assert m.keepable(1, 16) == 0  # floors(16) = [0, 2]: block 2 of layer 1 is gone
+    with pytest.raises(ValueError, match="freed behind a window"):
+        m.truncate(1, 16)
+    m.truncate(1, 18)
+    assert m.table(1).floor.tolist() == [0, 3] and m.table(1).num_blocks == 5
+    m.check_invariants()
+    m.truncate(1, 0)
+    assert m.table(1).floor.tolist() == [0, 0] and m.table(1).num_blocks == 0
+    m.check_invariants()
+    m.allocate(2)
+    m.adopt_archived(2, 22)  # blocks 0-5; layer 1 from floors(22) = (22 - 5) // 4 = 4
+    t = m.table(2)
+    assert t.floor.tolist() == [0, 4] and t.live().sum() == 6 + 2
+    assert t.archive_only().sum() == 8 and t.archived.sum() == 8 and m.entries.num_archived == 8
+    m.check_invariants()
+    with pytest.raises(ValueError, match="freed behind a window"):
+        m.rewrite(2, 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from h3d.errors import ConfigError
-from h3d.kv.sizing import CPU_BUDGETS, Budgets, Hardware, auto_budgets, region_sizes
+from h3d.kv.sizing import CPU_BUDGETS, Budgets, Hardware, auto_budgets, plan_pools, region_sizes, window_caps
 
 GIB = 2**30
 MIB = 2**20
@@ -93,3 +93,18 @@ def test_dense_layers_get_their_whole_context_where_it_fits(
 ) -> None:
     assert region_sizes(total, 32, 2, share, whole=whole) == want
     assert sum(want) <= total
+
+
+def test_window_layers_get_only_what_their_windows_use() -> None:
+    """A sliding-window layer's region is capped at `max_batch` sessions' windows (each: its
+    window's blocks, the partial block and one more) plus one prefill chunk; what it leaves goes
+    to the full layers equally, and nothing is lost."""
+    caps = window_caps([None, 512, 512, None], block_size=16, max_batch=4, chunk_tokens=512)
+    assert caps == [None, 4 * (32 + 2) + 32, 4 * (32 + 2) + 32, None]
+    plain = plan_pools(64.0, 0.0, 16, 4, 1, 64, 2)
+    capped = plan_pools(64.0, 0.0, 16, 4, 1, 64, 2, caps=caps)
+    assert plain.regions == (4096,) * 4
+    assert capped.regions == (4096 + 3928, 168, 168, 4096 + 3928)
+    assert capped.hbm_slots == plain.hbm_slots
+    # a cap above the equal share changes nothing
+    assert plan_pools(64.0, 0.0, 16, 4, 1, 64, 2, caps=[None, 10**6, None, None]).regions == plain.regions

@@ -97,6 +97,16 @@ export interface TierStats {
    */
   'readAheadBytes'?: (number | string | Long);
   'readAheadInFlightBytes'?: (number | string | Long);
+  /**
+   * Sliding-window layers' blocks (one layer's block each) freed once every later token's window
+   * had passed them, since start: never demoted, archived or read again.
+   */
+  'windowFreedBlocks'?: (number | string | Long);
+  /**
+   * HBM bytes the sliding-window layers' blocks hold now (part of hbm_used_bytes): a window's
+   * blocks per session and layer, whatever the context's length.
+   */
+  'windowHbmBytes'?: (number | string | Long);
 }
 
 /**
@@ -194,4 +204,14 @@ export interface TierStats__Output {
    */
   'readAheadBytes': (number);
   'readAheadInFlightBytes': (number);
+  /**
+   * Sliding-window layers' blocks (one layer's block each) freed once every later token's window
+   * had passed them, since start: never demoted, archived or read again.
+   */
+  'windowFreedBlocks': (number);
+  /**
+   * HBM bytes the sliding-window layers' blocks hold now (part of hbm_used_bytes): a window's
+   * blocks per session and layer, whatever the context's length.
+   */
+  'windowHbmBytes': (number);
 }
