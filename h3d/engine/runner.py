@@ -67,9 +67,8 @@ class ModelRunner:
         self.model = model
         self.device = model.lm_head.weight_t.device
         # Each layer's sliding window (None: full attention). A model with windows runs every step on
-        # the host path (the device-planned step and the graphs have no window yet), its windowed
-        # layers through `paged_attention` (the paged kernel has none either; on CUDA, its reads of
-        # a window's few blocks copy DDR's to the device).
+        # the host path (the device-planned step and the graphs have no window yet); on CUDA its
+        # windowed layers' decode goes through the paged kernel too, over the window's blocks.
         self.windows = cfg.windows
         if self.device.type == "cuda":
             model.use_attention(kernel_attention)  # decode steps through the Triton paged kernel

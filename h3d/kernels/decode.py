@@ -6,8 +6,10 @@ torch twin, `torch_paged_decode`, that the CPU runs; the tests run the kernels u
 heads to the blocks listed for each of its KV heads: `tables[b, kh, :nblocks[b, kh]]` holds block
 locations (HBM slot `s >= 0`, or `-(DDR slot + 1)`), a selection in any order or every block, each
 list ending with the sequence's last, partial block (`tail[b]` valid tokens; every other listed
-block has `bs`). Pool slabs are `[Hkv, slots, bs, D]` (`h3d.kv.pool.KVPool`): for a (block, head)
-the `bs x D` tile is contiguous, so each key row is one coalesced `D`-element load.
+block has `bs`). With `head`, the first `head[b]` tokens of each list's first entry are not read
+either: a sliding-window layer's window, listed as its blocks, starts inside the first one. Pool
+slabs are `[Hkv, slots, bs, D]` (`h3d.kv.pool.KVPool`): for a (block, head) the `bs x D` tile is
+contiguous, so each key row is one coalesced `D`-element load.
 
 Grid and work (flash-decoding):
 
@@ -105,21 +107,25 @@ def paged_decode(
     tail: torch.Tensor,
     scale: float,
     *,
+    head: torch.Tensor | None = None,
     block_split: int | None = None,
     alloc: Alloc = _empty,
 ) -> torch.Tensor:
     """Decode attention over per-(sequence, KV head) block lists. See the module docstring.
 
     q: [B, H, D]; k_pools, v_pools: (HBM, DDR) slabs [Hkv, S_tier, bs, D]; tables: [B, Hkv, W]
-    int32; nblocks: [B, Hkv] int32 (>= 1); tail: [B] int32 in 1..bs -> [B, H, D] in q's dtype.
+    int32; nblocks: [B, Hkv] int32 (>= 1); tail: [B] int32 in 1..bs; head: [B] int32, below the
+    first entry's valid tokens, or None (0) -> [B, H, D] in q's dtype.
     `alloc`: how the kernels' path allocates every buffer it writes (the output, the split
     workspace); the kernels write each byte they read, so one that fills them with NaN (a test)
     gives the same output.
     """
     _check(q, k_pools, v_pools, tables, nblocks, tail)
+    if head is not None and head.shape != tail.shape:
+        raise ValueError(f"paged_decode: head {tuple(head.shape)} does not match B={q.shape[0]}")
     if loader.runs_on(q.device):
-        return _triton_paged_decode(q, k_pools, v_pools, tables, nblocks, tail, scale, block_split, alloc)
-    return torch_paged_decode(q, k_pools, v_pools, tables, nblocks, tail, scale)
+        return _triton_paged_decode(q, k_pools, v_pools, tables, nblocks, tail, scale, block_split, alloc, head)
+    return torch_paged_decode(q, k_pools, v_pools, tables, nblocks, tail, scale, head)
 
 
 def _check(
@@ -154,6 +160,7 @@ def torch_paged_decode(
     nblocks: torch.Tensor,
     tail: torch.Tensor,
     scale: float,
+    head: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `paged_decode`, in plain torch: gather the listed blocks, masked fp32 softmax."""
     b, h, d = q.shape
@@ -167,6 +174,9 @@ def torch_paged_decode(
     last = entry == n - 1  # [B, Hkv, W]
     tok = torch.arange(bs, device=dev)
     valid_tok = torch.where(last[..., None], tok < tail.to(dev)[:, None, None, None], True)  # [B, Hkv, W, bs]
+    if head is not None:  # the window's start inside the first entry
+        first = (entry == 0)[None, None, :, None]
+        valid_tok = valid_tok & ~(first & (tok < head.to(dev)[:, None, None, None]))
     valid = (listed[..., None] & valid_tok).reshape(b, hkv, w * bs)  # [B, Hkv, T]
     k = _gather(k_pools, loc).masked_fill(~valid[..., None], 0.0)  # [B, Hkv, T, D] fp32
     v = _gather(v_pools, loc).masked_fill(~valid[..., None], 0.0)
@@ -220,6 +230,7 @@ def _triton_paged_decode(
     scale: float,
     block_split: int | None,
     alloc: Alloc,
+    head: torch.Tensor | None = None,
 ) -> torch.Tensor:
     kernels = _kernels()
     b, h, d = q.shape
@@ -230,8 +241,8 @@ def _triton_paged_decode(
     v_hbm, v_ddr = (loader.addressable(p, q.device) for p in v_pools)
     if k_hbm.stride() != v_hbm.stride() or k_ddr.stride() != v_ddr.stride():
         raise ValueError("paged_decode: K and V slabs of a tier must share their layout")
-    if any(t.device != q.device for t in (tables, nblocks, tail)):
-        raise ValueError("paged_decode: tables, nblocks and tail must be on q's device")
+    if any(t.device != q.device for t in (tables, nblocks, tail, tail if head is None else head)):
+        raise ValueError("paged_decode: tables, nblocks, tail and head must be on q's device")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if block_split is None:
@@ -248,14 +259,15 @@ def _triton_paged_decode(
         part_o = part_lse = out
     big = d * chunk * bs >= 128 * 128
     kernels.split[(b, hkv, splits)](
-        q, k_hbm, v_hbm, k_ddr, v_ddr, tables, nblocks, tail, out, part_o, part_lse,
+        q, k_hbm, v_hbm, k_ddr, v_ddr, tables, nblocks, tail, tail if head is None else head, out, part_o, part_lse,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1),
         k_hbm.stride(0), k_hbm.stride(1), k_ddr.stride(0), k_ddr.stride(1),
         tables.stride(0), tables.stride(1), tables.stride(2),
-        nblocks.stride(0), nblocks.stride(1), tail.stride(0),
+        nblocks.stride(0), nblocks.stride(1), tail.stride(0), 0 if head is None else head.stride(0),
         block_split,
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), BS=bs, D=d, CHUNK=chunk, SINGLE=splits == 1,
+        HEAD=head is not None,
         PRECISION="ieee" if k_hbm.dtype == torch.float32 else "tf32", DOT=loader.dot_dtype(k_hbm.dtype),
         num_warps=8 if big else 4, num_stages=2 if big else 3,
     )  # fmt: skip
@@ -273,15 +285,16 @@ def _triton_paged_decode(
 
 
 def _split_kernel(  # type: ignore[no-untyped-def]
-    q_ptr, k_hbm, v_hbm, k_ddr, v_ddr, tables_ptr, nblocks_ptr, tail_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_hbm, v_hbm, k_ddr, v_ddr, tables_ptr, nblocks_ptr, tail_ptr, head_ptr, out_ptr, part_o_ptr,
+    part_lse_ptr,
     qk_scale,
     stride_qb, stride_qh,
     stride_hbm_h, stride_hbm_s, stride_ddr_h, stride_ddr_s,
     stride_tb, stride_th, stride_tw,
-    stride_nb, stride_nh, stride_tail,
+    stride_nb, stride_nh, stride_tail, stride_head,
     block_split,
     G: tl.constexpr, G_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-    SINGLE: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+    SINGLE: tl.constexpr, HEAD: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     """Program (b, kh, split): online softmax of kh's G query heads over its share of list (b, kh)."""
     b = tl.program_id(0)
@@ -289,6 +302,7 @@ def _split_kernel(  # type: ignore[no-untyped-def]
     split = tl.program_id(2)
     n = tl.load(nblocks_ptr + b * stride_nb + kh * stride_nh)
     tail = tl.load(tail_ptr + b * stride_tail)
+    skip = tl.load(head_ptr + b * stride_head) if HEAD else 0  # the first entry's tokens before the window
     start = split * block_split
     end = tl.minimum(start + block_split, n)
 
@@ -322,6 +336,8 @@ def _split_kernel(  # type: ignore[no-untyped-def]
         slot = tl.where(in_hbm, loc, -loc - 1).to(tl.int64)
         offset = tl.where(in_hbm, head_hbm + slot * stride_hbm_s, head_ddr + slot * stride_ddr_s) + r_tok * D
         valid = live & ((j < n - 1) | (r_tok < tail))  # [TILE]: the last block has `tail` tokens
+        if HEAD:
+            valid = valid & ((j > 0) | (r_tok >= skip))
         tile = offset[:, None] + cols[None, :]  # [TILE, D]
         k = tl.load(tl.where(in_hbm, k_hbm, k_ddr)[:, None] + tile, mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PRECISION) * qk_scale  # [G_PAD, TILE] fp32

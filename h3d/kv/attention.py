@@ -515,10 +515,16 @@ def kernel_attention(
     (`h3d.kernels.decode`), which reads each listed block where it is, HBM or pinned DDR, with
     no gather, one list per (sequence, KV head); prefill chunks go through `paged_attention` (SDPA
     over the runs). On the CPU the kernel runs only under Triton's interpreter (the tests' twin of
-    the GPU path); otherwise its torch fallback computes the same thing."""
+    the GPU path); otherwise its torch fallback computes the same thing. A sliding-window layer's
+    decode lists its window's blocks, the window's start inside the first one masked (`head`)."""
     from h3d.kernels.decode import paged_decode
 
-    if not all(n == 1 for n in layer.query_lens) or layer.window is not None:  # (the kernel has no window)
+    if not all(n == 1 for n in layer.query_lens):
         return paged_attention(q, pools, layer, scale, out)
     lists = layer.lists if layer.lists is not None else _head_lists(q, pools, layer)
-    return paged_decode(q, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), *lists, scale)
+    head = None
+    if layer.window is not None:  # kv_lens count the listed tokens: the window is their last `window`
+        assert layer.lists is None and layer.head_tables is None, "a sliding-window layer never selects"
+        listed = torch.tensor(layer.kv_lens, dtype=torch.int32)
+        head = (listed - layer.window).clamp(min=0).to(q.device)
+    return paged_decode(q, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), *lists, scale, head=head)

@@ -78,8 +78,8 @@ def make_case(b: int, hkv: int, group: int, d: int, bs: int, width: int, dtype: 
     return q, kp, vp, tables, nblocks, tail
 
 
-def oracle(case: Case, scale: float) -> torch.Tensor:
-    """Plain loops in float64 -> [B, H, D]."""
+def oracle(case: Case, scale: float, first: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain loops in float64 -> [B, H, D]; `first[b]`: the first entry's tokens not read."""
     q, k_pools, v_pools, tables, nblocks, tail = case
     b, h, d = q.shape
     hkv, _, bs, _ = k_pools[0].shape
@@ -93,8 +93,9 @@ def oracle(case: Case, scale: float) -> torch.Tensor:
                 loc = int(tables[i, kh, j])
                 tier, slot = (0, loc) if loc >= 0 else (1, -loc - 1)
                 count = int(tail[i]) if j == n - 1 else bs
-                keys.append(k_pools[tier][kh, slot, :count].double())
-                vals.append(v_pools[tier][kh, slot, :count].double())
+                skip = int(first[i]) if first is not None and j == 0 else 0
+                keys.append(k_pools[tier][kh, slot, skip:count].double())
+                vals.append(v_pools[tier][kh, slot, skip:count].double())
             key, val = torch.cat(keys), torch.cat(vals)  # [T, D]
             for gq in range(group):
                 head = kh * group + gq
@@ -126,6 +127,35 @@ def check_kernel(case: Case, block_split: int | None) -> None:
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("block_split", [1, None], ids=["split1", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_masks_a_window_start_inside_the_first_block(dtype: torch.dtype, block_split: int | None) -> None:
+    """A sliding-window layer's lists (one per sequence, shared by its KV heads): the first `head`
+    tokens of the first entry are never read (poisoned here), in the kernel and in its twin;
+    sequence 0 lists only its last, partial block, the window starting inside it."""
+    q, kp, vp, tables, nblocks, tail = make_case(b=3, hkv=2, group=4, d=32, bs=16, width=6, dtype=dtype, seed=5)
+    tables[:, 1], nblocks[:, 1] = tables[:, 0], nblocks[:, 0]
+    g = torch.Generator().manual_seed(6)
+    head = torch.empty(3, dtype=torch.int32)
+    for i in range(3):
+        valid = int(tail[i]) if int(nblocks[i, 0]) == 1 else 16
+        head[i] = int(torch.randint(1, valid, (1,), generator=g)) if valid > 1 else 0
+        loc = int(tables[i, 0, 0])
+        tier, slot = (0, loc) if loc >= 0 else (1, -loc - 1)
+        for pool in (kp[tier], vp[tier]):
+            pool[:, slot, : int(head[i])] = float("nan")
+    case = (q, kp, vp, tables, nblocks, tail)
+    scale = q.shape[-1] ** -0.5
+    want = oracle(case, scale, head)
+    for got in (
+        decode.paged_decode(*case, scale, head=head, block_split=block_split, alloc=poisoned),
+        decode.torch_paged_decode(*case, scale, head),
+    ):
+        assert not torch.isnan(got).any(), "a token before the window was read"
+        assert rel_err(got, want) < TOL[dtype]
+    assert head.sum() > 0
 
 
 # 1 and 2 blocks per split; auto (2 splits of 4 here); 6 = one split, two loop steps, no merge.
@@ -247,6 +277,33 @@ def test_engine_decode_through_the_kernel_equals_the_reference(
     assert reads[0] == reads[1] == reads[2]  # the device plan counts the blocks read as the host does
     torch.testing.assert_close(logits[0], logits[2], rtol=1e-4, atol=1e-4)  # the kernel
     torch.testing.assert_close(logits[1], logits[2], rtol=1e-4, atol=1e-4)  # the CPU fast path
+
+
+@pytest.mark.parametrize("name", ["qwen2_window_layers", "gemma3_window"])
+def test_sliding_window_decode_through_the_kernel_equals_the_reference(
+    checkpoint: Callable[[str], Path], name: str
+) -> None:
+    """A model with 24-token windows decoding through `kernel_attention` (the Triton kernel, as on
+    CUDA: its window layers list the window's blocks, the start inside the first one masked)
+    gives the reference attention's logits, with blocks in HBM and DDR, at window starts in every
+    position of a block (the decode runs 20 tokens), and two sequences in one step."""
+    from helpers import VOCAB_SIZE, make_engine, random_prompt, runner_logits
+
+    from h3d.engine.step import Chunk
+    from h3d.kv.attention import kernel_attention, reference_attention
+    from h3d.kv.blocks import SeqId
+
+    prompts = [random_prompt(90, VOCAB_SIZE, seed=3), random_prompt(61, VOCAB_SIZE, seed=4)]
+    logits = []
+    for fn in (kernel_attention, reference_attention):
+        engine = make_engine(checkpoint(name), policy="exact", hbm_mb=0.05)
+        engine.model.use_attention(fn)
+        out = [runner_logits(engine, i, ids, [len(ids) - 20] + [1] * 20) for i, ids in enumerate(prompts)]
+        out.append(engine.runner.step([Chunk(SeqId(i), (7,), len(ids), True) for i, ids in enumerate(prompts)]))
+        assert engine.tier_stats().ddr_hits > 0 and engine.tier_stats().window_freed_blocks > 0
+        logits.append(torch.cat(out))
+        engine.close()
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 
 def test_decode_graph_buckets_equal_the_eager_path(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
