@@ -7,7 +7,10 @@ The product is the daemon, so its figures are the headline. Each run:
 
 1. writes a model folder (`--model-dir`): Llama-3-8B's shape (32 layers, hidden 4,096, 32 query
    / 8 KV heads, MLP 14,336) with random bf16 weights (N(0, 0.02), norms 1), the embedded model's
-   tokenizer and vocabulary (49,152), 139,264 positions (a 128K prompt and its answer);
+   tokenizer and vocabulary (49,152), 139,264 positions (a 128K prompt and its answer); or, with
+   `--shape gemma3-12b`, Gemma 3 12B's text shape (48 layers, 40 of them sliding with a 1,024-token
+   window, hidden 3,840, 16 query / 8 KV heads of 256, MLP 15,360, local RoPE base, linear global
+   scaling 8) with the same vocabulary and positions, 128K only, no transformers baseline;
 2. starts `h3d serve --model DIR --data-dir DIR --socket SOCK` and nothing else: every other key
    is the daemon's default (`auto` sizing, policy, chunking, graphs, warm-up);
 3. drives it over gRPC with the project's stubs (CreateSession with the mode as the policy,
@@ -70,6 +73,7 @@ from h3d.bench.report import write_section
 from h3d.kv.sizing import slot_bytes
 
 PHASES = ("single", "many", "prefill-under-load", "restart")
+SHAPES = ("llama3-8b", "gemma3-12b")
 MODES = ("exact", "attention_entropy")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 DEFAULT_TOKENIZER = Path("data/models/smollm2-135m-instruct")
@@ -99,7 +103,9 @@ class Shape:
     load_tokens: int  # tokens each decoding stream generates (more than the append lasts)
 
     @staticmethod
-    def pick(tiny: bool, tokenizer: dict[str, Any]) -> Shape:
+    def pick(tiny: bool, tokenizer: dict[str, Any], name: str = "llama3-8b") -> Shape:
+        if name == "gemma3-12b":
+            return Shape.gemma(tiny, tokenizer)
         ids: dict[str, Any] = {k: tokenizer[k] for k in ("bos_token_id", "eos_token_id") if k in tokenizer}
         base: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5}
         base.update(ids)
@@ -111,6 +117,69 @@ class Shape:
         base.update(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)
         base.update(num_key_value_heads=8, head_dim=128, max_position_embeddings=139264, torch_dtype="bfloat16")
         return Shape(base, torch.bfloat16, (32768, 131072), 64, 32, 32768, 8, 32768, 131072, 1024)
+
+    @staticmethod
+    def gemma(tiny: bool, tokenizer: dict[str, Any]) -> Shape:
+        """Gemma 3 12B's text shape (`--tiny`: 3 layers, a 64-token window on two of them)."""
+        base: dict[str, Any] = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+        base.update({k: tokenizer[k] for k in ("bos_token_id", "eos_token_id") if k in tokenizer})
+        base.update(vocab_size=tokenizer["vocab_size"], tie_word_embeddings=True, rms_norm_eps=1e-6,
+                    hidden_activation="gelu_pytorch_tanh", rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                    query_pre_attn_scalar=256, final_logit_softcapping=None, attn_logit_softcapping=None)  # fmt: skip
+        if tiny:
+            base.update(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, sliding_window=64, sliding_window_pattern=3,
+                        max_position_embeddings=8192, torch_dtype="float32")  # fmt: skip
+            return Shape(base, torch.float32, (2048,), 8, 4, 512, 2, 512, 2048, 1500)
+        base.update(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+                    num_key_value_heads=8, head_dim=256, sliding_window=1024, sliding_window_pattern=6,
+                    rope_scaling={"rope_type": "linear", "factor": 8.0}, max_position_embeddings=139264,
+                    torch_dtype="bfloat16")  # fmt: skip
+        return Shape(base, torch.bfloat16, (131072,), 64, 32, 32768, 8, 32768, 131072, 1024)
+
+    @property
+    def llama(self) -> bool:
+        return self.model["architectures"] == ["LlamaForCausalLM"]
+
+
+def write_gemma(folder: Path, model: dict[str, Any], dtype: torch.dtype, seed: int) -> None:
+    """A Gemma 3 text folder's random weights (N(0, 0.02); norms 0, Gemma's 1 + w scale of 1), in
+    shards of about 4 GB, made on the GPU where there is one."""
+    from safetensors.torch import save_file
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator(device=device).manual_seed(seed)
+    h, m, d = model["hidden_size"], model["intermediate_size"], model["head_dim"]
+    q, kv = model["num_attention_heads"] * d, model["num_key_value_heads"] * d
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype).cpu()
+
+    def zeros(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype)
+
+    shards: list[dict[str, torch.Tensor]] = [{"model.embed_tokens.weight": normal(model["vocab_size"], h),
+                                              "model.norm.weight": zeros(h)}]  # fmt: skip
+    for i in range(model["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        layer = {p + "self_attn.q_proj.weight": normal(q, h), p + "self_attn.k_proj.weight": normal(kv, h),
+                 p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.o_proj.weight": normal(h, q),
+                 p + "self_attn.q_norm.weight": zeros(d), p + "self_attn.k_norm.weight": zeros(d),
+                 p + "mlp.gate_proj.weight": normal(m, h), p + "mlp.up_proj.weight": normal(m, h),
+                 p + "mlp.down_proj.weight": normal(h, m)}  # fmt: skip
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):  # fmt: skip
+            layer[p + norm + ".weight"] = zeros(h)
+        if sum(t.numel() * t.element_size() for t in shards[-1].values()) > 4 << 30:
+            shards.append({})
+        shards[-1].update(layer)
+    weight_map: dict[str, str] = {}
+    for n, shard in enumerate(shards):
+        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
 
 
 def write_model(folder: Path, shape: Shape, tokenizer: Path, seed: int) -> None:
@@ -126,9 +195,13 @@ def write_model(folder: Path, shape: Shape, tokenizer: Path, seed: int) -> None:
     if folder.exists():
         shutil.rmtree(folder)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    hf = build_hf(shape.model, shape.dtype, device, seed)
-    hf.save_pretrained(folder, max_shard_size="4GB")  # type: ignore[operator]
-    del hf
+    if shape.llama:
+        hf = build_hf(shape.model, shape.dtype, device, seed)
+        hf.save_pretrained(folder, max_shard_size="4GB")  # type: ignore[operator]
+        del hf
+    else:
+        folder.mkdir(parents=True)
+        write_gemma(folder, shape.model, shape.dtype, seed)
     free_memory()
     config.write_text(json.dumps(shape.model, indent=1) + "\n")  # ours: rope_theta as the checkpoints have it
     (folder / "generation_config.json").unlink(missing_ok=True)
@@ -484,9 +557,12 @@ def phase_single(run: Run) -> None:
             after = client.stats()
             hit = next(s.hbm_hit_rate for s in after.sessions if s.session_id == sid)
             counters[(mode, ctx)] = (before, after, len(stream.arrivals))
+            g = getattr(after, "global")  # the session's KV (the earlier ones are closed: in the archive only)
             out[mode][str(ctx)] = {
                 "append_s": round(append_s, 3), "ttft_s": round(stream.ttft_s, 4), **itl(stream.gaps_ms()),
-                "tokens": len(stream.arrivals), "hbm_hit_rate": round(hit, 4),
+                "tokens": len(stream.arrivals), "hbm_hit_rate": round(hit, 4), "hbm_used_bytes": g.hbm_used_bytes,
+                "ddr_used_bytes": g.ddr_used_bytes, "window_hbm_bytes": g.window_hbm_bytes,
+                "gaps_ms": [round(x, 2) for x in stream.gaps_ms()],  # each step's, in order: where the p99 comes from
             }  # fmt: skip
             client.close(sid)
             log(f"daemon {mode} {ctx}: {out[mode][str(ctx)]}")
@@ -508,6 +584,7 @@ def phase_single(run: Run) -> None:
             out[mode][str(ctx)].update(
                 engine_append_s=round(append_s, 3), engine_ttft_s=round(stream.ttft_s, 4),
                 engine_itl_ms_p50=fields["itl_ms_p50"], engine_itl_ms_mean=fields["itl_ms_mean"],
+                engine_gaps_ms=[round(x, 2) for x in stream.gaps_ms()],
             )  # fmt: skip
             log(f"engine {mode} {ctx}: append {append_s:.3f} s, itl p50 {fields['itl_ms_p50']} ms")
     local.shutdown()
@@ -520,7 +597,7 @@ def phase_single(run: Run) -> None:
                                    pcie_bytes=fields["pcie_bytes"])  # fmt: skip
     run.data["bandwidths"] = bw
     run.record("single", out)
-    if not run.args.no_hf:
+    if not run.args.no_hf and shape.llama:
         run.record("hf_dynamic", hf_dynamic(run, steps))
 
 
@@ -868,6 +945,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m h3d.bench.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--phase", action="append", choices=PHASES, help="phases to run (repeatable; default: single)")
     p.add_argument("--tiny", action="store_true", help="a tiny model and short contexts (a CPU, the test of the code)")
+    p.add_argument("--shape", choices=SHAPES, default=SHAPES[0],
+                   help="the model: Llama-3-8B's shape (default) or Gemma 3 12B's text model")  # fmt: skip
     p.add_argument("--model-dir", type=Path, default=None, help="where the model folder is written (reused if current)")
     p.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER, help="folder with the tokenizer's files")
     p.add_argument("--work", type=Path, default=Path(".bench/serve"), help="the daemons' data folders")
@@ -884,8 +963,8 @@ def main(argv: list[str] | None = None) -> int:
     slug = "h200" if "H200" in card else ("tiny" if args.tiny else device.type)
     results = args.work if args.tiny else Path("bench/results")  # a tiny run's figures are not kept
     args.out = args.out or results / f"{dt.date.today().isoformat()}-{slug}-serve.json"
-    shape = Shape.pick(args.tiny, tokenizer_config(args.tokenizer))
-    model_dir = args.model_dir or args.work / ("model-tiny" if args.tiny else "model-llama3-8b-shape")
+    shape = Shape.pick(args.tiny, tokenizer_config(args.tokenizer), args.shape)
+    model_dir = args.model_dir or args.work / (f"model-tiny-{args.shape}" if args.tiny else f"model-{args.shape}-shape")
     data = json.loads(args.out.read_text()) if args.out.exists() else {}
     data.update(card=card, torch=torch.__version__, transformers=version("transformers"), model=shape.model)
     run = Run(args, shape, model_dir, data, device)

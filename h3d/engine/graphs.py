@@ -90,7 +90,7 @@ from h3d.engine.step import Reads
 from h3d.hbf.policy import base_sizes, record_entropy, select_static
 from h3d.kernels import select
 from h3d.kernels.copies import paged_write
-from h3d.kv.attention import LayerKV, Pools, kernel_attention
+from h3d.kv.attention import LayerKV, Pools, kernel_attention, window_lists
 from h3d.kv.blocks import BlockTable, SeqId
 
 if TYPE_CHECKING:
@@ -223,6 +223,7 @@ class _Graph:
     # per slot, what `locs` holds: (session, table version, blocks, whether it selects)
     slots: list[tuple[SeqId, int, int, bool]] = field(default_factory=list)
     below: list[int] = field(default_factory=list)  # per slot: its blocks in DDR (the layers it reads whole)
+    whole: list[int] = field(default_factory=list)  # per slot: the blocks of the layers it reads whole
     selecting: tuple[tuple[int, SeqId, int], ...] = ()  # this step's (slot, session, room) that select
     copied: torch.cuda.Event | None = None  # the last input copy (the staging is reused after it)
 
@@ -249,9 +250,21 @@ class _GraphKV:
         self.locs = g.tables.device["locs"]  # [L, B, W]
         self.hkv = hkv
         self.query_lens = (1,) * g.key.batch
+        self.block_size = runner.blocks.block_size
 
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
         table = self.locs[index]  # [B, W]
+        window = self.runner.windows[index]
+        if window is not None:  # a sliding-window layer: its window's blocks, whatever the policy
+            lists, head = window_lists(table, self.inputs["nblocks"], self.tail, window, self.block_size, self.hkv)
+            return LayerKV(
+                query_lens=self.query_lens,
+                kv_lens=self.query_lens,  # not read: attention reads `lists`
+                runs=tuple([] for _ in self.query_lens),
+                tables=lambda: table,
+                lists=lists,
+                head=head,
+            )
         if self.g.hbf is None or index < self.runner.hbf.dense_layers:
             lists = (table[:, None, :].expand(-1, self.hkv, -1), self.nblocks, self.tail)
         elif select.available(table.device):
@@ -276,7 +289,7 @@ class _GraphKV:
         sinks, recent = base_sizes(r.hbf, r.blocks.block_size)
         b, w = table.shape
         masked = torch.empty((b, self.hkv, w), dtype=torch.float32, device=q.device)
-        raw = torch.empty_like(masked) if index == dense else None
+        raw = torch.empty_like(masked) if index == r.hbf.entropy_at else None
         select.scores(
             masked, q, r.digests.arena(index), r.digests.parts, x["dig_base"], x["nblocks"], x["parts_live"],
             x["take"], hb.anchors[index - dense], sinks, recent, raw,
@@ -316,7 +329,7 @@ class _GraphKV:
             digests = arena.index_select(1, rows).view(self.hkv, w, parts, 2, -1)
             blocks = select_static(
                 r.hbf, q[i], digests, x["nblocks"][i], x["room"][i], x["take"][i], hb.anchors[index - dense, i],
-                hb.k, scale, r.blocks.block_size, entropy=hb.entropy[i] if index == dense else None,
+                hb.k, scale, r.blocks.block_size, entropy=hb.entropy[i] if index == r.hbf.entropy_at else None,
             )  # fmt: skip
             hb.picked[index - dense, i].copy_(blocks)
             listed = torch.zeros((self.hkv, nw), dtype=table.dtype, device=table.device)
@@ -328,7 +341,7 @@ class _GraphKV:
 
     def write(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         paged_write(k, v, (self.pools.k[0], self.pools.k[1]), (self.pools.v[0], self.pools.v[1]), self.rows[index])
-        if self.g.hbf is None:
+        if self.g.hbf is None or self.runner.windows[index] is not None:  # (a window layer keeps no digests)
             return
         digests = self.runner.digests  # each selecting slot's new key into its digest (selection reads it)
         if select.available(k.device):
@@ -358,6 +371,12 @@ class DecodeGraphs:
         # every selecting graph's top-k capacity: the widest window's room (module docstring)
         self.capacity = room_bucket(max(1, runner.hbf.window_max_tokens // runner.blocks.block_size - sinks - recent))
         self.warm_keys: frozenset[GraphKey] = frozenset()  # captured before ready, never dropped
+        # The layers a selecting slot reads whole (the dense ones, the sliding-window ones), and the
+        # sliding-window layers among the sparse ones, as rows of the picks (never promoted).
+        dense, windows = runner.hbf.dense_layers, runner.windows
+        self._whole_layers = np.array([i < dense or w is not None for i, w in enumerate(windows)])
+        rows = [i - dense for i, w in enumerate(windows) if w is not None and i >= dense]
+        self.window_rows = torch.tensor(rows, dtype=torch.int64, device=runner.device) if rows else None
         # After the warm-up: a step whose graph is not captured runs eagerly, its key waits here
         # (eager steps so far) to be captured between steps (`capture_deferred`).
         self.deferring = False
@@ -478,6 +497,7 @@ class DecodeGraphs:
         g.tables.host["locs"][...] = 0
         g.slots = [(SeqId(-1), 0, 0, False)] * key.batch  # what `_fill_tables` writes for padding
         g.below = [0] * key.batch
+        g.whole = [0] * key.batch
         g.selecting = ()
         g.generation = self.runner.digests.generation
         g.small.upload(non_blocking=False)
@@ -639,7 +659,7 @@ class DecodeGraphs:
             budget = max(1, state.window_tokens // r.blocks.block_size)
             room = self._room(seq, t.num_blocks)
             selecting.append((i, seq, room))
-            first = state.head_anchors.get(dense)
+            first = state.head_anchors.get(r.hbf.entropy_at)  # (the first selecting layer: its anchors are there)
             width = min(a, first.shape[1]) if first is not None else 0
             base, pos = r.digests.base(seq), t.num_tokens - 1
             x["room"][i], x["take"][i] = room, min(int((budget - sinks - recent) * r.hbf.anchor_share), width)
@@ -692,7 +712,7 @@ class DecodeGraphs:
         if len(g.slots) != g.key.batch:
             g.slots = [(SeqId(-2), 0, 0, False)] * g.key.batch
             g.below = [0] * g.key.batch
-        dense = self.runner.hbf.dense_layers
+            g.whole = [0] * g.key.batch
         for i, entry in enumerate(want):
             if g.slots[i] == entry:
                 continue
@@ -700,15 +720,17 @@ class DecodeGraphs:
             g.slots[i] = entry
             if i >= len(tables):
                 locs[:, i, :] = 0
-                g.below[i] = 0
+                g.below[i] = g.whole[i] = 0
                 continue
             t, nb = tables[i], entry[2]
             where = t.all_locations()
-            in_hbm = where >= 0
             locs[:, i, :nb] = where
             locs[:, i, nb:] = 0
-            read = in_hbm[:dense] if entry[3] else in_hbm  # the layers it reads whole
-            g.below[i] = read.size - int(np.count_nonzero(read))
+            # the blocks it reads whole: every layer's, or (selecting) the dense and window layers';
+            # a window layer's live blocks are its window's (`BlockManager.drop_behind`)
+            whole = t.live() & (self._whole_layers[:, None] if entry[3] else True)
+            g.whole[i] = int(np.count_nonzero(whole))
+            g.below[i] = int(np.count_nonzero(whole & (where < 0)))
         return changed
 
     def _forward(self, g: _Graph) -> torch.Tensor:
@@ -735,6 +757,8 @@ class DecodeGraphs:
         ones = valid[None, :, None, :].expand(ls, b, hkv, n).reshape(ls, b, hkv * n).to(torch.int32)
         heads = torch.zeros((ls, b, w), dtype=torch.int32, device=room.device)
         heads.scatter_add_(2, hb.picked.clamp(0, w - 1).view(ls, b, hkv * n), ones)
+        if self.window_rows is not None:  # a sliding-window layer never selects: nothing of it to promote
+            heads.index_fill_(0, self.window_rows, 0)  # (no host tensor: a captured step's)
         below = (g.tables.device["locs"][r.hbf.dense_layers :] < 0) & (heads > 0)  # [Ls, B, W], read blocks only
         hb.codes.copy_(heads.clamp(max=127).to(torch.uint8) | (below.to(torch.uint8) << 7))
 
@@ -757,10 +781,4 @@ class DecodeGraphs:
         """Every block of every layer a slot that does not select reads, and of a selecting slot's
         dense layers, was read; those in DDR over PCIe (counted when the tables were written). A
         selecting slot's picks are counted with their promotion (`resolve`)."""
-        r = self.runner
-        out = []
-        for i, t in enumerate(tables):
-            seq, _, _, selects = g.slots[i]
-            layers = r.hbf.dense_layers if selects else r.blocks.num_layers
-            out.append(Reads(seq, t.num_blocks * layers, g.below[i]))
-        return out
+        return [Reads(g.slots[i][0], g.whole[i], g.below[i]) for i in range(len(tables))]

@@ -66,13 +66,15 @@ class ModelRunner:
         cfg = model.config
         self.model = model
         self.device = model.lm_head.weight_t.device
-        # Each layer's sliding window (None: full attention). A model with windows runs every step on
-        # the host path (the device-planned step and the graphs have no window yet); on CUDA its
-        # windowed layers' decode goes through the paged kernel too, over the window's blocks.
+        # Each layer's sliding window (None: full attention): a decode token of such a layer reads its
+        # window's blocks only, on every path (the host's, the device-planned step, the graphs).
         self.windows = cfg.windows
         if self.device.type == "cuda":
             model.use_attention(kernel_attention)  # decode steps through the Triton paged kernel
         hbf = hbf or replace(EngineConfig(), policy=Exact.name).hbf
+        # The window's entropy from the first layer that selects (a sliding-window layer never does).
+        full = [i for i, w in enumerate(self.windows) if w is None and i >= hbf.dense_layers]
+        hbf = replace(hbf, entropy_layer=full[0] if full else None)
         promote = None if promote_mb_per_step is None else int(promote_mb_per_step * 2**20)
         self.kv = KVCache(
             num_layers=cfg.num_layers,
@@ -103,8 +105,6 @@ class ModelRunner:
         self.plan_on_device = False
         self.device_planned_steps = 0  # steps on `Path.DEVICE`, for tests
         self.graphs = DecodeGraphs(self)  # exact decode steps as CUDA graphs (tests: `.enabled` on the CPU)
-        if any(self.windows):
-            self.graphs.enabled = False
         self.kv.lagged = self.graphs.take_lagged
         # Prefill's KV writes trail its compute here (CUDA; on the CPU they are written in place).
         self.transfer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -172,7 +172,7 @@ class ModelRunner:
             ),
             staging=self.tiers.archive is not None and any(kv.archive_only(s) for s in seqs),
         )
-        if plan.decode and not plan.staging and not any(self.windows):  # nothing moves: the device can plan it
+        if plan.decode and not plan.staging:  # nothing moves: the device can plan it
             key = self.graphs.applies(seqs)
             if key is not None:
                 plan.path, plan.graph = Path.GRAPH, key

@@ -27,7 +27,7 @@ import torch
 from h3d.engine.step import Reads, StepPlan, StepReport
 from h3d.hbf.policy import probe_anchors
 from h3d.kernels.copies import paged_write
-from h3d.kv.attention import LayerKV, gather_blocks
+from h3d.kv.attention import LayerKV, gather_blocks, window_lists
 from h3d.kv.blocks import SeqId, first_blocks, runs_of
 
 if TYPE_CHECKING:
@@ -264,6 +264,17 @@ class DeviceStepKV(_Writes):
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
         r = self.runner
         tables, nblocks = self.full[0][index], self.full[1]  # [B, W], [B, Hkv]
+        window = r.windows[index]
+        if window is not None:  # a sliding-window layer: its window's blocks, whatever the policy
+            lists, head = window_lists(tables, nblocks[:, 0], self.tail, window, r.blocks.block_size, self.hkv)
+            return LayerKV(
+                query_lens=self.query_lens,
+                kv_lens=tuple(self.kv_lens),
+                runs=tuple([] for _ in self.seqs),
+                tables=lambda: tables,
+                lists=lists,
+                head=head,
+            )
         picked: dict[int, torch.Tensor] = {}
         kv_lens = list(self.kv_lens)
         for i, seq in enumerate(self.seqs):
@@ -317,8 +328,10 @@ class DeviceStepKV(_Writes):
                 if len(mine):
                     report.picks[seq] = mine
         for i, seq in enumerate(self.seqs):
-            nb = r.blocks.table(seq).num_blocks
-            where = plan.locations[~selecting[i], i, :nb]  # [layers, nb]: nothing moved during the step
+            t = r.blocks.table(seq)
+            nb = t.num_blocks
+            read = t.live() & ~selecting[i][:, None]  # [L, nb]: a window layer's live blocks are its window's
+            where = plan.locations[:, i, :nb][read]  # nothing moved during the step
             report.reads.append(Reads(seq, where.size, int((where < 0).sum())))
 
 

@@ -66,6 +66,14 @@ class HbfConfig:
     digest_tokens: int = 8
     anchor_share: float = 0.5
     resize_every: int = 16
+    # The layer whose block scores give a decode step's entropy (the window's resize): the first
+    # full-attention layer past the dense ones (`ModelRunner` sets it from the model); None: the
+    # first past the dense ones.
+    entropy_layer: int | None = None
+
+    @property
+    def entropy_at(self) -> int:
+        return self.dense_layers if self.entropy_layer is None else self.entropy_layer
 
 
 @dataclass(slots=True)
@@ -341,7 +349,7 @@ class AttentionEntropy(Policy):
 
     def _pick(self, state: SelectionState, cfg: HbfConfig, w: Window) -> Selection:
         scores = block_scores(w.q, w.digests, per_head=True)  # [Hkv, nb]
-        if w.layer == cfg.dense_layers:
+        if w.layer == cfg.entropy_at:
             _track_entropy(state, scores.amax(dim=0) * w.scale)  # even with no room left: the window may grow
         if w.room <= 0:
             return w.base

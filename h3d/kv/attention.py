@@ -94,6 +94,9 @@ class LayerKV:
     # A decode step planned on the device: the kernel's (tables [B, Hkv, W], nblocks [B, Hkv],
     # tails [B]) already there (`h3d.engine.stepkv.DeviceStepKV`); `runs` are then empty.
     lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # With `lists` of a sliding-window layer (`window_lists`): [B] tokens of each first listed
+    # block before the window (the kernel's `head`).
+    head: torch.Tensor | None = None
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None
     # A sliding-window layer's window: a query at position p reads keys p - window < j <= p only
     # (positions within what `runs` list: a decode step may list only the window's blocks).
@@ -189,6 +192,23 @@ def _head_lists(q: torch.Tensor, pools: Pools, layer: LayerKV) -> tuple[torch.Te
     return tables, nblocks[:, None].expand(b, hkv).to(q.device), tail.to(q.device)
 
 
+def window_lists(
+    table: torch.Tensor, nblocks: torch.Tensor, tail: torch.Tensor, window: int, block_size: int, hkv: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A sliding-window layer's decode lists from whole tables, on the device (no host value read:
+    a captured step's): table [B, W] locations, nblocks [B] (the new token's block included), tail
+    [B] -> ((tables [B, Hkv, W] int32, nblocks [B, Hkv] int32, tail), head [B] int32): each
+    sequence's blocks from the one its window starts in, and the tokens of that block before it."""
+    kv_len = (nblocks.to(torch.int64) - 1) * block_size + tail.to(torch.int64)
+    start = (kv_len - window).clamp(min=0)
+    first = start // block_size
+    w = table.shape[1]
+    shifted = table.gather(1, (first[:, None] + torch.arange(w, device=table.device)).clamp(max=w - 1))
+    count = (nblocks.to(torch.int64) - first).to(torch.int32)
+    lists = (shifted.to(torch.int32)[:, None, :].expand(-1, hkv, -1), count[:, None].expand(-1, hkv), tail)
+    return lists, (start - first * block_size).to(torch.int32)
+
+
 def reference_attention(
     q: torch.Tensor, pools: Pools, layer: LayerKV, scale: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -200,7 +220,7 @@ def reference_attention(
         assert layer.window is None, "a sliding-window layer never selects per KV head"
 
         lists = layer.lists if layer.lists is not None else _head_lists(q, pools, layer)
-        return torch_paged_decode(q, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), *lists, scale)
+        return torch_paged_decode(q, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), *lists, scale, layer.head)
     tables = layer.tables()  # [B, W]
     if all(n == 1 for n in layer.query_lens):
         kv_lens = torch.tensor(layer.kv_lens, dtype=torch.int64, device=q.device)
@@ -522,7 +542,7 @@ def kernel_attention(
     if not all(n == 1 for n in layer.query_lens):
         return paged_attention(q, pools, layer, scale, out)
     lists = layer.lists if layer.lists is not None else _head_lists(q, pools, layer)
-    head = None
+    head = layer.head
     if layer.window is not None:  # kv_lens count the listed tokens: the window is their last `window`
         assert layer.lists is None and layer.head_tables is None, "a sliding-window layer never selects"
         listed = torch.tensor(layer.kv_lens, dtype=torch.int32)

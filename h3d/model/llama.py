@@ -234,7 +234,8 @@ class Backbone(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale == 1.0:
             return x
-        return x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
+        # the scale as the weights' dtype holds it, a host number (no tensor copied inside a captured step)
+        return x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype).item()
 
 
 class CausalLM(nn.Module):

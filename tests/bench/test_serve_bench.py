@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from h3d.bench import serve
@@ -33,9 +34,25 @@ def test_tiny_single_phase_through_the_daemon_writes_the_specified_json(
         for fields in mode.values():
             assert set(fields) >= SINGLE and fields["tokens"] == 5  # the prompt's token, then 4 more
             assert 0 < fields["ttft_s"] < fields["append_s"] + 5 and fields["floor_ms"] > 0
+            assert len(fields["gaps_ms"]) == len(fields["engine_gaps_ms"]) == 4 and min(fields["gaps_ms"]) > 0
+            assert fields["itl_ms_p50"] == pytest.approx(float(np.percentile(fields["gaps_ms"], 50)), abs=0.01)
     assert data["graph_captures_after_ready"] == 0 and data["ready_s"] > 0
     assert data["runs"]["single"]["command"].startswith("python -m h3d.bench.serve --tiny")
     assert "| exact | 2K |" in (tmp_path / "B.md").read_text()
+
+
+def test_tiny_gemma_shape_runs_through_the_daemon(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """`--shape gemma3-12b` writes a Gemma 3 text folder of random weights (tiny: 3 layers, two of
+    them sliding with a 64-token window) that the daemon serves; its sliding layers hold HBM of their own."""
+    out = tmp_path / "serve.json"
+    argv = ["--tiny", "--shape", "gemma3-12b", "--phase", "single", "--no-hf", "--steps", "4", "--tokenizer",
+            str(checkpoint("llama_gqa4_tied")), "--work", str(tmp_path / "work"), "--out", str(out)]  # fmt: skip
+    assert serve.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["model"]["architectures"] == ["Gemma3ForCausalLM"]
+    for mode in data["single"].values():
+        (fields,) = mode.values()
+        assert fields["tokens"] == 5 and 0 < fields["window_hbm_bytes"] < fields["hbm_used_bytes"]
 
 
 RESTART = {

@@ -279,28 +279,44 @@ def test_engine_decode_through_the_kernel_equals_the_reference(
     torch.testing.assert_close(logits[1], logits[2], rtol=1e-4, atol=1e-4)  # the CPU fast path
 
 
+@pytest.mark.parametrize("path", ["host", "device", "graphs"])
+@pytest.mark.parametrize("policy", ["exact", "attention_entropy"])
 @pytest.mark.parametrize("name", ["qwen2_window_layers", "gemma3_window"])
 def test_sliding_window_decode_through_the_kernel_equals_the_reference(
-    checkpoint: Callable[[str], Path], name: str
+    checkpoint: Callable[[str], Path], name: str, policy: str, path: str
 ) -> None:
     """A model with 24-token windows decoding through `kernel_attention` (the Triton kernel, as on
-    CUDA: its window layers list the window's blocks, the start inside the first one masked)
-    gives the reference attention's logits, with blocks in HBM and DDR, at window starts in every
-    position of a block (the decode runs 20 tokens), and two sequences in one step."""
+    CUDA: its window layers list the window's blocks, the start inside the first one masked) on
+    each of the GPU's decode paths (planned on the host, planned on the device, and the graphs'
+    static buffers, run eagerly here) gives the reference attention's logits: blocks in HBM and
+    DDR, window starts at every position of a block (the decode runs 20 tokens), two sequences in
+    one step, and under `attention_entropy` a full layer selecting beside the window layers (an HBF
+    window of 48 tokens: the 90-token prompt is past it). The window layers' old blocks are freed."""
     from helpers import VOCAB_SIZE, make_engine, random_prompt, runner_logits
 
     from h3d.engine.step import Chunk
     from h3d.kv.attention import kernel_attention, reference_attention
     from h3d.kv.blocks import SeqId
 
+    hbf = {"policy": policy, "window_tokens": 48, "window_min_tokens": 48, "recent_tokens": 16, "dense_layers": 0}
     prompts = [random_prompt(90, VOCAB_SIZE, seed=3), random_prompt(61, VOCAB_SIZE, seed=4)]
     logits = []
     for fn in (kernel_attention, reference_attention):
-        engine = make_engine(checkpoint(name), policy="exact", hbm_mb=0.05)
+        engine = make_engine(checkpoint(name), hbm_mb=0.05, **hbf)
         engine.model.use_attention(fn)
+        fast = fn is kernel_attention
+        engine.runner.plan_on_device = fast and path == "device"
+        engine.runner.graphs.enabled = fast and path == "graphs"
+        engine.runner.graphs.lag = False
         out = [runner_logits(engine, i, ids, [len(ids) - 20] + [1] * 20) for i, ids in enumerate(prompts)]
         out.append(engine.runner.step([Chunk(SeqId(i), (7,), len(ids), True) for i, ids in enumerate(prompts)]))
         assert engine.tier_stats().ddr_hits > 0 and engine.tier_stats().window_freed_blocks > 0
+        if fast and path == "device":
+            assert engine.runner.device_planned_steps == 2 * 20 + 1
+        if fast and path == "graphs":  # (under HBF the shorter prompt's first steps are within its window: eager)
+            assert (
+                engine.runner.graphs.replays == 2 * 20 + 1 if policy == "exact" else engine.runner.graphs.replays > 20
+            )
         logits.append(torch.cat(out))
         engine.close()
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)

@@ -136,3 +136,20 @@ def test_a_rewind_past_the_window_prefills_again_and_one_within_it_does_not(
         plain.close()
     assert np.isfinite(engine.tier_stats().hbm_hit_rate)
     engine.close()
+
+
+def test_the_window_entropy_comes_from_the_first_layer_that_selects(checkpoint: Callable[[str], Path]) -> None:
+    """`attention_entropy` resizes its window from a decode step's block-score entropy, taken in
+    the first layer past the dense ones that selects: with Gemma's pattern (sliding, sliding,
+    global) and no dense layer, the global one. Decode steps past the window record it."""
+    engine = make_engine(checkpoint("gemma3_window"), **(HBF | {"dense_layers": 0}))
+    windows = engine.model.config.windows
+    assert windows[0] is not None and windows[-1] is None
+    first_full = next(i for i, w in enumerate(windows) if w is None)
+    assert engine.runner.hbf.entropy_at == first_full > 0
+    sid = engine.create_session()
+    engine.append(sid, token_ids=random_prompt(200, VOCAB_SIZE, seed=10))
+    engine.complete(sid, "", GREEDY)
+    state = engine.runner.kv.selection(engine.session(sid).seq)
+    assert state.current_entropy is not None or state.entropies
+    engine.close()
