@@ -42,6 +42,11 @@ class SsdDegraded(H3Error):
     `ssd_retry_interval_s` (maps to UNAVAILABLE)."""
 
 
+class LogNotDurable(H3Error):
+    """A session's token log could not be fsynced (an I/O error): its latest tokens were streamed
+    but may be lost in a crash (maps to UNAVAILABLE)."""
+
+
 class NoChatTemplate(H3Error):
     """A chat session was asked of a model without a chat template (maps to FAILED_PRECONDITION)."""
 

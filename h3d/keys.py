@@ -253,7 +253,8 @@ ENGINE: tuple[Key, ...] = (
     Key(
         "fsync_interval_ms",
         "group commit of the token logs: fsync at most this often (in `h3d serve` on a thread of its own, "
-        "beside the engine's), and at the end of every generation",
+        "beside the engine's), and at the end of every generation (there too in `h3d serve`: the stream's end waits "
+        "for it, not the engine's step)",
     ),
     Key(
         "max_context_tokens",

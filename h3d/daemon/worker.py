@@ -14,11 +14,14 @@ Owner: the engine thread, the per-request event queues, and the throughput windo
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,7 +32,7 @@ from h3d.daemon.collector import Collector
 from h3d.daemon.convert import FINISH, summary_pb, tier_stats_pb
 from h3d.engine.engine import Engine
 from h3d.engine.session import AppendDone, Event, GenerationDone, RequestFailed, RequestId, SessionId
-from h3d.errors import H3Error
+from h3d.errors import H3Error, LogNotDurable
 
 T = TypeVar("T")
 THROUGHPUT_WINDOW_S = 10.0
@@ -71,6 +74,9 @@ class EngineWorker:
         self._tokens: deque[tuple[float, int]] = deque()  # (time, generated tokens) per step
         self._busy_at = 0.0  # when the engine thread last ran a step
         self.collector = Collector()  # Python's GC between steps (`Collector.start`: the daemon's choice)
+        # A generation's end waits for its log's fsync on the store's thread, not on this one's step
+        # (every stream of the step would wait for the disk): `_dispatch` sends it once durable.
+        engine.sync_on_finish = False
 
     # ---- the loop's side --------------------------------------------------------------------
 
@@ -232,6 +238,7 @@ class EngineWorker:
     def _dispatch(self, events: list[Event]) -> None:
         """Hand a step's events to their streams: one wake-up of the loop per step, not per event."""
         batch: list[tuple[asyncio.Queue[Event | Finished], Event | Finished]] = []
+        later: list[tuple[asyncio.Queue[Event | Finished], Finished, Future[None]]] = []  # once durable
         tiers: list[pb.TierStats] = []
         for event in events:
             done = isinstance(event, GenerationDone | AppendDone | RequestFailed)
@@ -242,7 +249,12 @@ class EngineWorker:
             if stream is None:
                 continue
             if isinstance(event, GenerationDone):
-                batch.append((stream, Finished(event, _summary_of(self.engine, event, tiers))))
+                finished = Finished(event, _summary_of(self.engine, event, tiers))
+                durable = self._durable(event.session_id)
+                if durable is None:
+                    batch.append((stream, finished))
+                else:
+                    later.append((stream, finished, durable))
             else:
                 batch.append((stream, event))
             if then is not None and isinstance(event, AppendDone):
@@ -251,6 +263,31 @@ class EngineWorker:
                     batch.append((stream, failed))
         if batch:
             self._loop.call_soon_threadsafe(_deliver, batch)
+        for stream, finished, durable in later:  # (after the batch: a stream's tokens before its end)
+            durable.add_done_callback(functools.partial(self._when_durable, stream, finished))
+
+    def _durable(self, session_id: SessionId) -> Future[None] | None:
+        """The fsync of `session_id`'s log on the store's thread (`TokenStore.sync_behind`); None
+        where there is nothing to wait for."""
+        journal = self.engine.journal
+        if journal is None:
+            return None
+        future = journal.sync_behind(session_id)
+        return None if future.done() and future.exception() is None else future
+
+    def _when_durable(self, stream: asyncio.Queue[Event | Finished], finished: Finished, durable: Future[None]) -> None:
+        """The store's thread: a generation's log is durable (or its fsync failed: the stream ends
+        with that error, after every token it streamed)."""
+        error = durable.exception()
+        event: Event | Finished = finished
+        if error is not None:
+            done = finished.done
+            log.error("token_log_not_durable", session_id=done.session_id, error=str(error))
+            cause = LogNotDurable(f"the session's token log could not be fsynced ({error}): its last tokens "
+                                  "may be lost in a crash")  # fmt: skip
+            event = RequestFailed(done.request_id, done.session_id, cause)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is gone
+            self._loop.call_soon_threadsafe(_deliver, [(stream, event)])
 
     def _chain(
         self, done: AppendDone, then: Callable[[Engine], RequestId], stream: asyncio.Queue[Event | Finished]

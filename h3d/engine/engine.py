@@ -117,6 +117,10 @@ class Engine:
         self.interleave = Interleave(self.runner, config.prefill_step_ms)  # a long prompt beside decoding
         self.timing = StepTiming()  # where the last step's time went (the daemon logs slow ones)
         self._upkept = 0  # the step of the last upkeep
+        # Every Generate ends durable: its session's log fsynced at the step that ends it, on this
+        # thread; the daemon turns it off and waits for it off the engine's thread instead
+        # (`EngineWorker`: the generation's end goes out once `TokenStore.sync_behind` is done).
+        self.sync_on_finish = True
         if config.session_log_path is not None:
             self.journal = TokenStore(Path(config.session_log_path), config.fsync_interval_ms)
             restored = restore_sessions(
@@ -648,7 +652,7 @@ class Engine:
         if self.interleave.holds(req):
             self.interleave.abandon()  # cancelled midway: the KV ends where its chunk started
         self._touch(req.session)
-        if self.journal is not None and req.session.id in self.sessions:
+        if self.journal is not None and self.sync_on_finish and req.session.id in self.sessions:
             self.journal.sync(req.session.id)  # every Generate ends durable
         req.finish_reason = reason
         req.session.busy = False

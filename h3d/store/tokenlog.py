@@ -191,6 +191,30 @@ class TokenStore:
                 self._behind = ThreadPoolExecutor(1, thread_name_prefix="h3d-log-sync")
             self._in_flight = self._behind.submit(self._commit_behind, work)
 
+    def sync_behind(self, session_id: str) -> Future[None]:
+        """fsync one session's log on the store's thread, after any commit in flight there (the end
+        of a Generate in the daemon: the engine's thread does not wait for the disk). The future
+        fails with what that fsync, or an earlier one behind of this log, raised; it is done at
+        once where the log is synced already."""
+        log = self._logs.get(session_id)
+        if log is None or (not log.dirty and log.error is None):
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        if self._behind is None:
+            self._behind = ThreadPoolExecutor(1, thread_name_prefix="h3d-log-sync")
+        return self._behind.submit(self._sync_one, log, os.dup(log.fd), log.size)
+
+    def _sync_one(self, log: _Log, fd: int, size: int) -> None:
+        try:
+            error, log.error = log.error, None
+            if error is not None:
+                raise error
+            if log.synced < size:  # (a commit in flight before it may have covered it)
+                self._fsync(log, fd, size)
+        finally:
+            os.close(fd)
+
     def _commit_behind(self, work: list[tuple[_Log, int, int]]) -> None:
         for log, fd, size in work:
             try:

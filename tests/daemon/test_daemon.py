@@ -48,11 +48,13 @@ from live_daemon import RunningDaemon, running_daemon
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d._proto.h3.v1 import h3_pb2_grpc as rpc
 from h3d.config import EngineConfig
+from h3d.daemon.status import status_of
 from h3d.daemon.worker import EngineWorker, Finished
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import AppendDone, FinishReason, PrefillProgress, RequestFailed, TokenDelta
-from h3d.errors import InvalidRequest
+from h3d.errors import InvalidRequest, LogNotDurable
+from h3d.store.files import FileOps
 
 MODEL = "llama_gqa4_tied"
 VOCAB = 512
@@ -633,6 +635,73 @@ def test_worker_failed_step_leaves_sessions_usable(model: Path, monkeypatch: pyt
     fresh = engine.create_session()
     engine.append(fresh, token_ids=context)
     assert list(done.done.token_ids) == list(engine.complete(fresh, "", params).token_ids)
+    engine.close()
+
+
+class _HeldFsyncs(FileOps):
+    """fsyncs off the main thread wait until `release` is set, then fail if `fail`."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.fail = False
+        self.held = 0
+
+    def fsync(self, fd: int) -> None:
+        if threading.current_thread().name.startswith("h3d-log-sync"):
+            self.held += 1
+            assert self.release.wait(30)
+            if self.fail:
+                raise OSError(5, "fsync failed (a test's disk)")
+        super().fsync(fd)
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["durable", "fsync-fails"])
+def test_a_generation_s_end_waits_for_its_log_s_fsync_off_the_engine_thread(
+    model: Path, tmp_path: Path, fail: bool
+) -> None:
+    """In the daemon a Generate's end waits for its token log's fsync on the store's thread, not
+    in the step that ends it (every stream of that step would wait for the disk): its tokens all
+    arrive while the fsync is held, the engine goes on stepping, and the end comes once the fsync
+    returned, the log then synced. A failed fsync ends the stream with UNAVAILABLE's error
+    (`LogNotDurable`) after every token it streamed."""
+    engine = Engine(EngineConfig.build(model=str(model), session_log_path=str(tmp_path / "logs")))
+    assert engine.journal is not None
+    files = _HeldFsyncs()
+    files.fail = fail
+    engine.journal.files = files
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def main() -> tuple[list[Any], list[Any], int, int]:
+        worker = EngineWorker(engine, asyncio.get_running_loop())
+        worker.start()
+        try:
+            sid = await worker.call(lambda e: e.create_session())
+            await worker.call(lambda e: e.append(sid, text=TEXTS[0]))
+            _, events = await worker.start_request(lambda e: e.submit(sid, generate=True, params=params))
+            first: list[Any] = []
+            while len([x for x in first if isinstance(x, TokenDelta)]) < 4:
+                first.append(await asyncio.wait_for(events.get(), T))
+            await asyncio.sleep(0.3)
+            assert events.empty() and files.held >= 1  # the end waits for the fsync held on the store's thread
+            steps = await worker.call(lambda e: e.counters.steps)  # the engine thread answers meanwhile
+            await worker.call(lambda e: e.complete(e.create_session(), "x", SamplingParams(max_tokens=2)))
+            later = await worker.call(lambda e: e.counters.steps)
+            files.release.set()
+            end = [await asyncio.wait_for(events.get(), T)]
+            return first, end, steps, later
+        finally:
+            worker.stop(30)
+
+    first, end, steps, later = asyncio.run(main())
+    assert all(isinstance(x, TokenDelta) for x in first)
+    assert later > steps  # steps ran while the first generation's fsync was held
+    sid = first[0].session_id
+    if fail:
+        assert isinstance(end[0], RequestFailed) and isinstance(end[0].error, LogNotDurable)
+        assert status_of(end[0].error) == grpc.StatusCode.UNAVAILABLE and "fsync" in str(end[0].error)
+    else:
+        assert isinstance(end[0], Finished) and end[0].summary.completion_tokens == 4
+        assert not engine.journal.unsynced(sid)
     engine.close()
 
 
