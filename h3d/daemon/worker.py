@@ -236,10 +236,11 @@ class EngineWorker:
                 self._loop.call_soon_threadsafe(_settle, future, result, None)
 
     def _dispatch(self, events: list[Event]) -> None:
-        """Hand a step's events to their streams: one wake-up of the loop per step, not per event."""
+        """Hand a step's events to their streams: one wake-up of the loop per step, not per event.
+        The tokens go first; the ends of generations follow with their summaries (tier figures
+        read once for the step), each once its token log is durable."""
         batch: list[tuple[asyncio.Queue[Event | Finished], Event | Finished]] = []
-        later: list[tuple[asyncio.Queue[Event | Finished], Finished, Future[None]]] = []  # once durable
-        tiers: list[pb.TierStats] = []
+        ends: list[tuple[asyncio.Queue[Event | Finished], GenerationDone]] = []
         for event in events:
             done = isinstance(event, GenerationDone | AppendDone | RequestFailed)
             stream = self._streams.pop(event.request_id, None) if done else self._streams.get(event.request_id)
@@ -249,12 +250,7 @@ class EngineWorker:
             if stream is None:
                 continue
             if isinstance(event, GenerationDone):
-                finished = Finished(event, _summary_of(self.engine, event, tiers))
-                durable = self._durable(event.session_id)
-                if durable is None:
-                    batch.append((stream, finished))
-                else:
-                    later.append((stream, finished, durable))
+                ends.append((stream, event))
             else:
                 batch.append((stream, event))
             if then is not None and isinstance(event, AppendDone):
@@ -263,8 +259,19 @@ class EngineWorker:
                     batch.append((stream, failed))
         if batch:
             self._loop.call_soon_threadsafe(_deliver, batch)
-        for stream, finished, durable in later:  # (after the batch: a stream's tokens before its end)
-            durable.add_done_callback(functools.partial(self._when_durable, stream, finished))
+        if not ends:
+            return
+        now: list[tuple[asyncio.Queue[Event | Finished], Event | Finished]] = []
+        tiers: list[pb.TierStats] = []
+        for stream, end in ends:  # (scheduled after the batch: a stream's tokens before its end)
+            finished = Finished(end, _summary_of(self.engine, end, tiers))
+            durable = self._durable(end.session_id)
+            if durable is None:
+                now.append((stream, finished))
+            else:
+                durable.add_done_callback(functools.partial(self._when_durable, stream, finished))
+        if now:
+            self._loop.call_soon_threadsafe(_deliver, now)
 
     def _durable(self, session_id: SessionId) -> Future[None] | None:
         """The fsync of `session_id`'s log on the store's thread (`TokenStore.sync_behind`); None
