@@ -80,6 +80,8 @@ class EngineConfig:
     entropy_shrink_below: float = 3.0
     entropy_grow_above: float = 3.3
     max_batch_size: int = 64
+    # A sliding-window layer frees its blocks this many tokens past its window (a rewind that short keeps the KV)
+    window_keep_tokens: int = 512
     max_context_tokens: int | None = None
     session_log_path: str | None = None  # token logs: sessions survive restarts (h3d serve sets it)
     fsync_interval_ms: float = 50.0
@@ -172,6 +174,8 @@ class EngineConfig:
         if any(layer < 0 for layer in self.quantize_skip_layers):
             raise ConfigError("quantize_skip_layers: layer indices must be >= 0")
         _positive("max_batch_size", self.max_batch_size)
+        if self.window_keep_tokens < 0:
+            raise ConfigError(f"window_keep_tokens: must be >= 0, got {self.window_keep_tokens}")
         if not self.fsync_interval_ms >= 0:
             raise ConfigError(f"fsync_interval_ms: must be >= 0, got {self.fsync_interval_ms}")
         if self.max_context_tokens is not None:

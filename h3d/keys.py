@@ -200,6 +200,12 @@ ENGINE: tuple[Key, ...] = (
     Key("recent_tokens", "last tokens always read (the partial block included)"),
     Key("dense_layers", "first layers that always read every block (as Quest does)"),
     Key(
+        "window_keep_tokens",
+        "a sliding-window layer (Gemma 3, Mistral, ...) frees its blocks once they lie this many tokens past its "
+        "window: a rewind of up to that many tokens keeps the session's KV, a deeper one prefills it again from "
+        "its start; each such layer holds this many tokens more per session",
+    ),
+    Key(
         "dense_hbm_share",
         "share of the HBM pool for the dense layers' regions together; the other layers share the rest equally. "
         "A dense layer reads every block of the context at every step, a sparse layer its window: with long "

@@ -6,10 +6,10 @@ One session through the engine at its defaults (what `h3d generate` and `h3d ser
 prompt of `--tokens` tokens of real text (this checkout's docs/*.md and README.md, in that order,
 cut to the count), then 8 greedy tokens. Printed: the model's layers by kind, the KV the context
 takes with every layer kept (the arithmetic: tokens x layers x K+V bytes per token and layer), the
-KV of the full layers alone plus one window per sliding layer (what it should come to), and what
-the tiers report: HBM and DDR in use, the window layers' part of HBM (`window_hbm_bytes`), the
-blocks freed behind windows. DDR in use may hold copies of blocks HBM holds too (demotions,
-promotions).
+KV of the full layers alone plus, per sliding layer, its window and `window_keep_tokens` (what it
+should come to), and what the tiers report: HBM and DDR in use, the window layers' part of HBM
+(`window_hbm_bytes`), the blocks freed behind windows. DDR in use may hold copies of blocks HBM
+holds too (demotions, promotions).
 """
 
 from __future__ import annotations
@@ -54,13 +54,14 @@ def measure(model: str, tokens: int) -> dict[str, Any]:
     per_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * kv.hbm.k.element_size()
     windows = [w for w in cfg.windows if w is not None]
     bs = kv.block_size
-    window_kv = sum((-(-w // bs) + 1) * bs for w in windows) * per_layer_token  # a window's blocks, the partial one
+    keep = engine.config.window_keep_tokens
+    window_kv = sum((-(-(w + keep) // bs) + 1) * bs for w in windows) * per_layer_token  # blocks kept, the partial one
     full_layers = cfg.num_layers - len(windows)
     engine.close()
     return {
         "model": Path(model).name, "dtype": str(kv.hbm.k.dtype).removeprefix("torch."), "tokens": cached,
         "layers": cfg.num_layers, "sliding_layers": len(windows), "window": windows[0] if windows else None,
-        "block_size": bs, "seconds": round(seconds, 1),
+        "block_size": bs, "window_keep_tokens": keep, "seconds": round(seconds, 1),
         "kv_all_layers_bytes": cached * cfg.num_layers * per_layer_token,
         "kv_goal_bytes": cached * full_layers * per_layer_token + window_kv,
         "hbm_used_bytes": stats.hbm_used_bytes, "ddr_used_bytes": stats.ddr_used_bytes,
@@ -71,12 +72,12 @@ def measure(model: str, tokens: int) -> dict[str, Any]:
 
 def table(r: dict[str, Any]) -> str:
     mib = lambda n: f"{n / MIB:,.1f}"  # noqa: E731
-    sliding, window = r["sliding_layers"], r["window"]
+    sliding, window, keep = r["sliding_layers"], r["window"], r["window_keep_tokens"]
     rows = [
         ("context (tokens cached)", f"{r['tokens']:,}"),
         ("layers", f"{r['layers']}: {r['layers'] - r['sliding_layers']} global, {sliding} sliding (window {window})"),
         ("KV with every layer kept, MiB", mib(r["kv_all_layers_bytes"])),
-        ("KV of the global layers + one window per sliding layer, MiB", mib(r["kv_goal_bytes"])),
+        (f"KV of the global layers + per sliding layer its window and {keep} tokens, MiB", mib(r["kv_goal_bytes"])),
         ("HBM in use, MiB (of " + mib(r["hbm_capacity_bytes"]) + ")", mib(r["hbm_used_bytes"])),
         ("  of which sliding layers' windows, MiB", mib(r["window_hbm_bytes"])),
         ("DDR in use, MiB", mib(r["ddr_used_bytes"])),

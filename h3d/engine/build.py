@@ -69,7 +69,9 @@ def build_runner(config: EngineConfig, model: CausalLM, sizes: Budgets, max_cont
     pools = plan_pools(
         sizes.hbm_mb, sizes.ddr_mb, config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
         model.lm_head.weight_t.dtype.itemsize, config.dense_layers, config.dense_hbm_share, whole_blocks=whole,
-        caps=window_caps(mc.windows, config.block_size, config.max_batch_size, sizes.prefill_chunk_tokens),
+        caps=window_caps(
+            mc.windows, config.block_size, config.max_batch_size, sizes.prefill_chunk_tokens, config.window_keep_tokens
+        ),
     )  # fmt: skip
     archive = open_archive(config, mc)
     runner = ModelRunner(
@@ -86,6 +88,7 @@ def build_runner(config: EngineConfig, model: CausalLM, sizes: Budgets, max_cont
         ssd_retry_interval_s=config.ssd_retry_interval_s,
         write_behind_dirty_mb=config.write_behind_dirty_mb if config.write_behind else None,
         ssd_capacity=ssd_capacity(config, archive),
+        window_keep_tokens=config.window_keep_tokens,
     )
     return runner
 

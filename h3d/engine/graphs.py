@@ -726,9 +726,9 @@ class DecodeGraphs:
             where = t.all_locations()
             locs[:, i, :nb] = where
             locs[:, i, nb:] = 0
-            # the blocks it reads whole: every layer's, or (selecting) the dense and window layers';
-            # a window layer's live blocks are its window's (`BlockManager.drop_behind`)
-            whole = t.live() & (self._whole_layers[:, None] if entry[3] else True)
+            # the blocks it reads whole: every layer's, or (selecting) the dense and window layers'
+            # (a window layer's: its window's)
+            whole = self.runner.blocks.decode_reads(entry[0]) & (self._whole_layers[:, None] if entry[3] else True)
             g.whole[i] = int(np.count_nonzero(whole))
             g.below[i] = int(np.count_nonzero(whole & (where < 0)))
         return changed

@@ -62,6 +62,7 @@ class ModelRunner:
         ssd_retry_interval_s: float = 10.0,
         write_behind_dirty_mb: float | None = None,
         ssd_capacity: int | None = None,
+        window_keep_tokens: int = 0,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -91,6 +92,7 @@ class ModelRunner:
             promote_bytes_per_step=promote,
             rebalance_bytes_per_step=None if rebalance_mb_per_step is None else int(rebalance_mb_per_step * 2**20),
             windows=cfg.windows,
+            window_keep_tokens=window_keep_tokens,
             ssd_retry_interval_s=ssd_retry_interval_s,
             write_behind_dirty_mb=write_behind_dirty_mb,
             ssd_capacity=ssd_capacity,

@@ -328,9 +328,8 @@ class DeviceStepKV(_Writes):
                 if len(mine):
                     report.picks[seq] = mine
         for i, seq in enumerate(self.seqs):
-            t = r.blocks.table(seq)
-            nb = t.num_blocks
-            read = t.live() & ~selecting[i][:, None]  # [L, nb]: a window layer's live blocks are its window's
+            nb = r.blocks.table(seq).num_blocks
+            read = r.blocks.decode_reads(seq) & ~selecting[i][:, None]  # [L, nb]: a window layer's: its window's
             where = plan.locations[:, i, :nb][read]  # nothing moved during the step
             report.reads.append(Reads(seq, where.size, int((where < 0).sum())))
 

@@ -186,10 +186,12 @@ class BlockManager:
         num_layers: int,
         block_size: int,
         windows: Sequence[int | None] | None = None,
+        keep_tokens: int = 0,
     ) -> None:
         """`hbm_slots_per_layer`: every layer's HBM region size, or one per layer (`h3d.kv.sizing`);
         `windows`: each layer's sliding window in tokens, None for full attention (all full by
-        default; `ModelConfig.windows`)."""
+        default; `ModelConfig.windows`); `keep_tokens`: how far past its window a sliding layer's
+        blocks are kept (`window_keep_tokens`: a rewind that short keeps the KV)."""
         self.windows = tuple(windows) if windows is not None else (None,) * num_layers
         if len(self.windows) != num_layers:
             raise ValueError(f"{len(self.windows)} layer windows for {num_layers} layers")
@@ -199,6 +201,7 @@ class BlockManager:
         self._window_sizes = np.array([w for w in self.windows if w is not None], dtype=np.int64)
         self.full_layers = np.array([i for i, w in enumerate(self.windows) if w is None], dtype=np.int64)
         self.window_freed = 0  # blocks freed behind windows (all layers), ever
+        self.keep_tokens = keep_tokens
         regions = np.broadcast_to(np.asarray(hbm_slots_per_layer, dtype=np.int64), (num_layers,)).copy()
         if (regions < 1).any():
             raise ValueError("the HBM pool needs at least one slot per layer")
@@ -277,15 +280,24 @@ class BlockManager:
         table.runs_cache = cache
         return runs
 
-    def floors(self, num_tokens: int) -> np.ndarray:
-        """[L] the first block each layer still reads once `num_tokens` tokens are written: a
-        query at position p of a sliding-window layer reads keys p - window < j <= p, so from the
-        next token (position `num_tokens`) on the blocks before (num_tokens - window + 1) // bs
-        are never read again; a full-attention layer reads from block 0."""
+    def floors(self, num_tokens: int, keep: int | None = None) -> np.ndarray:
+        """[L] the first block each layer keeps once `num_tokens` tokens are written: a query at
+        position p of a sliding-window layer reads keys p - window < j <= p, so from the next token
+        (position `num_tokens`) on the blocks before (num_tokens - window + 1) // bs are never read
+        again; they are kept `keep` tokens longer (`keep_tokens` by default, 0: what is read); a
+        full-attention layer keeps every block."""
+        keep = self.keep_tokens if keep is None else keep
         out = np.zeros(self.num_layers, dtype=np.int64)
         if len(self.window_layers):
-            out[self.window_layers] = np.maximum(num_tokens - self._window_sizes + 1, 0) // self.block_size
+            out[self.window_layers] = np.maximum(num_tokens - self._window_sizes + 1 - keep, 0) // self.block_size
         return out
+
+    def decode_reads(self, seq: SeqId) -> np.ndarray:
+        """[L, num_blocks] the blocks a decode token at `seq`'s last position reads where a layer
+        reads without selecting: every block, or a sliding layer's window's."""
+        table = self._tables[seq]
+        first = self.floors(max(table.num_tokens - 1, 0), keep=0)
+        return np.arange(table.num_blocks)[None, :] >= first[:, None]
 
     def keepable(self, seq: SeqId, num_tokens: int) -> int:
         """The tokens a cut of `seq`'s KV back to `num_tokens` keeps: all of them, unless a
@@ -293,7 +305,7 @@ class BlockManager:
         position depends, through the layers below, on a cone of earlier positions, so only a
         prefill from the start computes it again exactly."""
         table = self._tables[seq]
-        return num_tokens if (table.floor <= self.floors(num_tokens)).all() else 0
+        return num_tokens if (table.floor <= self.floors(num_tokens, keep=0)).all() else 0
 
     def drop_behind(self, seq: SeqId, num_tokens: int) -> int:
         """Free the blocks of `seq`'s sliding-window layers that no token from position
@@ -433,7 +445,7 @@ class BlockManager:
         if num_tokens >= table.num_tokens:
             return
         keep = self.blocks_for(num_tokens)
-        if (table.floor > self.floors(num_tokens)).any() and num_tokens:
+        if (table.floor > self.floors(num_tokens, keep=0)).any() and num_tokens:
             raise ValueError(f"seq {seq}: a cut to {num_tokens} tokens needs blocks freed behind a window (`keepable`)")
         self._release(table, keep, table.num_blocks)
         table.floor = np.minimum(table.floor, keep)

@@ -97,16 +97,18 @@ class KVCache:
         promote_bytes_per_step: int | None = None,
         rebalance_bytes_per_step: int | None = None,
         windows: Sequence[int | None] | None = None,
+        window_keep_tokens: int = 0,
         ssd_retry_interval_s: float = 10.0,
         write_behind_dirty_mb: float | None = None,
         ssd_capacity: int | None = None,
     ) -> None:
         """`hbm_regions`: every layer's HBM region in blocks, or one size per layer; `windows`: each
-        layer's sliding window, None for full attention (`ModelConfig.windows`; all full by default);
+        layer's sliding window, None for full attention (`ModelConfig.windows`; all full by default),
+        whose blocks are freed `window_keep_tokens` past it (`BlockManager`);
         `write_behind_dirty_mb`, `ssd_capacity`: see `TierManager`."""
         self.sessions: dict[SeqId, SessionKV] = {}
         self._archive = archive
-        self.blocks = BlockManager(hbm_regions, ddr_slots, num_layers, block_size, windows)
+        self.blocks = BlockManager(hbm_regions, ddr_slots, num_layers, block_size, windows, window_keep_tokens)
         shape = (block_size, num_kv_heads, head_dim, dtype)
         self.hbm = KVPool(self.blocks.num_slots, *shape, device)
         self.ddr = KVPool(len(self.blocks.ddr_owner), *shape, torch.device("cpu"), pin_memory=device.type == "cuda")

@@ -88,13 +88,16 @@ def region_sizes(
     return [dense] * dense_layers + [sparse] * (num_layers - dense_layers)
 
 
-def window_caps(windows: Sequence[int | None], block_size: int, max_batch: int, chunk_tokens: int) -> list[int | None]:
+def window_caps(
+    windows: Sequence[int | None], block_size: int, max_batch: int, chunk_tokens: int, keep_tokens: int = 0
+) -> list[int | None]:
     """The most HBM slots a sliding-window layer's region can use, per layer (None: a full
-    layer): `max_batch` sessions each holding the blocks of its window, the partial block and
-    one block more, and one prefill chunk's blocks beside (a chunk's blocks are all written
-    before the next chunk frees those its window has passed: `BlockManager.drop_behind`)."""
+    layer): `max_batch` sessions each holding the blocks of its window and `keep_tokens` more
+    (`window_keep_tokens`), the partial block and one block more, and one prefill chunk's blocks
+    beside (a chunk's blocks are all written before the next chunk frees those its window has
+    passed: `BlockManager.drop_behind`)."""
     chunk = -(-chunk_tokens // block_size)
-    return [None if w is None else max_batch * (-(-w // block_size) + 2) + chunk for w in windows]
+    return [None if w is None else max_batch * (-(-(w + keep_tokens) // block_size) + 2) + chunk for w in windows]
 
 
 def plan_pools(

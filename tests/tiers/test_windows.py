@@ -34,6 +34,7 @@ def _engine(model: Path, folder: Path, **overrides: Any) -> Engine:
         "hbm_mb": 0.25,
         "ddr_mb": 0.25,
         "prefill_chunk_tokens": 64,
+        "window_keep_tokens": 0,  # blocks freed as soon as no token reads them
         **HBF,
     }
     return make_engine(model, **(kw | overrides))
@@ -152,4 +153,24 @@ def test_the_window_entropy_comes_from_the_first_layer_that_selects(checkpoint: 
     engine.complete(sid, "", GREEDY)
     state = engine.runner.kv.selection(engine.session(sid).seq)
     assert state.current_entropy is not None or state.entropies
+    engine.close()
+
+
+def test_window_keep_tokens_keeps_a_short_rewind_s_kv(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """With `window_keep_tokens` = 64 a window layer keeps its blocks 64 tokens past its window: a
+    rewind that far back keeps the KV before it, one further prefills the session again; the tokens
+    are those of an engine given the kept tokens as its prompt either way."""
+    ids = random_prompt(200, VOCAB_SIZE, seed=11)
+    engine = _engine(checkpoint(MODEL), tmp_path, policy="exact", window_keep_tokens=64)
+    sid = engine.create_session()
+    engine.append(sid, token_ids=ids)
+    engine.complete(sid, "", GREEDY)
+    n = len(engine.session(sid).tokens)  # 208: 207 cached, floor (207 - 24 + 1 - 64) // 16 = 7
+    assert engine.runner.kv.blocks.table(engine.session(sid).seq).floor.tolist() == [0, 7, 7]
+    for keep, cached in ((150, 149), (120, 0)):  # a cut to t needs blocks from (t - 24) // 16 on
+        engine.rewind(sid, keep)
+        assert engine.cached_tokens(sid) == cached and n > keep
+        plain, twin = _twin(checkpoint, engine.session(sid).tokens[:keep], policy="exact")
+        assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+        plain.close()
     engine.close()
