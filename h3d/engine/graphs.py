@@ -255,17 +255,10 @@ class _GraphKV:
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
         table = self.locs[index]  # [B, W]
         window = self.runner.windows[index]
+        head = None
         if window is not None:  # a sliding-window layer: its window's blocks, whatever the policy
             lists, head = window_lists(table, self.inputs["nblocks"], self.tail, window, self.block_size, self.hkv)
-            return LayerKV(
-                query_lens=self.query_lens,
-                kv_lens=self.query_lens,  # not read: attention reads `lists`
-                runs=tuple([] for _ in self.query_lens),
-                tables=lambda: table,
-                lists=lists,
-                head=head,
-            )
-        if self.g.hbf is None or index < self.runner.hbf.dense_layers:
+        elif self.g.hbf is None or index < self.runner.hbf.dense_layers:
             lists = (table[:, None, :].expand(-1, self.hkv, -1), self.nblocks, self.tail)
         elif select.available(table.device):
             lists = self._select_kernels(index, q, scale, table)
@@ -277,6 +270,7 @@ class _GraphKV:
             runs=tuple([] for _ in self.query_lens),
             tables=lambda: table,
             lists=lists,
+            head=head,
         )
 
     def _select_kernels(self, index: int, q: torch.Tensor, scale: float, table: torch.Tensor) -> tuple:
