@@ -34,7 +34,8 @@ def test_tiny_single_phase_through_the_daemon_writes_the_specified_json(
         for fields in mode.values():
             assert set(fields) >= SINGLE and fields["tokens"] == 5  # the prompt's token, then 4 more
             assert 0 < fields["ttft_s"] < fields["append_s"] + 5 and fields["floor_ms"] > 0
-            assert len(fields["gaps_ms"]) == len(fields["engine_gaps_ms"]) == 4 and min(fields["gaps_ms"]) > 0
+            # (a gap of 0: tokens coalesced into one message, arriving together)
+            assert len(fields["gaps_ms"]) == len(fields["engine_gaps_ms"]) == 4 and min(fields["gaps_ms"]) >= 0
             assert fields["itl_ms_p50"] == pytest.approx(float(np.percentile(fields["gaps_ms"], 50)), abs=0.01)
     assert data["graph_captures_after_ready"] == 0 and data["ready_s"] > 0
     assert data["runs"]["single"]["command"].startswith("python -m h3d.bench.serve --tiny")
