@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from h3d.kv.blocks import NONE, SeqId
+from h3d.kv.blocks import NONE, NULL_ENTRY, SeqId
 from h3d.tiers.identity import ArchiveCorrupt, BlockKey
 
 if TYPE_CHECKING:
@@ -157,7 +157,8 @@ class ReadAhead:
                 continue
             t = b.table(p.seq)
             ids = t.ids[p.layers, p.blocks]
-            fresh = (b.entries.hbm[ids] == NONE) & (b.entries.ddr[ids] == NONE)
+            # (a block freed meanwhile, behind a sliding window, points at the null entry: not placed)
+            fresh = (b.entries.hbm[ids] == NONE) & (b.entries.ddr[ids] == NONE) & (ids != NULL_ENTRY)
             b.ddr_alloc.let_go(p.slots[~fresh])
             if fresh.any():
                 b.place_ddr_many(p.seq, p.layers[fresh], p.blocks[fresh], p.slots[fresh])

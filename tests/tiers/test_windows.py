@@ -9,11 +9,13 @@ archive (which then holds only each window layer's live blocks), and a rewind pa
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from helpers import VOCAB_SIZE, make_engine, random_prompt
 
 from h3d.engine.engine import Engine
@@ -173,4 +175,46 @@ def test_window_keep_tokens_keeps_a_short_rewind_s_kv(checkpoint: Callable[[str]
         plain, twin = _twin(checkpoint, engine.session(sid).tokens[:keep], policy="exact")
         assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
         plain.close()
+    engine.close()
+
+
+def test_a_window_block_freed_while_it_is_read_ahead_is_not_placed(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a restart, read-ahead brings a session's archived blocks back into DDR on its own
+    threads. A sliding layer's block freed while its piece is in flight (the context moved past it)
+    gets no copy when the piece lands: its slot is given back, and the null entry stays empty."""
+    ids = random_prompt(300, VOCAB_SIZE, seed=12)
+    engine = _engine(checkpoint(MODEL), tmp_path)
+    sid = engine.create_session()
+    engine.append(sid, token_ids=ids)
+    engine.complete(sid, "", GREEDY)
+    engine.checkpoint()
+    engine.close()
+    engine = _engine(checkpoint(MODEL), tmp_path)
+    tiers, kv = engine.runner.tiers, engine.runner.kv
+    seq = engine.session(sid).seq
+    gate = threading.Event()
+    read_into = tiers.mover.read_into
+
+    def held(keys: list[Any], slots: np.ndarray) -> None:
+        assert gate.wait(10)
+        read_into(keys, slots)
+
+    monkeypatch.setattr(tiers.mover, "read_into", held)
+    table = tiers.blocks.table(seq)
+    nb, before = table.num_blocks, table.floor.copy()
+    first = np.zeros((3, nb), dtype=bool)
+    first[1:, before[1] : nb - 1] = True  # the window layers' full blocks: read ahead first
+    tiers.ahead.start(seq, first)
+    assert engine.read_ahead() and tiers.ahead.pieces
+    in_flight = {(int(layer), int(j)) for p in tiers.ahead.pieces for layer, j in zip(p.layers, p.blocks, strict=True)}
+    # as if the context had moved on: the window layers keep their last two blocks
+    assert kv.drop_behind(seq, (nb - 2) * BS + WINDOW - 1) > 0 and table.floor[1] == nb - 2
+    freed = {(layer, j) for layer in (1, 2) for j in range(before[layer], nb - 2)}
+    assert freed and freed <= in_flight  # the freed blocks were being read
+    gate.set()
+    tiers.ahead.poll(wait=True)
+    kv.check()  # the null entry has no copy; every slot is owned once or free
+    assert not (table.ddr[1:, : table.floor[1]] != -1).any()
     engine.close()
