@@ -265,16 +265,27 @@ class DeviceStepKV(_Writes):
         r = self.runner
         tables, nblocks = self.full[0][index], self.full[1]  # [B, W], [B, Hkv]
         window = r.windows[index]
+        head = None
         if window is not None:  # a sliding-window layer: its window's blocks, whatever the policy
             lists, head = window_lists(tables, nblocks[:, 0], self.tail, window, r.blocks.block_size, self.hkv)
-            return LayerKV(
-                query_lens=self.query_lens,
-                kv_lens=tuple(self.kv_lens),
-                runs=tuple([] for _ in self.seqs),
-                tables=lambda: tables,
-                lists=lists,
-                head=head,
-            )
+            kv_lens = tuple(self.kv_lens)
+        else:
+            lists, kv_lens = self._select(index, q, scale, tables, nblocks)
+        return LayerKV(
+            query_lens=self.query_lens,
+            kv_lens=kv_lens,
+            runs=tuple([] for _ in self.seqs),  # not planned on the host: attention reads `lists`
+            tables=lambda: tables,
+            lists=lists,
+            head=head,
+        )
+
+    def _select(
+        self, index: int, q: torch.Tensor, scale: float, tables: torch.Tensor, nblocks: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple[int, ...]]:
+        """The kernel's lists of a layer that may select (each selecting sequence's picks, the
+        others' whole tables) and the tokens each list holds."""
+        r = self.runner
         picked: dict[int, torch.Tensor] = {}
         kv_lens = list(self.kv_lens)
         for i, seq in enumerate(self.seqs):
@@ -299,14 +310,7 @@ class DeviceStepKV(_Writes):
                 heads[i, :, : blocks.shape[1]] = tables[i][blocks]
                 heads[i, :, blocks.shape[1] :] = 0
                 nblocks[i] = blocks.shape[1]
-        lists = (heads, nblocks, self.tail)
-        return LayerKV(
-            query_lens=self.query_lens,
-            kv_lens=tuple(kv_lens),
-            runs=tuple([] for _ in self.seqs),  # not planned on the host: attention reads `lists`
-            tables=lambda: tables,
-            lists=lists,
-        )
+        return (heads, nblocks, self.tail), tuple(kv_lens)
 
     def resolve(self) -> None:
         """After the forward: the selections to the host (one copy), as (layer, block) keys into the

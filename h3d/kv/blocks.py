@@ -44,7 +44,6 @@ import numpy as np
 from h3d.errors import OutOfBlocks
 from h3d.kv.entries import NONE, NULL_ENTRY, Entries
 from h3d.kv.slots import FREE, HELD, NULL_SLOT, LayeredAllocator, SeqId, SlotAllocator
-from h3d.model.config import LayerKind
 
 
 class Tier(enum.IntEnum):
@@ -195,7 +194,6 @@ class BlockManager:
         self.windows = tuple(windows) if windows is not None else (None,) * num_layers
         if len(self.windows) != num_layers:
             raise ValueError(f"{len(self.windows)} layer windows for {num_layers} layers")
-        self.kinds = tuple(LayerKind.FULL if w is None else LayerKind.SLIDING for w in self.windows)
         # The sliding-window layers and their windows, and the full-attention layers (the tiered ones).
         self.window_layers = np.array([i for i, w in enumerate(self.windows) if w is not None], dtype=np.int64)
         self._window_sizes = np.array([w for w in self.windows if w is not None], dtype=np.int64)

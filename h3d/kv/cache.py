@@ -134,7 +134,6 @@ class KVCache:
             num_layers, num_kv_heads, head_dim, block_size, dtype, device, hbf.digest_tokens, blocks=per_layer,
             layers=self.blocks.full_layers.tolist(),
         )  # fmt: skip
-        self.digest_layers = self.digests.layers
         # Digest snapshots beside the archive (`h3d.tiers.digestfile`): a resumed session's
         # digests read first, not rebuilt from every key.
         self.digest_files = (
@@ -243,8 +242,8 @@ class KVCache:
         if record.selection.policy.selects:
             window = -(-record.selection.window_tokens // self.block_size) + len(self.keep(seq))
             out[self.hbf.dense_layers :] = min(nb, window)
-        slide = self.blocks.window_layers  # a sliding-window layer reads its live blocks, whatever the policy
-        out[slide] = nb - record.table.floor[slide]
+        slide = self.blocks.window_layers  # a sliding-window layer reads its window's blocks, whatever the policy
+        out[slide] = nb - self.blocks.floors(max(record.table.num_tokens - 1, 0), keep=0)[slide]
         return out
 
     def rebalance(self, active: list[SeqId]) -> int:
@@ -522,7 +521,7 @@ class KVCache:
         start = first_block * self.block_size
         if table.num_tokens <= start:
             return
-        for layer in self.digest_layers:
+        for layer in self.digests.layers:
             k = self.tiers.read_keys(seq, layer, first_block)  # [Hkv, num_tokens - start, D]
             self.digests.update(seq, layer, start, k.transpose(0, 1).to(self.device))
 

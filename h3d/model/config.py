@@ -7,7 +7,6 @@ computed wrongly later.
 
 from __future__ import annotations
 
-import enum
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,13 +48,6 @@ GEMMA3_DEFAULTS: dict[str, Any] = {
 }
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-
-
-class LayerKind(enum.Enum):
-    """How a layer's attention reads its KV, which decides what its blocks need from the tiers."""
-
-    FULL = "full"  # every block of the context may be read: tiered, selected by HBF
-    SLIDING = "sliding"  # only the last `sliding_window` tokens: a decode step reads their blocks only
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,12 +109,6 @@ class ModelConfig:
     attn_scale: float | None = None  # None: head_dim ** -0.5
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     rope_local: RopeConfig | None = None  # the sliding layers' RoPE (None: `rope`)
-
-    @property
-    def layer_kinds(self) -> tuple[LayerKind, ...]:
-        """Each layer's kind (`sliding_layers`: SLIDING, the others FULL)."""
-        sliding = set(self.sliding_layers)
-        return tuple(LayerKind.SLIDING if i in sliding else LayerKind.FULL for i in range(self.num_layers))
 
     @property
     def windows(self) -> tuple[int | None, ...]:

@@ -634,13 +634,12 @@ def test_a_tables_blocks_are_entries_it_points_to() -> None:
     bm.check_invariants()
 
 
-def test_layer_kinds_follow_the_windows() -> None:
-    """Each layer's kind follows its window (None: full attention); a list of another length is refused."""
-    from h3d.model.config import LayerKind
-
-    assert BlockManager(4, 4, 2, 4).kinds == (LayerKind.FULL, LayerKind.FULL)
+def test_layers_are_full_or_sliding_by_their_windows() -> None:
+    """Each layer is a full-attention or a sliding-window one by its window (None: full); a list of
+    another length is refused."""
+    m = BlockManager(4, 4, 2, 4)
+    assert m.window_layers.tolist() == [] and m.full_layers.tolist() == [0, 1]
     m = BlockManager(4, 4, 2, 4, [None, 8])
-    assert m.kinds == (LayerKind.FULL, LayerKind.SLIDING)
     assert m.window_layers.tolist() == [1] and m.full_layers.tolist() == [0]
     with pytest.raises(ValueError, match="1 layer windows for 2 layers"):
         BlockManager(4, 4, 2, 4, [None])
