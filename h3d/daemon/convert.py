@@ -64,6 +64,8 @@ def session_pb(engine: Engine, session: Session, with_tokens: bool = False) -> p
             stop=list(s.stop),
             stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
         ),
         residency=residency_pb(engine, session),
         window_tokens=engine.kv.window_tokens(session.seq),
@@ -119,7 +121,7 @@ def sampling_from(base: SamplingParams, msg: pb.SamplingParams, limit: int) -> S
     """`base` with the fields `msg` sets, checked (max_tokens within 1..limit). A max_tokens the
     request leaves unset (the session's or the daemon's default) is capped at the limit."""
     over: dict[str, Any] = {}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty"):
         if msg.HasField(name):
             over[name] = getattr(msg, name)
     if msg.stop:

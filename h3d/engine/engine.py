@@ -617,7 +617,9 @@ class Engine:
                     self._save_meta(req.session)  # its new anchors
         events: list[Event] = []
         sampling = [r for r, c in zip(reqs, chunks, strict=True) if c.want_logits]
-        tokens = sample_batch(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        tokens = sample_batch(
+            logits, [r.params for r in sampling], [r.generator for r in sampling], [r.output_ids for r in sampling]
+        )
         for req, chunk in zip(reqs, chunks, strict=True):
             if not req.generate or not chunk.want_logits:
                 done = req.prefill_total - self._pending(req)

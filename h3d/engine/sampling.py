@@ -1,11 +1,16 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds.
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds,
+presence and frequency penalties.
 
 Each request with a seed owns a `torch.Generator` seeded once, so its tokens are reproducible
-whatever else is in the batch. Greedy rows are one batched argmax.
+whatever else is in the batch. Greedy rows are one batched argmax. The penalties are OpenAI's
+(and vLLM's): before anything else, a token's logit loses `frequency_penalty` times the number of
+times the request generated it, and `presence_penalty` once if it generated it at all (the
+request's own tokens: neither the prompt nor the session's earlier turns count).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +18,7 @@ import torch
 from h3d.errors import InvalidRequest
 
 MIN_TEMPERATURE = 1e-6  # temperatures in [0, this) sample greedily
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY], as OpenAI's
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +33,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def validate(self) -> SamplingParams:
         if self.max_tokens < 1:
@@ -39,7 +47,15 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
         if any(s == "" for s in self.stop):
             raise InvalidRequest("stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequest(f"{name} must be within -{MAX_PENALTY:g}..{MAX_PENALTY:g}, got {value}")
         return self
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:
@@ -77,12 +93,30 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def penalize(logits: torch.Tensor, params: SamplingParams, output_ids: Sequence[int]) -> torch.Tensor:
+    """logits: [vocab] -> the logits less the presence and frequency penalties of `output_ids` (the
+    request's generated tokens so far); unchanged (the same tensor) without penalties or tokens."""
+    if not params.penalized or not output_ids:
+        return logits
+    ids = torch.tensor(list(output_ids), dtype=torch.long, device=logits.device)
+    counts = torch.bincount(ids, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
 def sample_batch(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    outputs: Sequence[Sequence[int]] | None = None,
 ) -> list[int]:
-    """logits: [B, vocab] -> B token ids; greedy rows in one argmax."""
+    """logits: [B, vocab] -> B token ids; greedy rows without penalties in one argmax. `outputs`:
+    each row's generated tokens so far (what the penalties count)."""
     greedy = torch.argmax(logits, dim=-1).tolist()
-    return [
-        greedy[i] if p.greedy else sample(logits[i], p, g)
-        for i, (p, g) in enumerate(zip(params, generators, strict=True))
-    ]
+    picked = []
+    for i, (p, g) in enumerate(zip(params, generators, strict=True)):
+        if p.penalized and outputs is not None and outputs[i]:
+            row = penalize(logits[i].float(), p, outputs[i])
+            picked.append(int(torch.argmax(row).item()) if p.greedy else sample(row, p, g))
+        else:
+            picked.append(greedy[i] if p.greedy else sample(logits[i], p, g))
+    return picked

@@ -3,7 +3,9 @@
 Seeded requests are reproducible (and independent of what else runs in the batch); top_k=1, a tiny
 top_p and temperature 0 are greedy; stop strings, stop token ids, EOS ids from
 generation_config.json and max_tokens end a generation with the right reason and text; bad
-parameters raise InvalidRequest before anything changes.
+parameters raise InvalidRequest before anything changes. The presence and frequency penalties
+equal OpenAI's formula written out by hand, count only the request's own tokens, and change a
+greedy generation the way they should (a frequency penalty repeats less).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from helpers import EOS_ID, VOCAB_SIZE, make_engine, random_prompt, write_generation_config
 
 from h3d.engine.engine import Engine
-from h3d.engine.sampling import SamplingParams, make_generator, sample, sample_batch
+from h3d.engine.sampling import SamplingParams, make_generator, penalize, sample, sample_batch
 from h3d.engine.session import FinishReason, GenerationDone, TokenDelta
 from h3d.errors import InvalidRequest
 
@@ -178,6 +180,8 @@ BAD_PARAMS = {
     "top_k_negative": SamplingParams(top_k=-1),
     "empty_stop": SamplingParams(stop=("",)),
     "one_empty_stop": SamplingParams(stop=("ok", "")),
+    "presence_penalty_above_2": SamplingParams(presence_penalty=2.5),
+    "frequency_penalty_below_-2": SamplingParams(frequency_penalty=-2.01),
 }
 
 
@@ -251,3 +255,41 @@ def test_sample_batch_mixes_greedy_and_sampled_rows() -> None:
     gens = [make_generator(p, torch.device("cpu")) for p in params]
     assert gens[0] is None and gens[2] is not None
     assert sample_batch(logits, params, gens) == [0, 3, 0]
+
+
+# ---- presence and frequency penalties ------------------------------------------------------
+
+
+def test_penalties_are_openais_formula() -> None:
+    logits = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    outputs = [4, 4, 4, 1, 0, 4]
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    want = logits.clone()
+    for token in set(outputs):  # logit[t] -= count[t] * frequency + (count[t] > 0) * presence
+        want[token] -= outputs.count(token) * 0.25 + 0.5
+    assert torch.equal(penalize(logits, params, outputs), want)
+    assert penalize(logits, SamplingParams(), outputs) is logits  # no penalty: untouched
+    assert penalize(logits, params, []) is logits
+    negative = penalize(logits, SamplingParams(presence_penalty=-1.0), [0])
+    assert negative[0] == 2.0 and torch.equal(negative[1:], logits[1:])  # a negative penalty favours repeats
+
+
+def test_penalties_in_a_batch_apply_to_their_rows_only() -> None:
+    logits = torch.tensor([[0.0, 1.0, 0.9], [0.0, 1.0, 0.9]])
+    plain, penalized = SamplingParams(), SamplingParams(frequency_penalty=0.5)
+    picked = sample_batch(logits, [plain, penalized], [None, None], [[1], [1]])
+    assert picked == [1, 2]  # greedy: the penalized row's token 1 falls below token 2
+
+
+def test_a_frequency_penalty_repeats_less(engine: Engine) -> None:
+    def repeats(params: SamplingParams) -> int:
+        done, _ = run(engine, params)
+        ids = list(done.token_ids)
+        return len(ids) - len(set(ids))
+
+    plain = SamplingParams(max_tokens=48, ignore_eos=True)
+    penalized = SamplingParams(max_tokens=48, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)
+    assert repeats(penalized) < repeats(plain)
+    # Only the request's own tokens count: the prompt's repeated tokens are not penalized.
+    first, _ = run(engine, SamplingParams(max_tokens=1, frequency_penalty=2.0, presence_penalty=2.0))
+    assert first.token_ids == greedy(engine, 1).token_ids

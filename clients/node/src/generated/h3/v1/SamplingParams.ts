@@ -39,11 +39,23 @@ export interface SamplingParams {
    * Keep generating past the model's end-of-sequence tokens.
    */
   'ignoreEos'?: (boolean);
+  /**
+   * OpenAI's presence penalty, -2 ..= 2: a token's logit loses this once if this request generated
+   * it already (the prompt and earlier turns do not count). Unset: 0.
+   */
+  'presencePenalty'?: (number | string);
+  /**
+   * OpenAI's frequency penalty, -2 ..= 2: a token's logit loses this times the number of times this
+   * request generated it. Unset: 0.
+   */
+  'frequencyPenalty'?: (number | string);
   '_maxTokens'?: "maxTokens";
   '_temperature'?: "temperature";
   '_topP'?: "topP";
   '_topK'?: "topK";
   '_seed'?: "seed";
+  '_presencePenalty'?: "presencePenalty";
+  '_frequencyPenalty'?: "frequencyPenalty";
 }
 
 /**
@@ -83,9 +95,21 @@ export interface SamplingParams__Output {
    * Keep generating past the model's end-of-sequence tokens.
    */
   'ignoreEos': (boolean);
+  /**
+   * OpenAI's presence penalty, -2 ..= 2: a token's logit loses this once if this request generated
+   * it already (the prompt and earlier turns do not count). Unset: 0.
+   */
+  'presencePenalty'?: (number);
+  /**
+   * OpenAI's frequency penalty, -2 ..= 2: a token's logit loses this times the number of times this
+   * request generated it. Unset: 0.
+   */
+  'frequencyPenalty'?: (number);
   '_maxTokens'?: "maxTokens";
   '_temperature'?: "temperature";
   '_topP'?: "topP";
   '_topK'?: "topK";
   '_seed'?: "seed";
+  '_presencePenalty'?: "presencePenalty";
+  '_frequencyPenalty'?: "frequencyPenalty";
 }
