@@ -1,4 +1,5 @@
 # make run   — set up .venv, convert the embedded model once into $(DATA), and start the daemon on it
+#              (gRPC on a socket under $(DATA)/run, the OpenAI HTTP API on 127.0.0.1:8000)
 # make proto — regenerate h3d/_proto from protos/ (make test checks it is current)
 # make test  — set up .venv, then lint (ruff), type-check (mypy h3d) and run the tests, Python then Node
 #              (setup and test install promtool where it is missing: tests/daemon/test_metrics.py runs it)
@@ -15,6 +16,7 @@ DATA   ?= data
 MODEL  ?= $(DATA)/models/smollm2-135m-instruct
 STAMP  := $(VENV)/.installed-v3
 RUNDIR ?= $(abspath $(DATA)/run)
+HTTP_LISTEN ?= 127.0.0.1:8000
 PROMPT ?= In two sentences, why does a long conversation need a large KV cache?
 # The Node client's tests serve the embedded model from where the Python tests convert it (unless
 # they found it in data/: then test-node converts it there).
@@ -56,7 +58,9 @@ run: $(STAMP) $(MODEL)/config.json
 	@echo "  export H3D_SOCKET=$(RUNDIR)/h3d.sock"
 	@echo "  SID=\$$($(BIN)/h3ctl --json session create | python3 -c 'import json,sys; print(json.load(sys.stdin)[\"session_id\"])')"
 	@echo "  $(BIN)/h3ctl generate \$$SID --prompt 'Why does a long conversation need a large KV cache?'"
-	$(BIN)/h3d serve --model $(MODEL) --data-dir $(RUNDIR) --socket $(RUNDIR)/h3d.sock --socket-mode 0600
+	@echo "The OpenAI API is on http://$(HTTP_LISTEN)/v1 (HTTP_LISTEN=HOST:PORT moves it)."
+	$(BIN)/h3d serve --model $(MODEL) --data-dir $(RUNDIR) --socket $(RUNDIR)/h3d.sock --socket-mode 0600 \
+		--http-listen $(HTTP_LISTEN)
 
 lint: $(STAMP)
 	$(BIN)/python protos/generate.py --check

@@ -1,6 +1,7 @@
 """`h3d`: the daemon, one-off generation and model conversion.
 
     h3d serve [--config h3d.toml] [--model DIR] [--data-dir DIR] [--socket PATH] [--listen HOST:PORT]
+              [--http-listen HOST:PORT]
               [every configuration key as --kebab-case-flag]
 
     h3d generate --model DIR (--prompt TEXT | --prompt-file PATH) [--max-tokens N] [--temperature T]

@@ -299,7 +299,19 @@ DAEMON: tuple[Key, ...] = (
         "requires TLS or `auth_token_file`",
         default="off",
     ),
-    Key("tls_cert_file", "PEM certificate: serve TCP with TLS (give `tls_key_file` with it)", default="off"),
+    Key(
+        "http_listen",
+        "`HOST:PORT` of the OpenAI-compatible HTTP API (`/v1/chat/completions`, `/v1/completions`, "
+        "`/v1/responses`, `/v1/models`; port 0 picks one: the `listening` log event says which). Same bearer "
+        "tokens, limits and rule as `listen`: beyond loopback it requires TLS (the same `tls_cert_file`) or "
+        "`auth_token_file`",
+        default="off",
+    ),
+    Key(
+        "tls_cert_file",
+        "PEM certificate: serve TCP (gRPC and HTTP) with TLS (give `tls_key_file` with it)",
+        default="off",
+    ),
     Key("tls_key_file", "PEM private key of `tls_cert_file`", default="off"),
     Key(
         "auth_token_file",
@@ -322,10 +334,15 @@ DAEMON: tuple[Key, ...] = (
     ),
     Key(
         "max_pending_requests",
-        "AppendContext + Generate streams admitted at once; beyond, RESOURCE_EXHAUSTED with a `retry-after-ms` trailer",
+        "AppendContext + Generate streams and HTTP generations admitted at once; beyond, RESOURCE_EXHAUSTED with a "
+        "`retry-after-ms` trailer (HTTP: 429 with `Retry-After`)",
     ),
     Key("max_tokens_limit", "largest `max_tokens` a request may ask"),
-    Key("max_message_bytes", "largest gRPC message either way; larger requests get RESOURCE_EXHAUSTED"),
+    Key(
+        "max_message_bytes",
+        "largest gRPC message either way, and largest HTTP request body; larger requests get RESOURCE_EXHAUSTED "
+        "(HTTP 413)",
+    ),
     Key("retry_after_ms", "the retry hint sent with RESOURCE_EXHAUSTED"),
     Key(
         "session_ttl_s",

@@ -4,6 +4,7 @@
         stub = d.h3()                       # generated stubs over the Unix socket
         d.tcp_address                       # "127.0.0.1:PORT" (port 0 was asked for)
         d.ctl("session", "list")            # h3ctl against this daemon (CompletedProcess)
+        d.http_url                          # "http://127.0.0.1:PORT/v1" with extra=["--http-listen", "127.0.0.1:0"]
     # leaving the block sends SIGTERM and asserts the daemon exited 0
 
 The daemon's stdout (JSON log lines) is collected in `d.logs`, parsed.
@@ -37,9 +38,15 @@ class RunningDaemon:
     socket: Path
     tcp_address: str | None
     data_dir: Path
+    http_address: str | None = None  # "127.0.0.1:PORT" with --http-listen
     logs: list[dict[str, Any]] = field(default_factory=list)
     raw: list[str] = field(default_factory=list)
     _channels: list[grpc.Channel] = field(default_factory=list)
+
+    @property
+    def http_url(self) -> str:
+        assert self.http_address is not None, "start the daemon with --http-listen"
+        return f"http://{self.http_address}/v1"
 
     def channel(self, tcp: bool = False) -> grpc.Channel:
         target = self.tcp_address if tcp else f"unix:{self.socket}"
@@ -107,6 +114,7 @@ def running_daemon(
             d.logs.append(event)
             if event.get("event") == "listening":
                 d.tcp_address = event.get("address")
+                d.http_address = event.get("http_address")
                 ready.set()
         ready.set()  # the process ended
 

@@ -1,7 +1,7 @@
 """Load test of the daemon over loopback: many clients, streaming Generate, latency and leaks.
 
     python -m h3d.bench.load --model DIR [--tiny] [--clients 64] [--requests 20] [--max-tokens 16]
-        [--time-limit-s 900] [--write docs/BENCHMARKS.md] [--json FILE]
+        [--api grpc|http|both] [--time-limit-s 900] [--write docs/BENCHMARKS.md] [--json FILE]
 
 Starts `h3d serve` on a temporary data dir (Unix socket), runs a warm-up round, reads the daemon's
 RSS, then `--clients` concurrent clients (one grpc.aio channel and session each) send
@@ -16,6 +16,11 @@ requests in flight together, one step loop. `grpc overhead per token` is the dif
 wall times per generated token, daemon minus engine, measured side by side in this one run.
 Both sides count their engine steps (the daemon's GetStats `steps_total`): tokens per step is how
 full the steps were, wall per step what each cost.
+`--api http` runs the same load through the daemon's OpenAI API instead (`--http-listen`): each
+client (one aiohttp session) sends streaming `POST /v1/completions` requests (the same prompts,
+`ignore_eos`), each on a session the daemon makes and deletes for it. `--api both` runs the gRPC
+round, then the HTTP round, on one daemon, against one in-process baseline: the two paths' per
+token overheads side by side, and their ratio.
 `--tiny` runs on the first two layers of the model (same tokenizer and widths), which makes the
 model cheap so that the daemon's own cost shows. Loopback only; the clients share the host's
 cores with the daemon, so the figures are upper bounds on the daemon's cost.
@@ -34,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -131,13 +137,57 @@ async def _client(sock: str, n: int, idx: int, max_tokens: int, ttft: list[float
     return tokens
 
 
+async def _http_client(
+    url: str, model: str, n: int, idx: int, max_tokens: int, ttft: list[float], gaps: list[float]
+) -> int:
+    """A client of the OpenAI API: streaming completions, one after another (one HTTP session)."""
+    import aiohttp
+
+    tokens = 0
+    async with aiohttp.ClientSession() as http:
+        for r in range(n):
+            prompt = f"{PROMPTS[(idx + r) % len(PROMPTS)]} (client {idx}, request {r})"
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            t0 = last = time.perf_counter()
+            first = True
+            async with http.post(f"{url}/completions", json=body) as resp:
+                if resp.status != 200:
+                    raise SystemExit(f"HTTP {resp.status}: {await resp.text()}")
+                async for line in resp.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"] and chunk["choices"][0]["finish_reason"] is None:
+                        now = time.perf_counter()
+                        (ttft if first else gaps).append(now - (t0 if first else last))
+                        first, last = False, now
+                    elif chunk.get("usage"):
+                        tokens += chunk["usage"]["completion_tokens"]
+    return tokens
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the clients go: the daemon's socket (gRPC) or its OpenAI API (`url`, `model`)."""
+
+    api: str
+    sock: str
+    url: str = ""
+    model: str = ""
+
+
 async def _round(
-    sock: str, clients: int, requests: int, max_tokens: int
+    target: Target, clients: int, requests: int, max_tokens: int
 ) -> tuple[float, int, list[float], list[float]]:
     ttft: list[float] = []
     gaps: list[float] = []
     t0 = time.perf_counter()
-    counts = await asyncio.gather(*(_client(sock, requests, i, max_tokens, ttft, gaps) for i in range(clients)))
+    if target.api == "grpc":
+        runs = [_client(target.sock, requests, i, max_tokens, ttft, gaps) for i in range(clients)]
+    else:
+        runs = [_http_client(target.url, target.model, requests, i, max_tokens, ttft, gaps) for i in range(clients)]
+    counts = await asyncio.gather(*runs)
     return time.perf_counter() - t0, sum(counts), ttft, gaps
 
 
@@ -190,15 +240,42 @@ def _batches(engine: Engine, clients: int, requests: int, params: SamplingParams
     return tokens
 
 
+@dataclass
+class Measured:
+    """One API's round against the daemon."""
+
+    api: str
+    wall: float
+    tokens: int
+    ttft: list[float]
+    gaps: list[float]
+    steps: int
+    cpu_daemon: float
+    cpu_client: float
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run(args: argparse.Namespace) -> tuple[str, dict[str, object]]:
     model = Path(args.model)
     work = Path(tempfile.mkdtemp(prefix="h3d-load-"))
     if args.tiny:
         model = tiny_model(model, work / "tiny")
     sock = str(work / "h3d.sock")
+    apis = ["grpc", "http"] if args.api == "both" else [args.api]
+    port = free_port()
     cmd = [sys.executable, "-m", "h3d.cli", "serve", "--model", str(model), "--data-dir", str(work / "data"),
            "--socket", sock, "--log-level", "warning", "--max-pending-requests", str(4 * args.clients)]  # fmt: skip
+    if "http" in apis:
+        cmd += ["--http-listen", f"127.0.0.1:{port}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    runs: list[Measured] = []
     try:
         deadline = time.monotonic() + 300
         while not Path(sock).exists():
@@ -206,17 +283,21 @@ def run(args: argparse.Namespace) -> tuple[str, dict[str, object]]:
                 raise SystemExit(f"h3d serve did not start: {proc.stderr.read() if proc.stderr else ''}")
             time.sleep(0.2)
         time.sleep(0.5)
-        asyncio.run(_round(sock, args.clients, 2, args.max_tokens))  # warm-up
         config = engine_config(daemon_config(sock), work / "inproc")
-        rss_warm = rss_mb(proc.pid)
-        cpu_daemon0, cpu_client0 = cpu_s(proc.pid), time.process_time()
-        steps0 = daemon_steps(sock)
-        print(f"warm-up done, daemon RSS {rss_warm:.0f} MiB; running {args.clients} x {args.requests}", flush=True)
-        wall, tokens, ttft, gaps = asyncio.run(
-            asyncio.wait_for(_round(sock, args.clients, args.requests, args.max_tokens), args.time_limit_s)
-        )
-        cpu_daemon, cpu_client = cpu_s(proc.pid) - cpu_daemon0, time.process_time() - cpu_client0
-        steps = daemon_steps(sock) - steps0
+        rss_warm = 0.0
+        for api in apis:
+            target = Target(api, sock, f"http://127.0.0.1:{port}/v1", model.name)
+            asyncio.run(_round(target, args.clients, 2, args.max_tokens))  # warm-up
+            rss_warm = rss_warm or rss_mb(proc.pid)
+            cpu_daemon0, cpu_client0 = cpu_s(proc.pid), time.process_time()
+            steps0 = daemon_steps(sock)
+            print(f"{api}: warm-up done, daemon RSS {rss_mb(proc.pid):.0f} MiB; running {args.clients} x "
+                  f"{args.requests}", flush=True)  # fmt: skip
+            wall, tokens, ttft, gaps = asyncio.run(
+                asyncio.wait_for(_round(target, args.clients, args.requests, args.max_tokens), args.time_limit_s)
+            )
+            cpu_daemon, cpu_client = cpu_s(proc.pid) - cpu_daemon0, time.process_time() - cpu_client0
+            runs.append(Measured(api, wall, tokens, ttft, gaps, daemon_steps(sock) - steps0, cpu_daemon, cpu_client))
         time.sleep(2)
         rss_after = rss_mb(proc.pid)
     finally:
@@ -226,45 +307,61 @@ def run(args: argparse.Namespace) -> tuple[str, dict[str, object]]:
     base_wall, base_tokens, base_steps = in_process(config, args.clients, args.requests, args.max_tokens)
     shutil.rmtree(work, ignore_errors=True)
     ms = lambda xs, q: float(np.percentile(xs, q) * 1e3)  # noqa: E731
-    overhead_ms = (wall / tokens - base_wall / base_tokens) * 1e3
-    rows = [
-        ("requests (clients x requests)", f"{args.clients} x {args.requests} = {args.clients * args.requests}"),
-        ("tokens generated (daemon / in-process)", f"{tokens} / {base_tokens}"),
-        ("time to first token p50 / p99 (ms)", f"{ms(ttft, 50):.1f} / {ms(ttft, 99):.1f}"),
-        ("inter-token latency p50 / p99 (ms)", f"{ms(gaps, 50):.1f} / {ms(gaps, 99):.1f}"),
-        ("wall per token, daemon (ms)", f"{wall / tokens * 1e3:.3f}"),
-        ("wall per token, in-process engine (ms)", f"{base_wall / base_tokens * 1e3:.3f}"),
-        ("gRPC overhead per token (ms)", f"{overhead_ms:.3f}"),
-        ("engine steps (daemon / in-process)", f"{steps} / {base_steps}"),
-        ("tokens per step (daemon / in-process)", f"{tokens / steps:.1f} / {base_tokens / base_steps:.1f}"),
-        ("wall per step, daemon / in-process (ms)", f"{wall / steps * 1e3:.2f} / {base_wall / base_steps * 1e3:.2f}"),
-        ("throughput, daemon (tokens/s)", f"{tokens / wall:.1f}"),
-        ("CPU seconds during the run: daemon / clients (wall s)", f"{cpu_daemon:.0f} / {cpu_client:.0f} ({wall:.0f})"),
-        ("daemon RSS after warm-up / after the run (MiB)",
-         f"{rss_warm:.0f} / {rss_after:.0f} ({(rss_after / rss_warm - 1) * 100:+.1f} %)"),
-    ]  # fmt: skip
-    table = "\n".join(["| figure | value |", "|---|---:|", *[f"| {k} | {v} |" for k, v in rows]])
+    base_ms = base_wall / base_tokens * 1e3
+    rows: list[tuple[str, str]] = [
+        ("requests per API (clients x requests)", f"{args.clients} x {args.requests} = {args.clients * args.requests}"),
+        ("wall per token, in-process engine (ms)", f"{base_ms:.3f}"),
+        ("engine steps, in-process / tokens per step", f"{base_steps} / {base_tokens / base_steps:.1f}"),
+    ]
     figures: dict[str, object] = {
         "date": dt.date.today().isoformat(),
         "model": "tiny (first 2 layers of the embedded model)" if args.tiny else Path(args.model).name,
         "clients": args.clients,
         "requests": args.clients * args.requests,
         "max_tokens": args.max_tokens,
-        "tokens": tokens,
-        "daemon_ms_per_token": round(wall / tokens * 1e3, 4),
-        "inprocess_ms_per_token": round(base_wall / base_tokens * 1e3, 4),
-        "daemon_tokens_per_s": round(tokens / wall, 2),
+        "inprocess_ms_per_token": round(base_ms, 4),
         "inprocess_tokens_per_s": round(base_tokens / base_wall, 2),
-        "daemon_steps": steps,
         "inprocess_steps": base_steps,
-        "ttft_ms_p50": round(ms(ttft, 50), 2),
-        "ttft_ms_p99": round(ms(ttft, 99), 2),
-        "itl_ms_p50": round(ms(gaps, 50), 2),
-        "itl_ms_p99": round(ms(gaps, 99), 2),
-        "daemon_cpu_s": round(cpu_daemon, 1),
         "rss_mb_warm": round(rss_warm),
         "rss_mb_after": round(rss_after),
     }
+    overhead: dict[str, float] = {}
+    for m in runs:
+        name = "gRPC" if m.api == "grpc" else "HTTP (OpenAI API)"
+        per = m.wall / m.tokens * 1e3
+        overhead[m.api] = per - base_ms
+        rows += [
+            (f"{name}: tokens generated (daemon / in-process)", f"{m.tokens} / {base_tokens}"),
+            (f"{name}: time to first token p50 / p99 (ms)", f"{ms(m.ttft, 50):.1f} / {ms(m.ttft, 99):.1f}"),
+            (f"{name}: inter-token latency p50 / p99 (ms)", f"{ms(m.gaps, 50):.1f} / {ms(m.gaps, 99):.1f}"),
+            (f"{name}: wall per token, daemon (ms)", f"{per:.3f}"),
+            (f"{name}: overhead per token, daemon - in-process (ms)", f"{overhead[m.api]:.3f}"),
+            (f"{name}: engine steps / tokens per step", f"{m.steps} / {m.tokens / m.steps:.1f}"),
+            (f"{name}: throughput (tokens/s)", f"{m.tokens / m.wall:.1f}"),
+            (f"{name}: CPU seconds, daemon / clients (wall s)",
+             f"{m.cpu_daemon:.0f} / {m.cpu_client:.0f} ({m.wall:.0f})"),
+        ]  # fmt: skip
+        prefix = "" if m.api == "grpc" else "http_"
+        figures |= {
+            f"{prefix}tokens": m.tokens,
+            f"{prefix}daemon_ms_per_token": round(per, 4),
+            f"{prefix}overhead_ms_per_token": round(overhead[m.api], 4),
+            f"{prefix}daemon_tokens_per_s": round(m.tokens / m.wall, 2),
+            f"{prefix}daemon_steps": m.steps,
+            f"{prefix}ttft_ms_p50": round(ms(m.ttft, 50), 2),
+            f"{prefix}ttft_ms_p99": round(ms(m.ttft, 99), 2),
+            f"{prefix}itl_ms_p50": round(ms(m.gaps, 50), 2),
+            f"{prefix}itl_ms_p99": round(ms(m.gaps, 99), 2),
+            f"{prefix}daemon_cpu_s": round(m.cpu_daemon, 1),
+            f"{prefix}client_cpu_s": round(m.cpu_client, 1),
+        }
+    if len(overhead) == 2:
+        ratio = overhead["http"] / overhead["grpc"] if overhead["grpc"] > 0 else float("nan")
+        rows.append(("HTTP overhead / gRPC overhead per token", f"{ratio:.2f}"))
+        figures["http_over_grpc_overhead"] = round(ratio, 3)
+    rows.append(("daemon RSS after warm-up / after the run (MiB)",
+                 f"{rss_warm:.0f} / {rss_after:.0f} ({(rss_after / rss_warm - 1) * 100:+.1f} %)"))  # fmt: skip
+    table = "\n".join(["| figure | value |", "|---|---:|", *[f"| {k} | {v} |" for k, v in rows]])
     return table, figures
 
 
@@ -275,6 +372,10 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--api", choices=("grpc", "http", "both"), default="grpc",
+        help="the clients' API: gRPC Generate, the OpenAI API's streaming completions, or both side by side",
+    )  # fmt: skip
     parser.add_argument("--time-limit-s", type=float, default=900)
     parser.add_argument("--write", default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file as well")
@@ -289,9 +390,10 @@ def main() -> None:
         meta = (
             f"Measured {dt.date.today().isoformat()} on the 2-core CPU host (clients and daemon share it), {name}, "
             f"{os.cpu_count()} CPUs.\n\nCommand: `python -m h3d.bench.load --model MODEL{' --tiny' * args.tiny} "
-            f"--clients {args.clients} --requests {args.requests} --max-tokens {args.max_tokens}`"
+            f"--clients {args.clients} --requests {args.requests} --max-tokens {args.max_tokens} --api {args.api}`"
         )
-        write_section(Path(args.write), f"{meta}\n\n{table}", "load-tiny" if args.tiny else "load")
+        marker = ("load-tiny" if args.tiny else "load") + ("-http" if args.api != "grpc" else "")
+        write_section(Path(args.write), f"{meta}\n\n{table}", marker)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ class DaemonConfig:
     socket: str | None = None  # default: <data_dir>/h3d.sock
     socket_mode: str = "0660"
     listen: str | None = None  # "HOST:PORT" for TCP; port 0 picks a free one
+    http_listen: str | None = None  # "HOST:PORT" of the OpenAI-compatible HTTP API; off by default
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     auth_token_file: str | None = None  # one bearer token per line; all are clients
@@ -93,12 +94,15 @@ class DaemonConfig:
             path = getattr(self, key)
             if path is not None and not read_tokens(path):
                 raise ConfigError(f"{key}: {path} holds no token")
-        if self.listen is not None:
-            host, _ = split_address("listen", self.listen)
+        for key in ("listen", "http_listen"):
+            address = getattr(self, key)
+            if address is None:
+                continue
+            host, _ = split_address(key, address)
             if not is_loopback(host) and self.tls_cert_file is None and self.auth_token_file is None:
                 raise ConfigError(
-                    f"listen: {self.listen} is reachable beyond this host; configure tls_cert_file/tls_key_file "
-                    "or auth_token_file (or listen on 127.0.0.1)"
+                    f"{key}: {address} is reachable beyond this host; configure tls_cert_file/tls_key_file "
+                    f"or auth_token_file (or {key} on 127.0.0.1)"
                 )
         if self.metrics_listen is not None:
             split_address("metrics_listen", self.metrics_listen)

@@ -1,4 +1,5 @@
-"""Prometheus metrics: a text-format endpoint (`GET /metrics` on `metrics_listen`), no client library.
+"""Prometheus metrics: a text-format endpoint (`GET /metrics` on `metrics_listen`, served by aiohttp),
+rendered here (no client library: the figures come from one `Stats` snapshot).
 
 Every name starts with `h3d_`. The daemon's own counters and histograms (RPCs, time to first
 token, time between tokens) live here; the engine's figures (tiers, HBF, throughput) are read
@@ -8,14 +9,15 @@ docs/OPERATIONS.md lists them; docs/grafana-dashboard.json plots them.
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 
 import structlog
+from aiohttp import web
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
+from h3d.errors import ConfigError
 
 log = structlog.get_logger("h3d.metrics")
 
@@ -46,14 +48,15 @@ class Histogram:
 
 class Metrics:
     def __init__(self) -> None:
-        self.rpcs: dict[tuple[str, str], int] = defaultdict(int)
-        self.rpc_seconds: dict[str, Histogram] = defaultdict(lambda: Histogram(LATENCY_BUCKETS))
+        self.rpcs: dict[tuple[str, str, str], int] = defaultdict(int)  # (api, method, code)
+        self.rpc_seconds: dict[tuple[str, str], Histogram] = defaultdict(lambda: Histogram(LATENCY_BUCKETS))
         self.ttft = Histogram(LATENCY_BUCKETS)
         self.inter_token = Histogram(LATENCY_BUCKETS)
 
-    def rpc(self, method: str, code: str, seconds: float) -> None:
-        self.rpcs[(method, code)] += 1
-        self.rpc_seconds[method].observe(seconds)
+    def rpc(self, method: str, code: str, seconds: float, api: str = "grpc") -> None:
+        """A call answered: `api` "grpc" (code: the status's name) or "http" (code: the HTTP status)."""
+        self.rpcs[(api, method, code)] += 1
+        self.rpc_seconds[(api, method)].observe(seconds)
 
     def token(self, gap_s: float, first: bool) -> None:
         (self.ttft if first else self.inter_token).observe(gap_s)
@@ -131,43 +134,59 @@ class Metrics:
         metric("h3d_graph_replays_total", "counter", "Decode steps replayed through a graph.", gr.replays_total)
         metric("h3d_graph_eager_steps_total", "counter", "Decode steps run eagerly while their graph waited.",
                gr.eager_steps_total)  # fmt: skip
-        lines += ["# HELP h3d_rpc_total RPCs answered, by method and status code.", "# TYPE h3d_rpc_total counter"]
-        lines += [f'h3d_rpc_total{{method="{m}",code="{c}"}} {n}' for (m, c), n in sorted(self.rpcs.items())]
-        lines += ["# HELP h3d_rpc_duration_seconds RPC handling time.", "# TYPE h3d_rpc_duration_seconds histogram"]
-        for method, hist in sorted(self.rpc_seconds.items()):
-            lines += hist.lines("h3d_rpc_duration_seconds", f'method="{method}"')
-        lines += ["# HELP h3d_ttft_seconds Generate: request to first token.", "# TYPE h3d_ttft_seconds histogram"]
+        lines += [
+            "# HELP h3d_rpc_total Calls answered, by API (grpc, http), method and status code.",
+            "# TYPE h3d_rpc_total counter",
+        ]
+        lines += [
+            f'h3d_rpc_total{{api="{a}",method="{m}",code="{c}"}} {n}' for (a, m, c), n in sorted(self.rpcs.items())
+        ]
+        lines += ["# HELP h3d_rpc_duration_seconds Call handling time.", "# TYPE h3d_rpc_duration_seconds histogram"]
+        for (api, method), hist in sorted(self.rpc_seconds.items()):
+            lines += hist.lines("h3d_rpc_duration_seconds", f'api="{api}",method="{method}"')
+        lines += [
+            "# HELP h3d_ttft_seconds Generate and the HTTP API: request to first token.",
+            "# TYPE h3d_ttft_seconds histogram",
+        ]
         lines += self.ttft.lines("h3d_ttft_seconds")
         lines += [
-            "# HELP h3d_inter_token_seconds Generate: time between tokens of a stream.",
+            "# HELP h3d_inter_token_seconds Generate and the HTTP API: time between tokens of a stream.",
             "# TYPE h3d_inter_token_seconds histogram",
         ]
         lines += self.inter_token.lines("h3d_inter_token_seconds")
         return "\n".join(lines) + "\n"
 
 
-async def serve_metrics(host: str, port: int, snapshot: Callable[[], Awaitable[str]]) -> asyncio.AbstractServer:
-    """A minimal HTTP/1.1 server: GET /metrics answers `snapshot()`, anything else 404."""
+class MetricsServer:
+    """`GET /metrics` on `metrics_listen` (aiohttp, in the daemon's loop); anything else is 404."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, snapshot: Callable[[], Awaitable[str]]) -> None:
+        self.snapshot = snapshot
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Serve on HOST:PORT (0 picks one); returns the bound port."""
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
-            method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
-            if method == "GET" and path.split("?")[0] == "/metrics":
-                body, status, kind = (await snapshot()).encode(), "200 OK", "text/plain; version=0.0.4"
-            else:
-                body, status, kind = b"not found: try /metrics\n", "404 Not Found", "text/plain"
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
-                "Connection: close\r\n\r\n".encode()
-                + body
-            )
-            await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, ConnectionError):
-            pass
+            await web.TCPSite(runner, host, port, reuse_address=True).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise ConfigError(f"metrics_listen: cannot bind {host}:{port}: {exc.strerror or exc}") from exc
+        self._runner = runner
+        return int(runner.addresses[0][1])
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        try:
+            text = await self.snapshot()
         except Exception:
             log.exception("metrics_request_failed")
-        finally:
-            writer.close()
+            raise web.HTTPServiceUnavailable(text="metrics unavailable; the daemon's log says why\n") from None
+        return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
-    return await asyncio.start_server(handle, host, port)
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

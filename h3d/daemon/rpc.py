@@ -205,4 +205,4 @@ def _record(state: State, name: str, rid: int, request: Any, code: grpc.StatusCo
     level = log.info if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED) else log.warning
     if name in ("GetStats", "GetSession", "ListSessions", "GetConfig") and code == grpc.StatusCode.OK:
         level = log.debug
-    level("rpc", method=name, request_id=rid, session_id=session_id, code=code.name, ms=round(ms, 2))
+    level("rpc", api="grpc", method=name, request_id=rid, session_id=session_id, code=code.name, ms=round(ms, 2))

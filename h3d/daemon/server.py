@@ -1,7 +1,8 @@
 """`h3d serve`: the daemon's lifecycle around one engine.
 
 start: logs -> engine (model load, in a thread) -> worker thread -> gRPC on the Unix socket
-       (mode `socket_mode`) and optional TCP -> health SERVING -> READY=1 (systemd)
+       (mode `socket_mode`) and optional TCP -> the OpenAI HTTP API (`http_listen`, optional)
+       -> health SERVING -> READY=1 (systemd)
 run:   every `stats_interval_s` a `tier_stats` log event; WATCHDOG=1 at half the watchdog
        period; SIGHUP reloads the keys in `config.RELOADABLE`
 stop:  SIGTERM/SIGINT -> STOPPING=1, health NOT_SERVING, new work refused (UNAVAILABLE);
@@ -34,7 +35,7 @@ from h3d.daemon.admin import H3AdminServicer
 from h3d.daemon.auth import LOCAL, Auth
 from h3d.daemon.config import RELOADABLE, DaemonConfig, load, split_address
 from h3d.daemon.convert import expire_pin, stats_pb
-from h3d.daemon.metrics import Metrics, serve_metrics
+from h3d.daemon.metrics import Metrics, MetricsServer
 from h3d.daemon.notify import Notifier
 from h3d.daemon.rpc import State, handlers
 from h3d.daemon.service import H3Servicer
@@ -109,13 +110,23 @@ class Daemon:
         addresses = self._bind(server)
         await server.start()
         self._publish_socket()
+        http = None
+        if cfg.http_listen is not None:
+            from h3d.daemon.http.server import HttpApi, model_name  # aiohttp loads only where the API is on
+
+            http = HttpApi(self.state, model_name(cfg.engine.model))
+            stored = http.responses.index.load(engine)
+            tls = (cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file and cfg.tls_key_file else None
+            addresses["http_address"] = await http.start(cfg.http_listen, tls)
+            if stored:
+                log.info("responses_restored", responses=stored)
         for service in ("", *SERVICES):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         metrics_server = None
         if cfg.metrics_listen is not None:
             host, port = split_address("metrics_listen", cfg.metrics_listen)
-            metrics_server = await serve_metrics(host, port, self._scrape)
-            bound = metrics_server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+            metrics_server = MetricsServer(self._scrape)
+            bound = await metrics_server.start(host, port)
             log.info("metrics_listening", address=f"{host}:{bound}")
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_requested.set)
@@ -133,11 +144,13 @@ class Daemon:
         self.notifier.send(STOPPING="1", STATUS="draining")
         log.info("draining", in_flight=self.state.in_flight, timeout_s=cfg.drain_timeout_s)
         finished, cancelled = await self.drain(cfg.drain_timeout_s)
+        if http is not None:
+            await http.stop()
         await server.stop(grace=5)
         for task in self._tasks:
             task.cancel()
         if metrics_server is not None:
-            metrics_server.close()
+            await metrics_server.close()
         await asyncio.to_thread(self.worker.stop, 30)
         self.worker.collector.stop()
         t0 = time.perf_counter()

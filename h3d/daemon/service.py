@@ -9,9 +9,8 @@ whenever it ends before the request did.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import math
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,18 +18,11 @@ from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.config import POLICIES
 from h3d.daemon.auth import Caller
 from h3d.daemon.convert import check_token_ids, sampling_from, session_pb, stats_pb
+from h3d.daemon.generation import stream_generation
 from h3d.daemon.rpc import State
 from h3d.daemon.worker import Finished
 from h3d.engine.engine import Engine
-from h3d.engine.session import (
-    AppendDone,
-    Event,
-    PrefillProgress,
-    RequestFailed,
-    Session,
-    SessionId,
-    TokenDelta,
-)
+from h3d.engine.session import AppendDone, PrefillProgress, RequestFailed, Session, SessionId
 from h3d.errors import InvalidRequest, SessionBusy, clip
 
 MAX_PAGE = 1000
@@ -152,60 +144,30 @@ class H3Servicer:
             raise InvalidRequest("give prompt or prompt_token_ids, not both")
         ids = list(request.prompt_token_ids)
         limit = self.s.config.max_tokens_limit
-        started = time.perf_counter()  # TTFT counts the prompt's prefill too
-        with self.s.slot():
 
-            def submit(engine: Engine) -> Any:
-                params = sampling_from(engine.session(sid).sampling, request.sampling, limit)
-                return engine.submit(sid, generate=True, params=params)
+        def submit(engine: Engine) -> Any:
+            params = sampling_from(engine.session(sid).sampling, request.sampling, limit)
+            return engine.submit(sid, generate=True, params=params)
 
-            if request.prompt or ids:
-                # As `Engine.generate`: append the prompt first, so that (append T; generate) and
-                # (generate T) feed the same tokens in the same chunks. The generation is chained
-                # to the append: submitted on the engine thread at the step that ends it.
-                def append(engine: Engine) -> Any:
-                    session = engine.session(sid)
-                    if session.busy:
-                        raise SessionBusy(f"session {sid} already has a request in flight")
-                    sampling_from(session.sampling, request.sampling, limit)  # refuse before appending
-                    check_token_ids(engine, ids, "prompt_token_ids")
-                    return engine.submit(sid, text=request.prompt or None, token_ids=ids or None, generate=False)
+        append = None
+        if request.prompt or ids:
+            # As `Engine.generate`: append the prompt first, so that (append T; generate) and
+            # (generate T) feed the same tokens in the same chunks. The generation is chained
+            # to the append: submitted on the engine thread at the step that ends it.
+            def append(engine: Engine) -> Any:
+                session = engine.session(sid)
+                if session.busy:
+                    raise SessionBusy(f"session {sid} already has a request in flight")
+                sampling_from(session.sampling, request.sampling, limit)  # refuse before appending
+                check_token_ids(engine, ids, "prompt_token_ids")
+                return engine.submit(sid, text=request.prompt or None, token_ids=ids or None, generate=False)
 
-                rid, events = await self.s.worker.start_request(append, then=submit)
-            else:
-                rid, events = await self.s.worker.start_request(submit)
-            finished = False
-            first: float | None = None
-            last = started
-            carry: Event | Finished | None = None
-            try:
-                while True:
-                    event, carry = (carry if carry is not None else await events.get()), None
-                    if isinstance(event, TokenDelta):
-                        # Every token already queued goes out in this message (the loop fell behind
-                        # the engine: one message, not one per token); what ends the stream waits.
-                        delta, n, carry = coalesce(event, events)
-                        now = time.perf_counter()
-                        for i in range(n):  # the first after its gap, the others with it
-                            gap = now - last if i == 0 else 0.0
-                            self.s.metrics.token(gap, first=first is None)
-                            if first is not None:
-                                self.s.token_gap(sid, gap)
-                            first = first or now
-                        last = now
-                        yield pb.GenerateResponse(delta=delta)
-                    elif isinstance(event, Finished):
-                        finished = True
-                        event.summary.ttft_s = (first or time.perf_counter()) - started
-                        yield pb.GenerateResponse(done=event.summary)
-                        return
-                    elif isinstance(event, RequestFailed):
-                        finished = True
-                        raise event.error
-                    # AppendDone: the prompt is in; its generation follows on the same queue
-            finally:
-                if not finished:
-                    self.s.worker.cancel(rid)
+        async with contextlib.aclosing(stream_generation(self.s, sid, submit, append)) as stream:
+            async for item in stream:
+                if isinstance(item, Finished):
+                    yield pb.GenerateResponse(done=item.summary)
+                else:
+                    yield pb.GenerateResponse(delta=item)
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Any, caller: Caller) -> pb.Stats:
         if request.session_id:
@@ -213,21 +175,6 @@ class H3Servicer:
         else:
             ids = [sid for sid, owner in self.s.owners.items() if owner == caller.owner or caller.admin]
         return await self.s.worker.call(lambda e: stats_pb(self.s, e, ids))
-
-
-def coalesce(
-    first: TokenDelta, events: asyncio.Queue[Event | Finished]
-) -> tuple[pb.TokenDelta, int, Event | Finished | None]:
-    """`first` and the deltas queued behind it as one message: (the message, its tokens, the
-    event that stopped the draining, if one did: the caller handles it next)."""
-    texts, ids = [first.text], [first.token_id]
-    while not events.empty():
-        event = events.get_nowait()
-        if not isinstance(event, TokenDelta):
-            return pb.TokenDelta(text="".join(texts), token_ids=ids), len(ids), event
-        texts.append(event.text)
-        ids.append(event.token_id)
-    return pb.TokenDelta(text="".join(texts), token_ids=ids), len(ids), None
 
 
 def _age(session: Session) -> tuple[float, str]:

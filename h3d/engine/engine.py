@@ -249,6 +249,15 @@ class Engine:
         self.kv.pin(session.seq, until)
         self._save_meta(session)
 
+    def set_extra(self, session_id: SessionId, key: str, value: object) -> None:
+        """Keep `value` (JSON) under `key` in the session's `extra`, in its log (None: drop the key)."""
+        session = self.session(session_id)
+        if value is None:
+            session.extra.pop(key, None)
+        else:
+            session.extra[key] = value
+        self._save_meta(session)
+
     def rewind(self, session_id: SessionId, num_tokens: int) -> None:
         """Cut the session's context back to its first `num_tokens` tokens (and its KV with it).
 

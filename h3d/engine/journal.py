@@ -42,6 +42,7 @@ def session_meta(session: Session, kv: KVCache) -> dict[str, object]:
         "chat": session.chat is not None,
         "sampling": sampling,
         "hbf": state_to_meta(kv.selection(session.seq)),
+        "extra": session.extra,
     }
 
 
@@ -93,6 +94,7 @@ def restore_sessions(
             created_at=float(meta.get("created_at", time.time())),
             owner=str(meta.get("owner", "")),
             closed=bool(meta.get("closed", False)),
+            extra=dict(meta.get("extra") or {}),
         )
         session.last_used_at = float(meta.get("last_used_at", session.created_at))
         if meta.get("chat"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import Any, NewType
 
 import torch
 
@@ -47,6 +47,9 @@ class Session:
     owner: str = ""  # who may use it (the daemon's token hash); kept in the token log
     closed: bool = False  # closed (not purged): its KV is in the archive only; its next request reopens it
     chat: Conversation | None = None  # a chat session: what is appended are messages (h3d.engine.chat)
+    # What a front end keeps with the session, in its log (JSON values): the OpenAI API's stored
+    # responses (h3d.daemon.http.responses). The engine only keeps it.
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

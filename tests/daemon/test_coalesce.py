@@ -1,5 +1,5 @@
 """A Generate stream sends every token already queued in one message when the event loop falls
-behind the engine (h3d.daemon.service.coalesce): the same text and ids as one message per token,
+behind the engine (h3d.daemon.generation.coalesce): the same text and ids as one message per token,
 and the event that ends the stream still comes after them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from h3d.daemon.service import coalesce
+from h3d.daemon.generation import coalesce
 from h3d.engine.session import FinishReason, GenerationDone, RequestId, SessionId, TokenDelta
 
 RID, SID = RequestId(1), SessionId("0" * 32)

@@ -1256,13 +1256,13 @@ def test_metrics_and_log_events(main_daemon: RunningDaemon) -> None:
     # The handler records its RPC after the stream's last message: poll.
     def recorded() -> str | None:
         text = scrape()
-        return text if 'h3d_rpc_total{method="Generate",code="OK"}' in text else None
+        return text if 'h3d_rpc_total{api="grpc",method="Generate",code="OK"}' in text else None
 
     text = wait_for(recorded, what="the Generate in h3d_rpc_total")
     assert 0.0 <= _metric(text, "h3d_hbm_hit_rate") <= 1.0
     assert _metric(text, "h3d_ddr_evict_total") >= 0
     assert _metric(text, "h3d_generated_tokens_total") >= 8
-    assert _metric(text, 'h3d_rpc_total{method="Generate",code="OK"}') >= 1
+    assert _metric(text, 'h3d_rpc_total{api="grpc",method="Generate",code="OK"}') >= 1
     assert _metric(text, "h3d_sessions") >= 1
     assert _metric(text, "h3d_ttft_seconds_count") >= 1
     stats = h3.GetStats(pb.GetStatsRequest(), timeout=T)

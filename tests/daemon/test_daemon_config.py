@@ -80,6 +80,21 @@ def test_tcp_beyond_loopback_needs_tls_or_a_token(tmp_path: Path) -> None:
         load(None, {"model": "m", "data_dir": str(tmp_path), "auth_token_file": str(empty)})
 
 
+@pytest.mark.parametrize("key", ["listen", "http_listen"])
+def test_both_listeners_follow_one_rule_beyond_loopback(tmp_path: Path, key: str) -> None:
+    base = {"model": "m", "data_dir": str(tmp_path)}
+    with pytest.raises(ConfigError, match=rf"^{key}: 0.0.0.0:8000 is reachable beyond this host"):
+        load(None, {**base, key: "0.0.0.0:8000"})
+    assert getattr(load(None, {**base, key: "[::1]:0"}), key) == "[::1]:0"
+    cert, pem = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("x")
+    pem.write_text("x")
+    tls = load(None, {**base, key: "0.0.0.0:8000", "tls_cert_file": str(cert), "tls_key_file": str(pem)})
+    assert getattr(tls, key) == "0.0.0.0:8000"
+    with pytest.raises(ConfigError, match=rf"^{key}: 'localhost' is not HOST:PORT"):
+        load(None, {**base, key: "localhost"})
+
+
 def test_every_key_is_a_flag_and_reloadable_keys_exist() -> None:
     from h3d.cli import build_parser
 
@@ -116,7 +131,7 @@ def test_metrics_text_carries_the_figures() -> None:
     values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     assert values["h3d_hbm_hit_rate"] == "0.75" and values["h3d_ddr_evict_total"] == "12"
     assert values["h3d_generated_tokens_total"] == "40" and values["h3d_requests_in_flight"] == "3"
-    assert values['h3d_rpc_total{method="Generate",code="OK"}'] == "1"
+    assert values['h3d_rpc_total{api="grpc",method="Generate",code="OK"}'] == "1"
     assert values["h3d_ttft_seconds_count"] == "1" and values["h3d_inter_token_seconds_count"] == "1"
     names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
     assert all(n.startswith("h3d_") for n in names)

@@ -76,7 +76,7 @@ def test_render_passes_promtool() -> None:
     assert value(text, 'h3d_hbf_latency_seconds{quantile="0.5"}') == 125e-6
     assert value(text, 'h3d_hbf_latency_seconds{quantile="0.99"}') == 2500e-6
     assert "# TYPE h3d_hbf_latency_seconds summary" in text and "h3d_hbf_latency_us" not in text
-    assert value(text, 'h3d_rpc_duration_seconds_count{method="Generate"}') == 2
+    assert value(text, 'h3d_rpc_duration_seconds_count{api="grpc",method="Generate"}') == 2
     assert value(text, "h3d_ttft_seconds_count") == 1
 
 
@@ -102,7 +102,7 @@ def test_daemon_metrics_pass_promtool(checkpoint: Callable[[str], Path], tmp_pat
         # The handler records its RPC after the stream's last message: poll until it shows.
         def recorded() -> str | None:
             text = scrape()
-            return text if 'h3d_rpc_total{method="Generate",code="OK"}' in text else None
+            return text if 'h3d_rpc_total{api="grpc",method="Generate",code="OK"}' in text else None
 
         text = wait_for(recorded, "the Generate in h3d_rpc_total")
 

@@ -1,0 +1,86 @@
+"""A generation as the front ends stream it: the engine's events for one request, as messages.
+
+Both APIs (gRPC `Generate`: h3d.daemon.service; the OpenAI HTTP API: h3d.daemon.http) run a
+generation the same way: admitted within `max_pending_requests` (`State.slot`), submitted on the
+engine thread (a prompt's append chained to its generation: no step boundary between them), its
+token deltas coalesced where the loop fell behind the engine (one message, not one per token),
+time to first token and the gaps between tokens counted (`h3d_ttft_seconds`,
+`h3d_inter_token_seconds`, Stats' per-session p50/p99), and the request cancelled on the engine
+whenever the stream ends before the generation did (the client went away, or stopped reading).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Callable
+
+from h3d._proto.h3.v1 import h3_pb2 as pb
+from h3d.daemon.rpc import State
+from h3d.daemon.worker import Finished
+from h3d.engine.engine import Engine
+from h3d.engine.session import Event, RequestFailed, RequestId, SessionId, TokenDelta
+
+
+async def stream_generation(
+    state: State,
+    sid: SessionId,
+    submit: Callable[[Engine], RequestId],
+    append: Callable[[Engine], RequestId] | None = None,
+) -> AsyncGenerator[pb.TokenDelta | Finished, None]:
+    """The deltas of the generation `submit` starts on `sid` (after `append`, if given), then its
+    `Finished` (with `ttft_s` set: from this call, the prompt's prefill included). A failure is
+    raised as its error. Close the iterator (`contextlib.aclosing`) to cancel the generation."""
+    started = time.perf_counter()
+    with state.slot():
+        if append is not None:
+            rid, events = await state.worker.start_request(append, then=submit)
+        else:
+            rid, events = await state.worker.start_request(submit)
+        finished = False
+        first: float | None = None
+        last = started
+        carry: Event | Finished | None = None
+        try:
+            while True:
+                event, carry = (carry if carry is not None else await events.get()), None
+                if isinstance(event, TokenDelta):
+                    # Every token already queued goes out in this message (the loop fell behind the
+                    # engine: one message, not one per token); what ends the stream waits.
+                    delta, n, carry = coalesce(event, events)
+                    now = time.perf_counter()
+                    for i in range(n):  # the first after its gap, the others with it
+                        gap = now - last if i == 0 else 0.0
+                        state.metrics.token(gap, first=first is None)
+                        if first is not None:
+                            state.token_gap(sid, gap)
+                        first = first or now
+                    last = now
+                    yield delta
+                elif isinstance(event, Finished):
+                    finished = True
+                    event.summary.ttft_s = (first or time.perf_counter()) - started
+                    yield event
+                    return
+                elif isinstance(event, RequestFailed):
+                    finished = True
+                    raise event.error
+                # AppendDone: the prompt is in; its generation follows on the same queue
+        finally:
+            if not finished:
+                state.worker.cancel(rid)
+
+
+def coalesce(
+    first: TokenDelta, events: asyncio.Queue[Event | Finished]
+) -> tuple[pb.TokenDelta, int, Event | Finished | None]:
+    """`first` and the deltas queued behind it as one message: (the message, its tokens, the
+    event that stopped the draining, if one did: the caller handles it next)."""
+    texts, ids = [first.text], [first.token_id]
+    while not events.empty():
+        event = events.get_nowait()
+        if not isinstance(event, TokenDelta):
+            return pb.TokenDelta(text="".join(texts), token_ids=ids), len(ids), event
+        texts.append(event.text)
+        ids.append(event.token_id)
+    return pb.TokenDelta(text="".join(texts), token_ids=ids), len(ids), None
