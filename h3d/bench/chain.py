@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     worst = max(t["ttft_s"] for t in later)
     rows = [
         (f"turn {t['turn']}" + (" (the document)" if t["turn"] == 1 else " (previous_response_id)"),
-         f"{t['input_tokens']:,}", f"{t['cached_tokens']:,} ({t['cached_share'] * 100:.1f} %)",
+         f"{t['input_tokens']:,}", f"{t['cached_tokens']:,} ({t['cached_share'] * 100:.2f} %)",
          f"{t['ttft_s'] * 1e3:.0f}")
         for t in turns
     ]  # fmt: skip

@@ -19,7 +19,7 @@ def test_grpc_sampling_carries_the_penalties() -> None:
     unset = sampling_from(SamplingParams(presence_penalty=1.0), pb.SamplingParams(), 100)
     assert unset.presence_penalty == 1.0  # an unset field keeps the session's value
     for bad in (pb.SamplingParams(presence_penalty=2.5), pb.SamplingParams(frequency_penalty=-3)):
-        with pytest.raises(InvalidRequest, match="penalty must be within -2..2"):
+        with pytest.raises(InvalidRequest, match=r"penalty must be within -2\.\.2"):
             sampling_from(base, bad, 100)
     with pytest.raises(InvalidRequest, match="max_tokens_limit"):
         sampling_from(base, pb.SamplingParams(max_tokens=101), 100)

@@ -274,6 +274,19 @@ def test_a_chain_survives_a_restart(model: Path, tmp_path: Path) -> None:
             turn(c, "Back?", first.id)
 
 
+def test_a_conversation_closed_for_idleness_goes_on(model: Path, tmp_path: Path) -> None:
+    """`session_ttl_s` closes an idle conversation's session (its KV to the archive only); the next
+    response reopens it, its history still not computed again."""
+    with running_daemon(model, tmp_path, extra=[*HTTP, "--session-ttl-s", "0.5"], tcp=False) as d:
+        c = client(d)
+        first = turn(c, "Tell me about forests. " * 8, None)
+        wait_for(lambda: d.events("session_expired"), what="the idle session to close")
+        history = first.usage.input_tokens + first.usage.output_tokens
+        nxt = turn(c, "And deserts?", first.id)
+        assert nxt.usage.input_tokens_details.cached_tokens == history - 1
+        assert c.responses.retrieve(first.id).output_text == first.output_text
+
+
 # ---- the wire: SSE framing, errors, limits, auth, disconnects --------------------------------
 
 
