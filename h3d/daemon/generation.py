@@ -1,4 +1,4 @@
-"""A generation as the front ends stream it: the engine's events for one request, as messages.
+"""A generation (and an append) as the front ends stream it: the engine's events for one request.
 
 Both APIs (gRPC `Generate`: h3d.daemon.service; the OpenAI HTTP API: h3d.daemon.http) run a
 generation the same way: admitted within `max_pending_requests` (`State.slot`), submitted on the
@@ -19,7 +19,7 @@ from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.daemon.rpc import State
 from h3d.daemon.worker import Finished
 from h3d.engine.engine import Engine
-from h3d.engine.session import Event, RequestFailed, RequestId, SessionId, TokenDelta
+from h3d.engine.session import AppendDone, Event, PrefillProgress, RequestFailed, RequestId, SessionId, TokenDelta
 
 
 async def stream_generation(
@@ -66,6 +66,31 @@ async def stream_generation(
                     finished = True
                     raise event.error
                 # AppendDone: the prompt is in; its generation follows on the same queue
+        finally:
+            if not finished:
+                state.worker.cancel(rid)
+
+
+async def stream_append(
+    state: State, submit: Callable[[Engine], RequestId]
+) -> AsyncGenerator[PrefillProgress | AppendDone, None]:
+    """The progress of the append `submit` starts, then its AppendDone; admitted within
+    `max_pending_requests`; a failure is raised as its error. Closed early, it cancels the append."""
+    with state.slot():
+        rid, events = await state.worker.start_request(submit)
+        finished = False
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, PrefillProgress):
+                    yield event
+                elif isinstance(event, AppendDone):
+                    finished = True
+                    yield event
+                    return
+                elif isinstance(event, RequestFailed):
+                    finished = True
+                    raise event.error
         finally:
             if not finished:
                 state.worker.cancel(rid)

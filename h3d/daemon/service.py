@@ -18,11 +18,11 @@ from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.config import POLICIES
 from h3d.daemon.auth import Caller
 from h3d.daemon.convert import check_token_ids, sampling_from, session_pb, stats_pb
-from h3d.daemon.generation import stream_generation
+from h3d.daemon.generation import stream_append, stream_generation
 from h3d.daemon.rpc import State
 from h3d.daemon.worker import Finished
 from h3d.engine.engine import Engine
-from h3d.engine.session import AppendDone, PrefillProgress, RequestFailed, Session, SessionId
+from h3d.engine.session import PrefillProgress, Session, SessionId
 from h3d.errors import InvalidRequest, SessionBusy, clip
 
 MAX_PAGE = 1000
@@ -102,38 +102,22 @@ class H3Servicer:
         if not request.text and not request.token_ids:
             raise InvalidRequest("append needs text or token_ids")
         ids = list(request.token_ids)
-        with self.s.slot():
 
-            def submit(engine: Engine) -> Any:
-                check_token_ids(engine, ids, "token_ids")
-                return engine.submit(
-                    sid, text=request.text or None, token_ids=ids or None, generate=False, role=request.role or None
-                )
+        def submit(engine: Engine) -> Any:
+            check_token_ids(engine, ids, "token_ids")
+            return engine.submit(
+                sid, text=request.text or None, token_ids=ids or None, generate=False, role=request.role or None
+            )
 
-            rid, events = await self.s.worker.start_request(submit)
-            finished = False
-            try:
-                while True:
-                    event = await events.get()
-                    if isinstance(event, PrefillProgress):
-                        yield pb.AppendContextResponse(
-                            progress=pb.AppendProgress(tokens_done=event.done, tokens_total=event.total)
-                        )
-                    elif isinstance(event, AppendDone):
-                        finished = True
-                        n = await self.s.worker.call(lambda e: len(e.session(sid).tokens))
-                        yield pb.AppendContextResponse(
-                            done=pb.AppendSummary(
-                                tokens_added=event.tokens_added, prefill_s=event.prefill_s, num_tokens=n
-                            )
-                        )
-                        return
-                    elif isinstance(event, RequestFailed):
-                        finished = True
-                        raise event.error
-            finally:
-                if not finished:
-                    self.s.worker.cancel(rid)
+        async with contextlib.aclosing(stream_append(self.s, submit)) as events:
+            async for event in events:
+                if isinstance(event, PrefillProgress):
+                    progress = pb.AppendProgress(tokens_done=event.done, tokens_total=event.total)
+                    yield pb.AppendContextResponse(progress=progress)
+                else:
+                    n = await self.s.worker.call(lambda e: len(e.session(sid).tokens))
+                    done = pb.AppendSummary(tokens_added=event.tokens_added, prefill_s=event.prefill_s, num_tokens=n)
+                    yield pb.AppendContextResponse(done=done)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: Any, caller: Caller

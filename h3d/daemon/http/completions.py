@@ -12,27 +12,34 @@ object (the status is already out).
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from pydantic import BaseModel
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.daemon.generation import stream_generation
 from h3d.daemon.http.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChunkChoice,
+    Completion,
     CompletionRequest,
+    Delta,
     StreamOptions,
-    chat_chunk,
-    chat_completion,
-    completion,
+    TextChoice,
+    dump,
     error_body,
     stops,
     usage,
 )
+from h3d.daemon.http.server import json_response
 from h3d.daemon.status import Draining, http_status_of
 from h3d.daemon.worker import Finished
 from h3d.engine.engine import Engine
@@ -176,9 +183,15 @@ class Completions:
                         finish = finish_of(s.finish_reason)
                         used = usage(s.prompt_tokens, s.completion_tokens, 0)
                         out = "".join(texts)
-                        reply = (chat_completion(rid, created, name, out, finish, used) if chat
-                                 else completion(rid, created, name, out, finish, used, chunk=False))  # fmt: skip
-                        return web.json_response(reply, dumps=_dumps)
+                        reply: BaseModel
+                        if chat:
+                            message = AssistantMessage(content=out)
+                            choice = ChatChoice(message=message, finish_reason=finish)
+                            reply = ChatCompletion(id=rid, created=created, model=name, choices=[choice], usage=used)
+                        else:
+                            choices = [TextChoice(text=out, finish_reason=finish)]
+                            reply = Completion(id=rid, created=created, model=name, choices=choices, usage=used)
+                        return json_response(reply)
                     texts.append(item.text)
             raise AssertionError("a generation ended without its end")  # pragma: no cover
         finally:
@@ -196,13 +209,17 @@ class Completions:
     ) -> web.StreamResponse:
         with_usage = options is not None and options.include_usage
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> BaseModel:
             if chat:
-                delta: dict[str, Any] = {} if text is None else {"content": text}
-                if role:
-                    delta = {"role": "assistant", "content": ""}
-                return chat_chunk(rid, created, name, delta, finish, with_usage)
-            return completion(rid, created, name, text or "", finish, None, chunk=with_usage)
+                delta = Delta(role="assistant", content="") if role else Delta(content=text)
+                choice = ChunkChoice(delta=delta, finish_reason=finish)
+                return ChatCompletionChunk(id=rid, created=created, model=name, choices=[choice])
+            return Completion(
+                id=rid, created=created, model=name, choices=[TextChoice(text=text or "", finish_reason=finish)]
+            )
+
+        async def write(model: BaseModel) -> None:
+            await response.write(b"data: " + dump(model, usage=with_usage).encode() + b"\n\n")
 
         async with contextlib.aclosing(stream) as events:  # type: ignore[type-var]
             items = aiter(events)
@@ -210,21 +227,19 @@ class Completions:
             response = await open_sse(request)
             try:
                 if chat:
-                    await send(response, chunk(None, None, role=True))
+                    await write(chunk(None, None, role=True))
                 while True:
                     if isinstance(item, Finished):
                         s = item.summary
-                        await send(response, chunk(None, finish_of(s.finish_reason)))
-                        if with_usage:
-                            last = (chat_chunk(rid, created, name, None, None, False) if chat
-                                    else completion(rid, created, name, "", None, None, chunk=False))  # fmt: skip
-                            last["choices"] = []
-                            last["usage"] = usage(s.prompt_tokens, s.completion_tokens, 0)
-                            await send(response, last)
+                        await write(chunk(None, finish_of(s.finish_reason)))
+                        if with_usage:  # one more chunk: no choices, the usage
+                            used = usage(s.prompt_tokens, s.completion_tokens, 0)
+                            kind = ChatCompletionChunk if chat else Completion
+                            await write(kind(id=rid, created=created, model=name, choices=[], usage=used))
                         await response.write(b"data: [DONE]\n\n")
                         return response
                     if item.text:
-                        await send(response, chunk(item.text, None))
+                        await write(chunk(item.text, None))
                     item = await anext(items)
             except H3Error as exc:
                 await send_error(response, exc)
@@ -247,13 +262,10 @@ async def open_sse(request: web.Request) -> web.StreamResponse:
     return response
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-async def send(response: web.StreamResponse, obj: dict[str, Any], event: str | None = None) -> None:
+async def send(response: web.StreamResponse, body: BaseModel, event: str | None = None) -> None:
+    """One server-sent event: `data:` the body's JSON, after `event:` where it is named."""
     head = f"event: {event}\n" if event else ""
-    await response.write(f"{head}data: {_dumps(obj)}\n\n".encode())
+    await response.write(f"{head}data: {dump(body)}\n\n".encode())
 
 
 async def send_error(response: web.StreamResponse, exc: H3Error, event: str | None = None) -> None:

@@ -23,26 +23,43 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from aiohttp import web
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.daemon.auth import Caller
-from h3d.daemon.generation import stream_generation
+from h3d.daemon.generation import stream_append, stream_generation
 from h3d.daemon.http.completions import Sampling, open_sse, send, send_error, with_end_of_turn
-from h3d.daemon.http.schemas import ResponsesRequest
+from h3d.daemon.http.schemas import (
+    ContentPartEvent,
+    Deleted,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputItemEvent,
+    OutputMessage,
+    OutputText,
+    Response,
+    ResponseEvent,
+    ResponsesRequest,
+    ResponseUsage,
+    StreamEvent,
+    TextDeltaEvent,
+    TextDoneEvent,
+)
+from h3d.daemon.http.server import json_response
 from h3d.daemon.status import Conflict, NotFound
 from h3d.daemon.worker import Finished
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
-from h3d.engine.session import AppendDone, RequestFailed, RequestId, SessionId
+from h3d.engine.session import RequestId, SessionId
 from h3d.errors import H3Error, NoChatTemplate, SessionBusy, SessionNotFound, clip
 
 if TYPE_CHECKING:
     from h3d.daemon.http.server import HttpApi
 
 KEY = "responses"  # the key of a session's `extra` that holds its responses
+E = TypeVar("E", bound=StreamEvent)
 
 
 @dataclass(slots=True)
@@ -191,7 +208,7 @@ class Responses:
                     if isinstance(item, Finished):
                         text = "".join(texts)
                         await self._finish(turn, record, item.summary, text)
-                        return web.json_response(self.response_object(record, text))
+                        return json_response(self.response_object(record, text))
                     texts.append(item.text)
             raise AssertionError("a generation ended without its end")  # pragma: no cover
         except BaseException:
@@ -208,31 +225,21 @@ class Responses:
         def submit(engine: Engine) -> RequestId:
             return engine.submit(sid, text=message["content"], role=message["role"], generate=False)
 
-        with self.s.slot():
-            rid, events = await self.s.worker.start_request(submit)
-            ended = False
-            try:
-                while True:
-                    event = await events.get()
-                    if isinstance(event, AppendDone):
-                        ended = True
-                        return
-                    if isinstance(event, RequestFailed):
-                        ended = True
-                        raise event.error
-            finally:
-                if not ended:
-                    self.s.worker.cancel(rid)
+        async with contextlib.aclosing(stream_append(self.s, submit)) as events:
+            async for _ in events:  # its progress: nobody reads it here
+                pass
 
     async def _sse(
         self, request: web.Request, stream: AsyncIterator[pb.TokenDelta | Finished], record: dict[str, Any], turn: Turn
     ) -> web.StreamResponse:
         seq = 0
         msg_id = f"msg_{record['id'][5:]}"
+        place = {"item_id": msg_id, "output_index": 0, "content_index": 0}
 
-        async def event(kind: str, **fields: Any) -> None:
+        async def event(kind: type[E], **fields: Any) -> None:
             nonlocal seq
-            await send(response, {"type": kind, "sequence_number": seq, **fields}, event=kind)
+            body = kind(sequence_number=seq, **fields)
+            await send(response, body, event=body.type)
             seq += 1
 
         async with contextlib.aclosing(stream) as events:  # type: ignore[type-var]
@@ -241,26 +248,25 @@ class Responses:
             response = await open_sse(request)
             texts: list[str] = []
             try:
-                await event("response.created", response=self.response_object(record, ""))
-                await event("response.in_progress", response=self.response_object(record, ""))
-                item_fields = {"output_index": 0, "item_id": msg_id, "content_index": 0}
-                await event("response.output_item.added", output_index=0,
-                            item={"id": msg_id, "type": "message", "status": "in_progress", "role": "assistant",
-                                  "content": []})  # fmt: skip
-                await event("response.content_part.added", **item_fields, part=_part(""))
+                begun = self.response_object(record, "")
+                await event(ResponseEvent, type="response.created", response=begun)
+                await event(ResponseEvent, type="response.in_progress", response=begun)
+                empty = OutputMessage(id=msg_id, status="in_progress", content=[])
+                await event(OutputItemEvent, type="response.output_item.added", item=empty)
+                await event(ContentPartEvent, type="response.content_part.added", **place, part=OutputText(text=""))
                 while not isinstance(item, Finished):
                     if item.text:
                         texts.append(item.text)
-                        await event("response.output_text.delta", **item_fields, delta=item.text, logprobs=[])
+                        await event(TextDeltaEvent, type="response.output_text.delta", **place, delta=item.text)
                     item = await anext(items)
                 text = "".join(texts)
                 await self._finish(turn, record, item.summary, text)
-                await event("response.output_text.done", **item_fields, text=text, logprobs=[])
-                await event("response.content_part.done", **item_fields, part=_part(text))
+                await event(TextDoneEvent, type="response.output_text.done", **place, text=text)
+                await event(ContentPartEvent, type="response.content_part.done", **place, part=OutputText(text=text))
                 whole = self.response_object(record, text)
-                await event("response.output_item.done", output_index=0, item=whole["output"][0])
+                await event(OutputItemEvent, type="response.output_item.done", item=whole.output[0])
                 done = "response.completed" if record["status"] == "completed" else f"response.{record['status']}"
-                await event(done, response=whole)
+                await event(ResponseEvent, type=done, response=whole)
             except H3Error as exc:
                 await send_error(response, exc, event="error")
         return response
@@ -326,7 +332,7 @@ class Responses:
         except SessionNotFound:
             self.index.sessions.pop(rid, None)
             raise NotFound(f"no stored response {clip(rid)!r}") from None
-        return web.json_response(self.response_object(record, text))
+        return json_response(self.response_object(record, text))
 
     async def delete(self, request: web.Request) -> web.Response:
         """Forget a stored response; its session goes with its last response."""
@@ -350,55 +356,39 @@ class Responses:
             if await self.s.worker.call(forget):
                 self.s.owners.pop(sid, None)
         self.index.sessions.pop(rid, None)
-        return web.json_response({"id": rid, "object": "response.deleted", "deleted": True})
+        return json_response(Deleted(id=rid))
 
     # ---- the response object -----------------------------------------------------------------
 
-    def response_object(self, record: dict[str, Any], text: str) -> dict[str, Any]:
+    def response_object(self, record: dict[str, Any], text: str) -> Response:
         status = record["status"]
-        rid = record["id"]
-        output = []
+        output, used = [], None
         if status != "in_progress":
-            output = [{"id": f"msg_{rid[5:]}", "type": "message", "status": "completed" if status == "completed"
-                       else "incomplete", "role": "assistant", "content": [_part(text)]}]  # fmt: skip
-        used = None
-        if status != "in_progress":
-            used = {
-                "input_tokens": record["input_tokens"],
-                "input_tokens_details": {"cached_tokens": record["cached_tokens"]},
-                "output_tokens": record["output_tokens"],
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": record["input_tokens"] + record["output_tokens"],
-            }
-        return {
-            "id": rid,
-            "object": "response",
-            "created_at": record["created_at"],
-            "status": status,
-            "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": record["instructions"],
-            "max_output_tokens": record["max_output_tokens"],
-            "model": self.api.model,
-            "output": output,
-            "parallel_tool_calls": False,
-            "previous_response_id": record["previous_response_id"],
-            "reasoning": {"effort": None, "summary": None},
-            "store": record.get("store", True),
-            "temperature": record["temperature"],
-            "text": {"format": {"type": "text"}},
-            "tool_choice": "none",
-            "tools": [],
-            "top_p": record["top_p"],
-            "truncation": "disabled",
-            "usage": used,
-            "user": record.get("user"),
-            "metadata": record.get("metadata") or {},
-        }
-
-
-def _part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": []}
+            done: Literal["completed", "incomplete"] = "completed" if status == "completed" else "incomplete"
+            output = [OutputMessage(id=f"msg_{record['id'][5:]}", status=done, content=[OutputText(text=text)])]
+            used = ResponseUsage(
+                input_tokens=record["input_tokens"],
+                input_tokens_details=InputTokensDetails(cached_tokens=record["cached_tokens"]),
+                output_tokens=record["output_tokens"],
+                total_tokens=record["input_tokens"] + record["output_tokens"],
+            )
+        return Response(
+            id=record["id"],
+            created_at=record["created_at"],
+            status=status,
+            incomplete_details=IncompleteDetails() if status == "incomplete" else None,
+            instructions=record["instructions"],
+            max_output_tokens=record["max_output_tokens"],
+            model=self.api.model,
+            output=output,
+            previous_response_id=record["previous_response_id"],
+            store=record.get("store", True),
+            temperature=record["temperature"],
+            top_p=record["top_p"],
+            usage=used,
+            user=record.get("user"),
+            metadata=record.get("metadata") or {},
+        )
 
 
 def _decode(engine: Engine, tokens: list[int], record: dict[str, Any]) -> str:

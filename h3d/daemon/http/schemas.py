@@ -4,8 +4,9 @@ Requests are parsed strictly: a parameter OpenAI defines but h3d does not implem
 `logprobs`, `response_format` other than text, `n` above 1, ...) is refused with a 400 naming it,
 never accepted silently; its harmless values (`n: 1`, `logprobs: false`, an empty `tools` list)
 pass. A parameter OpenAI does not define is refused too (`extra="forbid"`), except h3d's own
-extensions, named in each model (`top_k`, `ignore_eos`). Responses are built as dicts in OpenAI's
-shapes (`chat_completion`, `chunk`, `response_object`, ...): the SDKs read them.
+extensions, named in each model (`top_k`, `ignore_eos`). What the daemon answers is a model of
+OpenAI's shape too (`ChatCompletion`, `ChatCompletionChunk`, `Completion`, `Response` and its
+stream's events, `ErrorBody`), written with `dump`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ _HARMLESS: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _refuse_unsupported(values: dict[str, Any], names: tuple[str, ...]) -> None:
+def _refuse_unsupported(values: dict[str, Any], names: list[str]) -> None:
     for name in names:
         value = values.get(name)
         if not any(value == ok and type(value) is type(ok) for ok in _HARMLESS[name]):
@@ -120,6 +121,15 @@ class _Sampling(_Strict):
     top_k: int | None = Field(default=None, ge=0)
     ignore_eos: bool = False
 
+    # A subclass declares each OpenAI parameter it does not implement as `name: Any = None`; its
+    # values are checked here against the harmless ones (`_HARMLESS`).
+    @model_validator(mode="before")
+    @classmethod
+    def _supported(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            _refuse_unsupported(values, [n for n, f in cls.model_fields.items() if f.annotation is Any])
+        return values
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
@@ -149,18 +159,6 @@ class ChatCompletionRequest(_Sampling):
     safety_identifier: Any = None
     verbosity: Any = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _supported(cls, values: Any) -> Any:
-        if isinstance(values, dict):
-            _refuse_unsupported(values, (
-                "n", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "functions",
-                "function_call", "parallel_tool_calls", "response_format", "modalities", "audio", "prediction",
-                "reasoning_effort", "web_search_options", "service_tier", "store", "metadata", "prompt_cache_key",
-                "safety_identifier", "verbosity",
-            ))  # fmt: skip
-        return values
-
     @property
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -177,13 +175,6 @@ class CompletionRequest(_Sampling):
     echo: Any = None
     suffix: Any = None
     logit_bias: Any = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _supported(cls, values: Any) -> Any:
-        if isinstance(values, dict):
-            _refuse_unsupported(values, ("n", "best_of", "logprobs", "echo", "suffix", "logit_bias"))
-        return values
 
     def one_prompt(self) -> tuple[str | None, list[int] | None]:
         """(text, token ids): the one prompt of the request (a list of several is refused)."""
@@ -224,17 +215,6 @@ class ResponsesRequest(_Sampling):
     prompt_cache_key: Any = None
     safety_identifier: Any = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _supported(cls, values: Any) -> Any:
-        if isinstance(values, dict):
-            _refuse_unsupported(values, (
-                "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning", "include", "background",
-                "truncation", "service_tier", "top_logprobs", "max_tool_calls", "prompt", "conversation",
-                "prompt_cache_key", "safety_identifier",
-            ))  # fmt: skip
-        return values
-
     @model_validator(mode="after")
     def _bounded(self) -> ResponsesRequest:
         if self.metadata is not None and len(self.metadata) > 16:
@@ -256,73 +236,236 @@ def stops(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-# ---- responses -----------------------------------------------------------------------------
+# ---- what the daemon answers ---------------------------------------------------------------
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
-def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
+def dump(model: BaseModel, usage: bool = True) -> str:
+    """Compact JSON of every field; `usage=False` leaves `usage` out (a stream's chunks without
+    `stream_options.include_usage` carry no `usage` key at all)."""
+    return model.model_dump_json(exclude=None if usage else {"usage"})
 
 
-def chat_completion(
-    rid: str, created: int, model: str, text: str, finish: str, usage_: dict[str, Any]
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        ],
-        "usage": usage_,
-    }
+class ErrorObject(_Out):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
 
 
-def chat_chunk(
-    rid: str, created: int, model: str, delta: dict[str, Any] | None, finish: str | None, with_usage: bool
-) -> dict[str, Any]:
-    """A `chat.completion.chunk`; `delta` None: the usage chunk (no choices)."""
-    out: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }
-    if with_usage:
-        out["usage"] = None
-    return out
+class ErrorBody(_Out):
+    error: ErrorObject
 
 
-def completion(
-    rid: str, created: int, model: str, text: str, finish: str | None, usage_: dict[str, Any] | None, chunk: bool
-) -> dict[str, Any]:
-    """A `text_completion`, whole or as a stream's chunk (`usage_` None: none given; a chunk with
-    `text` None... is the usage chunk, made by the caller with no choices)."""
-    out: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-    }
-    if usage_ is not None or chunk:
-        out["usage"] = usage_
-    return out
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> ErrorBody:
+    return ErrorBody(error=ErrorObject(message=message, type=kind, param=param, code=code))
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "h3d"
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Deleted(_Out):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+def usage(prompt: int, completion: int, cached: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(_Out):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class _Reply(_Out):
+    """What every completion, whole or a stream's chunk, starts with."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: None = None
+
+
+class ChatCompletion(_Reply):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(_Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(_Out):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Reply):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChunkChoice]
+    usage: Usage | None = None  # set (null, or the last chunk's figures) only with include_usage
+
+
+class TextChoice(_Out):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Completion(_Reply):
+    """A `text_completion`, whole or as a stream's chunk."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[TextChoice]
+    usage: Usage | None = None
+
+
+class OutputText(_Out):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(_Out):
+    id: str
+    type: Literal["message"] = "message"
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class InputTokensDetails(_Out):
+    cached_tokens: int
+
+
+class OutputTokensDetails(_Out):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(_Out):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(_Out):
+    reason: Literal["max_output_tokens"] = "max_output_tokens"
+
+
+class Response(_Out):
+    """OpenAI's Response object, for the subset h3d implements (text in, one message of text out)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
+    error: None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    model: str
+    output: list[OutputMessage]
+    parallel_tool_calls: bool = False
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None, "summary": None})
+    store: bool = True
+    temperature: float | None = None
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tool_choice: Literal["none"] = "none"
+    tools: list[Any] = Field(default_factory=list)
+    top_p: float | None = None
+    truncation: Literal["disabled"] = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class StreamEvent(_Out):
+    """What every event of a Responses stream carries: its `type` (also its SSE `event:` name) and its place."""
+
+    type: str
+    sequence_number: int
+
+
+class ResponseEvent(StreamEvent):
+    """`response.created`, `.in_progress`, `.completed`, `.incomplete`."""
+
+    response: Response
+
+
+class OutputItemEvent(StreamEvent):
+    """`response.output_item.added`, `.done`."""
+
+    output_index: int = 0
+    item: OutputMessage
+
+
+class _InItem(StreamEvent):
+    item_id: str
+    output_index: int = 0
+    content_index: int = 0
+
+
+class ContentPartEvent(_InItem):
+    """`response.content_part.added`, `.done`."""
+
+    part: OutputText
+
+
+class TextDeltaEvent(_InItem):
+    """`response.output_text.delta`."""
+
+    delta: str
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class TextDoneEvent(_InItem):
+    """`response.output_text.done`."""
+
+    text: str
+    logprobs: list[Any] = Field(default_factory=list)

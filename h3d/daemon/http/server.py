@@ -23,7 +23,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import structlog
 from aiohttp import web
@@ -31,7 +31,7 @@ from pydantic import BaseModel, ValidationError
 
 from h3d.daemon.auth import Caller
 from h3d.daemon.config import split_address
-from h3d.daemon.http.schemas import error_body
+from h3d.daemon.http.schemas import ModelCard, ModelList, dump, error_body
 from h3d.daemon.rpc import State
 from h3d.daemon.status import BadParam, MessageTooLarge, NotFound, Overloaded, Unauthenticated, http_status_of
 from h3d.errors import H3Error, clip
@@ -142,7 +142,7 @@ class HttpApi:
             headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_ms / 1000)))
         if isinstance(exc, Unauthenticated):
             headers["WWW-Authenticate"] = "Bearer"
-        return web.json_response(error_body(message, kind, param, code), status=status, headers=headers)
+        return json_response(error_body(message, kind, param, code), status=status, headers=headers)
 
     def _framework_error(self, exc: web.HTTPException) -> web.Response:
         """aiohttp's own refusals, in OpenAI's error object."""
@@ -157,11 +157,11 @@ class HttpApi:
             body = error_body(
                 f"method {exc.method} not allowed here", "invalid_request_error", None, "method_not_allowed"
             )
-            return web.json_response(body, status=405, headers={"Allow": ",".join(sorted(exc.allowed_methods))})
+            return json_response(body, status=405, headers={"Allow": ",".join(sorted(exc.allowed_methods))})
         else:
-            return web.json_response(error_body(exc.reason, "invalid_request_error"), status=exc.status)
+            return json_response(error_body(exc.reason, "invalid_request_error"), status=exc.status)
         status, kind, code = http_status_of(error)
-        return web.json_response(error_body(str(error), kind, None, code), status=status)
+        return json_response(error_body(str(error), kind, None, code), status=status)
 
     def _record(self, request: web.Request, route: str, rid: int, status: int, t0: float) -> None:
         ms = (time.perf_counter() - t0) * 1000
@@ -203,18 +203,18 @@ class HttpApi:
 
     # ---- the small routes --------------------------------------------------------------------
 
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "h3d"}
+    def _model_card(self) -> ModelCard:
+        return ModelCard(id=self.model, created=self.created)
 
     async def list_models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        return json_response(ModelList(data=[self._model_card()]))
 
     async def get_model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         if name != self.model:
             raise NotFound(f"model: {clip(name)!r} is not served here; this daemon serves {self.model!r}",
                            code="model_not_found")  # fmt: skip
-        return web.json_response(self._model_card())
+        return json_response(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while serving, 503 while draining (for load balancers; no token needed)."""
@@ -238,6 +238,10 @@ def _schema_error(exc: ValidationError) -> BadParam:
     if kind == "missing":
         return BadParam(param or None, "is required", code="missing_required_parameter")
     return BadParam(param or None, message[0].lower() + message[1:] if message else "invalid value")
+
+
+def json_response(body: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(text=dump(body), status=status, headers=headers, content_type="application/json")
 
 
 def model_name(model_dir: str) -> str:
