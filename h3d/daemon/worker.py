@@ -173,6 +173,7 @@ class EngineWorker:
             self._run_commands()
             self._report()
             self._dispatch(self.engine.take_events())
+            self.engine.save_touched()
             if self._stop:
                 return
             if not self.engine.has_work:
@@ -210,6 +211,7 @@ class EngineWorker:
                 while self._tokens and self._tokens[0][0] < now - THROUGHPUT_WINDOW_S:
                     self._tokens.popleft()
             self._dispatch(events)
+            self.engine.save_touched()  # the ended requests' metadata, once their last tokens are out
             took = time.perf_counter() - t0
             if took >= SLOW_STEP_S:
                 t = self.engine.timing

@@ -117,6 +117,7 @@ class Engine:
         self.interleave = Interleave(self.runner, config.prefill_step_ms)  # a long prompt beside decoding
         self.timing = StepTiming()  # where the last step's time went (the daemon logs slow ones)
         self._upkept = 0  # the step of the last upkeep
+        self._touched: dict[SessionId, None] = {}  # sessions whose requests ended: their metadata to write
         # Every Generate ends durable: its session's log fsynced at the step that ends it, on this
         # thread; the daemon turns it off and waits for it off the engine's thread instead
         # (`EngineWorker`: the generation's end goes out once `TokenStore.sync_behind` is done).
@@ -137,6 +138,7 @@ class Engine:
     def close(self) -> None:
         """Finish archive writes in flight and release the archive (its folder stays); token logs
         are synced and closed."""
+        self.save_touched()
         if self.journal is not None:
             self.journal.close()
         self.kv.close()
@@ -144,9 +146,12 @@ class Engine:
     # ---- durability -----------------------------------------------------------------------
 
     def _save_meta(self, session: Session) -> None:
-        """Keep `session`'s metadata in its log (see h3d.engine.journal)."""
+        """Keep `session`'s metadata in its log (see h3d.engine.journal); its HBF anchors only
+        where they changed since the log last got them."""
         if self.journal is not None:
-            self.journal.set_meta(session.id, session_meta(session, self.kv))
+            version = self.kv.selection(session.seq).anchors_version
+            self.journal.set_meta(session.id, session_meta(session, self.kv, anchors=version != session.anchors_logged))
+            session.anchors_logged = version
 
     def checkpoint(
         self, deadline: float | None = None, progress: Callable[[Checkpoint], None] | None = None
@@ -225,6 +230,7 @@ class Engine:
         try:
             if self.journal is not None:  # durable before it is known
                 self.journal.create(session.id, session_meta(session, self.kv), [] if message else first)
+                session.anchors_logged = self.kv.selection(session.seq).anchors_version
                 if message:
                     log_piece(self.journal, session.id, first, message)
                     self.journal.sync(session.id)
@@ -504,6 +510,7 @@ class Engine:
         `idle`, else one that waited long: `DecodeGraphs.capture_deferred`); every 64th step the
         archive kept within `ssd_capacity_mb` (closed sessions' KV evicted, coldest first). The
         daemon's engine thread and `run` call it."""
+        self.save_touched()
         if self._requests:  # HBM toward the fair shares of the sessions with a request in flight
             self.kv.rebalance([r.session.seq for r in self._requests.values()])
         graphs = self.runner.graphs
@@ -540,10 +547,22 @@ class Engine:
 
     def _touch(self, session: Session) -> None:
         """A request of `session` ended: its `last_used_at`, kept in its log (idle TTLs and
-        least-recently-used order survive a restart)."""
+        least-recently-used order survive a restart) by `save_touched`, after the step: the
+        metadata (its HBF state with it) is not written before the step's last token goes out."""
         session.last_used_at = time.time()
-        if session.id in self.sessions:
-            self._save_meta(session)
+        self._touched[session.id] = None
+
+    def save_touched(self) -> None:
+        """Write the metadata of the sessions whose requests ended since the last call (the
+        daemon's engine thread calls it after handing a step's events out; `upkeep`,
+        `checkpoint` and `close` call it too)."""
+        if not self._touched:
+            return
+        touched, self._touched = self._touched, {}
+        for sid in touched:
+            session = self.sessions.get(sid)
+            if session is not None:
+                self._save_meta(session)
 
     def _fail(self, req: Request, error: H3Error) -> RequestFailed:
         if self.interleave.holds(req):

@@ -20,15 +20,17 @@ import torch
 from h3d.engine.chat import Conversation
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import Session, SessionId
-from h3d.hbf.policy import POLICIES, policy_named, state_from_meta, state_to_meta
+from h3d.hbf.policy import POLICIES, anchors_to_meta, policy_named, state_from_meta, state_to_meta
 from h3d.kv.blocks import SeqId
 from h3d.kv.cache import KVCache
 from h3d.model.tokenizer import Tokenizer
 from h3d.store.tokenlog import TokenStore
 
 
-def session_meta(session: Session, kv: KVCache) -> dict[str, object]:
-    """The metadata `session`'s log keeps (JSON), its KV state asked of `kv`."""
+def session_meta(session: Session, kv: KVCache, anchors: bool = True) -> dict[str, object]:
+    """The metadata `session`'s log keeps (JSON), its KV state asked of `kv`. A log's metadata
+    records add up (each one's keys replace the earlier ones': `TokenStore`), so that `anchors`
+    False leaves out the HBF anchors, which keep the value last written."""
     sampling = asdict(session.sampling)
     sampling["stop"], sampling["stop_token_ids"] = list(sampling["stop"]), list(sampling["stop_token_ids"])
     pin = kv.pinned_until(session.seq)
@@ -43,7 +45,7 @@ def session_meta(session: Session, kv: KVCache) -> dict[str, object]:
         "sampling": sampling,
         "hbf": state_to_meta(kv.selection(session.seq)),
         "extra": session.extra,
-    }
+    } | ({"hbf_anchors": anchors_to_meta(kv.selection(session.seq))} if anchors else {})
 
 
 def log_piece(store: TokenStore, session_id: SessionId, ids: list[int], message: Mapping[str, object] | None) -> None:
@@ -102,6 +104,8 @@ def restore_sessions(
         kv.open(session.seq, session.id, policy)
         pin = meta.get("pinned_until")
         kv.pin(session.seq, math.inf if pin == "forever" else float(pin) if pin is not None else None)
-        state_from_meta(kv.selection(session.seq), meta.get("hbf") or {}, device)
+        selection = kv.selection(session.seq)  # (logs written before "hbf_anchors" keep them in "hbf")
+        state_from_meta(selection, {**(meta.get("hbf") or {}), **(meta.get("hbf_anchors") or {})}, device)
+        session.anchors_logged = selection.anchors_version
         kv.adopt(session.seq, max(len(session.tokens) - 1, 0))  # the last token: fed by the next request
         yield session

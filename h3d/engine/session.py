@@ -50,6 +50,7 @@ class Session:
     # What a front end keeps with the session, in its log (JSON values): the OpenAI API's stored
     # responses (h3d.daemon.http.responses). The engine only keeps it.
     extra: dict[str, Any] = field(default_factory=dict)
+    anchors_logged: int = -1  # the HBF anchors' version its log holds (written again only once they change)
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,19 +98,27 @@ class SelectionState:
 
 def state_to_meta(state: SelectionState) -> dict[str, Any]:
     """What a session's token log keeps of its HBF state (JSON), so that a restarted session
-    selects as it would have: the window, the step count, the entropies of the current resize
-    period and the prompt's anchors (probed at its last chunk)."""
+    selects as it would have: the window, the step count and the entropies of the current resize
+    period. The prompt's anchors (probed at its last chunk) are `anchors_to_meta`'s: large (a
+    128K prompt's are some 100,000 block indices), they are written only when they change."""
     return {
         "window_tokens": state.window_tokens,
         "steps": state.steps,
         "entropies": [float(x) for x in state.entropies],
+    }
+
+
+def anchors_to_meta(state: SelectionState) -> dict[str, Any]:
+    """The prompt's anchors of `state` (JSON), read back by `state_from_meta`."""
+    return {
         "anchors": {str(layer): a.tolist() for layer, a in state.anchors.items()},
         "head_anchors": {str(layer): a.tolist() for layer, a in state.head_anchors.items()},
     }
 
 
 def state_from_meta(state: SelectionState, meta: dict[str, Any], device: torch.device) -> None:
-    """Restore what `state_to_meta` kept into `state` (missing keys keep their values)."""
+    """Restore what `state_to_meta` and `anchors_to_meta` kept into `state` (one dict: missing
+    keys keep their values)."""
     state.window_tokens = int(meta.get("window_tokens", state.window_tokens))
     state.steps = int(meta.get("steps", 0))
     state.entropies[:] = [float(x) for x in meta.get("entropies", [])]

@@ -4,7 +4,8 @@ One file per session, `<folder>/<session id>.h3log`, a sequence of records:
 
     b"H3" | kind (1 byte) | payload length (u32 LE) | crc32 of kind+length+payload (u32 LE) | payload
 
-- `META`: a JSON object (policy, sampling defaults, owner, times); the last one wins.
+- `META`: a JSON object (policy, sampling defaults, owner, times); each one's keys replace those
+  of the ones before, and a key a record leaves out keeps its earlier value.
 - `TOKENS`: token ids appended to the context (u32 LE each).
 - `CUT`: the context was cut back to a length (u64 LE).
 - `CLOSED`: the session was closed (the file is deleted right after; a crash in between leaves it).
@@ -325,7 +326,7 @@ def read_log(path: Path) -> Restored:
                 break
             if not isinstance(value, dict):
                 break
-            meta = value
+            meta.update(value)
         elif kind == TOKENS and length % 4 == 0:
             tokens.extend(struct.unpack(f"<{length // 4}I", payload))
         elif kind == MESSAGE and length >= 4:

@@ -620,3 +620,42 @@ def test_promotions_per_step_are_capped_hottest_first() -> None:
     kv.promoter.promote({seq: keys}, {seq: 30}, {seq: np.array([0, 29])})
     assert c.promote_count == 4 and c.hbm_misses == 5 + 3  # 12, 14 were hits; two more moved up
     tiers.check()
+
+
+def test_anchors_are_logged_when_they_change_and_restored(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """A session's token log gets its HBF anchors when a probe changes them, not at every
+    request's end (a long prompt's are large); a restarted engine reads them back whole."""
+    import json
+
+    from h3d.engine.sampling import SamplingParams
+    from h3d.store.tokenlog import HEADER, META, SUFFIX
+
+    ckpt = checkpoint("llama_gqa4_tied")
+    kw = {"policy": "attention_entropy", "window_tokens": 128, "window_min_tokens": 128, "window_max_tokens": 256,
+          "recent_tokens": 32, "dense_layers": 1, "session_log_path": str(tmp_path / "logs")}  # fmt: skip
+    engine = make_engine(ckpt, **kw)
+    s = engine.create_session()
+    engine.append(s, token_ids=random_prompt(600, 512, seed=5))
+    for _ in range(3):  # three requests end: three metadata writes without a probe
+        engine.complete(s, "", SamplingParams(max_tokens=2, ignore_eos=True))
+    state = engine.kv.selection(engine.session(s).seq)
+    want = {layer: a.tolist() for layer, a in state.head_anchors.items()}
+    assert want and state.anchors
+    engine.close()
+
+    data = (tmp_path / "logs" / f"{s}{SUFFIX}").read_bytes()
+    metas, pos = [], 0
+    while pos < len(data):
+        _, kind, length, _ = HEADER.unpack_from(data, pos)
+        if kind == META:
+            metas.append(json.loads(data[pos + HEADER.size : pos + HEADER.size + length]))
+        pos += HEADER.size + length
+    with_anchors = [m for m in metas if "hbf_anchors" in m]
+    assert len(metas) >= 5 and len(with_anchors) == 2  # created (none yet), then the probe's
+    assert with_anchors[-1]["hbf_anchors"]["head_anchors"] and all("anchors" not in m["hbf"] for m in metas)
+
+    again = make_engine(ckpt, **kw)
+    restored = again.kv.selection(again.session(s).seq)
+    assert {layer: a.tolist() for layer, a in restored.head_anchors.items()} == want
+    assert {k: v.tolist() for k, v in restored.anchors.items()} == {k: v.tolist() for k, v in state.anchors.items()}
+    again.close()

@@ -86,7 +86,7 @@ def write_log(
             del tokens[arg:]
         elif kind == "meta":
             store.set_meta(sid, arg)
-            cur = dict(arg)
+            cur = {**cur, **arg}  # each record's keys replace the earlier ones'; the rest stay
         else:
             raise AssertionError(kind)
         if path.stat().st_size != before:  # an empty append writes nothing
@@ -272,7 +272,7 @@ def test_random_operations_match_a_model(first: list[int], meta: dict[str, Any],
                 del model[n:]
             elif kind == "meta":
                 store.set_meta("s", arg)
-                last_meta = arg
+                last_meta = {**last_meta, **arg}  # each record's keys replace the earlier ones'; the rest stay
             else:  # a restart in the middle: the reopened store carries on
                 store.close()
                 store, restored = reopen(folder, NO_FSYNC)
