@@ -52,6 +52,7 @@ host lacks travel as wheels (docs/BENCHMARKS.md says how).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -61,6 +62,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -237,12 +239,12 @@ class Daemon:
 
     running: ClassVar[list[Daemon]] = []
 
-    def __init__(self, model: Path, data: Path, log_name: str = "daemon.log") -> None:
+    def __init__(self, model: Path, data: Path, log_name: str = "daemon.log", flags: Sequence[str] = ()) -> None:
         data.mkdir(parents=True, exist_ok=True)
         self.sock = data / "h3d.sock"
         self.log_path = data / log_name
         cmd = [sys.executable, "-m", "h3d.cli", "serve", "--model", str(model), "--data-dir", str(data),
-               "--socket", str(self.sock)]  # fmt: skip
+               "--socket", str(self.sock), *flags]  # fmt: skip
         self.out = self.log_path.open("w")
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, text=True)
@@ -390,6 +392,44 @@ def engine_config(daemon: dict[str, Any], data: Path) -> Any:
     return EngineConfig.build(**keys)
 
 
+# Where an in-process step's time goes: between steps (`Engine.upkeep`), the plan (allocations,
+# HBF's selections), the forward's launch or replay (`ModelRunner.execute`), the runner's commit
+# (reads counted, picks promoted, windows), the engine's (sampling: it waits for the device).
+STEP_PHASES = ("upkeep", "plan", "execute", "runner_commit", "commit")
+# Inside the runner's commit: the lagged picks read back, this step's picks resolved (to the host
+# now, or lagged), their promotion, DDR-only blocks back into HBM, the tiers' end of step.
+COMMIT_PARTS = ("picks", "resolve", "promote", "fill_hbm", "end_step")
+
+
+@contextlib.contextmanager
+def timed_phases(engine: Any, into: dict[str, float]) -> Any:
+    """Add each phase's seconds to `into` while the block runs (instance attributes wrapped)."""
+    runner = engine.runner
+    owners = {"upkeep": engine, "plan": runner, "execute": runner, "runner_commit": runner, "commit": engine,
+              "picks": runner.graphs, "resolve": runner.graphs, "promote": engine.kv,
+              "fill_hbm": engine.kv.promoter, "end_step": runner.tiers}  # fmt: skip
+    names = {"runner_commit": "commit"}
+    saved = []
+    for phase, owner in owners.items():
+        name = names.get(phase, phase)
+        fn = getattr(owner, name)
+
+        def wrap(*a: Any, _fn: Any = fn, _phase: str = phase, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                into[_phase] += time.perf_counter() - t0
+
+        setattr(owner, name, wrap)
+        saved.append((owner, name))
+    try:
+        yield
+    finally:
+        for owner, name in saved:
+            delattr(owner, name)
+
+
 class Local:
     """The same requests on an in-process `Engine` (no daemon, no gRPC)."""
 
@@ -413,12 +453,19 @@ class Local:
         return self.engine.with_sampling(max_tokens=tokens, temperature=0.0, ignore_eos=True)
 
     def generate(self, sid: Any, first: int, tokens: int) -> Stream:
+        """One generation; `self.phases` gets, per token, where the engine's time went since the
+        token before (`STEP_PHASES`, ms): a slow gap's phase says whether the host or the device took it."""
         from h3d.engine.session import TokenDelta
 
         stream = Stream(time.perf_counter(), [])
-        for event in self.engine.generate(sid, token_ids=[first], params=self.params(tokens)):
-            if isinstance(event, TokenDelta):
-                stream.arrivals.append(time.perf_counter())
+        current = dict.fromkeys(STEP_PHASES + COMMIT_PARTS, 0.0)
+        self.phases: list[list[float]] = []
+        with timed_phases(self.engine, current):
+            for event in self.engine.generate(sid, token_ids=[first], params=self.params(tokens)):
+                if isinstance(event, TokenDelta):
+                    stream.arrivals.append(time.perf_counter())
+                    self.phases.append([round(current[p] * 1e3, 3) for p in STEP_PHASES + COMMIT_PARTS])
+                    current.update(dict.fromkeys(STEP_PHASES + COMMIT_PARTS, 0.0))
         return stream
 
     def generate_many(self, sids: list[Any], firsts: list[int], tokens: int) -> list[Stream]:
@@ -529,7 +576,7 @@ class Run:
 
 def start(run: Run, name: str) -> tuple[Daemon, Client, dict[str, Any]]:
     log(f"starting h3d serve ({name})")
-    daemon = Daemon(run.model_dir, run.data_dir(name))
+    daemon = Daemon(run.model_dir, run.data_dir(name), flags=run.args.daemon_flag or ())
     client = Client(daemon.sock)
     config = client.config()
     warmed = daemon.event("warmed") or {}
@@ -585,7 +632,13 @@ def phase_single(run: Run) -> None:
                 engine_append_s=round(append_s, 3), engine_ttft_s=round(stream.ttft_s, 4),
                 engine_itl_ms_p50=fields["itl_ms_p50"], engine_itl_ms_mean=fields["itl_ms_mean"],
                 engine_gaps_ms=[round(x, 2) for x in stream.gaps_ms()],
+                engine_phases_ms=local.phases[1:],  # per gap: `STEP_PHASES`, then `COMMIT_PARTS`
             )  # fmt: skip
+            gaps = stream.gaps_ms()
+            names = STEP_PHASES + COMMIT_PARTS
+            for i in sorted(range(len(gaps)), key=gaps.__getitem__)[-4:]:
+                parts = ", ".join(f"{p} {v:.2f}" for p, v in zip(names, local.phases[i + 1], strict=True))
+                log(f"  slow gap {i}: {gaps[i]:.2f} ms: {parts}")
             log(f"engine {mode} {ctx}: append {append_s:.3f} s, itl p50 {fields['itl_ms_p50']} ms")
     local.shutdown()
     bw = bandwidths(run.device)
@@ -955,6 +1008,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--many", type=int, default=0, help="sessions of the many phase (default 32; --tiny 4)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--daemon-flag", action="append", metavar="FLAG",
+                   help="a flag for the daemons (repeatable; e.g. --daemon-flag=--no-write-behind): not the "
+                   "defaults, so not the product's figures; the in-process engine takes the daemon's "
+                   "configuration")  # fmt: skip
     p.add_argument("--write", type=Path, default=None, help="update this markdown file's serve section")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
