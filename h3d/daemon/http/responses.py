@@ -30,7 +30,7 @@ from aiohttp import web
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.daemon.auth import Caller
 from h3d.daemon.generation import stream_append, stream_generation
-from h3d.daemon.http.completions import Sampling, open_sse, send, send_error, with_end_of_turn
+from h3d.daemon.http.completions import Sampling, open_sse, send, send_error
 from h3d.daemon.http.schemas import (
     ContentPartEvent,
     Deleted,
@@ -129,7 +129,7 @@ class Responses:
         previous = body.previous_response_id
 
         def begin(engine: Engine) -> tuple[Turn, Any]:
-            params = with_end_of_turn(engine, sampling.apply(engine.with_sampling(), limit))
+            params = sampling.apply(engine.with_sampling(), limit)  # (a chat session's end of turn: the engine's)
             if prev_sid is None:
                 if engine.tokenizer.chat_template is None:
                     raise NoChatTemplate("this model has no chat template: the Responses API needs one")
