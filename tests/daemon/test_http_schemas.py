@@ -34,6 +34,13 @@ def test_unimplemented_parameters_are_named(extra: dict[str, Any], param: str) -
     assert e.value.param == param and e.value.code == "unsupported_parameter"
 
 
+def test_stream_padding_is_refused() -> None:
+    ChatCompletionRequest.model_validate({**CHAT, "stream_options": {"include_obfuscation": False}})
+    with pytest.raises(BadParam) as e:
+        ChatCompletionRequest.model_validate({**CHAT, "stream_options": {"include_obfuscation": True}})
+    assert e.value.param == "stream_options.include_obfuscation"
+
+
 def test_messages_as_the_template_reads_them() -> None:
     body = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [

@@ -76,6 +76,13 @@ class StreamOptions(_Strict):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # OpenAI's padding of stream chunks: h3d adds none
 
+    @model_validator(mode="after")
+    def _no_padding(self) -> StreamOptions:
+        if self.include_obfuscation:
+            raise BadParam("stream_options.include_obfuscation", "h3d does not pad stream chunks",
+                           code="unsupported_parameter")  # fmt: skip
+        return self
+
 
 class TextPart(_Strict):
     type: Literal["text", "input_text", "output_text"]
