@@ -173,7 +173,6 @@ class EngineWorker:
             self._run_commands()
             self._report()
             self._dispatch(self.engine.take_events())
-            self.engine.save_touched()
             if self._stop:
                 return
             if not self.engine.has_work:
@@ -211,7 +210,6 @@ class EngineWorker:
                 while self._tokens and self._tokens[0][0] < now - THROUGHPUT_WINDOW_S:
                     self._tokens.popleft()
             self._dispatch(events)
-            self.engine.save_touched()  # the ended requests' metadata, once their last tokens are out
             took = time.perf_counter() - t0
             if took >= SLOW_STEP_S:
                 t = self.engine.timing
@@ -239,8 +237,9 @@ class EngineWorker:
 
     def _dispatch(self, events: list[Event]) -> None:
         """Hand a step's events to their streams: one wake-up of the loop per step, not per event.
-        The tokens go first; the ends of generations follow with their summaries (tier figures
-        read once for the step), each once its token log is durable."""
+        The tokens go first; then the sessions' metadata is written (`Engine.save_touched`); the
+        ends of generations follow with their summaries (tier figures read once for the step), each
+        once its token log is durable."""
         batch: list[tuple[asyncio.Queue[Event | Finished], Event | Finished]] = []
         ends: list[tuple[asyncio.Queue[Event | Finished], GenerationDone]] = []
         for event in events:
@@ -261,6 +260,9 @@ class EngineWorker:
                     batch.append((stream, failed))
         if batch:
             self._loop.call_soon_threadsafe(_deliver, batch)
+        # The ended requests' metadata, once their last tokens are out, and before the fsyncs that
+        # the ends wait for (which then cover it).
+        self.engine.save_touched()
         if not ends:
             return
         now: list[tuple[asyncio.Queue[Event | Finished], Event | Finished]] = []
