@@ -118,20 +118,27 @@ def tier_stats_pb(engine: Engine) -> pb.TierStats:
 
 
 def sampling_from(base: SamplingParams, msg: pb.SamplingParams, limit: int) -> SamplingParams:
-    """`base` with the fields `msg` sets, checked (max_tokens within 1..limit). A max_tokens the
-    request leaves unset (the session's or the daemon's default) is capped at the limit."""
+    """`base` with the fields `msg` sets, checked (`sampling_with`)."""
     over: dict[str, Any] = {}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty"):
         if msg.HasField(name):
             over[name] = getattr(msg, name)
     if msg.stop:
-        if len(msg.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(msg.stop)}")
         over["stop"] = tuple(msg.stop)
     if msg.stop_token_ids:
         over["stop_token_ids"] = tuple(msg.stop_token_ids)
     if msg.ignore_eos:
         over["ignore_eos"] = True
+    return sampling_with(base, over, limit)
+
+
+def sampling_with(base: SamplingParams, over: dict[str, Any], limit: int) -> SamplingParams:
+    """`base` with the request's values `over` (field name -> value; both APIs build it),
+    checked: at most MAX_STOP_STRINGS stop strings, max_tokens within 1..limit (a max_tokens the
+    request leaves unset, the session's or the daemon's default, is capped at the limit)."""
+    stop = over.get("stop", ())
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
     params = replace(base, **over)
     if "max_tokens" not in over:
         params = replace(params, max_tokens=min(params.max_tokens, limit))

@@ -21,6 +21,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
+from h3d.daemon.convert import sampling_with
 from h3d.daemon.generation import stream_generation
 from h3d.daemon.http.schemas import (
     AssistantMessage,
@@ -50,7 +51,6 @@ from h3d.errors import H3Error, InvalidRequest, NoChatTemplate
 if TYPE_CHECKING:
     from h3d.daemon.http.server import HttpApi
 
-MAX_STOP_STRINGS = 16
 FINISH: dict[int, str] = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 
@@ -69,15 +69,13 @@ class Sampling:
     ignore_eos: bool
 
     def apply(self, base: SamplingParams, limit: int) -> SamplingParams:
-        """`base` (the daemon's defaults) with what the request sets, checked: max_tokens within
-        1..limit (`max_tokens_limit`; unset: the default, capped at the limit)."""
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        """`base` (the daemon's defaults) with what the request sets, checked as gRPC's are
+        (`sampling_with`)."""
         over: dict[str, Any] = {
             k: v
             for k, v in (
-                ("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
-                ("seed", self.seed), ("presence_penalty", self.presence_penalty),
+                ("max_tokens", self.max_tokens), ("temperature", self.temperature), ("top_p", self.top_p),
+                ("top_k", self.top_k), ("seed", self.seed), ("presence_penalty", self.presence_penalty),
                 ("frequency_penalty", self.frequency_penalty),
             )
             if v is not None
@@ -86,10 +84,7 @@ class Sampling:
             over["stop"] = self.stop
         if self.ignore_eos:
             over["ignore_eos"] = True
-        if self.max_tokens is not None and self.max_tokens > limit:
-            raise InvalidRequest(f"max_tokens: at most {limit} (max_tokens_limit), got {self.max_tokens}")
-        over["max_tokens"] = self.max_tokens if self.max_tokens is not None else min(base.max_tokens, limit)
-        return replace(base, **over).validate()
+        return sampling_with(base, over, limit)
 
 
 def sampling_of(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> Sampling:

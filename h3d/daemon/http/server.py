@@ -101,7 +101,6 @@ class HttpApi:
     @web.middleware
     async def _around(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         rid, t0, status = next(self.s.request_ids), time.perf_counter(), 500
-        request["rid"] = rid
         route = request.match_info.route.name or "Unknown"
         try:
             if route not in ("Health", "Unknown"):
