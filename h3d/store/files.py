@@ -15,10 +15,16 @@ disk, and the code under test runs as it does in production.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers one pwritev takes
 
 
 def create_file(path: Path, flags: int) -> int:
@@ -99,12 +105,26 @@ class FileOps:
         """One `os.write` at the file's position. -> the bytes written (fewer than `data`: a short write)."""
         return os.write(fd, data)
 
-    def write_all(self, fd: int, data: bytes, offset: int) -> None:
-        """All of `data` at `offset` (`os.pwrite` until done): the offsets asked for are the ones written."""
-        view = memoryview(data)
-        while view:
-            done = os.pwrite(fd, view, offset)
-            view, offset = view[done:], offset + done
+    def write_all(self, fd: int, data: bytes | Sequence[Buffer], offset: int) -> None:
+        """All of `data` at `offset` (`os.pwrite` until done): the offsets asked for are the ones
+        written. `data` may be a list of buffers, written one after another (`os.pwritev`, without
+        joining them first: a batch of archive records is written as it was encoded)."""
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            view = memoryview(data)
+            while view:
+                done = os.pwrite(fd, view, offset)
+                view, offset = view[done:], offset + done
+            return
+        views = [v for v in (memoryview(x).cast("B") for x in data) if v.nbytes]
+        i = 0
+        while i < len(views):
+            done = os.pwritev(fd, views[i : i + _IOV_MAX], offset)
+            offset += done
+            while i < len(views) and done >= views[i].nbytes:
+                done -= views[i].nbytes
+                i += 1
+            if done:
+                views[i] = views[i][done:]
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)

@@ -45,8 +45,9 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from h3d.store.files import FileOps, make_dirs, open_or_create
@@ -60,7 +61,8 @@ from h3d.tiers.codecs import (
     decompress_raw,
     encode,
     encode_int8_many,
-    pack_record,
+    encode_raw_many,
+    record_prefix,
 )
 from h3d.tiers.compaction import COPY_CHUNK_BYTES, CompactionHooks, CompactionStats
 from h3d.tiers.identity import (
@@ -76,6 +78,9 @@ from h3d.tiers.identity import (
 )
 from h3d.tiers.manifest import del_entry, encode_lines, put_entry, replay
 from h3d.tiers.segments import Loc, open_segment, segment_path, segment_sizes, trim_segments
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +101,9 @@ class ArchiveStats:
 @dataclass(frozen=True, slots=True)
 class _Pending:
     key: BlockKey
-    record: bytes
+    prefix: bytes  # the record is prefix + payload (written as two pieces: the payload is not copied)
+    payload: Buffer
+    length: int
     num_tokens: int
     codec: Codec
     crc: int
@@ -238,7 +245,42 @@ class Archive:
         outside the locks, so several threads' puts compress in parallel.
         """
         payloads = self._encode([(key, *self._checked(key, k, v)) for key, k, v in items])
-        pending = [self._pack_record(key, k, p) for (key, k, _), p in zip(items, payloads, strict=True)]
+        pending = [self._pack_record(key, k.shape[1], p) for (key, k, _), p in zip(items, payloads, strict=True)]
+        self._write(pending)
+
+    def put_blocks(
+        self, session: str, layers: np.ndarray, indices: np.ndarray, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Archive whole blocks of one session, encoded in bulk: block i is (`layers[i]`,
+        `indices[i]`) with k[:, i], v[:, i] of k, v [Hkv, n, block_size, D] CPU of the identity's
+        dtype. The records are those `put` writes; durable once this returns. Write-behind's path:
+        raw-zstd layers compress in one call outside the GIL (`codecs.encode_raw_many`), and the
+        records go to disk without a copy, so that the engine thread beside it keeps the GIL."""
+        ident = self.identity
+        shape = (ident.num_kv_heads, len(layers), ident.block_size, ident.head_dim)
+        if tuple(k.shape) != shape or tuple(v.shape) != shape or len(indices) != len(layers):
+            raise ValueError(f"k, v must be {list(shape)} (one block per layer and index), got {list(k.shape)}")
+        if k.dtype != self._dtype or v.dtype != self._dtype:
+            raise ValueError(f"dtype must be {self._dtype}, got {k.dtype}, {v.dtype}")
+        keys = [BlockKey(session, layer, i) for layer, i in zip(layers.tolist(), indices.tolist(), strict=True)]
+        raw = np.array([self.codec_for(key.layer) is Codec.RAW_ZSTD for key in keys], dtype=bool)
+        if raw.all():
+            payloads: list[Buffer] = encode_raw_many(k, v)
+        else:
+            payloads = [b""] * len(keys)
+            at = np.flatnonzero(raw)
+            if len(at):
+                pick = torch.from_numpy(at)
+                for i, payload in zip(at.tolist(), encode_raw_many(k[:, pick], v[:, pick]), strict=True):
+                    payloads[i] = payload
+            lossy = np.flatnonzero(~raw).tolist()
+            for i, payload in zip(lossy, encode_int8_many([(k[:, i], v[:, i]) for i in lossy]), strict=True):
+                payloads[i] = payload
+        bs = ident.block_size
+        self._write([self._pack_record(key, bs, p) for key, p in zip(keys, payloads, strict=True)])
+
+    def _write(self, pending: list[_Pending]) -> None:
+        """Append `pending`'s records, then their manifest lines (the write protocol)."""
         if not pending:
             return
         with self._writing():
@@ -277,11 +319,13 @@ class Archive:
                 out[i] = payload
         return out  # type: ignore[return-value]
 
-    def _pack_record(self, key: BlockKey, k: torch.Tensor, payload: bytes) -> _Pending:
-        n = k.shape[1]
+    def _pack_record(self, key: BlockKey, num_tokens: int, payload: Buffer) -> _Pending:
         codec = self.codec_for(key.layer)
-        record, crc = pack_record(record_header(self.identity, key, n, CODEC_IDS[codec]), payload)
-        return _Pending(key, record, n, codec, crc, 2 * k.numel() * k.element_size(), len(payload))
+        prefix, crc = record_prefix(record_header(self.identity, key, num_tokens, CODEC_IDS[codec]), payload)
+        size = memoryview(payload).nbytes
+        ident = self.identity
+        raw = 2 * ident.num_kv_heads * num_tokens * ident.head_dim * self._dtype.itemsize
+        return _Pending(key, prefix, payload, len(prefix) + size, num_tokens, codec, crc, raw, size)
 
     def _rotate(self) -> None:
         """Start the next segment (the new file first: a failure leaves the active one open)."""
@@ -296,9 +340,9 @@ class Archive:
             self._rotate()
         locs, offset = [], self._seg_size
         for p in pending:
-            locs.append(Loc(self._seg_no, offset, len(p.record), p.num_tokens, p.codec, p.crc))
-            offset += len(p.record)
-        self.files.write_all(self._seg_fd, b"".join(p.record for p in pending), self._seg_size)
+            locs.append(Loc(self._seg_no, offset, p.length, p.num_tokens, p.codec, p.crc))
+            offset += p.length
+        self.files.write_all(self._seg_fd, [part for p in pending for part in (p.prefix, p.payload)], self._seg_size)
         self.files.fsync(self._seg_fd)
         self._seg_size = offset
         return locs

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from h3d.tiers.identity import BlockKey
@@ -34,6 +35,14 @@ class ColdTier(Protocol):
     def put(self, items: list[tuple[BlockKey, torch.Tensor, torch.Tensor]]) -> None:
         """Store blocks ((key, k [Hkv, n, D], v [Hkv, n, D]) each), durably when it returns;
         a record of the same key is replaced. Raises `ArchiveWriteFailed`."""
+        ...
+
+    def put_blocks(
+        self, session: str, layers: np.ndarray, indices: np.ndarray, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """`put` of whole blocks of one session in bulk: block i is (`layers[i]`, `indices[i]`),
+        k[:, i], v[:, i] of k, v [Hkv, n, block_size, D] (write-behind's path). Durable when it
+        returns; raises `ArchiveWriteFailed`."""
         ...
 
     def get(self, key: BlockKey) -> tuple[torch.Tensor, torch.Tensor]:

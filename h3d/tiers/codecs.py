@@ -37,13 +37,14 @@ import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
     import zstandard
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 ZSTD_LEVEL = 3
 INT8_MAX_REL_ERROR = 1.0 / 254.0
@@ -91,16 +92,25 @@ class RecordHeader:
 
 def pack_record(h: RecordHeader, payload: bytes) -> tuple[bytes, int]:
     """-> (record bytes, its crc32). ValueError if a field does not fit its on-disk width."""
+    prefix, crc = record_prefix(h, payload)
+    return prefix + bytes(payload), crc
+
+
+def record_prefix(h: RecordHeader, payload: Buffer) -> tuple[bytes, int]:
+    """What comes before `payload` in its record (header, crc32, fingerprint, session), and the
+    crc32: the record is `prefix + payload`, written as two pieces so that the payload is never
+    copied. ValueError if a field does not fit its on-disk width."""
     fp, session = h.fingerprint.encode(), h.session.encode()
+    size = memoryview(payload).nbytes
     try:
         head = _HEAD.pack(
             MAGIC, h.format_version, h.codec_id, _DTYPE_IDS[h.dtype], h.layer, h.index, h.num_tokens,
-            h.block_size, h.num_kv_heads, h.head_dim, len(fp), len(session), len(payload),
+            h.block_size, h.num_kv_heads, h.head_dim, len(fp), len(session), size,
         )  # fmt: skip
     except struct.error as e:
         raise ValueError(f"record header field out of range: {e}") from e
     crc = zlib.crc32(payload, zlib.crc32(session, zlib.crc32(fp, zlib.crc32(head))))
-    return b"".join((head, _CRC.pack(crc), fp, session, payload)), crc
+    return b"".join((head, _CRC.pack(crc), fp, session)), crc
 
 
 def unpack_record(data: bytes) -> tuple[RecordHeader, int, memoryview]:
@@ -166,6 +176,32 @@ def _check(k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"unsupported dtypes {k.dtype}, {v.dtype}: expected float32, bfloat16 or float16")
     if k.device.type != "cpu" or v.device.type != "cpu":
         raise ValueError("k and v must be CPU tensors")
+
+
+def encode_raw_many(k: torch.Tensor, v: torch.Tensor) -> list[Buffer]:
+    """raw-zstd payloads of whole blocks, k, v [Hkv, n, tokens, D] CPU (block i is k[:, i],
+    v[:, i]): each the bytes `encode` gives it alone. One copy lays the blocks out as their
+    payloads' bytes and one call compresses them all, outside the GIL (zstandard's
+    `multi_compress_to_buffer`; one `compress` per block where the backend lacks it), so that a
+    thread writing blocks behind holds the GIL for microseconds, not for a Python call per block."""
+    if k.shape != v.shape or k.dim() != 4 or k.dtype != v.dtype or k.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"k and v must both be [kv_heads, n, tokens, head_dim] of one dtype, got {k.shape}, {v.shape}")
+    n = k.shape[1]
+    if n == 0:
+        return []
+    flat = torch.stack((k.transpose(0, 1), v.transpose(0, 1)), 1).reshape(n, -1)  # [n, 2 * Hkv * tokens * D]
+    data = flat.view(torch.uint8).numpy()
+    size = data.shape[1]
+    cctx = _compressor()
+    if hasattr(cctx, "multi_compress_to_buffer"):
+        segments = np.empty((n, 2), dtype=np.uint64)
+        segments[:, 0] = np.arange(n, dtype=np.uint64) * size
+        segments[:, 1] = size
+        bufs = _zstd().BufferWithSegments(data.reshape(-1).data, segments.tobytes())
+        out = cctx.multi_compress_to_buffer(bufs, threads=0)
+        return cast("list[Buffer]", [out[i] for i in range(n)])  # BufferSegments: buffers, untyped
+    view = data.reshape(-1).data
+    return [cctx.compress(view[i * size : (i + 1) * size]) for i in range(n)]
 
 
 def encode(codec: Codec, k: torch.Tensor, v: torch.Tensor) -> bytes:

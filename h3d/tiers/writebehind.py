@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from h3d.kv.blocks import NONE, SeqId
-from h3d.tiers.identity import ArchiveWriteFailed, BlockKey
+from h3d.tiers.identity import ArchiveWriteFailed
 
 if TYPE_CHECKING:
     from h3d.tiers.manager import TierManager
@@ -151,8 +151,13 @@ class WriteBehind:
             return 0
         e = b.entries
         t = b.table(seq)
-        written = e.archived[t.ids[full_layers, start:end]].all(axis=0)  # columns archived already (adopted, spilled)
-        start += int(np.argmin(written)) if not written.all() else end - start
+        span = 4 * max(1, room // L)  # columns looked at a time: a step's share, not a 128K context's
+        while start < end:  # past the columns archived already (adopted, spilled)
+            written = e.archived[t.ids[full_layers, start : min(end, start + span)]].all(axis=0)
+            if not written.all():
+                start += int(np.argmin(written))
+                break
+            start += len(written)
         self.cursor[seq] = start
         if start >= end:
             return 0
@@ -193,9 +198,8 @@ class WriteBehind:
             slots = e.ddr[t.ids[ly, bl]]
             assert (slots != NONE).all(), "a block written behind without its DDR copy"
             b.ddr_alloc.hold(slots)
-            keys = [BlockKey(name, int(layer), int(j)) for layer, j in zip(ly, bl, strict=True)]
             assert self._pool is not None
-            future = self._pool.submit(self._write, ready, keys, slots)
+            future = self._pool.submit(self._write, ready, name, ly, bl, slots)
             self.batches.append(_Batch(seq, ly, bl, slots, future, len(bl) * tiers.block_bytes))
         self.cursor[seq] = start + cols
         return len(blocks)
@@ -213,15 +217,19 @@ class WriteBehind:
             tiers.drop_cheap(want - max(room(), 0), tiers.eviction_order(batch, None), protect)
         return max(0, room())
 
-    def _write(self, ready: torch.cuda.Event | None, keys: list[BlockKey], slots: np.ndarray) -> None:
-        """A write-behind thread: the blocks' bytes from their held DDR slots into the archive."""
+    def _write(
+        self, ready: torch.cuda.Event | None, name: str, layers: np.ndarray, blocks: np.ndarray, slots: np.ndarray
+    ) -> None:
+        """A write-behind thread: the blocks' bytes from their held DDR slots into the archive, in
+        bulk (`Archive.put_blocks`: a few calls that leave the GIL to the engine thread while they
+        copy, compress and write, rather than several Python calls per block)."""
         if ready is not None:
             ready.synchronize()
         ddr = self.tiers.ddr
         k, v = ddr.read(torch.from_numpy(slots))  # [Hkv, n, bs, D], copies
         archive = self.tiers.archive
         assert archive is not None
-        archive.put([(key, k[:, i], v[:, i]) for i, key in enumerate(keys)])
+        archive.put_blocks(name, layers, blocks, k, v)
 
     def poll(self, wait: bool = False, seq: SeqId | None = None) -> None:
         """Apply the finished batches (all of them, or `seq`'s, waited for with `wait`): blocks

@@ -728,3 +728,84 @@ def test_a_bulk_read_that_cannot_decode_is_named(tmp_path: Path, monkeypatch: py
         with pytest.raises(ArchiveCorrupt, match="broken") as err:
             a.get_bytes([BlockKey("s", 2, 0), BlockKey("s", 2, 1)])
         assert err.value.key == BlockKey("s", 2, 0)
+
+
+@pytest.mark.parametrize("multi", [True, False])
+def test_bulk_puts_write_the_records_one_by_one_puts_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, multi: bool
+) -> None:
+    """`put_blocks` (write-behind's bulk path) leaves a segment byte for byte as the same blocks
+    `put` one by one do, lossless layers (every bit pattern) beside int8 ones, with zstandard's
+    bulk compression and without it (a backend that lacks it); the blocks read back as put."""
+    if not multi:
+        monkeypatch.setattr(codecs, "_compressor", lambda: _NoBulk(codecs.ZSTD_LEVEL))
+    n = 7
+    k = torch.stack([any_bits((3, 32, 64), torch.float32, 10 + i) for i in range(n)], 1)
+    v = torch.stack([any_bits((3, 32, 64), torch.float32, 20 + i) for i in range(n)], 1)
+    lossy = torch.stack([values((3, 32, 64), torch.float32, "unit", 30 + i) for i in range(n)], 1)
+    layers = torch.tensor([0, 0, 1, 2, 2, 0, 1]).numpy()  # layer 1 lossy (int8), 0 and 2 lossless
+    indices = torch.tensor([0, 1, 0, 0, 3, 9, 1]).numpy()
+    k[:, layers == 1], v[:, layers == 1] = lossy[:, layers == 1], lossy[:, layers == 1]
+    segments: list[bytes] = []  # the bulk archive's records and manifest, then the other's
+    for bulk in (True, False):
+        folder = tmp_path / str(bulk)
+        with Archive(folder, IDENT, Codec.INT8_DELTA_ZSTD, lossless_layers=frozenset({0, 2})) as a:
+            if bulk:
+                a.put_blocks("s", layers, indices, k, v)
+            else:
+                a.put(
+                    [
+                        (BlockKey("s", int(layer), int(i)), k[:, j], v[:, j])
+                        for j, (layer, i) in enumerate(zip(layers, indices, strict=True))
+                    ]
+                )
+            for j, (layer, i) in enumerate(zip(layers, indices, strict=True)):
+                k2, v2 = a.get(BlockKey("s", int(layer), int(i)))
+                if layer == 1:
+                    check_int8_bound(k[:, j], k2)
+                else:
+                    assert same_bits(k[:, j], k2) and same_bits(v[:, j], v2)
+            assert a.stats().raw_bytes == n * 2 * 3 * 32 * 64 * 4
+        segments.append(b"".join(p.read_bytes() for p in sorted(folder.glob("seg-*"))))
+        segments.append((folder / "manifest.log").read_bytes())
+    assert segments[0] == segments[2] and segments[1] == segments[3]  # the records, then the manifests
+    assert len(segments[0]) > n * 3 * 32 * 64 and segments[1].count(b'"op":"put"') == n
+
+
+def test_bulk_puts_refuse_blocks_of_the_wrong_shape(tmp_path: Path) -> None:
+    with Archive(tmp_path, IDENT) as a:
+        k = torch.zeros(3, 2, 31, 64)  # not whole blocks
+        with pytest.raises(ValueError, match="block"):
+            a.put_blocks("s", torch.tensor([0, 0]).numpy(), torch.tensor([0, 1]).numpy(), k, k)
+        k = torch.zeros(3, 2, 32, 64, dtype=torch.float16)
+        with pytest.raises(ValueError, match="dtype"):
+            a.put_blocks("s", torch.tensor([0, 0]).numpy(), torch.tensor([0, 1]).numpy(), k, k)
+        assert a.stats().records == 0
+
+
+def test_a_list_of_buffers_is_written_whole(tmp_path: Path) -> None:
+    """`FileOps.write_all` of buffers (the archive's records as prefix and payload) writes them one
+    after another at the offset, more of them than one pwritev takes, empty ones among them."""
+    from h3d.store import files
+
+    parts = [bytes([i % 251]) * (i % 5) for i in range(files._IOV_MAX * 2 + 3)]
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 10)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        FileOps().write_all(fd, [memoryview(p) for p in parts], 4)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"xxxx" + b"".join(parts)
+
+
+class _NoBulk:
+    """A zstd compressor without `multi_compress_to_buffer` (zstandard's CFFI backend)."""
+
+    def __init__(self, level: int) -> None:
+        import zstandard
+
+        self._c = zstandard.ZstdCompressor(level=level)
+
+    def compress(self, data: bytes) -> bytes:
+        return self._c.compress(data)
