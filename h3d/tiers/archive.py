@@ -63,6 +63,7 @@ from h3d.tiers.codecs import (
     encode_int8_many,
     encode_raw_many,
     record_prefix,
+    record_prefixes,
 )
 from h3d.tiers.compaction import COPY_CHUNK_BYTES, CompactionHooks, CompactionStats
 from h3d.tiers.identity import (
@@ -76,7 +77,7 @@ from h3d.tiers.identity import (
     record_header,
     verify_record,
 )
-from h3d.tiers.manifest import del_entry, encode_lines, put_entry, replay
+from h3d.tiers.manifest import del_entry, encode_lines, put_entry, puts_entry, replay
 from h3d.tiers.segments import Loc, open_segment, segment_path, segment_sizes, trim_segments
 
 if TYPE_CHECKING:
@@ -98,17 +99,21 @@ class ArchiveStats:
     live_records: int
 
 
-@dataclass(frozen=True, slots=True)
-class _Pending:
-    key: BlockKey
-    prefix: bytes  # the record is prefix + payload (written as two pieces: the payload is not copied)
-    payload: Buffer
-    length: int
-    num_tokens: int
-    codec: Codec
-    crc: int
+@dataclass(slots=True)
+class _Records:
+    """Encoded records on their way to a segment, as columns: record i is `parts[2i]` (its prefix)
+    then `parts[2i + 1]` (its payload), written as they are (no join copies the payloads). `bulk`:
+    one session's, given the manifest as one `puts` line."""
+
+    keys: list[BlockKey]
+    parts: list[Buffer]
+    lengths: list[int]
+    tokens: list[int]
+    codecs: list[Codec]
+    crcs: list[int]
     raw_bytes: int
     payload_bytes: int
+    bulk: bool = False
 
 
 class Archive:
@@ -245,8 +250,20 @@ class Archive:
         outside the locks, so several threads' puts compress in parallel.
         """
         payloads = self._encode([(key, *self._checked(key, k, v)) for key, k, v in items])
-        pending = [self._pack_record(key, k.shape[1], p) for (key, k, _), p in zip(items, payloads, strict=True)]
-        self._write(pending)
+        ident, itemsize = self.identity, self._dtype.itemsize
+        records = _Records([], [], [], [], [], [], 0, 0)
+        for (key, k, _), payload in zip(items, payloads, strict=True):
+            n, codec = k.shape[1], self.codec_for(key.layer)
+            prefix, crc = record_prefix(record_header(ident, key, n, CODEC_IDS[codec]), payload)
+            records.keys.append(key)
+            records.parts += (prefix, payload)
+            records.lengths.append(len(prefix) + len(payload))
+            records.tokens.append(n)
+            records.codecs.append(codec)
+            records.crcs.append(crc)
+            records.raw_bytes += 2 * ident.num_kv_heads * n * ident.head_dim * itemsize
+            records.payload_bytes += len(payload)
+        self._write(records)
 
     def put_blocks(
         self, session: str, layers: np.ndarray, indices: np.ndarray, k: torch.Tensor, v: torch.Tensor
@@ -263,7 +280,8 @@ class Archive:
         if k.dtype != self._dtype or v.dtype != self._dtype:
             raise ValueError(f"dtype must be {self._dtype}, got {k.dtype}, {v.dtype}")
         keys = [BlockKey(session, layer, i) for layer, i in zip(layers.tolist(), indices.tolist(), strict=True)]
-        raw = np.array([self.codec_for(key.layer) is Codec.RAW_ZSTD for key in keys], dtype=bool)
+        codecs = [self.codec_for(key.layer) for key in keys]
+        raw = np.array([c is Codec.RAW_ZSTD for c in codecs], dtype=bool)
         if raw.all():
             payloads: list[Buffer] = encode_raw_many(k, v)
         else:
@@ -277,21 +295,33 @@ class Archive:
             for i, payload in zip(lossy, encode_int8_many([(k[:, i], v[:, i]) for i in lossy]), strict=True):
                 payloads[i] = payload
         bs = ident.block_size
-        self._write([self._pack_record(key, bs, p) for key, p in zip(keys, payloads, strict=True)])
+        head = record_header(ident, BlockKey(session, 0, 0), bs, 0)  # layer, index and codec: per record
+        codec_ids = np.array([CODEC_IDS[c] for c in codecs], dtype=np.uint8)
+        prefixes, size, crcs = record_prefixes(head, layers, indices, codec_ids, payloads)
+        sizes = [memoryview(x).nbytes for x in payloads]
+        parts: list[Buffer] = []
+        for i, payload in enumerate(payloads):
+            parts += (prefixes[i * size : (i + 1) * size], payload)
+        raw_bytes = len(keys) * 2 * ident.num_kv_heads * bs * ident.head_dim * self._dtype.itemsize
+        lengths = [size + n for n in sizes]
+        self._write(_Records(keys, parts, lengths, [bs] * len(keys), codecs, crcs, raw_bytes, sum(sizes), bulk=True))
 
-    def _write(self, pending: list[_Pending]) -> None:
-        """Append `pending`'s records, then their manifest lines (the write protocol)."""
-        if not pending:
+    def _write(self, records: _Records) -> None:
+        """Append the records, then their manifest lines (the write protocol)."""
+        if not records.keys:
             return
         with self._writing():
-            locs = self._append_records(pending)
-            self._append_manifest([put_entry(p.key, loc) for p, loc in zip(pending, locs, strict=True)])
+            locs = self._append_records(records)
+            if records.bulk:
+                self._append_manifest([puts_entry(records.keys[0].session, records.keys, locs)])
+            else:
+                self._append_manifest([put_entry(key, loc) for key, loc in zip(records.keys, locs, strict=True)])
             with self._state:
-                for p, loc in zip(pending, locs, strict=True):
-                    self._place(p.key, loc)
-                    self._counts[0] += p.raw_bytes
-                    self._counts[1] += p.payload_bytes
-                self._counts[2] += len(pending)
+                for key, loc in zip(records.keys, locs, strict=True):
+                    self._place(key, loc)
+                self._counts[0] += records.raw_bytes
+                self._counts[1] += records.payload_bytes
+                self._counts[2] += len(records.keys)
 
     def _checked(self, key: BlockKey, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ident = self.identity
@@ -319,14 +349,6 @@ class Archive:
                 out[i] = payload
         return out  # type: ignore[return-value]
 
-    def _pack_record(self, key: BlockKey, num_tokens: int, payload: Buffer) -> _Pending:
-        codec = self.codec_for(key.layer)
-        prefix, crc = record_prefix(record_header(self.identity, key, num_tokens, CODEC_IDS[codec]), payload)
-        size = memoryview(payload).nbytes
-        ident = self.identity
-        raw = 2 * ident.num_kv_heads * num_tokens * ident.head_dim * self._dtype.itemsize
-        return _Pending(key, prefix, payload, len(prefix) + size, num_tokens, codec, crc, raw, size)
-
     def _rotate(self) -> None:
         """Start the next segment (the new file first: a failure leaves the active one open)."""
         fd = open_segment(self.files, self.path, self._next_no)
@@ -334,15 +356,15 @@ class Archive:
         self._seg_no, self._seg_size, self._seg_fd = self._next_no, 0, fd
         self._next_no += 1
 
-    def _append_records(self, pending: list[_Pending]) -> list[Loc]:
+    def _append_records(self, records: _Records) -> list[Loc]:
         """Append one batch to the active segment (never split across two) and fsync it."""
         if self._seg_size >= self._segment_bytes:
             self._rotate()
-        locs, offset = [], self._seg_size
-        for p in pending:
-            locs.append(Loc(self._seg_no, offset, p.length, p.num_tokens, p.codec, p.crc))
-            offset += p.length
-        self.files.write_all(self._seg_fd, [part for p in pending for part in (p.prefix, p.payload)], self._seg_size)
+        locs, offset, seg = [], self._seg_size, self._seg_no
+        for length, n, codec, crc in zip(records.lengths, records.tokens, records.codecs, records.crcs, strict=True):
+            locs.append(Loc(seg, offset, length, n, codec, crc))
+            offset += length
+        self.files.write_all(self._seg_fd, records.parts, self._seg_size)
         self.files.fsync(self._seg_fd)
         self._seg_size = offset
         return locs

@@ -1,7 +1,8 @@
 """The archive's manifest log, `manifest.log`: the durable map from blocks to their records' places.
 
 One line per change, `<crc32 hex> <json>` (`encode_lines`): `put` (`put_entry`) maps a BlockKey to
-its record's place (a `Loc`), `del` (`del_entry`) drops a session's blocks (all of them, or those
+its record's place (a `Loc`), `puts` (`puts_entry`) maps many of one session's (a bulk write's,
+`Archive.put_blocks`: its fields as lists), `del` (`del_entry`) drops a session's blocks (all of them, or those
 from a block index on: `from`). Replaying it (`replay`) gives
 the live index; the last entry for a key wins. What must stay true:
 - a torn tail (partial or bad-crc last lines) is truncated at open; a bad line followed by good
@@ -71,6 +72,13 @@ def _apply(entry: dict[str, Any], place: Place, forget: Forget, ends: dict[int, 
         if entry["op"] == "del":
             forget(entry["s"], int(entry.get("from", 0)))
             return
+        if entry["op"] == "puts":
+            s = entry["s"]
+            names = ("l", "i", "seg", "off", "len", "n", "c", "crc")
+            for layer, index, seg, off, length, n, c, crc in zip(*(entry[k] for k in names), strict=True):
+                place(BlockKey(s, layer, index), Loc(seg, off, length, n, Codec(c), crc))
+                ends[seg] = max(ends.get(seg, 0), off + length)
+            return
         loc = Loc(entry["seg"], entry["off"], entry["len"], entry["n"], Codec(entry["c"]), entry["crc"])
         place(BlockKey(entry["s"], entry["l"], entry["i"]), loc)
         ends[loc.segment] = max(ends.get(loc.segment, 0), loc.offset + loc.length)
@@ -91,6 +99,16 @@ def put_entry(key: BlockKey, loc: Loc) -> dict[str, Any]:
     return {
         "op": "put", "s": key.session, "l": key.layer, "i": key.index, "seg": loc.segment, "off": loc.offset,
         "len": loc.length, "n": loc.num_tokens, "c": loc.codec.value, "crc": loc.crc,
+    }  # fmt: skip
+
+
+def puts_entry(session: str, keys: list[BlockKey], locs: list[Loc]) -> dict[str, Any]:
+    """Many of one session's records in one line (a bulk write's): the `put` entries' fields as
+    lists, one element per record."""
+    return {
+        "op": "puts", "s": session, "l": [k.layer for k in keys], "i": [k.index for k in keys],
+        "seg": [x.segment for x in locs], "off": [x.offset for x in locs], "len": [x.length for x in locs],
+        "n": [x.num_tokens for x in locs], "c": [x.codec.value for x in locs], "crc": [x.crc for x in locs],
     }  # fmt: skip
 
 

@@ -433,6 +433,10 @@ def _manifest_places(folder: Path) -> dict[tuple[str, int, int], dict[str, Any]]
         entry = json.loads(line[9:])
         if entry["op"] == "del":
             places = {k: e for k, e in places.items() if k[0] != entry["s"]}
+        elif entry["op"] == "puts":  # a bulk write: the fields as lists
+            for j in range(len(entry["l"])):
+                one = {name: (x[j] if isinstance(x, list) else x) for name, x in entry.items()}
+                places[(entry["s"], one["l"], one["i"])] = one
         else:
             places[(entry["s"], entry["l"], entry["i"])] = entry
     return places
