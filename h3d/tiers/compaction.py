@@ -48,11 +48,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from h3d.tiers.identity import ArchiveCorrupt, BlockKey, describe
-from h3d.tiers.manifest import put_entry
+from h3d.tiers.manifest import puts_entry
 from h3d.tiers.segments import Loc, segment_sizes
 
 if TYPE_CHECKING:
     from h3d.tiers.archive import Archive
+
+PUTS_PER_LINE = 4096  # records per line of a rewritten manifest (one session's each)
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +110,13 @@ def compact(a: Archive, keep_ratio: float) -> int:
                 entries = []
                 if moved:
                     now = {key: new for key, new in moved}
-                    for s, blocks in a._index.items():
-                        for li, loc in blocks.items():
-                            key = BlockKey(s, li[0], li[1])
-                            entries.append(put_entry(key, now.get(key, loc)))
+                    for s, blocks in a._index.items():  # one `puts` line per session (a piece of it)
+                        items = list(blocks.items())
+                        for i in range(0, len(items), PUTS_PER_LINE):
+                            piece = items[i : i + PUTS_PER_LINE]
+                            keys = [BlockKey(s, li[0], li[1]) for li, _ in piece]
+                            locs = [now.get(key, loc) for key, (_, loc) in zip(keys, piece, strict=True)]
+                            entries.append(puts_entry(s, keys, locs))
                 if moved:
                     a._rewrite_manifest(entries, moved)
                 with a._state:

@@ -118,10 +118,18 @@ class Mover:
         return [(key, k[:, i, :n], v[:, i, :n]) for i, (key, n) in enumerate(zip(keys, tokens, strict=True))]
 
     def submit_write(self, keys: list[BlockKey], pool: KVPool, slots: np.ndarray, tokens: list[int]) -> Transfer:
-        """Start archiving blocks (their first `tokens` tokens) from `pool`; the bytes are copied now."""
+        """Start archiving blocks (their first `tokens` tokens) from `pool`; the bytes are copied now.
+        Whole blocks of one session go in bulk (`put_blocks`: no Python call per block)."""
         assert self.archive is not None and self._writer is not None
-        items = self._items(keys, pool, slots, tokens)
-        transfer = Transfer(next(self._ids), tuple(keys), self._writer.submit(self.archive.put, items))
+        bs = pool.k.shape[2]
+        if keys and all(n == bs for n in tokens) and len({key.session for key in keys}) == 1:
+            k, v = pool.read(torch.from_numpy(slots).to(pool.k.device))  # [Hkv, n, bs, D]
+            layers = np.array([key.layer for key in keys], dtype=np.int64)
+            indices = np.array([key.index for key in keys], dtype=np.int64)
+            put = self._writer.submit(self.archive.put_blocks, keys[0].session, layers, indices, k.cpu(), v.cpu())
+        else:
+            put = self._writer.submit(self.archive.put, self._items(keys, pool, slots, tokens))
+        transfer = Transfer(next(self._ids), tuple(keys), put)
         self.in_flight[transfer.id] = transfer
         return transfer
 
