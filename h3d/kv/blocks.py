@@ -30,7 +30,9 @@ What must stay true (checked by `BlockManager.check_invariants`):
 - a table points only at slots owned by its session, each HBM slot in its layer's region;
 - every live block (at or past its layer's floor) is in at least one tier; the last partial block
   is in HBM or DDR; a full-attention layer's floor is 0;
-- an entry is free exactly when no table points to it; its count is the cells that point to it.
+- an entry is free exactly when no table points to it; its count is the cells that point to it;
+- a table's version changes with every change of its blocks' copies that moves where attention
+  reads one, or leaves one in the archive only (what is cached by version stays true).
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ class BlockTable:
     num_tokens: int = 0
     version: int = 0
     runs_cache: dict[int, tuple[int, Runs]] | None = None  # layer -> (version, runs)
+    homeless_at: tuple[int, bool] | None = None  # (version, whether a block is in the archive only)
+    ddr_only_at: tuple[int, int] | None = None  # (version, full blocks) at which none of those was in DDR only
 
     @property
     def capacity(self) -> int:
@@ -163,6 +167,16 @@ class BlockTable:
         n = self.num_blocks if upto is None else min(upto, self.num_blocks)
         ids = self.ids[:, :n] if layer is None else self.ids[layer, :n]
         return (self.entries.hbm[ids] == NONE) & (self.entries.ddr[ids] == NONE) & (ids != NULL_ENTRY)
+
+    def any_archive_only(self) -> bool:
+        """Whether some block is in neither HBM nor DDR (`archive_only().any()`), kept for the
+        table's version: every change of a block's copies that can leave it in the archive only
+        changes the version, so that a step asks this of a long session without a scan of its
+        whole table (every block of it is archived once written behind)."""
+        at = self.homeless_at
+        if at is None or at[0] != self.version:
+            at = self.homeless_at = (self.version, bool(self.archive_only().any()))
+        return at[1]
 
     def live(self) -> np.ndarray:
         """[L, num_blocks] whether each block is kept (False: freed behind its layer's window)."""
@@ -678,3 +692,11 @@ class BlockManager:
             last = (hbm[:, -1] != NONE) | (ddr[:, -1] != NONE)
             assert (last | arch[:, -1]).all(), f"seq {seq}: partial block not in HBM/DDR"
         assert (table.hbm[:, nb:] == NONE).all() and (table.ddr[:, nb:] == NONE).all(), f"seq {seq}: stale slots"
+        only = table.ddr_only_at
+        if only is not None and only[0] == table.version:
+            ids = table.ids[:, : only[1]]
+            in_ddr_only = (self.entries.hbm[ids] == NONE) & (self.entries.ddr[ids] != NONE)
+            assert not in_ddr_only.any(), f"seq {seq}: a block came to DDR only, version unchanged"
+        at = table.homeless_at
+        if at is not None and at[0] == table.version:  # a change of copies without a version change
+            assert at[1] == bool(table.archive_only().any()), f"seq {seq}: archive-only blocks, version unchanged"

@@ -175,7 +175,7 @@ class KVCache:
         """Whether some block of `seq` is in the archive only (a step must stage it first)."""
         if not self.blocks.entries.num_archived:  # every block has a copy in HBM or DDR
             return False
-        return bool(self.sessions[seq].table.archive_only().any())
+        return self.sessions[seq].table.any_archive_only()
 
     def window_tokens(self, seq: SeqId) -> int:
         """The session's HBF window now (it adapts under `attention_entropy`)."""

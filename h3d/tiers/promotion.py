@@ -317,11 +317,13 @@ class Promoter:
             full = min(full, self.tiers.rewriting[1])
         layers = np.flatnonzero(room > 0)
         none = np.empty(0, dtype=np.int64)
-        if not len(layers) or full <= 0 or budget <= 0:
+        if not len(layers) or full <= 0 or budget <= 0 or t.ddr_only_at == (t.version, full):
             return none
         ids = t.ids[layers, :full]
         li, blocks = np.nonzero((b.entries.hbm[ids] == NONE) & (b.entries.ddr[ids] != NONE))
         if not len(li):
+            if len(layers) == b.num_layers:  # none in any layer: not looked for again until a copy moves
+                t.ddr_only_at = (t.version, full)
             return none
         value = b.entries.hotness[ids[li, blocks]]
         order = np.lexsort((blocks, -value, li))  # per layer the most valuable first
