@@ -108,7 +108,7 @@ class BlockTable:
     version: int = 0
     runs_cache: dict[int, tuple[int, Runs]] | None = None  # layer -> (version, runs)
     homeless_at: tuple[int, bool] | None = None  # (version, whether a block is in the archive only)
-    ddr_only_at: tuple[int, int] | None = None  # (version, full blocks) at which none of those was in DDR only
+    ddr_only_at: tuple[int, int] | None = None  # (version, n): none of the first n blocks was in DDR only
 
     @property
     def capacity(self) -> int:
@@ -167,6 +167,18 @@ class BlockTable:
         n = self.num_blocks if upto is None else min(upto, self.num_blocks)
         ids = self.ids[:, :n] if layer is None else self.ids[layer, :n]
         return (self.entries.hbm[ids] == NONE) & (self.entries.ddr[ids] == NONE) & (ids != NULL_ENTRY)
+
+    def bump(self, kept: bool = False) -> None:
+        """A change of where attention reads a block: a new version. `kept`: blocks were only
+        added, each with a home, so that what is cached of the older blocks' copies still holds
+        (carried to the new version)."""
+        was = self.version
+        self.version += 1
+        if kept:
+            if self.homeless_at is not None and self.homeless_at[0] == was:
+                self.homeless_at = (self.version, self.homeless_at[1])
+            if self.ddr_only_at is not None and self.ddr_only_at[0] == was:
+                self.ddr_only_at = (self.version, self.ddr_only_at[1])
 
     def any_archive_only(self) -> bool:
         """Whether some block is in neither HBM nor DDR (`archive_only().any()`), kept for the
@@ -386,7 +398,7 @@ class BlockManager:
                 self.hbm_block[slots] = np.arange(first, first + in_hbm)
                 e.ddr[ids[layer, in_hbm:]] = self.ddr_alloc.allocate(new - in_hbm, seq)
             table.num_blocks += new
-            table.version += 1
+            table.bump(kept=True)  # new blocks have a home: no block came to the archive only
         if start % self.block_size:
             last = start // self.block_size
             if self.homeless(seq, last):

@@ -317,8 +317,16 @@ class Promoter:
             full = min(full, self.tiers.rewriting[1])
         layers = np.flatnonzero(room > 0)
         none = np.empty(0, dtype=np.int64)
-        if not len(layers) or full <= 0 or budget <= 0 or t.ddr_only_at == (t.version, full):
+        if not len(layers) or full <= 0 or budget <= 0:
             return none
+        known = t.ddr_only_at[1] if t.ddr_only_at is not None and t.ddr_only_at[0] == t.version else 0
+        if known >= full:
+            return none
+        if known:  # none in DDR only below `known` at this version: look at the blocks filled since
+            tail = t.ids[:, known:full]
+            if not ((b.entries.hbm[tail] == NONE) & (b.entries.ddr[tail] != NONE)).any():
+                t.ddr_only_at = (t.version, full)
+                return none
         ids = t.ids[layers, :full]
         li, blocks = np.nonzero((b.entries.hbm[ids] == NONE) & (b.entries.ddr[ids] != NONE))
         if not len(li):

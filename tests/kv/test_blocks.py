@@ -304,6 +304,15 @@ class BlockMachine(RuleBasedStateMachine):
             assert np.array_equal(t.ddr[:, :nb], m.ddr), f"seq {seq}: DDR slots differ from the model"
             assert np.array_equal(t.archived[:, :nb], m.arch), f"seq {seq}: archive flags differ from the model"
             assert (t.hbm[:, nb:] == NONE).all() and (t.ddr[:, nb:] == NONE).all()
+            # Kept per version (`any_archive_only`, `ddr_only_at`): asked here, so that the steps
+            # between two checks must keep what was cached true, or change the version.
+            homeless = (m.hbm == NONE) & (m.ddr == NONE)
+            assert t.any_archive_only() == bool(homeless.any()), f"seq {seq}: archive-only answer is stale"
+            ddr_only = (m.hbm == NONE) & (m.ddr != NONE)
+            if not ddr_only.any():
+                t.ddr_only_at = (t.version, nb)
+            elif t.ddr_only_at is not None and t.ddr_only_at[0] == t.version:
+                assert not ddr_only[:, : t.ddr_only_at[1]].any(), f"seq {seq}: DDR-only answer is stale"
 
     @invariant()
     def pools_are_consistent(self) -> None:
