@@ -159,6 +159,7 @@ class Archive:
         self._index: dict[str, dict[tuple[int, int], Loc]] = {}  # session -> (layer, index) -> place
         self._seg_paths: dict[int, str] = {}  # segment -> its path (reads name it for every record)
         self._live: dict[int, int] = {}  # segment -> bytes of its records the index points at
+        self._live_total = 0  # their sum (read without the lock: the engine thread asks every step)
         self._counts = [0, 0, 0, 0]  # raw_bytes, stored_bytes, records, reads
         self._closed = False
         self._broken: str | None = None  # set when a write failed midway: further writes refused
@@ -193,8 +194,10 @@ class Archive:
         old = blocks.get((key.layer, key.index))
         if old is not None:
             self._live[old.segment] -= old.length
+            self._live_total -= old.length
         blocks[(key.layer, key.index)] = loc
         self._live[loc.segment] = self._live.get(loc.segment, 0) + loc.length
+        self._live_total += loc.length
 
     def _forget(self, session: str, first: int = 0) -> int:
         """Drop `session`'s blocks of index `first` and later from the index (under `_state`, or while opening)."""
@@ -203,6 +206,7 @@ class Archive:
         for key in gone:
             loc = blocks.pop(key)
             self._live[loc.segment] -= loc.length
+            self._live_total -= loc.length
         if not blocks:
             self._index.pop(session, None)
         return len(gone)
@@ -390,8 +394,7 @@ class Archive:
 
     def live_bytes(self) -> int:
         """Bytes of the records the store holds now (what compaction would keep)."""
-        with self._state:
-            return sum(self._live.values())
+        return self._live_total  # one int, written under `_state`: read as it stands, never torn
 
     def disk_bytes(self) -> int:
         """Bytes the segments take on disk."""
