@@ -5,8 +5,10 @@ generation the same way: admitted within `max_pending_requests` (`State.slot`), 
 engine thread (a prompt's append chained to its generation: no step boundary between them), its
 token deltas coalesced where the loop fell behind the engine (one message, not one per token),
 time to first token and the gaps between tokens counted (`h3d_ttft_seconds`,
-`h3d_inter_token_seconds`, Stats' per-session p50/p99), and the request cancelled on the engine
-whenever the stream ends before the generation did (the client went away, or stopped reading).
+`h3d_inter_token_seconds`, Stats' per-session p50/p99: a message of n tokens sent a gap after the
+one before counts n gaps of gap / n each; tokens sent with the first, gaps of 0), and the request
+cancelled on the engine whenever the stream ends before the generation did (the client went away,
+or stopped reading).
 """
 
 from __future__ import annotations
@@ -49,12 +51,15 @@ async def stream_generation(
                     # engine: one message, not one per token); what ends the stream waits.
                     delta, n, carry = coalesce(event, events)
                     now = time.perf_counter()
-                    for i in range(n):  # the first after its gap, the others with it
-                        gap = now - last if i == 0 else 0.0
-                        state.metrics.token(gap, first=first is None)
-                        if first is not None:
-                            state.token_gap(sid, gap)
-                        first = first or now
+                    if first is None:  # the first token's time is TTFT; those sent with it, no gap
+                        state.metrics.token(now - started, first=True)
+                        gaps = [0.0] * (n - 1)
+                        first = now
+                    else:  # n tokens `now - last` after the previous message: a gap of 1/n of it each
+                        gaps = [(now - last) / n] * n
+                    for gap in gaps:
+                        state.metrics.token(gap, first=False)
+                        state.token_gap(sid, gap)
                     last = now
                     yield delta
                 elif isinstance(event, Finished):
