@@ -711,12 +711,23 @@ class DecodeGraphs:
             if g.slots[i] == entry:
                 continue
             changed = True
-            g.slots[i] = entry
+            seen, g.slots[i] = g.slots[i], entry
             if i >= len(tables):
                 locs[:, i, :] = 0
                 g.below[i] = g.whole[i] = 0
                 continue
             t, nb = tables[i], entry[2]
+            if self._appended_only(seen, entry, t):  # the blocks it saw are where they were
+                new = t.all_locations(seen[2])  # (not a long context's whole table, every 16 tokens)
+                locs[:, i, seen[2] : nb] = new
+                rows = self._whole_layers if entry[3] else slice(None)
+                g.whole[i] = int(np.count_nonzero(self._whole_layers)) * nb if entry[3] else len(locs) * nb
+                g.below[i] += int(np.count_nonzero(new[rows] < 0))
+                if self.runner.check_invariants:  # the tests: as the whole table gives them
+                    where = t.all_locations()
+                    assert (locs[:, i, :nb] == where).all() and not locs[:, i, nb:].any(), "appended locations"
+                    assert g.below[i] == int(np.count_nonzero(where[rows] < 0)), "appended blocks read below HBM"
+                continue
             where = t.all_locations()
             locs[:, i, :nb] = where
             locs[:, i, nb:] = 0
@@ -726,6 +737,16 @@ class DecodeGraphs:
             g.whole[i] = int(np.count_nonzero(whole))
             g.below[i] = int(np.count_nonzero(whole & (where < 0)))
         return changed
+
+    def _appended_only(self, seen: tuple, entry: tuple, t: BlockTable) -> bool:
+        """Whether a slot's table moved from what the graph saw (`seen`: session, version, blocks,
+        selects) to `entry` by blocks appended alone (`BlockTable.appended`), in a model without
+        window layers (whose blocks read whole change with every token): then only the new
+        blocks' locations need writing."""
+        return (
+            seen[0] == entry[0] and seen[3] == entry[3] and seen[1] + 1 == entry[1]
+            and t.appended == (entry[1], seen[2]) and not len(self.runner.blocks.window_layers)
+        )  # fmt: skip
 
     def _forward(self, g: _Graph) -> torch.Tensor:
         r = self.runner

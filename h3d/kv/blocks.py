@@ -109,6 +109,7 @@ class BlockTable:
     runs_cache: dict[int, tuple[int, Runs]] | None = None  # layer -> (version, runs)
     homeless_at: tuple[int, bool] | None = None  # (version, whether a block is in the archive only)
     ddr_only_at: tuple[int, int] | None = None  # (version, n): none of the first n blocks was in DDR only
+    appended: tuple[int, int] | None = None  # (version, n): that version only added blocks from n on
 
     @property
     def capacity(self) -> int:
@@ -155,9 +156,9 @@ class BlockTable:
         hbm = self.entries.hbm[ids]
         return np.where(hbm >= 0, hbm, ddr_loc(self.entries.ddr[ids]))
 
-    def all_locations(self) -> np.ndarray:
-        """`locations` of every layer: [L, num_blocks]."""
-        ids = self.ids[:, : self.num_blocks]
+    def all_locations(self, first: int = 0) -> np.ndarray:
+        """`locations` of every layer: [L, num_blocks], or of the blocks from `first` on."""
+        ids = self.ids[:, first : self.num_blocks]
         hbm = self.entries.hbm[ids]
         return np.where(hbm >= 0, hbm, ddr_loc(self.entries.ddr[ids]))
 
@@ -168,13 +169,14 @@ class BlockTable:
         ids = self.ids[:, :n] if layer is None else self.ids[layer, :n]
         return (self.entries.hbm[ids] == NONE) & (self.entries.ddr[ids] == NONE) & (ids != NULL_ENTRY)
 
-    def bump(self, kept: bool = False) -> None:
-        """A change of where attention reads a block: a new version. `kept`: blocks were only
-        added, each with a home, so that what is cached of the older blocks' copies still holds
-        (carried to the new version)."""
+    def bump(self, appended_from: int | None = None) -> None:
+        """A change of where attention reads a block: a new version. `appended_from`: blocks were
+        only added, each with a home, from that block on, so that what is cached of the older
+        blocks' copies still holds (carried to the new version; `appended` says so)."""
         was = self.version
         self.version += 1
-        if kept:
+        if appended_from is not None:
+            self.appended = (self.version, appended_from)
             if self.homeless_at is not None and self.homeless_at[0] == was:
                 self.homeless_at = (self.version, self.homeless_at[1])
             if self.ddr_only_at is not None and self.ddr_only_at[0] == was:
@@ -297,7 +299,7 @@ class BlockManager:
         hit = cache.get(layer)
         if hit is not None and hit[0] == table.version:
             return hit[1]
-        if table.archive_only(layer).any():
+        if table.any_archive_only() and table.archive_only(layer).any():
             raise RuntimeError(f"seq {seq} layer {layer}: a block is in neither HBM nor DDR")
         runs = runs_of(table.locations(layer))
         cache[layer] = (table.version, runs)
@@ -398,7 +400,7 @@ class BlockManager:
                 self.hbm_block[slots] = np.arange(first, first + in_hbm)
                 e.ddr[ids[layer, in_hbm:]] = self.ddr_alloc.allocate(new - in_hbm, seq)
             table.num_blocks += new
-            table.bump(kept=True)  # new blocks have a home: no block came to the archive only
+            table.bump(appended_from=first)  # new blocks, each with a home: the others are as they were
         if start % self.block_size:
             last = start // self.block_size
             if self.homeless(seq, last):
