@@ -25,6 +25,7 @@ OR_AUTO = (*AUTO_KEYS, "ssd_capacity_mb")  # keys that take a number or `auto`
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 POLICIES = ("attention_entropy", "exact", "fixed", "layerwise")
+SHARE_PREFIXES = ("owner", "all", "off")
 SSD_CODECS = ("raw-zstd", "int8-delta-zstd")
 
 
@@ -80,6 +81,10 @@ class EngineConfig:
     entropy_shrink_below: float = 3.0
     entropy_grow_above: float = 3.3
     max_batch_size: int = 64
+    # A new session's KV copied from another's with the same first blocks of tokens: among one owner's
+    # sessions, everyone's, or never (h3d.engine.prefixes); finished request sessions kept for it
+    share_prefixes: str = "owner"
+    prefix_cache_sessions: int = 16
     # A sliding-window layer frees its blocks this many tokens past its window (a rewind that short keeps the KV)
     window_keep_tokens: int = 512
     max_context_tokens: int | None = None
@@ -142,6 +147,9 @@ class EngineConfig:
             raise ConfigError(f"ddr_mb: must be >= 0, got {self.ddr_mb}")
         _choice("ssd_codec", self.ssd_codec, SSD_CODECS)
         _choice("policy", self.policy, POLICIES)
+        _choice("share_prefixes", self.share_prefixes, SHARE_PREFIXES)
+        if self.prefix_cache_sessions < 0:
+            raise ConfigError(f"prefix_cache_sessions must be >= 0, got {self.prefix_cache_sessions}")
         if self.ssd_capacity_mb != AUTO and not self.ssd_capacity_mb > 0:  # type: ignore[operator]
             raise ConfigError(f"ssd_capacity_mb: must be > 0 or 'auto', got {self.ssd_capacity_mb}")
         if not self.write_behind_dirty_mb >= 0:

@@ -251,6 +251,24 @@ ENGINE: tuple[Key, ...] = (
     ),
     Key("max_batch_size", "requests advanced in one step"),
     Key(
+        "share_prefixes",
+        "prefix reuse: a session with no KV yet whose tokens begin with whole blocks of tokens another session "
+        "holds KV for (a hash chain over its blocks, as vLLM's prefix cache keys them) gets that KV copied at its "
+        "first request instead of computing it, but for its last 64 tokens (the prompt probe's). `owner`: only "
+        "among sessions of the same token (one tenant cannot time another's prompts), `all`: every session, "
+        "`off`: never. Reported as `cached_tokens` by the OpenAI API and counted in the `h3d_prefix_*` metrics",
+        help="copy a new session's KV from another's with the same first blocks of tokens: among one owner's "
+        "sessions, all, or off",
+    ),
+    Key(
+        "prefix_cache_sessions",
+        "finished request sessions (the OpenAI API's chat and text completions, and responses with `store: "
+        "false`) whose KV is kept for prefix reuse after they are answered (their token logs go at once), least "
+        "recently used dropped first; 0 keeps none. They are idle sessions to the tiers: demoted, archived and "
+        "dropped like any other, never listed",
+        help="finished request sessions whose KV is kept for prefix reuse (least recently used dropped first)",
+    ),
+    Key(
         "session_log_path",
         "token logs: one append-only, checksummed file per session; a token is written there before it is "
         "streamed; sessions are reopened at the next start",

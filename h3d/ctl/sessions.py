@@ -1,4 +1,4 @@
-"""`h3ctl session create|list|show|close`, and the session lookups other commands use: all pages of
+"""`h3ctl session create|fork|list|show|close`, and the session lookups other commands use: all pages of
 ListSessions (`list_sessions`) and an ID prefix to the one full id it names (`resolve_id`).
 
 - A full id (32 hex digits) is sent as is, without a lookup; a prefix that no session's id has is
@@ -20,7 +20,7 @@ import grpc
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.ctl.client import Client, NoSuchSession, UsageError
-from h3d.ctl.options import ID_HELP, UINT64_MAX
+from h3d.ctl.options import ID_HELP, UINT64_MAX, uint64
 from h3d.ctl.output import emit_json, table, to_dict, when, yes_no
 
 LIST_PAGE_SIZE = 500
@@ -159,6 +159,18 @@ def cmd_session_create(c: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_session_fork(c: Client, args: argparse.Namespace) -> int:
+    req = pb.ForkSessionRequest(session_id=args.id)
+    if args.at is not None:
+        req.at_tokens = args.at
+    s = c.call(c.h3.ForkSession, req)
+    if args.json:
+        emit_json(to_dict(s))
+    else:
+        print(s.session_id)
+    return 0
+
+
 def cmd_session_list(c: Client, args: argparse.Namespace) -> int:
     sessions = list_sessions(c)
     if args.json:
@@ -227,7 +239,7 @@ def cmd_session_close(c: Client, args: argparse.Namespace) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`session` and its actions."""
-    session = sub.add_parser("session", help="create, list, show, close sessions")
+    session = sub.add_parser("session", help="create, fork, list, show, close sessions")
     ss = session.add_subparsers(dest="session_command", required=True, metavar="ACTION")
     c = ss.add_parser("create", help="open a session; prints its id")
     c.add_argument(
@@ -238,6 +250,14 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     c.add_argument("--system", metavar="TEXT", help="system prompt (in a chat session: its system message)")
     c.add_argument("--policy", metavar="P", help="HBF policy (attention_entropy, exact, fixed, layerwise)")
     c.set_defaults(func=cmd_session_create)
+    c = ss.add_parser(
+        "fork",
+        help="a new session whose context is the first N tokens of another's (all by default), its KV "
+        "copied: ready to decode when this returns; prints its id",
+    )
+    c.add_argument("id", metavar="ID", help=ID_HELP)
+    c.add_argument("--at", metavar="N", type=uint64, help="the fork's context: the session's first N tokens")
+    c.set_defaults(func=cmd_session_fork)
     c = ss.add_parser("list", help="every session")
     c.set_defaults(func=cmd_session_list)
     c = ss.add_parser("show", help="one session: tokens, KV blocks per tier and per layer, flags")

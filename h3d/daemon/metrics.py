@@ -121,6 +121,14 @@ class Metrics:
         metric("h3d_generated_tokens_total", "counter", "Tokens generated.", t.generated_tokens_total)
         metric("h3d_prefill_tokens_total", "counter", "Tokens prefilled.", t.prefill_tokens_total)
         metric("h3d_steps_total", "counter", "Engine steps (batched forward passes).", t.steps_total)
+        metric("h3d_prefix_queries_total", "counter", "New sessions' first requests that looked for a cached prefix.",
+               t.prefix_queries_total)  # fmt: skip
+        metric("h3d_prefix_hits_total", "counter", "Of those, the ones whose KV was copied from another session.",
+               t.prefix_hits_total)  # fmt: skip
+        metric("h3d_prefix_reused_tokens_total", "counter", "Tokens whose KV was copied instead of computed.",
+               t.prefix_reused_tokens_total)  # fmt: skip
+        metric("h3d_prefix_cache_sessions", "gauge", "Finished request sessions kept for their KV.",
+               t.prefix_cache_sessions)  # fmt: skip
         metric("h3d_sessions", "gauge", "Open sessions.", t.sessions)
         metric("h3d_requests_in_flight", "gauge", "AppendContext and Generate streams admitted.", in_flight)
         metric("h3d_draining", "gauge", "1 while the daemon drains.", int(stats.draining))

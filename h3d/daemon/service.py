@@ -22,7 +22,7 @@ from h3d.daemon.generation import stream_append, stream_generation
 from h3d.daemon.rpc import State
 from h3d.daemon.worker import Finished
 from h3d.engine.engine import Engine
-from h3d.engine.session import PrefillProgress, Session, SessionId
+from h3d.engine.session import PrefillProgress, RequestId, Session, SessionId
 from h3d.errors import InvalidRequest, SessionBusy, clip
 
 MAX_PAGE = 1000
@@ -51,6 +51,35 @@ class H3Servicer:
         session = await self.s.worker.call(create)
         self.s.owners[SessionId(session.session_id)] = caller.owner  # on the loop, which owns the map
         return session
+
+    async def ForkSession(self, request: pb.ForkSessionRequest, context: Any, caller: Caller) -> pb.Session:
+        self.s.accepting()
+        sid = self.s.check_owner(caller, request.session_id)
+        at = request.at_tokens if request.HasField("at_tokens") else None
+
+        def fork(engine: Engine) -> tuple[SessionId, bool]:
+            made = engine.fork_session(sid, at, owner=caller.owner)
+            session = engine.session(made)
+            return made, engine.cached_tokens(made) < len(session.tokens) - 1
+
+        made, tail = await self.s.worker.call(fork)
+        self.s.owners[made] = caller.owner
+        try:
+            if tail:  # its last tokens prefilled now: the fork is ready to decode when it is answered
+
+                def submit(engine: Engine) -> RequestId:
+                    rid = engine.catch_up(made)
+                    assert rid is not None, "a fork's tail to prefill"
+                    return rid
+
+                async with contextlib.aclosing(stream_append(self.s, submit)) as events:
+                    async for _ in events:
+                        pass
+            return await self.s.worker.call(lambda e: session_pb(e, e.session(made)))
+        except BaseException:  # a fork that is not ready is not made: nothing of it stays
+            self.s.owners.pop(made, None)
+            self.s.worker.post(lambda e: e.close_session(made, purge=True))
+            raise
 
     async def GetSession(self, request: pb.GetSessionRequest, context: Any, caller: Caller) -> pb.Session:
         sid = self.s.check_owner(caller, request.session_id)

@@ -166,7 +166,8 @@ class EngineWorker:
                      after_ready=True, ms=ms)  # fmt: skip
         engine.captured.clear()
         for name, fields in engine.kv.take_notices():
-            (log.info if name in ("ssd_recovered", "digests_restored") else log.warning)(name, **fields)
+            quiet = name in ("ssd_recovered", "digests_restored", "session_forked")
+            (log.info if quiet else log.warning)(name, **fields)
 
     def _run(self) -> None:
         while True:

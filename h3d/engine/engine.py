@@ -11,6 +11,7 @@ Requests join and leave between steps (continuous batching).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -28,8 +29,9 @@ from h3d.engine.build import budgets, build_runner
 from h3d.engine.chat import Conversation, chat_piece, end_of_turn
 from h3d.engine.detok import IncrementalDetokenizer
 from h3d.engine.graphs import GraphKey
-from h3d.engine.journal import log_piece, restore_sessions, session_meta
+from h3d.engine.journal import log_piece, replay_chat, restore_sessions, session_meta
 from h3d.engine.prefill import Interleave
+from h3d.engine.prefixes import PrefixIndex
 from h3d.engine.sampling import SamplingParams, make_generator, sample_batch
 from h3d.engine.session import (
     AppendDone,
@@ -59,7 +61,7 @@ from h3d.errors import (
     SsdDegraded,
     clip,
 )
-from h3d.hbf.policy import policy_named
+from h3d.hbf.policy import PROBE_QUERIES, policy_named
 from h3d.kv.blocks import SeqId
 from h3d.model.loader import load_model
 from h3d.model.tokenizer import Tokenizer
@@ -89,6 +91,9 @@ class EngineCounters:
     steps: int = 0
     prefill_tokens: int = 0  # tokens fed in prefill chunks (more than one token per sequence)
     generated_tokens: int = 0
+    prefix_queries: int = 0  # first requests of sessions with no KV that looked for a prefix (share_prefixes)
+    prefix_hits: int = 0  # of those, the ones that found KV to copy
+    prefix_reused_tokens: int = 0  # tokens whose KV they copied instead of computing it
 
 
 class Engine:
@@ -102,6 +107,10 @@ class Engine:
         self.kv = self.runner.kv  # every session's KV state: asked and changed there
         self.eos_ids = frozenset(self.model.config.eos_token_ids)
         self.sessions: dict[SessionId, Session] = {}
+        # Finished request sessions kept for their KV (`retire`), least recently used first, and
+        # the hash chains that find a new session's prefix among them and the sessions
+        self.prefix_cache: collections.OrderedDict[SessionId, Session] = collections.OrderedDict()
+        self.prefixes = PrefixIndex(config.block_size)
         self._requests: dict[RequestId, Request] = {}
         self._seq_ids = itertools.count(1)
         self._request_ids = itertools.count(1)
@@ -242,6 +251,76 @@ class Engine:
         self.sessions[session.id] = session
         return session.id
 
+    def fork_session(self, session_id: SessionId, at_tokens: int | None = None, owner: str | None = None) -> SessionId:
+        """A new session whose context is the first `at_tokens` tokens of `session_id`'s (all of
+        them by default), with its sampling defaults, policy and chat conversation; `owner`: the
+        parent's by default. Its token log is written first (durable before it is known); its KV
+        is copied from the parent's where the parent holds it in HBM or DDR (`KVCache.fork`),
+        whole blocks up to `PROBE_QUERIES` tokens before the last one, so that the prompt probe
+        sees the fork's own last tokens as it would an unshared session's. The rest is prefilled
+        by `catch_up` (the daemon's ForkSession waits for it), or by the fork's next request.
+        A chat session forks only where no message's tokens are cut."""
+        parent = self.session(session_id)
+        if parent.busy:
+            raise SessionBusy(f"session {session_id} has a request in flight: fork it once it ends")
+        total = len(parent.tokens)
+        n = total if at_tokens is None else at_tokens
+        if not 0 <= n <= total:
+            raise InvalidRequest(f"at_tokens: {n} is past the session's context ({total} tokens)")
+        if parent.chat is not None and self.journal is None and n != total:
+            raise InvalidRequest("at_tokens: a chat session without a token log forks whole")
+        session = Session(
+            id=SessionId(uuid.uuid4().hex),
+            seq=SeqId(next(self._seq_ids)),
+            sampling=parent.sampling,
+            tokens=parent.tokens[:n],
+            pieces=parent.pieces if n else 0,
+            owner=parent.owner if owner is None else owner,
+            chat=None if parent.chat is None else parent.chat.copy(),
+        )
+        self.kv.open(session.seq, session.id, self.kv.policy(parent.seq))
+        try:
+            if self.journal is not None:  # durable before it is known
+                try:
+                    logged = self.journal.fork(parent.id, session.id, session_meta(session, self.kv), n)
+                except ValueError as e:
+                    raise InvalidRequest(f"at_tokens: {e}") from None
+                if parent.chat is not None:
+                    session.chat = replay_chat(self.tokenizer, logged.messages, session.tokens)
+                session.anchors_logged = self.kv.selection(session.seq).anchors_version
+            copied = self.kv.fork(parent.seq, session.seq, max(n - 1 - PROBE_QUERIES, 0))
+        except BaseException:
+            if self.journal is not None and session.id in self.journal.open_sessions():
+                self.journal.delete(session.id)
+            self.kv.release(session.seq, purge_archive=False)
+            raise
+        self.sessions[session.id] = session
+        self.kv.tiers.notices.append(
+            ("session_forked", {"session": session.id, "parent": parent.id, "tokens": n, "kv_copied_tokens": copied})
+        )
+        return session.id
+
+    def catch_up(self, session_id: SessionId) -> RequestId | None:
+        """Queue the prefill of the session's tokens whose KV is not computed, but its last (the
+        next request feeds it): an append of no new tokens (a fork's tail). None if there is none."""
+        session = self.session(session_id)
+        if session.busy:
+            raise SessionBusy(f"session {session_id} already has a request in flight")
+        cached = self.kv.cached_tokens(session.seq)
+        target = len(session.tokens) - 1
+        if target <= cached:
+            return None
+        if session.closed:
+            self._reopen(session)
+        self.kv.admit(session.seq, target - cached)
+        req = Request(
+            id=RequestId(next(self._request_ids)), session=session, generate=False, params=session.sampling,
+            generator=None, detok=None, tokens_added=0, prefill_total=target - cached,
+        )  # fmt: skip
+        session.busy = True
+        self._requests[req.id] = req
+        return req.id
+
     def session(self, session_id: SessionId) -> Session:
         session = self.sessions.get(session_id)
         if session is None:
@@ -286,6 +365,7 @@ class Engine:
         if self.journal is not None:
             self.journal.cut(session.id, num_tokens)
         del session.tokens[num_tokens:]
+        self.prefixes.forget(session.id)  # its chain is hashed again from its tokens when next asked
 
     def close_session(self, session_id: SessionId, purge: bool = False) -> None:
         """End `session_id`'s requests (cancelled) and free its memory. With `purge`, the session
@@ -299,6 +379,7 @@ class Engine:
         kv = self.kv
         if purge:
             purge_kv(kv, session.seq)
+            self.prefixes.forget(session_id)
             del self.sessions[session_id]
             if self.journal is not None:
                 self.journal.delete(session_id)
@@ -311,6 +392,65 @@ class Engine:
         session.closed = True
         self._save_meta(session)
         enforce_ssd_capacity(self.kv, self.sessions.values(), self.evictions)
+
+    def retire(self, session_id: SessionId) -> None:
+        """A request's session once it is answered (the OpenAI API's completions, a response with
+        `store: false`): deleted as a purge deletes it (its token log goes, it is no longer
+        listed), but its KV is kept for prefix reuse (`prefix_cache`, at most
+        `prefix_cache_sessions`, least recently used dropped first). Purged where nothing would
+        be reused (`share_prefixes` off, no cache, or not a whole block of KV)."""
+        session = self.session(session_id)
+        keep = self.config.prefix_cache_sessions
+        if self._scope(session) is None or keep <= 0 or self.kv.cached_tokens(session.seq) < self.kv.block_size:
+            self.close_session(session_id, purge=True)
+            return
+        for req in [r for r in self._requests.values() if r.session is session]:
+            self._ended.append(self._finish(req, FinishReason.CANCELLED))
+        del self.sessions[session_id]
+        if self.journal is not None:
+            self.journal.delete(session_id)
+        self.prefix_cache[session_id] = session
+        while len(self.prefix_cache) > keep:
+            self._drop_cached(self.prefix_cache.popitem(last=False)[1])
+
+    def _drop_cached(self, session: Session) -> None:
+        self.prefixes.forget(session.id)
+        purge_kv(self.kv, session.seq)
+
+    def _scope(self, session: Session) -> str | None:
+        """Whose sessions `session` may reuse a prefix of (`share_prefixes`); None: nobody's."""
+        share = self.config.share_prefixes
+        return None if share == "off" else "" if share == "all" else f"owner:{session.owner}"
+
+    def _reuse_prefix(self, session: Session) -> int:
+        """A session with no KV yet, whose tokens begin with whole blocks another session (or a
+        retired one, `prefix_cache`) of its scope holds KV for: that KV copied (`KVCache.fork`),
+        up to `PROBE_QUERIES` tokens before its last token, so that its prompt probe sees its own
+        last tokens. Returns the tokens copied (counted: `EngineCounters.prefix_*`)."""
+        scope = self._scope(session)
+        bs = self.kv.block_size
+        n = len(session.tokens) - 1 - PROBE_QUERIES
+        if scope is None or n < bs or self.kv.cached_tokens(session.seq):
+            return 0
+        self.counters.prefix_queries += 1
+        pool = {**self.sessions, **self.prefix_cache}
+        for other in pool.values():
+            if other is not session and self._scope(other) == scope:
+                self.prefixes.refresh(other.id, scope, other.tokens)
+        best, blocks = None, 0
+        for sid, shared in self.prefixes.longest(scope, session.tokens[:n], exclude=session.id).items():
+            donor = pool.get(SessionId(sid))
+            have = 0 if donor is None else min(shared, self.kv.cached_tokens(donor.seq) // bs)
+            if donor is not None and have > blocks:
+                best, blocks = donor, have
+        if best is None:
+            return 0
+        if best.id in self.prefix_cache:
+            self.prefix_cache.move_to_end(best.id)
+        copied = self.kv.fork(best.seq, session.seq, blocks * bs)
+        self.counters.prefix_hits += bool(copied)
+        self.counters.prefix_reused_tokens += copied
+        return copied
 
     def _reopen(self, session: Session) -> None:
         session.closed = False
@@ -400,6 +540,7 @@ class Engine:
                 session.chat.begin(len(session.tokens))
         if generate and not session.tokens:
             raise InvalidRequest("cannot generate from an empty context")
+        self._reuse_prefix(session)
         cached = self.kv.cached_tokens(session.seq)
         target = len(session.tokens) if generate else len(session.tokens) - 1
         req = Request(
@@ -519,6 +660,9 @@ class Engine:
                 self.captured.append(key)
         if self.counters.steps - self._upkept >= 64:
             self._upkept = self.counters.steps
+            for gone in [s for s in self.prefix_cache.values() if self.kv.cached_tokens(s.seq) < self.kv.block_size]:
+                del self.prefix_cache[gone.id]  # its KV was dropped for room: nothing left to reuse
+                self._drop_cached(gone)
             enforce_ssd_capacity(self.kv, self.sessions.values(), self.evictions)
 
     def write_behind(self) -> bool:
@@ -723,6 +867,15 @@ class Engine:
             if isinstance(event, AppendDone):
                 return event
         raise RuntimeError("append ended without a result")  # pragma: no cover
+
+    def fork(self, session_id: SessionId, at_tokens: int | None = None) -> SessionId:
+        """`fork_session`, then its `catch_up`: a fork ready to decode."""
+        sid = self.fork_session(session_id, at_tokens)
+        rid = self.catch_up(sid)
+        if rid is not None:
+            for _ in self.run(rid):
+                pass
+        return sid
 
     def generate(
         self,

@@ -333,13 +333,17 @@ class BlockManager:
         table = self._tables[seq]
         return num_tokens if (table.floor <= self.floors(num_tokens, keep=0)).all() else 0
 
-    def drop_behind(self, seq: SeqId, num_tokens: int) -> int:
+    def drop_behind(self, seq: SeqId, num_tokens: int, floor: np.ndarray | None = None) -> int:
         """Free the blocks of `seq`'s sliding-window layers that no token from position
-        `num_tokens` on reads (`floors`): every copy, in every tier. Returns the blocks freed."""
+        `num_tokens` on reads (`floors`), or (`floor`, [L]) those below a higher floor (a fork's:
+        its parent's, `keepable` having said that no later token reads below it): every copy, in
+        every tier. Returns the blocks freed."""
         if not len(self.window_layers):
             return 0
         table = self._tables[seq]
         want = np.minimum(self.floors(num_tokens), table.num_blocks)
+        if floor is not None:
+            want = np.minimum(np.maximum(want, floor), table.num_blocks)
         layers = np.flatnonzero(want > table.floor)
         if not len(layers):
             return 0

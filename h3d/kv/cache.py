@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from h3d.errors import SsdDegraded
+from h3d.errors import OutOfBlocks, SsdDegraded
 from h3d.hbf.digests import DigestStore
 from h3d.hbf.policy import HbfConfig, Policy, SelectionState, base_blocks, policy_named
 from h3d.kv.blocks import BlockManager, BlockTable, SeqId
+from h3d.kv.entries import NULL_ENTRY
 from h3d.kv.pool import KVPool
 from h3d.tiers import lifecycle
 from h3d.tiers.archive import Archive, ArchiveWriteFailed
@@ -300,6 +301,45 @@ class KVCache:
         bs = self.block_size
         self.count_rebuilt(-(-num_tokens // bs) - -(-adopted // bs))
         return adopted
+
+    @torch.inference_mode()
+    def fork(self, parent: SeqId, child: SeqId, num_tokens: int) -> int:
+        """A fork's KV (`child`: open, empty) copied from `parent`'s first `num_tokens` tokens,
+        whole blocks only: each block goes where a new block of the child would (HBM while its
+        layer's region has room, else DDR) and is read from the parent's HBM or DDR copy. The copy
+        ends at the parent's first block in the archive only, and is empty where a sliding-window
+        layer freed a block the child would read (`BlockManager.keepable`); what it leaves is
+        prefilled again. Digests are rebuilt from the keys at the child's first step. Returns the
+        tokens copied."""
+        self.flush_lagged()
+        b, bs = self.blocks, self.block_size
+        src = self.sessions[parent].table
+        n = min(num_tokens, src.num_tokens) // bs
+        if n and b.keepable(parent, n * bs) < n * bs:
+            n = 0
+        if n and self.archive_only(parent):
+            homeless = src.archive_only(upto=n).any(axis=0)  # [n]
+            n = int(np.argmax(homeless)) if homeless.any() else n
+        if not n:
+            return 0
+        # The parent's blocks stay where they are while room is made (and a long prompt's in flight)
+        protect = {**self.frozen, parent: 0, child: 0}
+        try:
+            self.tiers.prepare_append(child, n * bs, list(protect), protect)
+            b.append(child, n * bs)
+        except OutOfBlocks:
+            return 0  # (`append` refuses before it takes anything): prefilled instead
+        b.drop_behind(child, n * bs, floor=src.floor)
+        dst = self.sessions[child].table
+        live = dst.ids[:, :n] != NULL_ENTRY  # [L, n]
+        if (src.ids[:, :n][live] == NULL_ENTRY).any() or src.archive_only(upto=n)[live].any():
+            raise RuntimeError(f"seq {parent}: a block a fork copies moved while room was made")
+        self.tiers.mover.copy_located(src.all_locations()[:, :n][live], dst.all_locations()[:, :n][live])
+        record = self.sessions[child]
+        record.last_used = self.sessions[parent].last_used
+        if record.selection.policy.keeps_digests:
+            record.stale_digests = True
+        return n * bs
 
     def truncate(self, seq: SeqId, num_tokens: int) -> None:
         """Forget `seq`'s KV past its first `num_tokens` tokens, and the cut keys' share of its

@@ -109,11 +109,43 @@ class TokenStore:
 
     def create(self, session_id: str, meta: dict[str, Any], tokens: list[int]) -> None:
         """A new session's log: its metadata and first tokens, durable before this returns."""
+        first = record(TOKENS, _pack(tokens)) if tokens else b""
+        self._create(session_id, record(META, json.dumps(meta).encode()) + first)
+
+    def fork(self, source: str, session_id: str, meta: dict[str, Any], num_tokens: int) -> Restored:
+        """A new session's log holding the first `num_tokens` tokens of `source`'s (a fork), with the
+        chat messages among them, and `meta`; durable before this returns, as `create`'s. A cut
+        inside a message's tokens is refused (ValueError: a message never exists without its
+        tokens). Returns what the new log holds, as `load_all` would read it."""
+        if source not in self._logs:
+            raise ValueError(f"session {source} has no token log")
+        old = read_log(self._path(source))  # every write so far: the OS holds them
+        if num_tokens > len(old.tokens):
+            raise ValueError(f"session {source} holds {len(old.tokens)} tokens, not {num_tokens}")
+        tokens = old.tokens[:num_tokens]
+        data, messages, at = [record(META, json.dumps(meta).encode())], [], 0
+        for message, start in old.messages:
+            if start >= num_tokens:
+                break
+            end = start + int(message.get("n", 0))
+            if end > num_tokens:
+                raise ValueError(f"token {num_tokens} is inside a chat message (tokens {start} to {end})")
+            if start > at:
+                data.append(record(TOKENS, _pack(tokens[at:start])))
+            head = json.dumps(message).encode()
+            data.append(record(MESSAGE, struct.pack("<I", len(head)) + head + _pack(tokens[start:end])))
+            messages.append((message, start))
+            at = end
+        if at < num_tokens:
+            data.append(record(TOKENS, _pack(tokens[at:])))
+        self._create(session_id, b"".join(data))
+        return Restored(session_id, meta, tokens, False, 0, messages)
+
+    def _create(self, session_id: str, data: bytes) -> None:
         path = self._path(session_id)
         if session_id in self._logs or path.exists():
             raise ValueError(f"session {session_id} already has a token log")
         tmp = path.with_suffix(".tmp")
-        data = record(META, json.dumps(meta).encode()) + (record(TOKENS, _pack(tokens)) if tokens else b"")
         files = self.files
         files.unlink(tmp, missing_ok=True)  # a create that failed midway: never acknowledged
         fd = files.create(tmp, os.O_WRONLY)

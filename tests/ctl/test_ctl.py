@@ -366,6 +366,22 @@ def test_session_create_list_show(d: RunningDaemon) -> None:
     assert f"session_id    {human}" in ok(d, "session", "show", human)
 
 
+def test_session_fork(d: RunningDaemon) -> None:
+    sid = new_session(d)
+    ok_json(d, "append", sid, "--text", TEXT)
+    parent = ok_json(d, "session", "show", sid, "--with-tokens")
+    fork = ok_json(d, "session", "fork", sid[:8], "--at", "3")  # as `session create` prints it
+    assert fork["session_id"] != sid and fork["num_tokens"] == 3 and fork["cached_tokens"] == 2
+    assert ok_json(d, "session", "show", fork["session_id"], "--with-tokens")["token_ids"] == parent["token_ids"][:3]
+    whole = ok(d, "session", "fork", sid).strip()
+    assert re.fullmatch(r"[0-9a-f]{32}", whole)
+    assert ok_json(d, "session", "show", whole)["num_tokens"] == parent["num_tokens"]
+    r = d.ctl("session", "fork", sid, "--at", str(parent["num_tokens"] + 1))
+    assert r.returncode == 1 and "at_tokens" in r.stderr and "Traceback" not in r.stderr
+    r = d.ctl("session", "fork", sid, "--at", "-1")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
 def test_generate_matches_the_engine(d: RunningDaemon, engine: Engine) -> None:
     esid = engine.create_session()
     engine.append(esid, text=TEXT)
@@ -702,7 +718,7 @@ def test_append_from_a_file(d: RunningDaemon, engine: Engine, tmp_path: Path) ->
 
 def test_append_progress_on_stderr(d: RunningDaemon, tmp_path: Path) -> None:
     path = tmp_path / "long.txt"
-    path.write_text(LONG_TEXT * 4)
+    path.write_text(f"{tmp_path}\n" + LONG_TEXT * 4)  # a first block of its own: no prefix to reuse
     sid = new_session(d)
     r = d.ctl("append", sid, "--file", str(path))
     assert r.returncode == 0, r.stderr

@@ -1303,6 +1303,38 @@ def test_sighup_reloads_max_tokens_limit(model: Path, tmp_path: Path) -> None:
         assert code_of(lambda: generate(h3, sid, 201))[0] == Code.INVALID_ARGUMENT
 
 
+# ---- ForkSession ---------------------------------------------------------------------------------
+
+
+def test_fork_session_is_ready_and_continues_as_an_unshared_session(main_daemon: RunningDaemon) -> None:
+    h3 = main_daemon.h3()
+    sid = new_session(h3)
+    ids = [3 + (i * 53) % (VOCAB - 3) for i in range(600)]
+    assert list(h3.AppendContext(pb.AppendContextRequest(session_id=sid, token_ids=ids), timeout=T))[-1].done
+    whole = h3.ForkSession(pb.ForkSessionRequest(session_id=sid), timeout=T)
+    assert whole.session_id != sid and whole.num_tokens == 600
+    assert whole.cached_tokens == 599 and not whole.busy  # ready: only its last token is left to the next request
+    part = h3.ForkSession(pb.ForkSessionRequest(session_id=sid, at_tokens=300), timeout=T)
+    assert part.num_tokens == 300 and part.cached_tokens == 299
+    got = h3.GetSession(pb.GetSessionRequest(session_id=part.session_id, with_tokens=True), timeout=T)
+    assert list(got.token_ids) == ids[:300]
+    listed = {s.session_id for s in h3.ListSessions(pb.ListSessionsRequest(), timeout=T).sessions}
+    assert {sid, whole.session_id, part.session_id} <= listed
+    assert generate(h3, whole.session_id, 12).ids == generate(h3, sid, 12).ids
+    fresh = new_session(h3)
+    assert list(h3.AppendContext(pb.AppendContextRequest(session_id=fresh, token_ids=ids[:300]), timeout=T))[-1].done
+    assert generate(h3, part.session_id, 12).ids == generate(h3, fresh, 12).ids
+    assert code_of(lambda: h3.ForkSession(pb.ForkSessionRequest(session_id=sid, at_tokens=10_000), timeout=T)) == (
+        Code.INVALID_ARGUMENT, "at_tokens: 10000 is past the session's context (612 tokens)"
+    )  # fmt: skip
+    assert code_of(lambda: h3.ForkSession(pb.ForkSessionRequest(session_id="f" * 32), timeout=T))[0] == Code.NOT_FOUND
+    events = [e for e in main_daemon.logs if e.get("event") == "session_forked" and e.get("parent") == sid]
+    copied = [(600 - 1 - 64) // 32 * 32, (300 - 1 - 64) // 32 * 32]  # whole blocks of 32 tokens (the default)
+    assert [e["kv_copied_tokens"] for e in events] == copied
+    for s in (whole.session_id, part.session_id, fresh):
+        h3.CloseSession(pb.CloseSessionRequest(session_id=s, purge=True), timeout=T)
+
+
 # ---- 11: AppendContext streams progress ---------------------------------------------------------
 
 

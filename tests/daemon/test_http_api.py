@@ -211,9 +211,27 @@ def test_a_chain_of_three_prefills_only_its_new_messages(d: RunningDaemon) -> No
         previous, history = nxt, used.input_tokens + used.output_tokens
     got = c.responses.retrieve(first.id)
     assert got.output_text == first.output_text and got.status == "incomplete"
-    with pytest.raises(openai.ConflictError) as e:  # an earlier response would need a fork
-        turn(c, "Back to the sea?", first.id)
-    assert previous.id in e.value.message and e.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    # An earlier response: the conversation is forked where it ended (its KV copied but for its
+    # last tokens), and goes on as a conversation that stopped there does.
+    before = prefilled(d)
+    back = turn(c, "Back to the sea?", first.id)
+    history = first.usage.input_tokens + first.usage.output_tokens
+    assert back.previous_response_id == first.id
+    assert back.usage.input_tokens_details.cached_tokens == (history - 1 - 64) // 32 * 32  # block_size 32
+    assert prefilled(d) - before == back.usage.input_tokens - back.usage.input_tokens_details.cached_tokens
+    alone = turn(c, "Tell me about the sea. " * 20, None)  # the same first turn, continued in place
+    assert alone.output_text == first.output_text
+    again = turn(c, "Back to the sea?", alone.id)
+    assert (again.output_text, again.usage.input_tokens) == (back.output_text, back.usage.input_tokens)
+    assert c.responses.retrieve(back.id).output_text == back.output_text
+    assert turn(c, "And then?", back.id).previous_response_id == back.id  # the fork's latest: in place
+    # store: false continues on the side: a fork of its own, deleted once answered.
+    sessions = stats(d).throughput.sessions
+    side = c.responses.create(model=MODEL, input="And the sky?", previous_response_id=previous.id, store=False,
+                              max_output_tokens=4, temperature=0)  # fmt: skip
+    assert side.output_text
+    wait_for(lambda: stats(d).throughput.sessions == sessions, what="the side fork to go")
+    assert turn(c, "And the sky?", previous.id, 4).output_text == side.output_text  # the original, in place
 
 
 def test_streamed_responses_are_stored_like_whole_ones(d: RunningDaemon) -> None:
@@ -270,8 +288,8 @@ def test_a_chain_survives_a_restart(model: Path, tmp_path: Path) -> None:
         used = third.usage
         assert used.input_tokens_details.cached_tokens == history - 1  # the KV came back from the archive
         assert prefilled(d) - before == used.input_tokens - used.input_tokens_details.cached_tokens
-        with pytest.raises(openai.ConflictError):
-            turn(c, "Back?", first.id)
+        back = turn(c, "Back?", first.id)  # a fork of the restored conversation
+        assert back.output_text and c.responses.retrieve(back.id).output_text == back.output_text
 
 
 def test_a_conversation_closed_for_idleness_goes_on(model: Path, tmp_path: Path) -> None:

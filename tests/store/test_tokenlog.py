@@ -808,3 +808,35 @@ def test_a_failed_fsync_behind_is_raised_by_the_next_sync_of_that_log(tmp_path: 
     store.sync("a")  # raised once (after fsyncing it again on this thread)
     assert not store.unsynced("a")
     store.close()
+
+
+def test_a_fork_holds_a_prefix_of_its_source_with_its_messages(tmp_path: Path) -> None:
+    store = TokenStore(tmp_path)
+    store.create("a", {"owner": "x"}, [1, 2, 3])
+    user = {"role": "user", "content": "hi", "n": 2}
+    turn = {"turn": True, "n": 1}
+    store.append_message("a", user, [4, 5])  # tokens 3..4
+    store.append("a", [6, 7])
+    store.cut("a", 6)  # (7 goes)
+    store.append_message("a", turn, [8])  # token 6
+    store.append("a", [9, 10])
+    got = store.fork("a", "b", {"owner": "y"}, 8)
+    assert got.tokens == [1, 2, 3, 4, 5, 6, 8, 9] and got.messages == [(user, 3), (turn, 6)]
+    logged = read_log(tmp_path / f"b{SUFFIX}")
+    assert (logged.tokens, logged.messages, logged.meta, logged.truncated_bytes) == (got.tokens, got.messages,
+                                                                                    {"owner": "y"}, 0)  # fmt: skip
+    assert read_log(tmp_path / f"a{SUFFIX}").tokens == [1, 2, 3, 4, 5, 6, 8, 9, 10]  # the source as it was
+    assert store.fork("a", "e", {}, 3).messages == [] and read_log(tmp_path / f"e{SUFFIX}").tokens == [1, 2, 3]
+    with pytest.raises(ValueError, match="inside a chat message"):
+        store.fork("a", "c", {}, 4)
+    with pytest.raises(ValueError, match="holds 9 tokens"):
+        store.fork("a", "c", {}, 10)
+    with pytest.raises(ValueError, match="no token log"):
+        store.fork("zz", "c", {}, 0)
+    with pytest.raises(ValueError, match="already has a token log"):
+        store.fork("a", "b", {}, 1)
+    assert not (tmp_path / f"c{SUFFIX}").exists() and store.open_sessions() == {"a", "b", "e"}
+    store.append("b", [11])  # a fork's log goes on as any other
+    store.close()
+    again = {r.session_id: r for r in TokenStore(tmp_path).load_all()}
+    assert again["b"].tokens == [1, 2, 3, 4, 5, 6, 8, 9, 11] and again["b"].messages == [(user, 3), (turn, 6)]

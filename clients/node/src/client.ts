@@ -46,6 +46,11 @@ export interface GetSessionOptions extends CallOptions {
   withTokens?: boolean;
 }
 
+export interface ForkSessionOptions extends CallOptions {
+  /** The fork's context: this many of the session's first tokens (all of them if unset). */
+  atTokens?: number;
+}
+
 export interface ListSessionsOptions extends CallOptions {
   /** Sessions per page: 1..1000; unset: 100. */
   pageSize?: number;
@@ -103,6 +108,17 @@ export class H3Client {
     const request = { sessionId, withTokens: options.withTokens };
     return unary(this.#metadata, options, (metadata, callOptions, callback) =>
       this.#stub.getSession(request, metadata, callOptions, callback),
+    );
+  }
+
+  /**
+   * A new session whose context is the first `atTokens` tokens of another's (all by default),
+   * its KV copied and its last tokens prefilled before this resolves: ready to decode.
+   */
+  forkSession(sessionId: string, options: ForkSessionOptions = {}): Promise<Session> {
+    const request = { sessionId, atTokens: options.atTokens };
+    return unary(this.#metadata, options, (metadata, callOptions, callback) =>
+      this.#stub.forkSession(request, metadata, callOptions, callback),
     );
   }
 

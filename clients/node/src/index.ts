@@ -9,6 +9,7 @@ export {
   type CloseOptions,
   type CreateSessionOptions,
   type GenerateOptions,
+  type ForkSessionOptions,
   type GetSessionOptions,
   type ListSessionsOptions,
 } from "./client.js";

@@ -93,6 +93,24 @@ test("create, append, generate, stats and close over the Unix socket", async () 
   await assert.rejects(h3.getSession(sid), NotFoundError);
 });
 
+test("forkSession: a prefix of a session, ready to decode", async () => {
+  const { sessionId: sid } = await h3.createSession();
+  const appended = await h3.append(sid, "A fork shares the first part of a conversation and goes its own way.");
+  const fork = await h3.forkSession(sid, { atTokens: 5 });
+  assert.notEqual(fork.sessionId, sid);
+  assert.equal(fork.numTokens, 5);
+  assert.equal(fork.cachedTokens, 4);
+  const whole = await h3.forkSession(sid);
+  assert.equal(whole.numTokens, appended.numTokens);
+  const parent = await h3.getSession(sid, { withTokens: true });
+  const child = await h3.getSession(fork.sessionId, { withTokens: true });
+  assert.deepEqual(child.tokenIds, parent.tokenIds.slice(0, 5));
+  await assert.rejects(h3.forkSession(sid, { atTokens: 100_000 }), InvalidArgumentError);
+  for (const id of [sid, fork.sessionId, whole.sessionId]) {
+    await h3.close(id, { purge: true });
+  }
+});
+
 test("TCP, a bare socket path, and collect()", async () => {
   const tcp = new H3Client({ address: daemon.address, token: CLIENT_TOKEN });
   const bare = new H3Client({ address: daemon.socket, token: CLIENT_TOKEN });

@@ -157,9 +157,12 @@ class Completions:
         sid, text, ids, params = await self.s.worker.call(create)
         request["session_id"] = sid
         try:
+            reused = [0]  # tokens whose KV came from another session (`share_prefixes`)
 
             def append(engine: Engine) -> RequestId:
-                return engine.submit(sid, text=text, token_ids=ids, generate=False)
+                made = engine.submit(sid, text=text, token_ids=ids, generate=False)
+                reused[0] = engine.cached_tokens(sid)
+                return made
 
             def submit(engine: Engine) -> RequestId:
                 return engine.submit(sid, generate=True, params=params)
@@ -169,14 +172,14 @@ class Completions:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{sid}"
             created = int(time.time())
             if body.stream:
-                return await self._sse(request, stream, rid, created, name, chat, body.stream_options)
+                return await self._sse(request, stream, rid, created, name, chat, body.stream_options, reused)
             texts: list[str] = []
             async with contextlib.aclosing(stream) as events:
                 async for item in events:
                     if isinstance(item, Finished):
                         s = item.summary
                         finish = finish_of(s.finish_reason)
-                        used = usage(s.prompt_tokens, s.completion_tokens, 0)
+                        used = usage(s.prompt_tokens, s.completion_tokens, reused[0])
                         out = "".join(texts)
                         reply: BaseModel
                         if chat:
@@ -190,7 +193,7 @@ class Completions:
                     texts.append(item.text)
             raise AssertionError("a generation ended without its end")  # pragma: no cover
         finally:
-            self.s.worker.post(lambda engine: engine.close_session(sid, purge=True))
+            self.s.worker.post(lambda engine: engine.retire(sid))  # its KV kept for prefix reuse
 
     async def _sse(
         self,
@@ -201,6 +204,7 @@ class Completions:
         name: str,
         chat: bool,
         options: StreamOptions | None,
+        reused: list[int],
     ) -> web.StreamResponse:
         with_usage = options is not None and options.include_usage
 
@@ -228,7 +232,7 @@ class Completions:
                         s = item.summary
                         await write(chunk(None, finish_of(s.finish_reason)))
                         if with_usage:  # one more chunk: no choices, the usage
-                            used = usage(s.prompt_tokens, s.completion_tokens, 0)
+                            used = usage(s.prompt_tokens, s.completion_tokens, reused[0])
                             kind = ChatCompletionChunk if chat else Completion
                             await write(kind(id=rid, created=created, model=name, choices=[], usage=used))
                         await response.write(b"data: [DONE]\n\n")

@@ -3,8 +3,10 @@
 A response that starts a conversation opens a chat session (its `instructions` the system
 message); a response with `previous_response_id` continues that response's session in place, so
 that only the new messages are prefilled (`usage.input_tokens_details.cached_tokens`: the tokens
-whose KV the session already held). Only the latest response of a conversation continues it: an
-earlier one would need a fork of the session, which h3d does not make yet (409, naming the latest).
+whose KV the session already held). Only the latest response of a conversation continues it in
+place; an earlier one (or any with `store: false`) continues a fork of the session as it stood at
+that response's end (`Engine.fork_session`: its KV copied, its last tokens computed again), a new
+session that later responses continue.
 
 Each stored response is a record in its session's `extra` (the token log: it lives as long as the
 session, through `session_ttl_s` closes and restarts, and goes with a purge): its id, where its
@@ -108,12 +110,6 @@ class Responses:
         messages = body.messages()
         prev_sid = None
         if body.previous_response_id is not None:
-            if not body.store:
-                raise Conflict(
-                    "store: false with previous_response_id would continue a stored conversation without "
-                    "recording it; continuing on the side needs a fork, which h3d does not make yet",
-                    param="store",
-                )
             prev_sid = self.index.find(caller, body.previous_response_id, "previous_response_id")
             if prev_sid in self.turns:  # its messages go in one by one: nothing may come between them
                 raise Conflict(f"the conversation of {body.previous_response_id} has a response in progress",
@@ -138,18 +134,20 @@ class Responses:
             session = engine.session(prev_sid)
             if session.busy:
                 raise SessionBusy(f"the conversation of {previous} has a response in progress")
-            latest = session.extra.get(KEY, [])
-            if not latest or latest[-1]["id"] != previous or latest[-1]["end"] != len(session.tokens):
-                after = latest[-1]["id"] if latest and latest[-1]["end"] == len(session.tokens) else None
-                said = f" (its latest is {after})" if after else ""
-                raise Conflict(
-                    f"previous_response_id: {previous} is not the latest response of its conversation{said}; "
-                    "continuing from an earlier response needs a fork of the conversation, which h3d does not make yet",
-                    param="previous_response_id",
-                    code="not_latest_response",
-                )
-            cached = engine.kv.cached_tokens(session.seq)
-            return Turn(session.id, session.owner, False, len(session.tokens), cached), params
+            records = session.extra.get(KEY, [])
+            latest = bool(records) and records[-1]["id"] == previous and records[-1]["end"] == len(session.tokens)
+            if latest and body.store:  # continued in place
+                cached = engine.kv.cached_tokens(session.seq)
+                return Turn(session.id, session.owner, False, len(session.tokens), cached), params
+            # An earlier response, or one continued on the side (store: false): a fork of the
+            # conversation as it stood at that response's end (its KV copied, not computed again).
+            end = next((int(r["end"]) for r in records if r["id"] == previous), None)
+            if end is None:
+                raise NotFound(f"no stored response {clip(previous or '')!r}", param="previous_response_id",
+                               code="response_not_found")  # fmt: skip
+            sid = engine.fork_session(session.id, end, owner=session.owner)
+            fork = engine.session(sid)
+            return Turn(sid, session.owner, True, len(fork.tokens), engine.kv.cached_tokens(fork.seq)), params
 
         if prev_sid is not None:
             self.turns.add(prev_sid)
@@ -158,6 +156,8 @@ class Responses:
         except BaseException:
             self.turns.discard(prev_sid)
             raise
+        if prev_sid is not None and turn.sid != prev_sid:  # a fork: its parent's conversation is free again
+            self.turns.discard(prev_sid)
         self.turns.add(turn.sid)
         try:
             return await self._turn(request, body, caller, turn, params, messages)
@@ -216,8 +216,8 @@ class Responses:
                 await self._failed(turn, record)
             raise
         finally:
-            if not body.store:
-                self.s.worker.post(lambda engine: engine.close_session(turn.sid, purge=True))
+            if not body.store:  # (its KV kept for prefix reuse)
+                self.s.worker.post(lambda engine: engine.retire(turn.sid))
 
     async def _append(self, sid: SessionId, message: dict[str, str]) -> None:
         """One message into a chat session, waited for (a turn's messages before its last)."""

@@ -12,6 +12,7 @@ import type { DrainRequest as _h3_v1_DrainRequest, DrainRequest__Output as _h3_v
 import type { DrainResponse as _h3_v1_DrainResponse, DrainResponse__Output as _h3_v1_DrainResponse__Output } from './h3/v1/DrainResponse.js';
 import type { EvictSessionRequest as _h3_v1_EvictSessionRequest, EvictSessionRequest__Output as _h3_v1_EvictSessionRequest__Output } from './h3/v1/EvictSessionRequest.js';
 import type { EvictSessionResponse as _h3_v1_EvictSessionResponse, EvictSessionResponse__Output as _h3_v1_EvictSessionResponse__Output } from './h3/v1/EvictSessionResponse.js';
+import type { ForkSessionRequest as _h3_v1_ForkSessionRequest, ForkSessionRequest__Output as _h3_v1_ForkSessionRequest__Output } from './h3/v1/ForkSessionRequest.js';
 import type { GenerateRequest as _h3_v1_GenerateRequest, GenerateRequest__Output as _h3_v1_GenerateRequest__Output } from './h3/v1/GenerateRequest.js';
 import type { GenerateResponse as _h3_v1_GenerateResponse, GenerateResponse__Output as _h3_v1_GenerateResponse__Output } from './h3/v1/GenerateResponse.js';
 import type { GenerateSummary as _h3_v1_GenerateSummary, GenerateSummary__Output as _h3_v1_GenerateSummary__Output } from './h3/v1/GenerateSummary.js';
@@ -58,6 +59,7 @@ export interface ProtoGrpcType {
       EvictSessionRequest: MessageTypeDefinition<_h3_v1_EvictSessionRequest, _h3_v1_EvictSessionRequest__Output>
       EvictSessionResponse: MessageTypeDefinition<_h3_v1_EvictSessionResponse, _h3_v1_EvictSessionResponse__Output>
       FinishReason: EnumTypeDefinition
+      ForkSessionRequest: MessageTypeDefinition<_h3_v1_ForkSessionRequest, _h3_v1_ForkSessionRequest__Output>
       GenerateRequest: MessageTypeDefinition<_h3_v1_GenerateRequest, _h3_v1_GenerateRequest__Output>
       GenerateResponse: MessageTypeDefinition<_h3_v1_GenerateResponse, _h3_v1_GenerateResponse__Output>
       GenerateSummary: MessageTypeDefinition<_h3_v1_GenerateSummary, _h3_v1_GenerateSummary__Output>

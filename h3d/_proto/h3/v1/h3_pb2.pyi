@@ -175,6 +175,14 @@ class CreateSessionRequest(_message.Message):
     chat: bool
     def __init__(self, system_prompt: _Optional[str] = ..., policy: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., chat: _Optional[bool] = ...) -> None: ...
 
+class ForkSessionRequest(_message.Message):
+    __slots__ = ("session_id", "at_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    AT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    at_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., at_tokens: _Optional[int] = ...) -> None: ...
+
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id", "with_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -326,7 +334,7 @@ class SessionStats(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ..., hbm_hit_rate: _Optional[float] = ..., ssd_read_count: _Optional[int] = ..., window_tokens: _Optional[int] = ..., itl_ms_p50: _Optional[float] = ..., itl_ms_p99: _Optional[float] = ..., hbm_share_blocks: _Optional[int] = ...) -> None: ...
 
 class Throughput(_message.Message):
-    __slots__ = ("tokens_per_s", "window_s", "generated_tokens_total", "prefill_tokens_total", "active_requests", "queued_requests", "sessions", "steps_total")
+    __slots__ = ("tokens_per_s", "window_s", "generated_tokens_total", "prefill_tokens_total", "active_requests", "queued_requests", "sessions", "steps_total", "prefix_queries_total", "prefix_hits_total", "prefix_reused_tokens_total", "prefix_cache_sessions")
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +343,10 @@ class Throughput(_message.Message):
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_REUSED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     tokens_per_s: float
     window_s: float
     generated_tokens_total: int
@@ -343,7 +355,11 @@ class Throughput(_message.Message):
     queued_requests: int
     sessions: int
     steps_total: int
-    def __init__(self, tokens_per_s: _Optional[float] = ..., window_s: _Optional[float] = ..., generated_tokens_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., sessions: _Optional[int] = ..., steps_total: _Optional[int] = ...) -> None: ...
+    prefix_queries_total: int
+    prefix_hits_total: int
+    prefix_reused_tokens_total: int
+    prefix_cache_sessions: int
+    def __init__(self, tokens_per_s: _Optional[float] = ..., window_s: _Optional[float] = ..., generated_tokens_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., sessions: _Optional[int] = ..., steps_total: _Optional[int] = ..., prefix_queries_total: _Optional[int] = ..., prefix_hits_total: _Optional[int] = ..., prefix_reused_tokens_total: _Optional[int] = ..., prefix_cache_sessions: _Optional[int] = ...) -> None: ...
 
 class GraphStats(_message.Message):
     __slots__ = ("captures_total", "captures_after_ready", "replays_total", "eager_steps_total", "warm_graphs", "warm_s", "deferred")

@@ -69,6 +69,11 @@ class H3Stub:
                 request_serializer=h3_dot_v1_dot_h3__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=h3_dot_v1_dot_h3__pb2.Stats.FromString,
                 _registered_method=True)
+        self.ForkSession = channel.unary_unary(
+                '/h3.v1.H3/ForkSession',
+                request_serializer=h3_dot_v1_dot_h3__pb2.ForkSessionRequest.SerializeToString,
+                response_deserializer=h3_dot_v1_dot_h3__pb2.Session.FromString,
+                _registered_method=True)
 
 
 class H3Servicer:
@@ -125,6 +130,17 @@ class H3Servicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkSession(self, request, context):
+        """A new session whose context is the first `at_tokens` tokens of another's (all of them by
+        default), with its policy, sampling defaults and chat conversation. Its KV is copied from the
+        other session's HBM and DDR copies, and its last tokens are prefilled before this returns, so
+        the fork is ready to decode. FAILED_PRECONDITION while the session has a request in flight;
+        INVALID_ARGUMENT for `at_tokens` past its context or inside a chat message.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_H3Servicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +178,11 @@ def add_H3Servicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=h3_dot_v1_dot_h3__pb2.GetStatsRequest.FromString,
                     response_serializer=h3_dot_v1_dot_h3__pb2.Stats.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=h3_dot_v1_dot_h3__pb2.ForkSessionRequest.FromString,
+                    response_serializer=h3_dot_v1_dot_h3__pb2.Session.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +374,33 @@ class H3:
             '/h3.v1.H3/GetStats',
             h3_dot_v1_dot_h3__pb2.GetStatsRequest.SerializeToString,
             h3_dot_v1_dot_h3__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/h3.v1.H3/ForkSession',
+            h3_dot_v1_dot_h3__pb2.ForkSessionRequest.SerializeToString,
+            h3_dot_v1_dot_h3__pb2.Session.FromString,
             options,
             channel_credentials,
             insecure,

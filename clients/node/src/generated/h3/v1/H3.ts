@@ -7,6 +7,7 @@ import type { AppendContextResponse as _h3_v1_AppendContextResponse, AppendConte
 import type { CloseSessionRequest as _h3_v1_CloseSessionRequest, CloseSessionRequest__Output as _h3_v1_CloseSessionRequest__Output } from '../../h3/v1/CloseSessionRequest.js';
 import type { CloseSessionResponse as _h3_v1_CloseSessionResponse, CloseSessionResponse__Output as _h3_v1_CloseSessionResponse__Output } from '../../h3/v1/CloseSessionResponse.js';
 import type { CreateSessionRequest as _h3_v1_CreateSessionRequest, CreateSessionRequest__Output as _h3_v1_CreateSessionRequest__Output } from '../../h3/v1/CreateSessionRequest.js';
+import type { ForkSessionRequest as _h3_v1_ForkSessionRequest, ForkSessionRequest__Output as _h3_v1_ForkSessionRequest__Output } from '../../h3/v1/ForkSessionRequest.js';
 import type { GenerateRequest as _h3_v1_GenerateRequest, GenerateRequest__Output as _h3_v1_GenerateRequest__Output } from '../../h3/v1/GenerateRequest.js';
 import type { GenerateResponse as _h3_v1_GenerateResponse, GenerateResponse__Output as _h3_v1_GenerateResponse__Output } from '../../h3/v1/GenerateResponse.js';
 import type { GetSessionRequest as _h3_v1_GetSessionRequest, GetSessionRequest__Output as _h3_v1_GetSessionRequest__Output } from '../../h3/v1/GetSessionRequest.js';
@@ -59,6 +60,29 @@ export interface H3Client extends grpc.Client {
   createSession(argument: _h3_v1_CreateSessionRequest, metadata: grpc.Metadata, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
   createSession(argument: _h3_v1_CreateSessionRequest, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
   createSession(argument: _h3_v1_CreateSessionRequest, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
+  
+  /**
+   * A new session whose context is the first `at_tokens` tokens of another's (all of them by
+   * default), with its policy, sampling defaults and chat conversation. Its KV is copied from the
+   * other session's HBM and DDR copies, and its last tokens are prefilled before this returns, so
+   * the fork is ready to decode. FAILED_PRECONDITION while the session has a request in flight;
+   * INVALID_ARGUMENT for `at_tokens` past its context or inside a chat message.
+   */
+  ForkSession(argument: _h3_v1_ForkSessionRequest, metadata: grpc.Metadata, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
+  ForkSession(argument: _h3_v1_ForkSessionRequest, metadata: grpc.Metadata, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
+  ForkSession(argument: _h3_v1_ForkSessionRequest, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
+  ForkSession(argument: _h3_v1_ForkSessionRequest, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
+  /**
+   * A new session whose context is the first `at_tokens` tokens of another's (all of them by
+   * default), with its policy, sampling defaults and chat conversation. Its KV is copied from the
+   * other session's HBM and DDR copies, and its last tokens are prefilled before this returns, so
+   * the fork is ready to decode. FAILED_PRECONDITION while the session has a request in flight;
+   * INVALID_ARGUMENT for `at_tokens` past its context or inside a chat message.
+   */
+  forkSession(argument: _h3_v1_ForkSessionRequest, metadata: grpc.Metadata, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
+  forkSession(argument: _h3_v1_ForkSessionRequest, metadata: grpc.Metadata, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
+  forkSession(argument: _h3_v1_ForkSessionRequest, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
+  forkSession(argument: _h3_v1_ForkSessionRequest, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
   
   /**
    * Generate, continuing the session's context (after appending `prompt`, if any). Streams the
@@ -138,6 +162,15 @@ export interface H3Handlers extends grpc.UntypedServiceImplementation {
   CreateSession: grpc.handleUnaryCall<_h3_v1_CreateSessionRequest__Output, _h3_v1_Session>;
   
   /**
+   * A new session whose context is the first `at_tokens` tokens of another's (all of them by
+   * default), with its policy, sampling defaults and chat conversation. Its KV is copied from the
+   * other session's HBM and DDR copies, and its last tokens are prefilled before this returns, so
+   * the fork is ready to decode. FAILED_PRECONDITION while the session has a request in flight;
+   * INVALID_ARGUMENT for `at_tokens` past its context or inside a chat message.
+   */
+  ForkSession: grpc.handleUnaryCall<_h3_v1_ForkSessionRequest__Output, _h3_v1_Session>;
+  
+  /**
    * Generate, continuing the session's context (after appending `prompt`, if any). Streams the
    * tokens as they are produced, then one summary.
    */
@@ -164,6 +197,7 @@ export interface H3Definition extends grpc.ServiceDefinition {
   AppendContext: MethodDefinition<_h3_v1_AppendContextRequest, _h3_v1_AppendContextResponse, _h3_v1_AppendContextRequest__Output, _h3_v1_AppendContextResponse__Output>
   CloseSession: MethodDefinition<_h3_v1_CloseSessionRequest, _h3_v1_CloseSessionResponse, _h3_v1_CloseSessionRequest__Output, _h3_v1_CloseSessionResponse__Output>
   CreateSession: MethodDefinition<_h3_v1_CreateSessionRequest, _h3_v1_Session, _h3_v1_CreateSessionRequest__Output, _h3_v1_Session__Output>
+  ForkSession: MethodDefinition<_h3_v1_ForkSessionRequest, _h3_v1_Session, _h3_v1_ForkSessionRequest__Output, _h3_v1_Session__Output>
   Generate: MethodDefinition<_h3_v1_GenerateRequest, _h3_v1_GenerateResponse, _h3_v1_GenerateRequest__Output, _h3_v1_GenerateResponse__Output>
   GetSession: MethodDefinition<_h3_v1_GetSessionRequest, _h3_v1_Session, _h3_v1_GetSessionRequest__Output, _h3_v1_Session__Output>
   GetStats: MethodDefinition<_h3_v1_GetStatsRequest, _h3_v1_Stats, _h3_v1_GetStatsRequest__Output, _h3_v1_Stats__Output>

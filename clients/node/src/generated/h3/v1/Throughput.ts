@@ -22,6 +22,18 @@ export interface Throughput {
    * decode batch: how full the engine's steps are.
    */
   'stepsTotal'?: (number | string | Long);
+  /**
+   * Prefix reuse (`share_prefixes`): first requests of sessions without KV that looked for another
+   * session holding KV for their first blocks of tokens, those that found one, and the tokens whose
+   * KV they copied instead of computing it.
+   */
+  'prefixQueriesTotal'?: (number | string | Long);
+  'prefixHitsTotal'?: (number | string | Long);
+  'prefixReusedTokensTotal'?: (number | string | Long);
+  /**
+   * Finished request sessions whose KV is kept for prefix reuse (`prefix_cache_sessions`).
+   */
+  'prefixCacheSessions'?: (number);
 }
 
 export interface Throughput__Output {
@@ -44,4 +56,16 @@ export interface Throughput__Output {
    * decode batch: how full the engine's steps are.
    */
   'stepsTotal': (number);
+  /**
+   * Prefix reuse (`share_prefixes`): first requests of sessions without KV that looked for another
+   * session holding KV for their first blocks of tokens, those that found one, and the tokens whose
+   * KV they copied instead of computing it.
+   */
+  'prefixQueriesTotal': (number);
+  'prefixHitsTotal': (number);
+  'prefixReusedTokensTotal': (number);
+  /**
+   * Finished request sessions whose KV is kept for prefix reuse (`prefix_cache_sessions`).
+   */
+  'prefixCacheSessions': (number);
 }

@@ -1,0 +1,202 @@
+"""Forks and prefix reuse through the daemon: `h3d serve` with its defaults, on a model folder.
+
+    python -m h3d.bench.prefix [--model data/models/smollm2-135m-instruct] [--tokens 6000] [--forks 16]
+                               [--out FILE] [--write docs/BENCHMARKS.md]
+
+Two measurements, both on the product path (gRPC and the OpenAI HTTP API of one `h3d serve`
+started with `--http-listen` and nothing else):
+
+- **Forks** (`ForkSession`): a session given a document of `--tokens` tokens (AppendContext), then
+  `--forks` forks of it, each generating `--generate` tokens greedily, and a session given the same
+  tokens without a fork (the unshared reference): the document's append time against a fork's
+  time, whether every fork's tokens equal the reference's, and the KV blocks (HBM + DDR copies,
+  GetStats) the forks hold against the parent's.
+- **A chat's second turn** (`/v1/chat/completions`, streamed, stateless as OpenAI's clients send
+  it): turn 1 is the document as a user message and a question; turn 2 sends the whole
+  conversation again (the first reply as the assistant's message) with a new question. Time to
+  first token of each, and `usage.prompt_tokens_details.cached_tokens` of turn 2 against turn 1's
+  history (its prompt and reply).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import socket
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from h3d.bench.report import write_section
+from h3d.bench.serve import Client, Daemon, log
+
+DEFAULT_MODEL = Path("data/models/smollm2-135m-instruct")
+SOURCE = Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md"  # real text to read
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def document(tokenizer: Any, n: int) -> str:
+    """About `n` tokens of real text (the operations manual, repeated as needed)."""
+    text = SOURCE.read_text()
+    while len(tokenizer.encode(text)) < n:
+        text += "\n\n" + text
+    ids = tokenizer.encode(text)[:n]
+    return str(tokenizer.decode(ids))
+
+
+def chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One streamed chat completion: time to first token, its text, its usage."""
+    body = {"model": "h3d", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    request = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+    t0, first, texts, used = time.perf_counter(), None, [], {}
+    with urllib.request.urlopen(request, timeout=3600) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                used = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                text = choice.get("delta", {}).get("content")
+                if text:
+                    first = first or time.perf_counter()
+                    texts.append(text)
+    return {"ttft_s": (first or time.perf_counter()) - t0, "text": "".join(texts), "usage": used}
+
+
+def kv_blocks(client: Client, sids: list[str]) -> int:
+    """HBM + DDR block copies the sessions hold."""
+    stats = client.h3.GetStats(client.pb.GetStatsRequest())
+    return sum(s.residency.hbm_blocks + s.residency.ddr_blocks for s in stats.sessions if s.session_id in sids)
+
+
+def continuation(client: Client, sid: str, n: int) -> list[int]:
+    """`n` greedy tokens continuing the session."""
+    sampling = client.pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    out: list[int] = []
+    for msg in client.h3.Generate(client.pb.GenerateRequest(session_id=sid, sampling=sampling)):
+        if msg.HasField("delta"):
+            out += msg.delta.token_ids
+    return out
+
+
+def forks(client: Client, ids: list[int], n: int, generate: int) -> dict[str, Any]:
+    pb = client.pb
+    parent = client.session("attention_entropy")
+    append_s = client.append(parent, ids)
+    times, made = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        made.append(client.h3.ForkSession(pb.ForkSessionRequest(session_id=parent)).session_id)
+        times.append(time.perf_counter() - t0)
+    parent_blocks = kv_blocks(client, [parent])
+    fork_blocks = kv_blocks(client, made)
+    reference = client.session("attention_entropy")
+    client.append(reference, ids)
+    want = continuation(client, reference, generate)
+    same = sum(continuation(client, sid, generate) == want for sid in made)
+    for sid in [parent, reference, *made]:
+        client.close(sid)
+    times.sort()
+    return {
+        "document_tokens": len(ids), "forks": n, "append_s": append_s, "fork_s_median": times[len(times) // 2],
+        "fork_s_max": times[-1], "forks_identical": same, "parent_kv_blocks": parent_blocks,
+        "forks_kv_blocks": fork_blocks, "kv_ratio": (parent_blocks + fork_blocks) / max(parent_blocks, 1),
+    }  # fmt: skip
+
+
+def second_turn(url: str, text: str, reply_tokens: int) -> dict[str, Any]:
+    history = [{"role": "user", "content": text + "\n\nIn one sentence: what does this manual describe?"}]
+    first = chat(url, history, reply_tokens)
+    history += [{"role": "assistant", "content": first["text"]},
+                {"role": "user", "content": "And which command shows the tiers?"}]  # fmt: skip
+    second = chat(url, history, reply_tokens)
+    had = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+    cached = second["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {
+        "history_tokens": had, "ttft_first_s": first["ttft_s"], "ttft_second_s": second["ttft_s"],
+        "ttft_ratio": second["ttft_s"] / first["ttft_s"], "cached_tokens": cached, "cached_share": cached / had,
+        "second_prompt_tokens": second["usage"]["prompt_tokens"],
+    }  # fmt: skip
+
+
+def table(r: dict[str, Any]) -> str:
+    f, c = r["forks"], r["chat"]
+    return "\n".join([
+        f"`python -m h3d.bench.prefix {' '.join(r['argv'])}` ({r['date']}, {r['host']}, {r['model']}; "
+        "`h3d serve` defaults, `--http-listen`)",
+        "",
+        "| forks of one document | |",
+        "|---|---|",
+        f"| document (AppendContext) | {f['document_tokens']} tokens in {f['append_s']:.2f} s |",
+        f"| ForkSession, median / max of {f['forks']} | {f['fork_s_median']:.3f} s / {f['fork_s_max']:.3f} s |",
+        f"| forks whose greedy tokens equal an unshared session's | {f['forks_identical']} of {f['forks']} |",
+        f"| KV blocks (HBM + DDR copies): parent / {f['forks']} forks | {f['parent_kv_blocks']} / "
+        f"{f['forks_kv_blocks']} ({f['kv_ratio']:.1f} x one session) |",
+        "",
+        "| a chat's second turn (`/v1/chat/completions`, stateless) | |",
+        "|---|---|",
+        f"| history (turn 1's prompt and reply) | {c['history_tokens']} tokens |",
+        f"| time to first token: turn 1 / turn 2 | {c['ttft_first_s']:.2f} s / {c['ttft_second_s']:.3f} s "
+        f"({c['ttft_ratio']:.3f}) |",
+        f"| turn 2's cached_tokens | {c['cached_tokens']} ({100 * c['cached_share']:.1f} % of the history) |",
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m h3d.bench.prefix", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the model folder the daemon serves")
+    p.add_argument("--tokens", type=int, default=6000, help="the document's tokens")
+    p.add_argument("--forks", type=int, default=16, help="forks of the document")
+    p.add_argument("--generate", type=int, default=64, help="tokens each fork generates")
+    p.add_argument("--work", type=Path, default=Path(".bench/prefix"), help="the daemon's data folder")
+    p.add_argument("--out", type=Path, default=None, help="the JSON (default bench/results/<date>-cpu-prefix.json)")
+    p.add_argument("--write", type=Path, default=None, help="update this markdown file's prefix section")
+    args = p.parse_args(argv)
+    from h3d.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(str(args.model))
+    text = document(tokenizer, args.tokens)
+    ids = tokenizer.encode(text)
+    port = free_port()
+    daemon = Daemon(args.model, args.work, flags=["--http-listen", f"127.0.0.1:{port}"])
+    try:
+        client = Client(daemon.sock)
+        log("forks ...")
+        fork_figures = forks(client, ids, args.forks, args.generate)
+        log("a chat's second turn ...")
+        chat_figures = second_turn(f"http://127.0.0.1:{port}", text, 32)
+    finally:
+        daemon.stop()
+    result = {
+        "date": dt.date.today().isoformat(), "host": f"CPU, {_cores()} cores", "model": args.model.name,
+        "argv": list(sys.argv[1:] if argv is None else argv), "forks": fork_figures, "chat": chat_figures,
+    }  # fmt: skip
+    out = args.out or Path("bench/results") / f"{result['date']}-cpu-prefix.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    if args.write is not None:
+        write_section(args.write, "## Forks and prefix reuse through the daemon (CPU)\n\n" + table(result), "prefix")
+    return 0
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Session forks through the Engine API: a fork's context is a prefix of its parent's, its KV
+copied where the parent holds it; it continues exactly as an unshared session given the same
+tokens would, in every tier, and through a restart."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import VOCAB_SIZE, make_engine, random_prompt
+
+from h3d.engine.engine import Engine
+from h3d.engine.sampling import SamplingParams
+from h3d.engine.session import SessionId
+from h3d.errors import InvalidRequest, SessionBusy, SessionNotFound
+from h3d.hbf.policy import PROBE_QUERIES
+
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+BS = 16
+
+
+def _engine(checkpoint: Callable[[str], Path], tmp_path: Path, model: str, **kw: Any) -> Engine:
+    return make_engine(
+        checkpoint(model), prefill_chunk_tokens=64, ssd_path=str(tmp_path / "ssd"),
+        session_log_path=str(tmp_path / "logs"), **kw,
+    )  # fmt: skip
+
+
+def _unshared(engine: Engine, tokens: list[int]) -> tuple[int, ...]:
+    """The greedy continuation of a new session given `tokens` (then closed for good)."""
+    sid = engine.create_session()
+    engine.append(sid, token_ids=tokens)
+    out = engine.complete(sid, "", GREEDY).token_ids
+    engine.close_session(sid, purge=True)
+    return out
+
+
+def _parent(engine: Engine, n: int = 300) -> SessionId:
+    """A session of `n` prompt tokens that generated 16 more."""
+    sid = engine.create_session()
+    engine.append(sid, token_ids=random_prompt(n, VOCAB_SIZE, seed=5))
+    engine.complete(sid, "", GREEDY)
+    return sid
+
+
+@pytest.mark.parametrize("model", ["llama_gqa4_tied", "qwen2_window_layers", "gemma3_window"])
+def test_a_fork_continues_as_an_unshared_session_would(
+    checkpoint: Callable[[str], Path], tmp_path: Path, model: str
+) -> None:
+    engine = _engine(checkpoint, tmp_path, model)
+    parent = _parent(engine)
+    tokens = list(engine.session(parent).tokens)
+    for at in (None, 200, 3):
+        fork = engine.fork_session(parent, at)
+        n = len(tokens) if at is None else at
+        assert engine.session(fork).tokens == tokens[:n]
+        # Whole blocks copied, up to PROBE_QUERIES tokens before the last; window layers may refuse.
+        copied = engine.cached_tokens(fork)
+        assert copied % BS == 0 and copied <= max(n - 1 - PROBE_QUERIES, 0)
+        if model == "llama_gqa4_tied" or at is None:  # (a window layer freed what a shorter fork would read)
+            assert copied == max(n - 1 - PROBE_QUERIES, 0) // BS * BS
+        rid = engine.catch_up(fork)
+        if n > 1 + copied:
+            assert rid is not None
+            list(engine.run(rid))
+        assert engine.cached_tokens(fork) == max(n - 1, 0) or n <= 1
+        assert engine.complete(fork, "", GREEDY).token_ids == _unshared(engine, tokens[:n]), f"fork at {at}"
+    # The parent is as it was: its own continuation is an unshared session's too.
+    assert engine.session(parent).tokens == tokens
+    assert engine.complete(parent, "", GREEDY).token_ids == _unshared(engine, tokens)
+    engine.close()
+
+
+@pytest.mark.parametrize("tier", ["ddr", "ssd"])
+def test_a_fork_of_a_parent_below_hbm(checkpoint: Callable[[str], Path], tmp_path: Path, tier: str) -> None:
+    """A parent's blocks in DDR are copied from there; blocks in the archive only end the copy
+    (the fork prefills the rest): the tokens are the same either way."""
+    engine = _engine(checkpoint, tmp_path, "llama_gqa4_tied")
+    parent = _parent(engine)
+    tokens = list(engine.session(parent).tokens)
+    assert engine.kv.demote(engine.session(parent).seq, to_ssd=tier == "ssd") > 0
+    fork = engine.fork(parent)
+    notice = [d for kind, d in engine.kv.take_notices() if kind == "session_forked"][-1]
+    assert notice["parent"] == parent and notice["tokens"] == len(tokens)
+    assert notice["kv_copied_tokens"] == (0 if tier == "ssd" else (len(tokens) - 1 - PROBE_QUERIES) // BS * BS)
+    assert engine.complete(fork, "", GREEDY).token_ids == _unshared(engine, tokens)
+    engine.close()
+
+
+def test_forks_survive_a_restart(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    engine = _engine(checkpoint, tmp_path, "llama_gqa4_tied")
+    parent = _parent(engine)
+    fork = engine.fork(parent, 250)
+    want = list(engine.session(fork).tokens)
+    engine.close()
+    again = _engine(checkpoint, tmp_path, "llama_gqa4_tied")
+    assert again.session(fork).tokens == want
+    assert len(again.session(parent).tokens) == 316
+    assert again.complete(fork, "", GREEDY).token_ids == _unshared(again, want)
+    again.close()
+
+
+def test_a_chat_fork_keeps_its_conversation(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    engine = _engine(checkpoint, tmp_path, "llama_gqa4_tied")
+    chat = engine.create_session(system_prompt="Be brief.", chat=True)
+    engine.append(chat, text="What is a block?", role="user")
+    engine.complete(chat, "", GREEDY)
+    after_reply = len(engine.session(chat).tokens)
+    engine.append(chat, text="And a tier?", role="user")
+    whole = engine.fork(chat)
+    assert engine.session(whole).chat == engine.session(chat).chat
+    # At the end of the first reply: the conversation as it stood then, its turn still open.
+    early = engine.fork(chat, after_reply)
+    messages = engine.session(early).chat
+    assert messages is not None and [m["role"] for m in messages.messages] == ["system", "user"]
+    assert messages.open_at is not None
+    assert engine.complete(whole, "", GREEDY).token_ids == engine.complete(chat, "", GREEDY).token_ids
+    engine.append(early, text="Thanks.", role="user")
+    a = engine.complete(early, "", GREEDY)
+    fresh = engine.create_session(system_prompt="Be brief.", chat=True)
+    engine.append(fresh, text="What is a block?", role="user")
+    first = engine.complete(fresh, "", GREEDY)
+    assert engine.session(fresh).tokens == engine.session(chat).tokens[: len(engine.session(fresh).tokens)]
+    assert first.token_ids  # (the parent's first reply, made again)
+    engine.append(fresh, text="Thanks.", role="user")
+    assert engine.complete(fresh, "", GREEDY).token_ids == a.token_ids
+    # Inside a message's tokens: refused, nothing made.
+    before = set(engine.sessions)
+    with pytest.raises(InvalidRequest, match="inside a chat message"):
+        engine.fork_session(chat, after_reply + 2)
+    assert set(engine.sessions) == before and len(engine.journal.open_sessions()) == len(before)  # type: ignore[union-attr]
+    engine.close()
+
+
+def test_fork_refusals(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    engine = _engine(checkpoint, tmp_path, "llama_gqa4_tied")
+    parent = _parent(engine, 40)
+    with pytest.raises(InvalidRequest, match="at_tokens: 57 is past"):
+        engine.fork_session(parent, 57)
+    with pytest.raises(SessionNotFound):
+        engine.fork_session(SessionId("0" * 32))
+    engine.submit(parent, generate=True, params=GREEDY)
+    with pytest.raises(SessionBusy):
+        engine.fork_session(parent)
+    engine.close()

@@ -1,0 +1,114 @@
+"""Prefix reuse (`share_prefixes`): a new session whose tokens begin with whole blocks another
+session holds KV for gets that KV copied at its first request; it decodes exactly as it would have
+computing it, owners stay apart, and finished request sessions (`Engine.retire`) serve as a prefix
+cache, least recently used dropped first."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from helpers import VOCAB_SIZE, make_engine, random_prompt
+
+from h3d.engine.engine import Engine
+from h3d.engine.prefixes import PrefixIndex
+from h3d.engine.sampling import SamplingParams
+from h3d.engine.session import SessionId
+from h3d.hbf.policy import PROBE_QUERIES
+
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+BS = 16
+MODEL = "llama_gqa4_tied"
+DOC = random_prompt(300, VOCAB_SIZE, seed=11)
+QUESTION = random_prompt(100, VOCAB_SIZE, seed=12)
+
+
+def _engine(checkpoint: Callable[[str], Path], tmp_path: Path, **kw: Any) -> Engine:
+    return make_engine(checkpoint(MODEL), prefill_chunk_tokens=64, session_log_path=str(tmp_path / "logs"), **kw)
+
+
+def _ask(engine: Engine, tokens: list[int], owner: str = "x") -> tuple[SessionId, int, tuple[int, ...]]:
+    """A new session of `owner` given `tokens`: (its id, the KV it started with, its greedy continuation)."""
+    sid = engine.create_session(owner=owner)
+    rid = engine.submit(sid, token_ids=tokens, generate=False)
+    reused = engine.cached_tokens(sid)
+    list(engine.run(rid))
+    return sid, reused, engine.complete(sid, "", GREEDY).token_ids
+
+
+def test_the_index_finds_the_longest_shared_blocks() -> None:
+    index = PrefixIndex(4)
+    index.refresh("a", "s", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    index.refresh("b", "s", [1, 2, 3, 4, 5, 6, 7, 0])
+    index.refresh("c", "t", [1, 2, 3, 4, 5, 6, 7, 8])  # another scope
+    assert index.longest("s", [1, 2, 3, 4, 5, 6, 7, 8, 1, 1, 1, 1]) == {"a": 2}
+    assert index.longest("s", [1, 2, 3, 4, 9, 9, 9, 9]) == {"a": 1, "b": 1}
+    assert index.longest("s", [1, 2, 3, 4], exclude="a") == {"b": 1}
+    assert index.longest("s", [2, 2, 3, 4]) == {} and index.longest("u", [1, 2, 3, 4]) == {}
+    index.refresh("a", "s", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])  # grown: only its new block hashed
+    assert index.longest("s", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]) == {"a": 3}
+    index.forget("a")
+    assert index.longest("s", [1, 2, 3, 4, 5, 6, 7, 8]) == {"b": 1} and len(index) == 2
+
+
+def test_a_new_session_reuses_a_prefix_and_decodes_as_without(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    on = _engine(checkpoint, tmp_path / "on")
+    off = _engine(checkpoint, tmp_path / "off", share_prefixes="off")
+    for engine in (on, off):
+        _ask(engine, DOC)
+    _, reused, got = _ask(on, DOC + QUESTION)
+    assert reused == len(DOC) // BS * BS  # its whole blocks of the document (the next one differs)
+    assert on.counters.prefix_hits == 1 and on.counters.prefix_reused_tokens == reused
+    assert on.counters.prefix_queries == 2  # (the document's own first request found nothing)
+    _, none, want = _ask(off, DOC + QUESTION)
+    assert none == 0 and off.counters.prefix_queries == 0
+    assert got == want
+    # Another owner's prompt is no hit; with `all` it is.
+    _, other, theirs = _ask(on, DOC + QUESTION, owner="y")
+    assert other == 0 and theirs == want and on.counters.prefix_hits == 1
+    shared = _engine(checkpoint, tmp_path / "all", share_prefixes="all")
+    _ask(shared, DOC, owner="x")
+    assert _ask(shared, DOC + QUESTION, owner="y")[1] == len(DOC) // BS * BS
+    # The same tokens again: everything but the last PROBE_QUERIES + 1 is copied.
+    assert _ask(on, DOC + QUESTION)[1] == (len(DOC + QUESTION) - 1 - PROBE_QUERIES) // BS * BS
+    for engine in (on, off, shared):
+        engine.close()
+
+
+def test_retired_sessions_are_a_prefix_cache(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    engine = _engine(checkpoint, tmp_path, prefix_cache_sessions=1)
+    first, _, _ = _ask(engine, DOC)
+    engine.retire(first)
+    assert first not in engine.sessions and list(engine.prefix_cache) == [first]
+    assert not (tmp_path / "logs" / f"{first}.h3log").exists()  # deleted as a purge deletes it
+    turn2 = DOC + QUESTION
+    second, reused, got = _ask(engine, turn2)
+    assert reused == len(DOC) // BS * BS
+    off = _engine(checkpoint, tmp_path / "off", share_prefixes="off")
+    assert got == _ask(off, turn2)[2]
+    off.close()
+    seq = engine.prefix_cache[first].seq
+    engine.retire(second)  # one kept: the least recently used goes, its KV with it
+    assert list(engine.prefix_cache) == [second] and not engine.kv.has(seq)
+    assert _ask(engine, turn2)[1] == (len(turn2) - 1 - PROBE_QUERIES) // BS * BS  # from the second
+    none = _engine(checkpoint, tmp_path / "none", prefix_cache_sessions=0)
+    sid, _, _ = _ask(none, DOC)
+    none.retire(sid)
+    assert not none.prefix_cache and sid not in none.sessions
+    none.close()
+    engine.close()
+
+
+def test_a_donor_in_the_archive_only_is_computed_again(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    engine = _engine(checkpoint, tmp_path, ssd_path=str(tmp_path / "ssd"))
+    donor, _, _ = _ask(engine, DOC)
+    engine.kv.demote(engine.session(donor).seq, to_ssd=True)
+    _, reused, got = _ask(engine, DOC + QUESTION)
+    assert reused == 0 and engine.counters.prefix_hits == 0 and engine.counters.prefix_queries == 2
+    off = _engine(checkpoint, tmp_path / "off", share_prefixes="off")
+    assert got == _ask(off, DOC + QUESTION)[2]
+    off.close()
+    engine.close()
