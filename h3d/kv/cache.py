@@ -306,8 +306,9 @@ class KVCache:
     def fork(self, parent: SeqId, child: SeqId, num_tokens: int) -> int:
         """A fork's KV (`child`: open, empty) copied from `parent`'s first `num_tokens` tokens,
         whole blocks only: each block goes where a new block of the child would (HBM while its
-        layer's region has room, else DDR) and is read from the parent's HBM or DDR copy. The copy
-        ends at the parent's first block in the archive only, and is empty where a sliding-window
+        layer's region has room, else DDR) and is read from the parent's HBM or DDR copy; the
+        parent's blocks in the archive only are read back into DDR first (`TierManager.load`, below
+        the high watermark: the copy ends at the first block left there), and it is empty where a sliding-window
         layer freed a block the child would read (`BlockManager.keepable`); what it leaves is
         prefilled again. Digests are rebuilt from the keys at the child's first step. Returns the
         tokens copied."""
@@ -317,7 +318,8 @@ class KVCache:
         n = min(num_tokens, src.num_tokens) // bs
         if n and b.keepable(parent, n * bs) < n * bs:
             n = 0
-        if n and self.archive_only(parent):
+        if n and self.archive_only(parent):  # read back into DDR first, as many as fit
+            self.tiers.load(parent, upto=n)
             homeless = src.archive_only(upto=n).any(axis=0)  # [n]
             n = int(np.argmax(homeless)) if homeless.any() else n
         if not n:

@@ -513,17 +513,17 @@ class TierManager:
             out[:, j, : k.shape[1]] = k.to(pool.device)
         return out.flatten(1, 2)[:, : t.num_tokens - first_block * b.block_size]
 
-    def load(self, seq: SeqId, first_block: int = 0) -> int:
-        """Stage `seq`'s blocks from `first_block` on that only the archive holds into DDR, all
-        layers at once (its records read on several threads: `Mover.read`), as many as fit below
-        the high watermark (the others stay in the archive, staged when a step needs them): a
-        session resumed after a restart or reopened, whose digests are rebuilt from them.
-        Returns the blocks staged."""
+    def load(self, seq: SeqId, first_block: int = 0, upto: int | None = None) -> int:
+        """Stage `seq`'s blocks from `first_block` on (to `upto`) that only the archive holds into
+        DDR, all layers at once (its records read on several threads: `Mover.read`), as many as
+        fit below the high watermark (the others stay in the archive, staged when a step needs
+        them): a session resumed after a restart or reopened, whose digests are rebuilt from them;
+        the blocks a fork copies. Returns the blocks staged."""
         if self.archive is None:
             return 0
         b = self.blocks
         t = b.table(seq)
-        layers, blocks = np.nonzero(t.archive_only())
+        layers, blocks = np.nonzero(t.archive_only(upto=upto))
         layers, blocks = layers[blocks >= first_block], blocks[blocks >= first_block]
         cap = b.ddr_alloc.capacity
         room = int(self.high_watermark * cap) - (cap - b.ddr_free)
