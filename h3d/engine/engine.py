@@ -423,14 +423,16 @@ class Engine:
         return None if share == "off" else "" if share == "all" else f"owner:{session.owner}"
 
     def _reuse_prefix(self, session: Session) -> int:
-        """A session with no KV yet, whose tokens begin with whole blocks another session (or a
-        retired one, `prefix_cache`) of its scope holds KV for: that KV copied (`KVCache.fork`),
-        up to `PROBE_QUERIES` tokens before its last token, so that its prompt probe sees its own
-        last tokens. Returns the tokens copied (counted: `EngineCounters.prefix_*`)."""
+        """A session with less than a block of KV (none yet, or a short system message's), whose
+        tokens begin with whole blocks another session (or a retired one, `prefix_cache`) of its
+        scope holds KV for: that KV copied (`KVCache.fork`; what little KV it had is dropped
+        first), up to `PROBE_QUERIES` tokens before its last token, so that its prompt probe sees
+        its own last tokens. Returns the tokens copied (counted: `EngineCounters.prefix_*`)."""
         scope = self._scope(session)
         bs = self.kv.block_size
         n = len(session.tokens) - 1 - PROBE_QUERIES
-        if scope is None or n < bs or self.kv.cached_tokens(session.seq):
+        had = self.kv.cached_tokens(session.seq)
+        if scope is None or n < bs or had >= bs:
             return 0
         self.counters.prefix_queries += 1
         pool = {**self.sessions, **self.prefix_cache}
@@ -447,6 +449,8 @@ class Engine:
             return 0
         if best.id in self.prefix_cache:
             self.prefix_cache.move_to_end(best.id)
+        if had:
+            self.kv.truncate(session.seq, 0)  # (less than a block: its tokens are the donor's too)
         copied = self.kv.fork(best.seq, session.seq, blocks * bs)
         self.counters.prefix_hits += bool(copied)
         self.counters.prefix_reused_tokens += copied

@@ -221,6 +221,7 @@ def test_a_chain_of_three_prefills_only_its_new_messages(d: RunningDaemon) -> No
     assert prefilled(d) - before == back.usage.input_tokens - back.usage.input_tokens_details.cached_tokens
     alone = turn(c, "Tell me about the sea. " * 20, None)  # the same first turn, continued in place
     assert alone.output_text == first.output_text
+    assert alone.usage.input_tokens_details.cached_tokens >= 32  # the first's KV found (share_prefixes)
     again = turn(c, "Back to the sea?", alone.id)
     assert (again.output_text, again.usage.input_tokens) == (back.output_text, back.usage.input_tokens)
     assert c.responses.retrieve(back.id).output_text == back.output_text

@@ -116,3 +116,29 @@ def test_a_donor_in_the_archive_only(checkpoint: Callable[[str], Path], tmp_path
     assert got == _ask(off, DOC + QUESTION)[2]
     off.close()
     engine.close()
+
+
+def test_a_chat_after_its_short_system_message_reuses_a_prefix(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A conversation's messages go in one by one: its system message leaves less than a block
+    of KV, dropped when its next message finds a longer prefix elsewhere."""
+    bs = 32  # (the daemon's default: a system message's template takes less)
+    engine = _engine(checkpoint, tmp_path, block_size=bs)
+    off = _engine(checkpoint, tmp_path / "off", share_prefixes="off", block_size=bs)
+    text = "a long shared document about tiers and blocks, " * 30
+    outs = []
+    for e in (engine, engine, off):
+        sid = e.create_session(chat=True, owner="x")
+        e.append(sid, text="Be brief.", role="system")
+        assert 0 < e.cached_tokens(sid) < bs
+        rid = e.submit(sid, text=text, role="user", generate=False)
+        outs.append(e.cached_tokens(sid))
+        list(e.run(rid))
+        outs.append(e.complete(sid, "", GREEDY).token_ids)
+    first_reused, first, second_reused, second, off_reused, unshared = outs
+    assert first_reused < bs and off_reused < bs  # nothing to reuse: the system message's KV kept
+    assert second_reused >= bs * 5 and second_reused % bs == 0
+    assert second == first == unshared
+    engine.close()
+    off.close()

@@ -72,7 +72,13 @@ class Turn:
     owner: str
     new: bool  # the session was made for this response
     history: int  # tokens of the context before this turn
-    cached: int  # of those, tokens whose KV the session held
+    cached: int  # of those, tokens whose KV the session held (or got from a cached prefix: `count`)
+
+    def count(self, engine: Engine, reused: int) -> None:
+        """After an append's submit: if it copied KV from a cached prefix (`share_prefixes`: the
+        engine's reused tokens grew past `reused`), that KV is what the turn did not compute."""
+        if engine.counters.prefix_reused_tokens > reused:
+            self.cached = engine.cached_tokens(self.sid)
 
 
 class ResponseIndex:
@@ -188,11 +194,14 @@ class Responses:
         }  # fmt: skip
         try:
             for message in messages[:-1]:
-                await self._append(turn.sid, message)
+                await self._append(turn, message)
             last = messages[-1]
 
             def append(engine: Engine) -> RequestId:
-                return engine.submit(turn.sid, text=last["content"], role=last["role"], generate=False)
+                reused = engine.counters.prefix_reused_tokens
+                made = engine.submit(turn.sid, text=last["content"], role=last["role"], generate=False)
+                turn.count(engine, reused)
+                return made
 
             def submit(engine: Engine) -> RequestId:
                 made = engine.submit(turn.sid, generate=True, params=params)
@@ -219,11 +228,14 @@ class Responses:
             if not body.store:  # (its KV kept for prefix reuse)
                 self.s.worker.post(lambda engine: engine.retire(turn.sid))
 
-    async def _append(self, sid: SessionId, message: dict[str, str]) -> None:
+    async def _append(self, turn: Turn, message: dict[str, str]) -> None:
         """One message into a chat session, waited for (a turn's messages before its last)."""
 
         def submit(engine: Engine) -> RequestId:
-            return engine.submit(sid, text=message["content"], role=message["role"], generate=False)
+            reused = engine.counters.prefix_reused_tokens
+            made = engine.submit(turn.sid, text=message["content"], role=message["role"], generate=False)
+            turn.count(engine, reused)
+            return made
 
         async with contextlib.aclosing(stream_append(self.s, submit)) as events:
             async for _ in events:  # its progress: nobody reads it here
