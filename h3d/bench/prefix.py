@@ -52,9 +52,9 @@ def document(tokenizer: Any, n: int) -> str:
     return str(tokenizer.decode(ids))
 
 
-def chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     """One streamed chat completion: time to first token, its text, its usage."""
-    body = {"model": "h3d", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     request = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})  # fmt: skip
@@ -75,10 +75,10 @@ def chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str,
     return {"ttft_s": (first or time.perf_counter()) - t0, "text": "".join(texts), "usage": used}
 
 
-def kv_blocks(client: Client, sids: list[str]) -> int:
-    """HBM + DDR block copies the sessions hold."""
-    stats = client.h3.GetStats(client.pb.GetStatsRequest())
-    return sum(s.residency.hbm_blocks + s.residency.ddr_blocks for s in stats.sessions if s.session_id in sids)
+def kv_bytes(client: Client) -> tuple[int, int]:
+    """The tiers' used bytes: HBM + DDR (each copy of a block counted), and the archive's."""
+    g = getattr(client.h3.GetStats(client.pb.GetStatsRequest()), "global")
+    return g.hbm_used_bytes + g.ddr_used_bytes, g.ssd_used_bytes
 
 
 def continuation(client: Client, sid: str, n: int) -> list[int]:
@@ -93,15 +93,16 @@ def continuation(client: Client, sid: str, n: int) -> list[int]:
 
 def forks(client: Client, ids: list[int], n: int, generate: int) -> dict[str, Any]:
     pb = client.pb
+    before = kv_bytes(client)
     parent = client.session("attention_entropy")
     append_s = client.append(parent, ids)
+    one = kv_bytes(client)
     times, made = [], []
     for _ in range(n):
         t0 = time.perf_counter()
         made.append(client.h3.ForkSession(pb.ForkSessionRequest(session_id=parent)).session_id)
         times.append(time.perf_counter() - t0)
-    parent_blocks = kv_blocks(client, [parent])
-    fork_blocks = kv_blocks(client, made)
+    after = kv_bytes(client)
     reference = client.session("attention_entropy")
     client.append(reference, ids)
     want = continuation(client, reference, generate)
@@ -111,17 +112,18 @@ def forks(client: Client, ids: list[int], n: int, generate: int) -> dict[str, An
     times.sort()
     return {
         "document_tokens": len(ids), "forks": n, "append_s": append_s, "fork_s_median": times[len(times) // 2],
-        "fork_s_max": times[-1], "forks_identical": same, "parent_kv_blocks": parent_blocks,
-        "forks_kv_blocks": fork_blocks, "kv_ratio": (parent_blocks + fork_blocks) / max(parent_blocks, 1),
+        "fork_s_max": times[-1], "forks_identical": same,
+        "one_session_mb": (one[0] - before[0]) / 2**20, "with_forks_mb": (after[0] - before[0]) / 2**20,
+        "archive_one_mb": (one[1] - before[1]) / 2**20, "archive_with_forks_mb": (after[1] - before[1]) / 2**20,
     }  # fmt: skip
 
 
-def second_turn(url: str, text: str, reply_tokens: int) -> dict[str, Any]:
+def second_turn(url: str, model: str, text: str, reply_tokens: int) -> dict[str, Any]:
     history = [{"role": "user", "content": text + "\n\nIn one sentence: what does this manual describe?"}]
-    first = chat(url, history, reply_tokens)
+    first = chat(url, model, history, reply_tokens)
     history += [{"role": "assistant", "content": first["text"]},
                 {"role": "user", "content": "And which command shows the tiers?"}]  # fmt: skip
-    second = chat(url, history, reply_tokens)
+    second = chat(url, model, history, reply_tokens)
     had = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
     cached = second["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
     return {
@@ -142,8 +144,10 @@ def table(r: dict[str, Any]) -> str:
         f"| document (AppendContext) | {f['document_tokens']} tokens in {f['append_s']:.2f} s |",
         f"| ForkSession, median / max of {f['forks']} | {f['fork_s_median']:.3f} s / {f['fork_s_max']:.3f} s |",
         f"| forks whose greedy tokens equal an unshared session's | {f['forks_identical']} of {f['forks']} |",
-        f"| KV blocks (HBM + DDR copies): parent / {f['forks']} forks | {f['parent_kv_blocks']} / "
-        f"{f['forks_kv_blocks']} ({f['kv_ratio']:.1f} x one session) |",
+        f"| HBM + DDR used by KV: one session / with its {f['forks']} forks | {f['one_session_mb']:.0f} MiB / "
+        f"{f['with_forks_mb']:.0f} MiB ({f['with_forks_mb'] / f['one_session_mb']:.1f} x) |",
+        f"| archive grown: one session / with its forks | {f['archive_one_mb']:.0f} MiB / "
+        f"{f['archive_with_forks_mb']:.0f} MiB |",
         "",
         "| a chat's second turn (`/v1/chat/completions`, stateless) | |",
         "|---|---|",
@@ -175,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         client = Client(daemon.sock)
         log("forks ...")
         fork_figures = forks(client, ids, args.forks, args.generate)
+        log(f"forks: {json.dumps(fork_figures)}")
         log("a chat's second turn ...")
-        chat_figures = second_turn(f"http://127.0.0.1:{port}", text, 32)
+        chat_figures = second_turn(f"http://127.0.0.1:{port}", args.model.name, text, 32)
     finally:
         daemon.stop()
     result = {
