@@ -288,7 +288,7 @@ class Engine:
                 if parent.chat is not None:
                     session.chat = replay_chat(self.tokenizer, logged.messages, session.tokens)
                 session.anchors_logged = self.kv.selection(session.seq).anchors_version
-            copied = self.kv.fork(parent.seq, session.seq, max(n - 1 - PROBE_QUERIES, 0))
+            copied = self._copy_kv(parent, session, max(n - 1 - PROBE_QUERIES, 0))
         except BaseException:
             if self.journal is not None and session.id in self.journal.open_sessions():
                 self.journal.delete(session.id)
@@ -417,6 +417,14 @@ class Engine:
         self.prefixes.forget(session.id)
         purge_kv(self.kv, session.seq)
 
+    def _copy_kv(self, donor: Session, session: Session, num_tokens: int) -> int:
+        """`KVCache.fork`; a closed donor, whose blocks it read back from the archive, goes back
+        to the archive only, as closed sessions are."""
+        copied = self.kv.fork(donor.seq, session.seq, num_tokens)
+        if donor.closed:
+            park_kv(self.kv, donor.seq)
+        return copied
+
     def _scope(self, session: Session) -> str | None:
         """Whose sessions `session` may reuse a prefix of (`share_prefixes`); None: nobody's."""
         share = self.config.share_prefixes
@@ -451,7 +459,7 @@ class Engine:
             self.prefix_cache.move_to_end(best.id)
         if had:
             self.kv.truncate(session.seq, 0)  # (less than a block: its tokens are the donor's too)
-        copied = self.kv.fork(best.seq, session.seq, blocks * bs)
+        copied = self._copy_kv(best, session, blocks * bs)
         self.counters.prefix_hits += bool(copied)
         self.counters.prefix_reused_tokens += copied
         return copied

@@ -132,7 +132,8 @@ def _snapshot(tiers: TierManager, seq: SeqId, partial: bool) -> int:
             for j in here.tolist():
                 add((p, False), layer, j, int(slots[j]), b.block_size)
             todo = todo[slots[todo] == NONE]
-        if partial and full < t.num_blocks:
+        if partial and full < t.num_blocks and (where[0][full] != NONE or where[1][full] != NONE):
+            # (in the archive only, a parked session's: its record is current, and no slot holds it)
             p = 0 if where[0][full] != NONE else 1
             add((p, True), layer, full, int(where[p][full]), t.num_tokens - full * b.block_size)
     for group in list(pending):

@@ -127,6 +127,7 @@ class Mover:
                     )  # fmt: skip
 
     def _items(self, keys: list[BlockKey], pool: KVPool, slots: np.ndarray, tokens: list[int]) -> list:
+        _check_slots(keys, slots)
         k, v = pool.read(torch.from_numpy(slots).to(pool.k.device))  # [Hkv, n, bs, D]
         k, v = k.cpu(), v.cpu()
         return [(key, k[:, i, :n], v[:, i, :n]) for i, (key, n) in enumerate(zip(keys, tokens, strict=True))]
@@ -135,6 +136,7 @@ class Mover:
         """Start archiving blocks (their first `tokens` tokens) from `pool`; the bytes are copied now.
         Whole blocks of one session go in bulk (`put_blocks`: no Python call per block)."""
         assert self.archive is not None and self._writer is not None
+        _check_slots(keys, slots)
         bs = pool.k.shape[2]
         if keys and all(n == bs for n in tokens) and len({key.session for key in keys}) == 1:
             k, v = pool.read(torch.from_numpy(slots).to(pool.k.device))  # [Hkv, n, bs, D]
@@ -207,3 +209,10 @@ class Mover:
             self._writer.shutdown(wait=True)
         if self._readers is not None:
             self._readers.shutdown(wait=True)
+
+
+def _check_slots(keys: list[BlockKey], slots: np.ndarray) -> None:
+    """An archive write reads real slots: a NONE (-1) would read the pool's last slot, another
+    block's bytes, into a record that checks as sound."""
+    if len(slots) and int(slots.min()) < 1:
+        raise ValueError(f"an archive write from no slot: {keys[int(np.argmin(slots))]}")

@@ -91,6 +91,22 @@ def test_a_fork_of_a_parent_below_hbm(checkpoint: Callable[[str], Path], tmp_pat
     engine.close()
 
 
+def test_a_fork_of_a_closed_session_leaves_it_in_the_archive_only(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    engine = _engine(checkpoint, tmp_path, "llama_gqa4_tied")
+    parent = _parent(engine)
+    tokens = list(engine.session(parent).tokens)
+    engine.close_session(parent)
+    seq = engine.session(parent).seq
+    assert engine.kv.residency(seq).hbm == engine.kv.residency(seq).ddr == 0
+    fork = engine.fork(parent)
+    assert engine.cached_tokens(fork) == len(tokens) - 1
+    assert engine.kv.residency(seq).hbm == engine.kv.residency(seq).ddr == 0 and engine.session(parent).closed
+    assert engine.complete(fork, "", GREEDY).token_ids == _unshared(engine, tokens)
+    engine.close()
+
+
 def test_forks_survive_a_restart(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
     engine = _engine(checkpoint, tmp_path, "llama_gqa4_tied")
     parent = _parent(engine)

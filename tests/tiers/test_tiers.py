@@ -949,6 +949,31 @@ def test_a_closed_session_leaves_memory_and_reopens_where_it_stopped(
     twin.close()
 
 
+def test_a_closed_session_goes_through_a_checkpoint_and_a_restart_unchanged(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A shutdown's checkpoint snapshots every session, closed ones too: a closed session's
+    partial last block is in the archive only, and its record is already current (it was once
+    written from a DDR slot that did not exist: the last slot's bytes). After the restart the
+    session goes on as an uninterrupted twin does."""
+    engine = _closing_engine(checkpoint(MODEL), tmp_path)
+    twin = make_engine(checkpoint(MODEL))
+    prompt = random_prompt(299, VOCAB_SIZE, seed=12)  # a partial last block
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    sid, twin_sid = engine.create_session(), twin.create_session()
+    engine.append(sid, token_ids=prompt)
+    twin.append(twin_sid, token_ids=prompt)
+    engine.close_session(sid)
+    other = engine.create_session()  # the last DDR slot holds another session's KV
+    engine.append(other, token_ids=random_prompt(600, VOCAB_SIZE, seed=13))
+    engine.checkpoint()
+    engine.close()
+    again = _closing_engine(checkpoint(MODEL), tmp_path)
+    assert again.complete(sid, "", params).token_ids == twin.complete(twin_sid, "", params).token_ids
+    again.close()
+    twin.close()
+
+
 def test_ssd_capacity_evicts_closed_sessions_coldest_first_and_reclaims_disk(
     checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
