@@ -149,26 +149,25 @@ def session_text(s: Any, block_size: int | None = None, layers: int | None = Non
     return out
 
 
-def cmd_session_create(c: Client, args: argparse.Namespace) -> int:
-    req = pb.CreateSessionRequest(system_prompt=args.system or "", policy=args.policy or "", chat=args.chat)
-    s = c.call(c.h3.CreateSession, req)
+def new_session_out(args: argparse.Namespace, s: Any) -> int:
+    """A session made (create, fork): the whole message with --json, else its id alone."""
     if args.json:
         emit_json(to_dict(s))
     else:
         print(s.session_id)
     return 0
+
+
+def cmd_session_create(c: Client, args: argparse.Namespace) -> int:
+    req = pb.CreateSessionRequest(system_prompt=args.system or "", policy=args.policy or "", chat=args.chat)
+    return new_session_out(args, c.call(c.h3.CreateSession, req))
 
 
 def cmd_session_fork(c: Client, args: argparse.Namespace) -> int:
     req = pb.ForkSessionRequest(session_id=args.id)
     if args.at is not None:
         req.at_tokens = args.at
-    s = c.call(c.h3.ForkSession, req)
-    if args.json:
-        emit_json(to_dict(s))
-    else:
-        print(s.session_id)
-    return 0
+    return new_session_out(args, c.call(c.h3.ForkSession, req))
 
 
 def cmd_session_list(c: Client, args: argparse.Namespace) -> int:
