@@ -310,8 +310,9 @@ class KVCache:
         parent's blocks in the archive only are read back into DDR first (`TierManager.load`, below
         the high watermark: the copy ends at the first block left there), and it is empty where a sliding-window
         layer freed a block the child would read (`BlockManager.keepable`); what it leaves is
-        prefilled again. Digests are rebuilt from the keys at the child's first step. Returns the
-        tokens copied."""
+        prefilled again. The digests of the blocks copied are the parent's, copied too (or, where
+        the parent's are not at hand, rebuilt from the keys at the child's first step). Returns
+        the tokens copied."""
         self.flush_lagged()
         b, bs = self.blocks, self.block_size
         src = self.sessions[parent].table
@@ -337,10 +338,13 @@ class KVCache:
         if (src.ids[:, :n][live] == NULL_ENTRY).any() or src.archive_only(upto=n)[live].any():
             raise RuntimeError(f"seq {parent}: a block a fork copies moved while room was made")
         self.tiers.mover.copy_located(src.all_locations()[:, :n][live], dst.all_locations()[:, :n][live])
-        record = self.sessions[child]
-        record.last_used = self.sessions[parent].last_used
+        record, source = self.sessions[child], self.sessions[parent]
+        record.last_used = source.last_used
         if record.selection.policy.keeps_digests:
-            record.stale_digests = True
+            if not source.stale_digests and self.digests.has(parent):  # the same keys: the same digests
+                self.digests.load(child, self.digests.head(parent, n).clone())  # (a view: `load` may move it)
+            else:
+                record.stale_digests = True  # rebuilt from the keys at its next step
         return n * bs
 
     def truncate(self, seq: SeqId, num_tokens: int) -> None:

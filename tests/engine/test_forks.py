@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from helpers import VOCAB_SIZE, make_engine, random_prompt
 
 from h3d.engine.engine import Engine
@@ -29,8 +30,9 @@ def _engine(checkpoint: Callable[[str], Path], tmp_path: Path, model: str, **kw:
 
 
 def _unshared(engine: Engine, tokens: list[int]) -> tuple[int, ...]:
-    """The greedy continuation of a new session given `tokens` (then closed for good)."""
-    sid = engine.create_session()
+    """The greedy continuation of a new session given `tokens` (then closed for good), of an
+    owner of its own: its KV computed, not copied from a session with the same tokens."""
+    sid = engine.create_session(owner="unshared")
     engine.append(sid, token_ids=tokens)
     out = engine.complete(sid, "", GREEDY).token_ids
     engine.close_session(sid, purge=True)
@@ -66,6 +68,15 @@ def test_a_fork_continues_as_an_unshared_session_would(
             assert rid is not None
             list(engine.run(rid))
         assert engine.cached_tokens(fork) == max(n - 1, 0) or n <= 1
+        twin = engine.create_session(owner="twin")  # the same tokens computed: the same digests
+        if n:
+            engine.append(twin, token_ids=tokens[:n])
+        full = engine.cached_tokens(fork) // BS
+        kv = engine.kv
+        if full and kv.digests.has(engine.session(fork).seq):
+            got, want = (kv.digests.head(engine.session(s).seq, full) for s in (fork, twin))
+            assert torch.allclose(got, want, atol=1e-5), f"digests of the fork at {at}"
+        engine.close_session(twin, purge=True)
         assert engine.complete(fork, "", GREEDY).token_ids == _unshared(engine, tokens[:n]), f"fork at {at}"
     # The parent is as it was: its own continuation is an unshared session's too.
     assert engine.session(parent).tokens == tokens

@@ -142,3 +142,49 @@ def test_a_chat_after_its_short_system_message_reuses_a_prefix(
     assert second == first == unshared
     engine.close()
     off.close()
+
+
+def test_the_embedded_model_s_conversation_reused_and_forked(smol_dir: Path, tmp_path: Path) -> None:
+    """A three-turn chat on the embedded model, as the OpenAI API runs it: each turn a new session
+    given the whole conversation rendered through the template, retired once answered, so that
+    the next turn copies its KV; then a stateful chat forked after its second turn. Every reply
+    is the one an engine computing every token gives (`share_prefixes` off)."""
+    from h3d.config import EngineConfig
+    from h3d.engine.chat import render
+
+    small = {"hbm_mb": 256.0, "ddr_mb": 256.0}
+    on = Engine(EngineConfig.build(model=str(smol_dir), session_log_path=str(tmp_path / "on"), **small))
+    off = Engine(
+        EngineConfig.build(model=str(smol_dir), session_log_path=str(tmp_path / "off"), share_prefixes="off", **small)
+    )
+    doc = "h3d keeps each session's KV cache in three tiers: HBM for the active window, DDR as a standby "
+    doc = (doc + "buffer, and an SSD archive, compressed and checksummed, for the cold blocks. ") * 8
+    questions = ["What are the three tiers?", "Which tier is the slowest?", "Why is it used at all?"]
+
+    def params(engine: Engine) -> SamplingParams:
+        return SamplingParams(max_tokens=24, stop_token_ids=(engine.end_of_turn or 0,))
+
+    def stateless(engine: Engine, messages: list[dict[str, str]]) -> tuple[str, int]:
+        sid = engine.create_session()
+        before = engine.counters.prefix_reused_tokens
+        done = engine.complete(sid, render(engine.tokenizer, messages, generation=True), params(engine))
+        engine.retire(sid)
+        return done.text, engine.counters.prefix_reused_tokens - before
+
+    messages: list[dict[str, str]] = [{"role": "system", "content": "Answer in one sentence."}]
+    for i, question in enumerate(questions):
+        messages.append({"role": "user", "content": (doc if i == 0 else "") + question})
+        (got, reused), (want, none) = stateless(on, messages), stateless(off, messages)
+        assert got == want and none == 0
+        assert (reused > 0) == (i > 0), f"turn {i + 1} reused {reused} tokens"
+        messages.append({"role": "assistant", "content": got})
+    replies = []
+    for engine in (on, off):
+        sid = engine.create_session(system_prompt="Answer in one sentence.", chat=True)
+        for question in questions[:2]:
+            engine.complete(sid, (doc if question == questions[0] else "") + question, params(engine))
+        target = engine.fork(sid) if engine is on else sid  # the fork, against the session itself
+        replies.append(engine.complete(target, questions[2], params(engine)).token_ids)
+    assert replies[0] == replies[1]
+    on.close()
+    off.close()
