@@ -106,6 +106,8 @@ class Daemon:
                 sessions=len(engine.restored),
                 kv_rebuild_blocks=engine.tier_stats().kv_rebuild_blocks,
             )
+        if engine.swept:
+            log.info("archive_swept", blocks=engine.swept)  # of sessions without a token log
         server = self._server()
         addresses = self._bind(server)
         await server.start()

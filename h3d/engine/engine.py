@@ -48,7 +48,7 @@ from h3d.engine.session import (
 )
 from h3d.engine.step import Chunk, SchedulerOutput, StepReport, StepTiming
 from h3d.engine.stops import generation_done, stop_reason, visible_text
-from h3d.engine.upkeep import BlockRepair, enforce_ssd_capacity, park_kv, purge_kv
+from h3d.engine.upkeep import BlockRepair, enforce_ssd_capacity, park_kv, purge_kv, sweep_archive
 from h3d.engine.warmup import Warmup, warm_up
 from h3d.errors import (
     ContextTooLong,
@@ -118,6 +118,7 @@ class Engine:
         self.counters = EngineCounters()
         self.journal: TokenStore | None = None
         self.restored: list[SessionId] = []  # sessions reopened from the token logs at start
+        self.swept = 0  # archived blocks at start of sessions without a token log (deleted)
         self.rebuilds: list[str] = []  # why KV was dropped to be prefilled again (the daemon logs them)
         self.evictions: list[SessionId] = []  # closed sessions whose archived KV ssd_capacity_mb evicted
         self.warmup: Warmup | None = None  # what `warm` did (the daemon warms before it is ready)
@@ -139,6 +140,7 @@ class Engine:
             for session in restored:
                 self.sessions[session.id] = session
                 self.restored.append(session.id)
+            self.swept = sweep_archive(self.kv, set(self.sessions))
 
     def tier_stats(self) -> TierStats:
         """The tier layer's counters and occupancy (see h3d.tiers.stats)."""
@@ -146,7 +148,10 @@ class Engine:
 
     def close(self) -> None:
         """Finish archive writes in flight and release the archive (its folder stays); token logs
-        are synced and closed."""
+        are synced and closed. The prefix cache's sessions, which have no token log, go with
+        their archived blocks."""
+        while self.prefix_cache:
+            self._drop_cached(self.prefix_cache.popitem(last=False)[1])
         self.save_touched()
         if self.journal is not None:
             self.journal.close()

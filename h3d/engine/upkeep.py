@@ -45,6 +45,19 @@ def purge_kv(kv: KVCache, seq: SeqId) -> None:
         kv.degrade(e)
 
 
+def sweep_archive(kv: KVCache, sessions: set[str]) -> int:
+    """At start, with token logs: the archived blocks of sessions that have none (a prefix cache's
+    sessions, which keep no log, left by a daemon that was killed; a purge whose tombstone
+    failed) are deleted, their space given back by a compaction. Returns the blocks deleted."""
+    archive = kv.archive
+    if archive is None or not kv.writable:
+        return 0
+    gone = sum(archive.remove(name) for name in archive.sessions() - sessions)
+    if gone:
+        archive.compact_later()
+    return gone
+
+
 def enforce_ssd_capacity(kv: KVCache, sessions: Iterable[Session], evictions: list[SessionId]) -> None:
     """Past the archive's capacity (`ssd_capacity_mb`, resolved: `TierManager.ssd_capacity`) of
     live records, or short of the room write-behind asked for (open sessions' blocks come first):

@@ -462,6 +462,11 @@ class Archive:
         with self._state:
             return {li: loc.num_tokens for li, loc in self._index.get(session, {}).items()}
 
+    def sessions(self) -> frozenset[str]:
+        """The sessions that have archived blocks."""
+        with self._state:
+            return frozenset(name for name, blocks in self._index.items() if blocks)
+
     def keys(self) -> frozenset[BlockKey]:
         with self._state:
             return frozenset(BlockKey(s, li[0], li[1]) for s, blocks in self._index.items() for li in blocks)

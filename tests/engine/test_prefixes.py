@@ -188,3 +188,32 @@ def test_the_embedded_model_s_conversation_reused_and_forked(smol_dir: Path, tmp
     assert replies[0] == replies[1]
     on.close()
     off.close()
+
+
+def test_the_prefix_cache_leaves_nothing_in_the_archive(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """Its sessions keep no token log: their archived blocks go when the engine closes, and a
+    start with token logs deletes any left by a daemon that was killed."""
+    kw: dict[str, Any] = {"ssd_path": str(tmp_path / "ssd")}
+    engine = _engine(checkpoint, tmp_path, **kw)
+    kept, _, _ = _ask(engine, DOC)
+    engine.kv.snapshot(engine.session(kept).seq)  # archived, as write-behind does
+    retired, _, _ = _ask(engine, DOC + QUESTION)
+    engine.kv.snapshot(engine.session(retired).seq)
+    engine.retire(retired)
+    archive = engine.kv.archive
+    assert archive is not None and archive.sessions() == {kept, retired}
+    engine.close()
+    again = _engine(checkpoint, tmp_path, **kw)
+    assert again.kv.archive is not None and again.kv.archive.sessions() == {kept} and again.swept == 0
+    again.close()
+    # A killed daemon's leftover: a retired session's records, no log.
+    killed = _engine(checkpoint, tmp_path, **kw)
+    orphan, _, _ = _ask(killed, DOC + QUESTION)
+    killed.kv.snapshot(killed.session(orphan).seq)
+    killed.retire(orphan)
+    killed.prefix_cache.clear()  # (as if it died here: nothing dropped)
+    killed.close()
+    last = _engine(checkpoint, tmp_path, **kw)
+    assert last.swept > 0 and last.kv.archive is not None and last.kv.archive.sessions() == {kept}
+    assert last.complete(kept, "", GREEDY).token_ids  # the logged session's KV is kept
+    last.close()
