@@ -309,7 +309,8 @@ class KVCache:
         layer's region has room, else DDR) and is read from the parent's HBM or DDR copy; the
         parent's blocks in the archive only are read back into DDR first (`TierManager.load`, below
         the high watermark: the copy ends at the first block left there), and it is empty where a sliding-window
-        layer freed a block the child would read (`BlockManager.keepable`); what it leaves is
+        layer freed a block the child would read (`BlockManager.keepable`) or while the parent's
+        long prompt is in flight (`frozen`: its table holds blocks not written yet); what it leaves is
         prefilled again. The digests of the blocks copied are the parent's, copied too (or, where
         the parent's are not at hand, rebuilt from the keys at the child's first step). Returns
         the tokens copied."""
@@ -317,6 +318,8 @@ class KVCache:
         b, bs = self.blocks, self.block_size
         src = self.sessions[parent].table
         n = min(num_tokens, src.num_tokens) // bs
+        if parent in self.frozen:  # a long prompt in flight: its table holds blocks not written yet
+            n = 0
         if n and b.keepable(parent, n * bs) < n * bs:
             n = 0
         if n and self.archive_only(parent):  # read back into DDR first, as many as fit

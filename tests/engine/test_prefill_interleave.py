@@ -247,3 +247,32 @@ def test_steps_between_the_pieces_never_move_the_long_prompts_blocks(
     alone.append(c, token_ids=random_prompt(LONG, vocab, seed=6))
     want = [e.token_id for e in alone.generate(c, params=_params(8)) if isinstance(e, TokenDelta)]
     assert out == want
+
+
+def test_a_long_prompt_in_flight_gives_no_prefix(checkpoint: Callable[[str], Path]) -> None:
+    """While a long prompt's pieces run, its table already holds its chunk's blocks, not written
+    yet: a session that finds its prefix there copies nothing (`KVCache.frozen`) and computes it."""
+    path = checkpoint(MODEL)
+    engine = _engine(path)
+    vocab = engine.model.config.vocab_size
+    first = random_prompt(100, vocab, seed=3)
+    long = engine.create_session()
+    engine.append(long, token_ids=first)  # 99 tokens computed: 6 whole blocks
+    rid = engine.submit(long, token_ids=random_prompt(LONG, vocab, seed=4), generate=False)
+    engine.step()
+    assert long_in_flight(engine) and engine.cached_tokens(long) > 200  # the chunk's rows are taken
+    tokens = list(engine.session(long).tokens)
+    other = engine.create_session()
+    rid2 = engine.submit(other, token_ids=tokens[:400], generate=False)
+    assert engine.cached_tokens(other) == 0 and engine.counters.prefix_queries == 2
+    while rid in engine.requests() or rid2 in engine.requests():
+        engine.step()
+    got = [e.token_id for e in engine.generate(other, params=_params(8)) if isinstance(e, TokenDelta)]
+    alone = _engine(path, share_prefixes="off")
+    sid = alone.create_session()
+    alone.append(sid, token_ids=tokens[:400])
+    assert got == [e.token_id for e in alone.generate(sid, params=_params(8)) if isinstance(e, TokenDelta)]
+
+
+def long_in_flight(engine: Engine) -> bool:
+    return engine.interleave.current is not None and bool(engine.kv.frozen)
