@@ -121,6 +121,29 @@ def test_chat_completion_equals_h3d_generate_chat(d: RunningDaemon, model: Path)
     assert all(ch.usage is None for ch in chunks[:-1])
 
 
+def test_a_chat_s_next_turn_reuses_the_last_one_s_kv(d: RunningDaemon) -> None:
+    """Stateless turns: the second sends the whole conversation again and finds the first's KV
+    (kept once it was answered), and `cached_tokens` says so; sent again, it finds its own and
+    gives the same reply. (That a copied prefix decodes as a computed one is the engine's tests'.)"""
+    c = client(d)
+    story = "A river runs from the hills to the sea, and a town grows on each of its bends. " * 6
+    history = [{"role": "user", "content": story + "Where does the river go?"}]
+    first = c.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    history += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                {"role": "user", "content": "And the town?"}]  # fmt: skip
+    second = c.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached % 32 == 0 and first.usage.prompt_tokens - 64 <= cached < second.usage.prompt_tokens - 64
+    again = list(c.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(ch.choices[0].delta.content or "" for ch in again if ch.choices) == second.choices[0].message.content
+    assert again[-1].usage is not None and again[-1].usage.prompt_tokens_details is not None
+    assert again[-1].usage.prompt_tokens_details.cached_tokens >= cached  # (the second turn's KV, now kept too)
+
+
 def test_completions_take_text_or_token_ids(d: RunningDaemon) -> None:
     c = client(d)
     a = c.completions.create(model=MODEL, prompt="The cat sat", max_tokens=6, temperature=0)
