@@ -379,8 +379,7 @@ class Engine:
         to the archive only (or is forgotten, to be computed again, without a writable archive),
         it stays listed, and its next request reopens it where it stopped."""
         session = self.session(session_id)
-        for req in [r for r in self._requests.values() if r.session is session]:
-            self._ended.append(self._finish(req, FinishReason.CANCELLED))
+        self._cancel_requests(session)
         kv = self.kv
         if purge:
             purge_kv(kv, session.seq)
@@ -409,14 +408,18 @@ class Engine:
         if self._scope(session) is None or keep <= 0 or self.kv.cached_tokens(session.seq) < self.kv.block_size:
             self.close_session(session_id, purge=True)
             return
-        for req in [r for r in self._requests.values() if r.session is session]:
-            self._ended.append(self._finish(req, FinishReason.CANCELLED))
+        self._cancel_requests(session)
         del self.sessions[session_id]
         if self.journal is not None:
             self.journal.delete(session_id)
         self.prefix_cache[session_id] = session
         while len(self.prefix_cache) > keep:
             self._drop_cached(self.prefix_cache.popitem(last=False)[1])
+
+    def _cancel_requests(self, session: Session) -> None:
+        """End `session`'s requests as cancelled (reported by the next `step` / `take_events`)."""
+        for req in [r for r in self._requests.values() if r.session is session]:
+            self._ended.append(self._finish(req, FinishReason.CANCELLED))
 
     def _drop_cached(self, session: Session) -> None:
         self.prefixes.forget(session.id)

@@ -306,14 +306,15 @@ class KVCache:
     def fork(self, parent: SeqId, child: SeqId, num_tokens: int) -> int:
         """A fork's KV (`child`: open, empty) copied from `parent`'s first `num_tokens` tokens,
         whole blocks only: each block goes where a new block of the child would (HBM while its
-        layer's region has room, else DDR) and is read from the parent's HBM or DDR copy; the
-        parent's blocks in the archive only are read back into DDR first (`TierManager.load`, below
-        the high watermark: the copy ends at the first block left there), and it is empty where a sliding-window
-        layer freed a block the child would read (`BlockManager.keepable`) or while the parent's
-        long prompt is in flight (`frozen`: its table holds blocks not written yet); what it leaves is
-        prefilled again. The digests of the blocks copied are the parent's, copied too (or, where
-        the parent's are not at hand, rebuilt from the keys at the child's first step). Returns
-        the tokens copied."""
+        layer's region has room, else DDR) and is read from the parent's HBM or DDR copy.
+        - The parent's blocks in the archive only are read back into DDR first
+          (`TierManager.load`, below the high watermark): the copy ends at the first left there.
+        - Nothing is copied where a sliding-window layer freed a block the child would read
+          (`BlockManager.keepable`), or while the parent's long prompt is in flight (`frozen`: its
+          table holds blocks not written yet).
+        - The copied blocks' digests are the parent's, copied too (rebuilt from the keys at the
+          child's first step where the parent's are not at hand).
+        What it leaves is prefilled again. Returns the tokens copied."""
         self.flush_lagged()
         b, bs = self.blocks, self.block_size
         src = self.sessions[parent].table

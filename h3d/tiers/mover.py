@@ -127,7 +127,6 @@ class Mover:
                     )  # fmt: skip
 
     def _items(self, keys: list[BlockKey], pool: KVPool, slots: np.ndarray, tokens: list[int]) -> list:
-        _check_slots(keys, slots)
         k, v = pool.read(torch.from_numpy(slots).to(pool.k.device))  # [Hkv, n, bs, D]
         k, v = k.cpu(), v.cpu()
         return [(key, k[:, i, :n], v[:, i, :n]) for i, (key, n) in enumerate(zip(keys, tokens, strict=True))]

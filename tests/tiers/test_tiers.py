@@ -974,6 +974,21 @@ def test_a_closed_session_goes_through_a_checkpoint_and_a_restart_unchanged(
     twin.close()
 
 
+def test_an_archive_write_from_no_slot_is_refused(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """NONE (-1) as a slot would read the pool's last slot: another block's bytes, in a record that
+    checks as sound. The mover refuses it, in bulk and one by one, and writes nothing."""
+    engine = _closing_engine(checkpoint(MODEL), tmp_path)
+    mover, archive = engine.runner.tiers.mover, engine.runner.tiers.archive
+    assert archive is not None
+    bs = engine.kv.block_size
+    for tokens in ([bs, bs], [bs, 3]):  # (whole blocks go in bulk)
+        keys = [BlockKey("s", 0, 0), BlockKey("s", 0, 1)]
+        with pytest.raises(ValueError, match="an archive write from no slot"):
+            mover.write_now(keys, engine.kv.ddr, np.array([5, NONE]), tokens)
+    assert not archive.sessions()
+    engine.close()
+
+
 def test_ssd_capacity_evicts_closed_sessions_coldest_first_and_reclaims_disk(
     checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
