@@ -81,7 +81,7 @@ class EngineConfig:
     entropy_shrink_below: float = 3.0
     entropy_grow_above: float = 3.3
     max_batch_size: int = 64
-    # A new session's KV copied from another's with the same first blocks of tokens: among one owner's
+    # A new session shares the KV blocks of another with the same first blocks of tokens: among one owner's
     # sessions, everyone's, or never (h3d.engine.prefixes); finished request sessions kept for it
     share_prefixes: str = "owner"
     prefix_cache_sessions: int = 16

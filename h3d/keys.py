@@ -253,12 +253,12 @@ ENGINE: tuple[Key, ...] = (
     Key(
         "share_prefixes",
         "prefix reuse: a session with no KV yet whose tokens begin with whole blocks of tokens another session "
-        "holds KV for (a hash chain over its blocks, as vLLM's prefix cache keys them) gets that KV copied at its "
-        "first request instead of computing it, but for its last 64 tokens (the prompt probe's). `owner`: only "
+        "holds KV for (a hash chain over its blocks, as vLLM's prefix cache keys them) shares those KV blocks at "
+        "its first request instead of computing them, but for its last 64 tokens (the prompt probe's). `owner`: only "
         "among sessions of the same token (one tenant cannot time another's prompts), `all`: every session, "
         "`off`: never. Reported as `cached_tokens` by the OpenAI API and counted in the `h3d_prefix_*` metrics",
-        help="copy a new session's KV from another's with the same first blocks of tokens: among one owner's "
-        "sessions, all, or off",
+        help="share another session's KV blocks with a new session whose first blocks of tokens are the same: "
+        "among one owner's sessions, all, or off",
     ),
     Key(
         "prefix_cache_sessions",

@@ -252,7 +252,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     c = ss.add_parser(
         "fork",
         help="a new session whose context is the first N tokens of another's (all by default), its KV "
-        "copied: ready to decode when this returns; prints its id",
+        "shared: ready to decode when this returns; prints its id",
     )
     c.add_argument("id", metavar="ID", help=ID_HELP)
     c.add_argument("--at", metavar="N", type=uint64, help="the fork's context: the session's first N tokens")

@@ -61,6 +61,11 @@ def stats_text(stats: Any) -> str:
             f"{mib(g.read_ahead_bytes)} read back, {mib(g.read_ahead_in_flight_bytes)} in flight",
         ),
         ("window_layers", f"{mib(g.window_hbm_bytes)} MiB in HBM, {g.window_freed_blocks} blocks freed behind"),
+        (
+            "shared_blocks",
+            f"{g.shared_blocks}; saving HBM {mib(g.shared_hbm_saved_bytes)} MiB, "
+            f"DDR {mib(g.shared_ddr_saved_bytes)} MiB",
+        ),
         ("hbf_latency_us", f"p50 {g.hbf_latency_us_p50:.1f}  p99 {g.hbf_latency_us_p99:.1f}"),
         (
             "occupancy_mib",

@@ -114,6 +114,9 @@ def tier_stats_pb(engine: Engine) -> pb.TierStats:
         read_ahead_in_flight_bytes=t.read_ahead_in_flight_bytes,
         window_freed_blocks=t.window_freed_blocks,
         window_hbm_bytes=t.window_hbm_bytes,
+        shared_blocks=t.shared_blocks,
+        shared_hbm_saved_bytes=t.shared_hbm_saved_bytes,
+        shared_ddr_saved_bytes=t.shared_ddr_saved_bytes,
     )
 
 

@@ -99,6 +99,14 @@ class Metrics:
         metric("h3d_window_freed_blocks_total", "counter", "Sliding-window layers' blocks freed behind their window.",
                g.window_freed_blocks)  # fmt: skip
         metric("h3d_window_hbm_bytes", "gauge", "HBM bytes held by sliding-window layers' blocks.", g.window_hbm_bytes)
+        metric("h3d_shared_blocks", "gauge", "Blocks several sessions point to (forks, reused prefixes).",
+               g.shared_blocks)  # fmt: skip
+        lines += [
+            "# HELP h3d_shared_saved_bytes Bytes that sharing blocks saves now, per tier.",
+            "# TYPE h3d_shared_saved_bytes gauge",
+            f'h3d_shared_saved_bytes{{tier="hbm"}} {g.shared_hbm_saved_bytes}',
+            f'h3d_shared_saved_bytes{{tier="ddr"}} {g.shared_ddr_saved_bytes}',
+        ]
         # Stats carries microseconds (hbf_latency_us_p50/p99); Prometheus wants base units, and a quantile
         # label only on a summary. Quantiles over a window of recent steps are what a summary is; Stats
         # has no sum or count of the steps' planning time, so the summary has no _sum and _count lines.
@@ -123,9 +131,9 @@ class Metrics:
         metric("h3d_steps_total", "counter", "Engine steps (batched forward passes).", t.steps_total)
         metric("h3d_prefix_queries_total", "counter", "New sessions' first requests that looked for a cached prefix.",
                t.prefix_queries_total)  # fmt: skip
-        metric("h3d_prefix_hits_total", "counter", "Of those, the ones whose KV was copied from another session.",
+        metric("h3d_prefix_hits_total", "counter", "Of those, the ones that shared another session's KV blocks.",
                t.prefix_hits_total)  # fmt: skip
-        metric("h3d_prefix_reused_tokens_total", "counter", "Tokens whose KV was copied instead of computed.",
+        metric("h3d_prefix_reused_tokens_total", "counter", "Tokens whose KV blocks were shared instead of computed.",
                t.prefix_reused_tokens_total)  # fmt: skip
         metric("h3d_prefix_cache_sessions", "gauge", "Finished request sessions kept for their KV.",
                t.prefix_cache_sessions)  # fmt: skip

@@ -93,7 +93,7 @@ class EngineCounters:
     generated_tokens: int = 0
     prefix_queries: int = 0  # first requests of sessions with no KV that looked for a prefix (share_prefixes)
     prefix_hits: int = 0  # of those, the ones that found KV to copy
-    prefix_reused_tokens: int = 0  # tokens whose KV they copied instead of computing it
+    prefix_reused_tokens: int = 0  # tokens whose KV blocks they shared instead of computing them
 
 
 class Engine:
@@ -260,7 +260,7 @@ class Engine:
         """A new session whose context is the first `at_tokens` tokens of `session_id`'s (all of
         them by default), with its sampling defaults, policy and chat conversation; `owner`: the
         parent's by default. Its token log is written first (durable before it is known); its KV
-        is copied from the parent's where the parent holds it in HBM or DDR (`KVCache.fork`),
+        blocks are the parent's, shared where the parent holds them in HBM or DDR (`KVCache.fork`),
         whole blocks up to `PROBE_QUERIES` tokens before the last one, so that the prompt probe
         sees the fork's own last tokens as it would an unshared session's. The rest is prefilled
         by `catch_up` (the daemon's ForkSession waits for it), or by the fork's next request.
@@ -293,7 +293,7 @@ class Engine:
                 if parent.chat is not None:
                     session.chat = replay_chat(self.tokenizer, logged.messages, session.tokens)
                 session.anchors_logged = self.kv.selection(session.seq).anchors_version
-            copied = self._copy_kv(parent, session, max(n - 1 - PROBE_QUERIES, 0))
+            shared = self._share_kv(parent, session, max(n - 1 - PROBE_QUERIES, 0))
         except BaseException:
             if self.journal is not None and session.id in self.journal.open_sessions():
                 self.journal.delete(session.id)
@@ -301,7 +301,7 @@ class Engine:
             raise
         self.sessions[session.id] = session
         self.kv.tiers.notices.append(
-            ("session_forked", {"session": session.id, "parent": parent.id, "tokens": n, "kv_copied_tokens": copied})
+            ("session_forked", {"session": session.id, "parent": parent.id, "tokens": n, "kv_shared_tokens": shared})
         )
         return session.id
 
@@ -425,13 +425,13 @@ class Engine:
         self.prefixes.forget(session.id)
         purge_kv(self.kv, session.seq)
 
-    def _copy_kv(self, donor: Session, session: Session, num_tokens: int) -> int:
+    def _share_kv(self, donor: Session, session: Session, num_tokens: int) -> int:
         """`KVCache.fork`; a closed donor, whose blocks it read back from the archive, goes back
-        to the archive only, as closed sessions are."""
-        copied = self.kv.fork(donor.seq, session.seq, num_tokens)
+        to the archive only, as closed sessions are (but for the blocks it now shares)."""
+        shared = self.kv.fork(donor.seq, session.seq, num_tokens)
         if donor.closed:
             park_kv(self.kv, donor.seq)
-        return copied
+        return shared
 
     def _scope(self, session: Session) -> str | None:
         """Whose sessions `session` may reuse a prefix of (`share_prefixes`); None: nobody's."""
@@ -441,9 +441,9 @@ class Engine:
     def _reuse_prefix(self, session: Session) -> int:
         """A session with less than a block of KV (none yet, or a short system message's), whose
         tokens begin with whole blocks another session (or a retired one, `prefix_cache`) of its
-        scope holds KV for: that KV copied (`KVCache.fork`; what little KV it had is dropped
+        scope holds KV for: those KV blocks shared (`KVCache.fork`; what little KV it had is dropped
         first), up to `PROBE_QUERIES` tokens before its last token, so that its prompt probe sees
-        its own last tokens. Returns the tokens copied (counted: `EngineCounters.prefix_*`)."""
+        its own last tokens. Returns the tokens shared (counted: `EngineCounters.prefix_*`)."""
         scope = self._scope(session)
         bs = self.kv.block_size
         n = len(session.tokens) - 1 - PROBE_QUERIES
@@ -467,10 +467,10 @@ class Engine:
             self.prefix_cache.move_to_end(best.id)
         if had:
             self.kv.truncate(session.seq, 0)  # (less than a block: its tokens are the donor's too)
-        copied = self._copy_kv(best, session, blocks * bs)
-        self.counters.prefix_hits += bool(copied)
-        self.counters.prefix_reused_tokens += copied
-        return copied
+        shared = self._share_kv(best, session, blocks * bs)
+        self.counters.prefix_hits += bool(shared)
+        self.counters.prefix_reused_tokens += shared
+        return shared
 
     def _reopen(self, session: Session) -> None:
         session.closed = False

@@ -17,7 +17,15 @@ A block's *location* as seen by attention is one int: its HBM slot (>= 0) when i
 partially filled block of a session has exactly one home (HBM or DDR), where new tokens are written.
 
 Each block of one layer is an entry (`h3d.kv.entries`): its residency is kept there, and a
-session's `BlockTable` points to its entries by id, so that several tables may later point to one.
+session's `BlockTable` points to its entries by id. Sessions whose contexts begin alike share
+their leading full blocks (`share`: a fork, a prefix reused): their tables point to the same
+entries, at the same block indices. While an entry is shared:
+- none of its copies is dropped or moved (a drop raises): it stays where it was, readable by every
+  session that points to it; a copy may be added (a promotion to HBM through any of them), and
+  then every one of their tables changes version;
+- its slots' owner is `SHARED`;
+- its archive record is its `home` session's (the one that archived it); a session that releases
+  an entry it is home to while others keep it takes that record's standing with it.
 
 A sliding-window layer's blocks older than its window are never read again: `drop_behind` frees
 them (every copy, in every tier) as the context moves on, and the table points at the null entry
@@ -27,10 +35,11 @@ Owner: `BlockManager` is the only writer of free lists, slot owners, entries and
 tier manager (`h3d.tiers.manager`) decides what moves and calls it once the bytes have moved.
 What must stay true (checked by `BlockManager.check_invariants`):
 - no slot is owned twice, and free + used = capacity, per pool;
-- a table points only at slots owned by its session, each HBM slot in its layer's region;
+- a table points only at slots owned by its session or `SHARED`, each HBM slot in its layer's region;
 - every live block (at or past its layer's floor) is in at least one tier; the last partial block
   is in HBM or DDR; a full-attention layer's floor is 0;
 - an entry is free exactly when no table points to it; its count is the cells that point to it;
+  an archived entry has a home;
 - a table's version changes with every change of its blocks' copies that moves where attention
   reads one, or leaves one in the archive only (what is cached by version stays true).
 """
@@ -45,7 +54,7 @@ import numpy as np
 
 from h3d.errors import OutOfBlocks
 from h3d.kv.entries import NONE, NULL_ENTRY, Entries
-from h3d.kv.slots import FREE, HELD, NULL_SLOT, LayeredAllocator, SeqId, SlotAllocator
+from h3d.kv.slots import FREE, HELD, NULL_SLOT, SHARED, LayeredAllocator, SeqId, SlotAllocator
 
 
 class Tier(enum.IntEnum):
@@ -243,6 +252,9 @@ class BlockManager:
         self.block_size = block_size
         self.entries = Entries(1 + (int(regions.sum()) + max(ddr_slots, 0)))  # what the pools hold, at first
         self._tables: dict[SeqId, BlockTable] = {}
+        # Sessions that share entries, as groups (one set object per group, each member's key
+        # pointing at it): a change of a shared entry's copies changes every member's version.
+        self._groups: dict[SeqId, set[SeqId]] = {}
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -281,6 +293,16 @@ class BlockManager:
 
     def tables(self) -> dict[SeqId, BlockTable]:
         return self._tables
+
+    def peers(self, seq: SeqId) -> set[SeqId]:
+        """The sessions `seq` shares (or shared) blocks with."""
+        group = self._groups.get(seq)
+        return set() if group is None else group - {seq}
+
+    def shared(self, ids: np.ndarray) -> np.ndarray:
+        """Whether each of the entries `ids` has several tables pointing to it (a bool array of
+        `ids`' shape)."""
+        return self.entries.refs[ids] > 1
 
     def blocks_needed(self, seq: SeqId, n_tokens: int) -> int:
         """New blocks per layer that `n_tokens` more tokens of `seq` take."""
@@ -333,26 +355,21 @@ class BlockManager:
         table = self._tables[seq]
         return num_tokens if (table.floor <= self.floors(num_tokens, keep=0)).all() else 0
 
-    def drop_behind(self, seq: SeqId, num_tokens: int, floor: np.ndarray | None = None) -> int:
+    def drop_behind(self, seq: SeqId, num_tokens: int) -> int:
         """Free the blocks of `seq`'s sliding-window layers that no token from position
-        `num_tokens` on reads (`floors`), or (`floor`, [L]) those below a higher floor (a fork's:
-        its parent's, `keepable` having said that no later token reads below it): every copy, in
-        every tier. Returns the blocks freed."""
+        `num_tokens` on reads (`floors`): every copy, in every tier (a block shared with other
+        sessions: this session's reference to it). Returns the blocks freed."""
         if not len(self.window_layers):
             return 0
         table = self._tables[seq]
         want = np.minimum(self.floors(num_tokens), table.num_blocks)
-        if floor is not None:
-            want = np.minimum(np.maximum(want, floor), table.num_blocks)
         layers = np.flatnonzero(want > table.floor)
         if not len(layers):
             return 0
-        e, freed = self.entries, 0
+        freed = 0
         for layer in layers.tolist():
             ids = table.ids[layer, table.floor[layer] : want[layer]]
-            self.hbm_alloc[layer].release(e.hbm[ids])
-            self.ddr_alloc.release(e.ddr[ids])
-            e.release(ids)
+            self._unref(seq, np.full(len(ids), layer, dtype=np.int64), ids)
             table.ids[layer, table.floor[layer] : want[layer]] = NULL_ENTRY
             freed += len(ids)
         table.floor[layers] = want[layers]
@@ -371,6 +388,73 @@ class BlockManager:
         )
         self._tables[seq] = table
         return table
+
+    def share(self, parent: SeqId, child: SeqId, n: int) -> None:
+        """Point `child`'s table (open, empty) at `parent`'s first `n` blocks, which must be full
+        and each in HBM or DDR: the child's context begins with the parent's first `n * block_size`
+        tokens (a fork, a prefix reused). No slot is taken; the shared entries stay where they are
+        while shared (see the module docstring). A window layer's blocks are those the parent
+        keeps (the caller checked that the child reads no block it freed, `keepable`)."""
+        src, dst = self._tables[parent], self._tables[child]
+        if dst.num_tokens:
+            raise ValueError(f"sequence {child} already holds tokens")
+        if n > src.num_tokens // self.block_size:
+            raise ValueError(f"seq {parent}: only whole blocks are shared ({n} asked)")
+        if src.archive_only(upto=n).any():
+            raise RuntimeError(f"seq {parent}: a block to share is in the archive only")
+        if not n:
+            return
+        self._grow(dst, n)
+        ids = src.ids[:, :n]
+        dst.ids[:, :n] = ids
+        live = ids[ids != NULL_ENTRY]
+        e = self.entries
+        e.refs[live] += 1  # (a table's cells point at distinct entries)
+        dst.floor = np.minimum(src.floor, n)
+        dst.num_blocks, dst.num_tokens = n, n * self.block_size
+        dst.version += 1
+        group = self._groups.get(parent, {parent}) | self._groups.get(child, {child})
+        for seq in group:
+            self._groups[seq] = group
+        self._touched(child, live)
+
+    def _touched(self, seq: SeqId, ids: np.ndarray) -> None:
+        """`seq`'s entries `ids` gained copies: those shared get `SHARED` owners for their slots,
+        and the other sessions of `seq`'s group a new version (where attention reads may move)."""
+        group = self._groups.get(seq)
+        if group is None:
+            return
+        ids = ids[self.entries.refs[ids] > 1]
+        if not len(ids):
+            return
+        hbm, ddr = self.entries.hbm[ids], self.entries.ddr[ids]
+        self.hbm_owner[hbm[hbm != NONE]] = SHARED
+        self.ddr_owner[ddr[ddr != NONE]] = SHARED
+        for other in group:
+            if other != seq:
+                self._tables[other].version += 1
+
+    def _unshared(self, ids: np.ndarray, what: str) -> None:
+        """Raise if one of `ids` is shared: its copies stay where they are while it is."""
+        if (self.entries.refs[ids] > 1).any():
+            raise RuntimeError(f"{what}: a block several sessions share cannot be moved")
+
+    def _unref(self, seq: SeqId, layers: np.ndarray, ids: np.ndarray) -> None:
+        """`seq` no longer points to `ids` (of `layers`, ascending; the null entry ignored): the
+        slots of the entries no other table points to go back; an entry kept by others loses
+        its archive copy if its record was `seq`'s (it may be deleted with `seq`'s records)."""
+        e = self.entries
+        refs = e.refs[ids]
+        last = refs == 1
+        self.hbm_alloc.release_many(layers[last], e.hbm[ids[last]])
+        self.ddr_alloc.release(e.ddr[ids[last]])
+        kept = ids[refs > 1]
+        if len(kept):
+            mine = kept[e.archived[kept] & (e.home[kept] == seq)]
+            e.archived[mine] = False
+            e.home[mine] = NONE
+            e.num_archived -= len(mine)
+        e.release(ids)
 
     def _rows(self, table: BlockTable, blocks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """Pool rows of the tokens at `offsets` of `blocks` ([n] each), in every layer: [L, n]:
@@ -427,6 +511,7 @@ class BlockManager:
         ids = self.entries.allocate(int(live.sum()))
         table.ids[:, :nb][live] = ids
         self.entries.archived[ids] = True
+        self.entries.home[ids] = seq
         self.entries.num_archived += ids.size
         table.floor = floor
         table.num_blocks, table.num_tokens = nb, num_tokens
@@ -442,6 +527,7 @@ class BlockManager:
         e = self.entries
         if (table.ids[:, block] == NULL_ENTRY).any():
             raise ValueError(f"seq {seq}: block {block} was freed behind a window")
+        self._unshared(table.ids[:, block], f"seq {seq} block {block}")
         for i in table.ids[:, block].tolist():
             if e.hbm[i] != NONE and e.ddr[i] != NONE:
                 self.ddr_alloc.release(e.ddr[i : i + 1])
@@ -459,14 +545,12 @@ class BlockManager:
         ids = self._tables[seq].ids[:, block]
         return int(((self.entries.hbm[ids] == NONE) & (self.entries.ddr[ids] == NONE) & (ids != NULL_ENTRY)).sum())
 
-    def _release(self, table: BlockTable, first: int, end: int) -> None:
-        """Give back the slots and entries of blocks [first, end) of every layer."""
+    def _release(self, seq: SeqId, table: BlockTable, first: int, end: int) -> None:
+        """Give back the entries of blocks [first, end) of every layer, and the slots of those
+        no other table points to."""
         ids = table.ids[:, first:end]  # [L, n]
-        e = self.entries
-        for layer, alloc in enumerate(self.hbm_alloc):
-            alloc.release(e.hbm[ids[layer]])
-        self.ddr_alloc.release(e.ddr[ids.ravel()])
-        e.release(ids.ravel())
+        layers = np.repeat(np.arange(self.num_layers, dtype=np.int64), ids.shape[1])
+        self._unref(seq, layers, ids.ravel())
         table.ids[:, first:end] = NULL_ENTRY
 
     def truncate(self, seq: SeqId, num_tokens: int) -> None:
@@ -477,7 +561,9 @@ class BlockManager:
         keep = self.blocks_for(num_tokens)
         if (table.floor > self.floors(num_tokens, keep=0)).any() and num_tokens:
             raise ValueError(f"seq {seq}: a cut to {num_tokens} tokens needs blocks freed behind a window (`keepable`)")
-        self._release(table, keep, table.num_blocks)
+        if num_tokens % self.block_size:
+            self._unshared(table.ids[:, keep - 1], f"seq {seq}: a cut inside a shared block")
+        self._release(seq, table, keep, table.num_blocks)
         table.floor = np.minimum(table.floor, keep)
         table.num_blocks, table.num_tokens = keep, num_tokens
         if num_tokens % self.block_size:
@@ -494,9 +580,15 @@ class BlockManager:
         table.version += 1
 
     def free(self, seq: SeqId) -> BlockTable | None:
-        table = self._tables.pop(seq, None)
+        table = self._tables.get(seq)
         if table is not None:
-            self._release(table, 0, table.num_blocks)
+            self._release(seq, table, 0, table.num_blocks)
+            del self._tables[seq]
+        group = self._groups.pop(seq, None)
+        if group is not None:
+            group.discard(seq)
+            if len(group) == 1:  # alone again
+                self._groups.pop(next(iter(group)), None)
         return table
 
     def _grow(self, table: BlockTable, blocks: int) -> None:
@@ -518,6 +610,7 @@ class BlockManager:
         self.entries.hbm[ids] = slots
         self.hbm_block[slots] = blocks
         table.version += 1
+        self._touched(seq, ids)
         return slots
 
     def add_ddr(self, seq: SeqId, layer: int, blocks: np.ndarray) -> np.ndarray:
@@ -526,6 +619,7 @@ class BlockManager:
     def drop_hbm(self, seq: SeqId, layer: int, blocks: np.ndarray) -> None:
         table = self._tables[seq]
         e, ids = self.entries, table.ids[layer, blocks]
+        self._unshared(ids, f"seq {seq} layer {layer}: an HBM copy dropped")
         full = blocks < table.num_tokens // self.block_size
         self._check_other_copy(layer, blocks, (e.ddr[ids] != NONE) | (e.archived[ids] & full), "HBM")
         self.hbm_alloc[layer].release(e.hbm[ids])
@@ -536,6 +630,7 @@ class BlockManager:
         """`drop_hbm` for (layer, block) pairs of several layers at once, `layers` sorted."""
         table = self._tables[seq]
         e, ids = self.entries, table.ids[layers, blocks]
+        self._unshared(ids, f"seq {seq}: HBM copies dropped")
         other = (e.ddr[ids] != NONE) | (e.archived[ids] & (blocks < table.num_tokens // self.block_size))
         if not other.all():
             i = int(np.flatnonzero(~other)[0])
@@ -549,9 +644,11 @@ class BlockManager:
         caller has checked that none is in HBM (`check_invariants` catches a slip)."""
         table = self._tables[seq]
         slots = self.hbm_alloc.allocate_many(layers, seq)
-        self.entries.hbm[table.ids[layers, blocks]] = slots
+        ids = table.ids[layers, blocks]
+        self.entries.hbm[ids] = slots
         self.hbm_block[slots] = blocks
         table.version += 1
+        self._touched(seq, ids)
         return slots
 
     def add_ddr_many(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray) -> np.ndarray:
@@ -563,6 +660,7 @@ class BlockManager:
         if (self.entries.hbm[ids] == NONE).any():  # a DDR copy beside an HBM one changes no location
             table.version += 1
         self.entries.ddr[ids] = slots
+        self._touched(seq, ids)
         return slots
 
     def place_ddr_many(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray, slots: np.ndarray) -> None:
@@ -574,6 +672,7 @@ class BlockManager:
         self.ddr_alloc.claim(slots, seq)
         self.entries.ddr[ids] = slots
         table.version += 1
+        self._touched(seq, ids)
 
     def move_hbm_many(
         self, seq: SeqId, layers: np.ndarray, old: np.ndarray, new: np.ndarray, slots: np.ndarray
@@ -584,6 +683,7 @@ class BlockManager:
         table = self._tables[seq]
         e, flat, width = self.entries, table.ids.ravel(), table.capacity
         was, now = flat.take(layers * width + old), flat.take(layers * width + new)
+        self._unshared(was, f"seq {seq}: HBM copies handed over")
         other = e.ddr.take(was) != NONE
         if not other.all():
             i = int(np.flatnonzero(~other)[0])
@@ -592,10 +692,12 @@ class BlockManager:
         e.hbm[now] = slots
         self.hbm_block[slots] = new
         table.version += 1
+        self._touched(seq, now)
 
     def drop_ddr(self, seq: SeqId, layer: int, blocks: np.ndarray) -> None:
         table = self._tables[seq]
         e, ids = self.entries, table.ids[layer, blocks]
+        self._unshared(ids, f"seq {seq} layer {layer}: a DDR copy dropped")
         full = blocks < table.num_tokens // self.block_size
         self._check_other_copy(layer, blocks, (e.hbm[ids] != NONE) | (e.archived[ids] & full), "DDR")
         self.ddr_alloc.release(e.ddr[ids])
@@ -604,14 +706,17 @@ class BlockManager:
 
     def drop_to_archive(self, seq: SeqId) -> None:
         """Drop every HBM and DDR copy of `seq`'s blocks, all of which the archive holds (its
-        partial last block too, written as it is now): a closed session, like after a restart."""
+        partial last block too, written as it is now): a closed session, like after a restart.
+        Blocks it shares with other sessions keep their copies (they stay where they are)."""
         table = self._tables[seq]
         e, ids = self.entries, table.ids[:, : table.num_blocks]
-        if not (e.archived[ids] | (ids == NULL_ENTRY)).all():
+        mine = e.refs[ids] == 1  # [L, n] (the null entry's count is 0)
+        if not (e.archived[ids] | ~mine).all():
             raise RuntimeError(f"seq {seq}: dropping every copy of blocks the archive lacks")
-        for layer, alloc in enumerate(self.hbm_alloc):
-            alloc.release(e.hbm[ids[layer]])
-        self.ddr_alloc.release(e.ddr[ids.ravel()])
+        ids = ids[mine]
+        layers = np.nonzero(mine)[0]  # ascending
+        self.hbm_alloc.release_many(layers, e.hbm[ids])
+        self.ddr_alloc.release(e.ddr[ids])
         e.hbm[ids] = NONE
         e.ddr[ids] = NONE
         table.version += 1
@@ -629,9 +734,11 @@ class BlockManager:
         table = self._tables[seq]
         e, ids = self.entries, table.ids[layer, blocks]
         if not value:
+            self._unshared(ids, f"seq {seq} layer {layer}: an archive copy dropped")
             self._check_other_copy(layer, blocks, (e.hbm[ids] != NONE) | (e.ddr[ids] != NONE), "the archive")
         e.num_archived += len(ids) * value - int(np.count_nonzero(e.archived[ids]))
         e.archived[ids] = value
+        e.home[ids] = seq if value else NONE
         table.version += 1
 
     def set_archived_many(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray) -> None:
@@ -640,6 +747,7 @@ class BlockManager:
         e, ids = self.entries, self._tables[seq].ids[layers, blocks]
         e.num_archived += len(np.unique(ids)) - int(np.count_nonzero(e.archived[np.unique(ids)]))
         e.archived[ids] = True
+        e.home[ids] = seq
 
     def _check_other_copy(self, layer: int, blocks: np.ndarray, other: np.ndarray, tier: str) -> None:
         if not other.all():
@@ -654,7 +762,7 @@ class BlockManager:
             ("HBM", self.hbm_owner, self.hbm_alloc),
             ("DDR", self.ddr_owner, [self.ddr_alloc]),
         ):
-            used = int((owner >= 0).sum())
+            used = int(((owner >= 0) | (owner == SHARED)).sum())
             held = int((owner == HELD).sum())  # released while an archive write reads them
             free = np.concatenate([a.free_slots() for a in allocs])
             assert owner[NULL_SLOT] == FREE, f"{name}: the null slot was handed out"
@@ -664,12 +772,22 @@ class BlockManager:
             for a in allocs:
                 mine = a.free_slots()
                 assert ((mine >= a.first) & (mine < a.first + a.capacity)).all(), f"{name}: slot out of region"
-        seen_hbm: set[int] = set()
-        seen_ddr: set[int] = set()
         for seq, table in self._tables.items():
-            self._check_table(seq, table, seen_hbm, seen_ddr)
-        assert len(seen_hbm) == int((self.hbm_owner >= 0).sum()), "a used HBM slot belongs to no table"
-        assert len(seen_ddr) == int((self.ddr_owner >= 0).sum()), "a used DDR slot belongs to no table"
+            self._check_table(seq, table)
+        e = self.entries
+        cells = [t.ids[t.ids != NULL_ENTRY] for t in self._tables.values()]
+        live = np.unique(np.concatenate([np.empty(0, np.int64), *cells]))
+        for name, slots, owner in (("HBM", e.hbm[live], self.hbm_owner), ("DDR", e.ddr[live], self.ddr_owner)):
+            slots = slots[slots != NONE]
+            assert len(np.unique(slots)) == len(slots), f"a {name} slot is held by two blocks"
+            used = int(((owner >= 0) | (owner == SHARED)).sum())
+            assert len(slots) == used, f"a used {name} slot belongs to no table"
+        shared = live[e.refs[live] > 1]
+        assert (self.hbm_owner[e.hbm[shared][e.hbm[shared] != NONE]] == SHARED).all(), "a shared HBM slot has one owner"
+        assert (self.ddr_owner[e.ddr[shared][e.ddr[shared] != NONE]] == SHARED).all(), "a shared DDR slot has one owner"
+        for seq, group in self._groups.items():
+            assert seq in group and len(group) > 1 and all(self._groups.get(o) is group for o in group), "share groups"
+            assert all(o in self._tables for o in group), "a share group holds a freed session"
         self._check_entries()
 
     def _check_entries(self) -> None:
@@ -685,22 +803,19 @@ class BlockManager:
         for table in self._tables.values():
             assert (table.ids[:, table.num_blocks :] == NULL_ENTRY).all(), "a table points past its blocks"
         assert e.num_archived == int(np.count_nonzero(e.archived)), "the count of archived entries is off"
+        assert (e.home[e.archived] != NONE).all(), "an archived entry has no home"
 
-    def _check_table(self, seq: SeqId, table: BlockTable, seen_hbm: set[int], seen_ddr: set[int]) -> None:
+    def _check_table(self, seq: SeqId, table: BlockTable) -> None:
         nb = table.num_blocks
         assert nb == self.blocks_for(table.num_tokens), f"seq {seq}: block count off"
         below = np.arange(nb)[None, :] < table.floor[:, None]
         assert (table.live() == ~below).all(), f"seq {seq}: a block freed above its layer's floor, or kept below it"
         assert not table.floor[self.full_layers].any() and (table.floor <= nb).all(), f"seq {seq}: floor off"
         hbm, ddr, arch = table.hbm[:, :nb], table.ddr[:, :nb], table.archived[:, :nb]
-        for slots, seen, owner, name in (
-            (hbm, seen_hbm, self.hbm_owner, "HBM"),
-            (ddr, seen_ddr, self.ddr_owner, "DDR"),
-        ):
-            used = slots[slots != NONE].tolist()
-            assert len(set(used)) == len(used) and not (set(used) & seen), f"seq {seq}: {name} slot owned twice"
-            seen.update(used)
-            assert (owner[used] == seq).all(), f"seq {seq}: {name} table points at a slot it does not own"
+        for slots, owner, name in ((hbm, self.hbm_owner, "HBM"), (ddr, self.ddr_owner, "DDR")):
+            used = slots[slots != NONE]
+            mine = (owner[used] == seq) | (owner[used] == SHARED)
+            assert mine.all(), f"seq {seq}: {name} table points at a slot it does not own"
         for layer, alloc in enumerate(self.hbm_alloc):
             row = hbm[layer][hbm[layer] != NONE]
             inside = (row >= alloc.first) & (row < alloc.first + alloc.capacity)

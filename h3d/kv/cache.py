@@ -36,11 +36,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from h3d.errors import OutOfBlocks, SsdDegraded
+from h3d.errors import SsdDegraded
 from h3d.hbf.digests import DigestStore
 from h3d.hbf.policy import HbfConfig, Policy, SelectionState, base_blocks, policy_named
 from h3d.kv.blocks import BlockManager, BlockTable, SeqId
-from h3d.kv.entries import NULL_ENTRY
 from h3d.kv.pool import KVPool
 from h3d.tiers import lifecycle
 from h3d.tiers.archive import Archive, ArchiveWriteFailed
@@ -169,8 +168,13 @@ class KVCache:
         return self.sessions[seq].table.num_tokens
 
     def residency(self, seq: SeqId) -> Residency:
-        hbm, ddr, archived = self.sessions[seq].table.copies()
-        return Residency(hbm, ddr, archived)
+        """`seq`'s block copies per tier; its archive copies are its own records (a block it
+        shares may have another session's)."""
+        table = self.sessions[seq].table
+        hbm, ddr, _ = table.copies()
+        ids = table.ids[:, : table.num_blocks]
+        e = self.blocks.entries
+        return Residency(hbm, ddr, int((e.archived[ids] & (e.home[ids] == seq)).sum()))
 
     def archive_only(self, seq: SeqId) -> bool:
         """Whether some block of `seq` is in the archive only (a step must stage it first)."""
@@ -304,17 +308,18 @@ class KVCache:
 
     @torch.inference_mode()
     def fork(self, parent: SeqId, child: SeqId, num_tokens: int) -> int:
-        """A fork's KV (`child`: open, empty) copied from `parent`'s first `num_tokens` tokens,
-        whole blocks only: each block goes where a new block of the child would (HBM while its
-        layer's region has room, else DDR) and is read from the parent's HBM or DDR copy.
+        """A fork's KV (`child`: open, empty): `parent`'s blocks of its first `num_tokens` tokens,
+        whole blocks only, shared (`BlockManager.share`: no byte is copied; while shared, the
+        blocks stay where they are, in HBM or DDR, for both).
         - The parent's blocks in the archive only are read back into DDR first
-          (`TierManager.load`, below the high watermark): the copy ends at the first left there.
-        - Nothing is copied where a sliding-window layer freed a block the child would read
+          (`TierManager.load`, below the high watermark): the sharing ends at the first left there.
+        - Nothing is shared where a sliding-window layer freed a block the child would read
           (`BlockManager.keepable`), or while the parent's long prompt is in flight (`frozen`: its
           table holds blocks not written yet).
-        - The copied blocks' digests are the parent's, copied too (rebuilt from the keys at the
+        - The archive writes in flight land first, so that none marks a block once it is shared.
+        - The shared blocks' digests are the parent's, copied (rebuilt from the keys at the
           child's first step where the parent's are not at hand).
-        What it leaves is prefilled again. Returns the tokens copied."""
+        What it leaves is prefilled again. Returns the tokens shared."""
         self.flush_lagged()
         b, bs = self.blocks, self.block_size
         src = self.sessions[parent].table
@@ -323,25 +328,17 @@ class KVCache:
             n = 0
         if n and b.keepable(parent, n * bs) < n * bs:
             n = 0
-        if n and self.archive_only(parent):  # read back into DDR first, as many as fit
+        if not n:
+            return 0
+        self.tiers.settle()
+        if self.archive_only(parent):  # read back into DDR first, as many as fit
             self.tiers.load(parent, upto=n)
             homeless = src.archive_only(upto=n).any(axis=0)  # [n]
             n = int(np.argmax(homeless)) if homeless.any() else n
         if not n:
             return 0
-        # The parent's blocks stay where they are while room is made (and a long prompt's in flight)
-        protect = {**self.frozen, parent: 0, child: 0}
-        try:
-            self.tiers.prepare_append(child, n * bs, list(protect), protect)
-            b.append(child, n * bs)
-        except OutOfBlocks:
-            return 0  # (`append` refuses before it takes anything): prefilled instead
-        b.drop_behind(child, n * bs, floor=src.floor)
-        dst = self.sessions[child].table
-        live = dst.ids[:, :n] != NULL_ENTRY  # [L, n]
-        if (src.ids[:, :n][live] == NULL_ENTRY).any() or src.archive_only(upto=n)[live].any():
-            raise RuntimeError(f"seq {parent}: a block a fork copies moved while room was made")
-        self.tiers.mover.copy_located(src.all_locations()[:, :n][live], dst.all_locations()[:, :n][live])
+        b.share(parent, child, n)
+        b.drop_behind(child, n * bs)  # (a window layer's blocks the child's next token no longer reads)
         record, source = self.sessions[child], self.sessions[parent]
         record.last_used = source.last_used
         if record.selection.policy.keeps_digests:
@@ -369,11 +366,17 @@ class KVCache:
     def cut(self, seq: SeqId, num_tokens: int) -> None:
         """`truncate` within a step (a step that failed midway, KV the tier manager drops to be
         computed again): the lagged picks wait for the step's end. A cut that a sliding-window
-        layer's freed blocks would be read after drops the whole KV (`BlockManager.keepable`)."""
+        layer's freed blocks would be read after drops the whole KV (`BlockManager.keepable`); a cut
+        inside a block shared with other sessions keeps the whole blocks before it (new tokens are
+        never written into a shared block)."""
         record = self.sessions[seq]
         if num_tokens >= record.table.num_tokens:
             return
         num_tokens = self.blocks.keepable(seq, num_tokens)
+        bs = self.block_size
+        if num_tokens % bs and self.blocks.shared(record.table.ids[:, num_tokens // bs]).any():
+            num_tokens -= num_tokens % bs  # a block other sessions share is never written to: computed again
+        self.tiers.behind.look_again(self.blocks.peers(seq))  # what it shared may be theirs alone now
         if self.digest_files is not None:  # its snapshot holds the digests of the blocks cut
             self.digest_files.cut(record.name, num_tokens // self.block_size)
         self.tiers.behind.cut(seq, num_tokens)  # its records in flight land before the blocks go
@@ -384,7 +387,6 @@ class KVCache:
         if num_tokens == 0:
             self.digests.drop(seq)
             return
-        bs = self.block_size
 
         def tail(layer: int, start: int) -> torch.Tensor:
             keys = self.tiers.read_keys(seq, layer, first_block=start // bs)  # [Hkv, t, D]

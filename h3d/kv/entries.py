@@ -3,10 +3,13 @@
 A session's `BlockTable` points to entries by id (`BlockTable.ids`, [layers, blocks]); an entry
 holds where the block's bytes are (its HBM slot, its DDR slot, whether a durable archive copy
 exists), its hotness for HBF promotion, the step it was last staged from the archive at, and how
-many tables point to it. The archive key of a
-block and its digest row follow from the position it has in its session's table (session name,
-layer, index). Entries are arrays indexed by id, so that a step's reads and moves over many
-blocks are a few vectorized gathers and scatters.
+many tables point to it. The archive key of a block follows from the position it has in a
+session's table (session name, layer, index); `home` says whose name keys its archive record.
+Entries are arrays indexed by id, so that a step's reads and moves over many blocks are a few
+vectorized gathers and scatters.
+
+Several tables point to one entry where sessions share a prefix (a fork, a prefix reused: the
+same block index in each, `BlockManager.share`): its copies are then read by all of them.
 
 Entry 0 (`NULL_ENTRY`) is no block: in no tier, never written. Table columns past a session's
 blocks point to it.
@@ -36,6 +39,7 @@ class Entries:
         self.hotness = np.zeros(capacity, dtype=np.float32)  # [E] `Promoter.rank`'s value
         self.refs = np.zeros(capacity, dtype=np.int32)  # [E] table cells pointing to it
         self.staged_at = np.full(capacity, -1, dtype=np.int64)  # [E] the step it last came from the archive
+        self.home = np.full(capacity, NONE, dtype=np.int64)  # [E] the session whose archive record `archived` is
         # Free ids as a stack, lowest on top (entry 0 is never handed out).
         self._stack = np.arange(capacity - 1, 0, -1, dtype=np.int64)
         self._top = capacity - 1
@@ -73,6 +77,7 @@ class Entries:
         self.archived[gone] = False
         self.hotness[gone] = 0.0
         self.staged_at[gone] = -1
+        self.home[gone] = NONE
         self._stack[self._top : self._top + len(gone)] = gone[::-1]
         self._top += len(gone)
 
@@ -82,7 +87,7 @@ class Entries:
     def _grow(self, used: int) -> None:
         old = self.capacity
         new = max(2 * old, used + 1)
-        fills = {"hbm": NONE, "ddr": NONE, "archived": False, "hotness": 0.0, "refs": 0, "staged_at": -1}
+        fills = {"hbm": NONE, "ddr": NONE, "archived": False, "hotness": 0.0, "refs": 0, "staged_at": -1, "home": NONE}
         for name, fill in fills.items():
             arr = getattr(self, name)
             grown = np.full(new, fill, dtype=arr.dtype)

@@ -3,9 +3,9 @@ region for HBM as rows of one array (`LayeredAllocator`), so that a step's promo
 evictions over all layers are a few vectorized operations.
 
 Owner: `h3d.kv.blocks.BlockManager` is the only caller. What must stay true: a slot is either
-free (on exactly one stack, its owner `FREE`), owned, or released while held (`HELD`: a DDR
-slot that an archive write still reads, free again once it is let go); the null slot (0) is
-never handed out; a lone session gets ascending, contiguous slots.
+free (on exactly one stack, its owner `FREE`), owned (by a session, or `SHARED`), or released
+while held (`HELD`: a DDR slot that an archive write still reads, free again once it is let go);
+the null slot (0) is never handed out; a lone session gets ascending, contiguous slots.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ SeqId = NewType("SeqId", int)  # a session's KV, as the engine numbers them
 NULL_SLOT = 0
 FREE = -1
 HELD = -2  # released by its owner while an archive write still reads it: free once let go
+SHARED = -3  # a block's that several sessions share (or did): owned by every session pointing at it
 
 
 class SlotAllocator:

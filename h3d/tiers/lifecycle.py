@@ -5,6 +5,9 @@ tier manager's primitives do the moves.
 What must stay true: a DDR copy is dropped only once an archive copy is durable; a parked
 session's every block, the partial last one included, is durable in the archive before its HBM
 and DDR copies go; adoption takes only a prefix whose blocks the archive holds in every layer.
+Blocks a session shares with others stay where they are (`h3d.kv.blocks`): a demotion or a park
+leaves them, and a snapshot writes them under the session's name too (unmarked: their
+`archived` is their home's record), so that each session's records restore it alone.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def demote(tiers: TierManager, seq: SeqId, to_ssd: bool) -> int:
             raise NoArchive("evicting to SSD needs an archive: configure ssd_path")
         moved += snapshot(tiers, seq)
     for layer in range(b.num_layers):
-        idx = np.flatnonzero(t.layer_hbm(layer) != NONE)
+        mine = ~b.shared(t.ids[layer, : t.num_blocks])  # a block shared with others stays put
+        idx = np.flatnonzero((t.layer_hbm(layer) != NONE) & mine)
         if to_ssd:
             idx = idx[idx >= full]  # the full ones are archived: dropped below
         copy = idx[t.layer_ddr(layer)[idx] == NONE]
@@ -49,8 +53,8 @@ def demote(tiers: TierManager, seq: SeqId, to_ssd: bool) -> int:
             tiers.counters.hbm_evict_count += len(idx)
             moved += len(idx)
         if to_ssd:
-            ddr = np.flatnonzero(t.layer_ddr(layer)[:full] != NONE)
-            gone = np.flatnonzero(t.layer_hbm(layer)[:full] != NONE)
+            ddr = np.flatnonzero((t.layer_ddr(layer)[:full] != NONE) & mine[:full])
+            gone = np.flatnonzero((t.layer_hbm(layer)[:full] != NONE) & mine[:full])
             if len(gone):
                 b.drop_hbm(seq, layer, gone)
                 tiers.counters.hbm_evict_count += len(gone)
@@ -113,24 +117,30 @@ def _snapshot(tiers: TierManager, seq: SeqId, partial: bool) -> int:
             b.set_archived(seq, layer, np.array(blocks, dtype=np.int64))
         written += len(w.keys)
 
-    def add(group: tuple[int, bool], layer: int, block: int, slot: int, tokens: int) -> None:
+    def add(group: tuple[int, bool], layer: int, block: int, slot: int, tokens: int, shared: bool = False) -> None:
         w = pending.setdefault(group, _Write())
         w.keys.append(BlockKey(name, layer, block))
         w.slots.append(slot)
         w.tokens.append(tokens)
-        if not group[1]:  # a full block: archived once durable (the partial one stays the tail)
+        if not group[1] and not shared:  # a full block: archived once durable (the partial one stays the tail)
             w.marks.setdefault(layer, []).append(block)
         if len(w.keys) >= per_write:
             flush(group)
 
+    ids = t.ids[:, :full]
+    shared = b.shared(ids)  # [L, full]: written under this name where its archive lacks them, unmarked
+    have = tiers.archive.blocks_of(name) if shared.any() and tiers.archive is not None else {}
+    own = b.entries.archived[ids] & (b.entries.home[ids] == seq)
     for layer in range(b.num_layers):
-        todo = np.flatnonzero(~t.layer_archived(layer)[:full])
+        todo = np.flatnonzero(~own[layer])
         todo = todo[todo >= t.floor[layer]]  # (a window layer's blocks before its floor are freed)
         where = (t.layer_hbm(layer), t.layer_ddr(layer))
         for p, slots in enumerate(where):
             here = todo[slots[todo] != NONE]
             for j in here.tolist():
-                add((p, False), layer, j, int(slots[j]), b.block_size)
+                if shared[layer, j] and have.get((layer, j)) == b.block_size:
+                    continue  # (a full block's record holds its tokens' KV: written before)
+                add((p, False), layer, j, int(slots[j]), b.block_size, bool(shared[layer, j]))
             todo = todo[slots[todo] == NONE]
         if partial and full < t.num_blocks and (where[0][full] != NONE or where[1][full] != NONE):
             # (in the archive only, a parked session's: its record is current, and no slot holds it)
@@ -148,7 +158,8 @@ def to_recompute(tiers: TierManager, seq: SeqId) -> int:
     every layer; the partial last block counts as lacking: only a checkpoint writes it)."""
     t = tiers.blocks.table(seq)
     full = t.num_tokens // tiers.blocks.block_size
-    held = (t.archived[:, :full] | ~t.live()[:, :full]).all(axis=0)
+    own = t.archived[:, :full] & (tiers.blocks.entries.home[t.ids[:, :full]] == seq)  # (a shared one: maybe not)
+    held = (own | ~t.live()[:, :full]).all(axis=0)
     prefix = full if held.all() else int(np.argmin(held))
     return t.num_blocks - prefix
 

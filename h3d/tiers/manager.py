@@ -92,6 +92,7 @@ class TierManager:
         self.settle_spills()
         self.behind.forget(seq)  # its write-behind batches in flight: waited for
         self.ahead.drop(seq)
+        self.behind.look_again(self.blocks.peers(seq))  # what it shared may be theirs alone now
         self.blocks.free(seq)
         if purge_archive and self.archive is not None:
             self.archive.remove(self.sessions[seq].name)
@@ -182,7 +183,9 @@ class TierManager:
         freed = 0
         for seq in sorted((s for s in b.tables() if s not in busy), key=lambda s: self.sessions[s].last_used):
             t = b.table(seq)
-            per_block = (t.ddr[:, : t.num_blocks] != NONE).sum(axis=0)  # DDR copies of each block
+            ids = t.ids[:, : t.num_blocks]
+            # DDR copies of each block that the cut frees (a block shared with others keeps its copies)
+            per_block = ((b.entries.ddr[ids] != NONE) & ~b.shared(ids)).sum(axis=0)
             if not per_block.any():
                 continue
             from_end = np.cumsum(per_block[::-1])  # slots freed by dropping the last i+1 blocks
@@ -364,7 +367,8 @@ class TierManager:
         seq, layer = pair
         t = self.blocks.table(seq)
         limit = min(t.num_tokens // self.blocks.block_size, protect.get(seq, t.num_blocks))
-        ddr = t.layer_ddr(layer)[:limit] != NONE
+        ids = t.ids[layer, :limit]
+        ddr = (self.blocks.entries.ddr[ids] != NONE) & ~self.blocks.shared(ids)  # a shared block stays put
         if self.rewriting is not None and self.rewriting[0] == seq and self.rewriting[1] < limit:
             ddr[self.rewriting[1]] = False
         spare = (t.layer_hbm(layer)[:limit] != NONE) | t.layer_archived(layer)[:limit]
@@ -377,6 +381,9 @@ class TierManager:
         before = self.blocks.ddr_free
         self._spill(need, order, protect, wait=True)
         freed = self.blocks.ddr_free - before  # archive writes that failed freed nothing
+        if freed < need and self.ssd_degraded is None and self._unshare_idle(protect):
+            self._spill(need - freed, order, protect, wait=True)
+            freed = self.blocks.ddr_free - before
         if freed < need and self.ssd_degraded is not None:
             freed += self._drop_idle_kv(need - freed, protect)
         if freed < need:
@@ -384,6 +391,30 @@ class TierManager:
             if self.ssd_degraded is not None:
                 why = f" (the SSD tier is degraded: {self.ssd_degraded})"
             raise OutOfBlocks(f"DDR is full: {need - freed} more blocks are needed and none can be evicted{why}")
+
+    def _unshare_idle(self, protect: dict[SeqId, int]) -> bool:
+        """DDR is full and blocks shared by several sessions hold part of it (a shared block stays
+        where it is): the idle sessions that share blocks forget their KV from their first shared
+        block in DDR on, least recently used first, until none is shared in DDR (their tokens
+        stay: the next request computes the KV again). Returns whether any was cut."""
+        b = self.blocks
+        busy = set(protect) | self._pinned() | ({self.rewriting[0]} if self.rewriting else set())
+        cut = False
+        for seq in sorted((s for s in b.tables() if s not in busy), key=lambda s: self.sessions[s].last_used):
+            t = b.table(seq)
+            ids = t.ids[:, : t.num_blocks]
+            held = (b.entries.ddr[ids] != NONE) & b.shared(ids)  # [L, n]
+            if not held.any():
+                continue
+            keep = int(np.argmax(held.any(axis=0)))
+            copies = int((b.entries.hbm[ids[:, keep:]] != NONE).sum() + (b.entries.ddr[ids[:, keep:]] != NONE).sum())
+            self.truncate(seq, keep * b.block_size)
+            self.counters.recompute_evict_count += copies
+            self.notices.append(("kv_dropped_for_recompute", {"session": self.sessions[seq].name, "from_block": keep}))
+            cut = True
+            if not b.shared(np.flatnonzero(b.entries.ddr != NONE)).any():
+                break
+        return cut
 
     def drop_cheap(self, need: int, order: list[Pair], protect: dict[SeqId, int]) -> int:
         """Drop up to `need` DDR copies of blocks with another copy (in HBM, or durable in the
@@ -464,7 +495,8 @@ class TierManager:
         b = self.blocks
         for seq in sorted(idle, key=lambda s: self.sessions[s].last_used):
             t = b.table(seq)
-            idx = np.flatnonzero(t.layer_hbm(layer) != NONE)[:count]
+            ids = t.ids[layer, : t.num_blocks]
+            idx = np.flatnonzero((b.entries.hbm[ids] != NONE) & ~b.shared(ids))[:count]  # a shared block stays put
             if not len(idx):
                 continue
             count -= self.demote_blocks(seq, layer, idx, batch, protect)
@@ -572,7 +604,20 @@ class TierManager:
             read_ahead_in_flight_bytes=self.ahead.in_flight * self.block_bytes,
             write_behind_lag_s=behind.lag_s,
             window_hbm_bytes=self._window_hbm() * self.block_bytes,
+            **self._sharing(),
         )
+
+    def _sharing(self) -> dict[str, int]:
+        """The shared blocks, and the HBM and DDR their sharing saves (each session beyond the
+        first would hold its own copies)."""
+        e = self.blocks.entries
+        shared = np.flatnonzero(e.refs > 1)
+        extra = e.refs[shared] - 1
+        return {
+            "shared_blocks": len(shared),
+            "shared_hbm_saved_bytes": int(extra[e.hbm[shared] != NONE].sum()) * self.block_bytes,
+            "shared_ddr_saved_bytes": int(extra[e.ddr[shared] != NONE].sum()) * self.block_bytes,
+        }
 
     def _window_hbm(self) -> int:
         """HBM slots the sliding-window layers' blocks hold."""
@@ -594,7 +639,8 @@ class TierManager:
                     hk, hv = self.hbm.read(self._index(self.hbm, hbm[both]))
                     dk, dv = self.ddr.read(self._index(self.ddr, ddr[both]))
                     assert torch_equal(hk, dk) and torch_equal(hv, dv), f"seq {seq} layer {layer}: HBM != DDR"
-                archived = np.flatnonzero(t.layer_archived(layer)[:full] & (ddr[:full] != NONE))
+                home = self.blocks.entries.home[t.ids[layer, :full]] == seq  # (a shared block: maybe not its record)
+                archived = np.flatnonzero(t.layer_archived(layer)[:full] & (ddr[:full] != NONE) & home)
                 for j in archived[:4]:  # a sample: reading the archive is slow
                     assert self.archive is not None
                     ak, av = self.archive.get(BlockKey(self.sessions[seq].name, layer, int(j)))

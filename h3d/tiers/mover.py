@@ -112,20 +112,6 @@ class Mover:
             return
         self._copy(self.ddr, ddr_slots, self.hbm, hbm_slots)
 
-    def copy_located(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy blocks between any two pools, each given by its location (`h3d.kv.blocks`: an HBM
-        slot >= 0, else -(DDR slot + 1)); [n] each: a fork's blocks from its parent's. One copy per
-        pair of pools."""
-        for src_hbm in (True, False):
-            for dst_hbm in (True, False):
-                pick = ((src >= 0) == src_hbm) & ((dst >= 0) == dst_hbm)
-                if pick.any():
-                    s, d = src[pick], dst[pick]
-                    self._copy(
-                        self.hbm if src_hbm else self.ddr, s if src_hbm else -s - 1,
-                        self.hbm if dst_hbm else self.ddr, d if dst_hbm else -d - 1,
-                    )  # fmt: skip
-
     def _items(self, keys: list[BlockKey], pool: KVPool, slots: np.ndarray, tokens: list[int]) -> list:
         k, v = pool.read(torch.from_numpy(slots).to(pool.k.device))  # [Hkv, n, bs, D]
         k, v = k.cpu(), v.cpu()

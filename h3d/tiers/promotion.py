@@ -249,7 +249,7 @@ class Promoter:
         e, width = b.entries, t.capacity
         ids = t.ids[rows, :limit]  # [R, limit]
         slots = e.hbm.take(ids)  # [R, limit] slot or NONE
-        ok = slots != NONE
+        ok = (slots != NONE) & (e.refs.take(ids) <= 1)  # a block shared with other sessions stays put
         ok[:, keep[keep < limit]] = False
         if len(sel_slots):
             # The selection's blocks (those in HBM: their slots) are never victims.

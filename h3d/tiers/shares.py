@@ -194,7 +194,8 @@ class HbmShares:
         if limit <= 0:
             return gone
         ids = t.ids[:, :limit]
-        layers, blocks = np.nonzero((e.hbm.take(ids) != NONE) & (count > 0)[:, None])
+        unshared = e.refs.take(ids) <= 1  # a block shared with other sessions stays put
+        layers, blocks = np.nonzero((e.hbm.take(ids) != NONE) & unshared & (count > 0)[:, None])
         if not len(layers):
             return gone
         value = e.hotness.take(ids[layers, blocks])

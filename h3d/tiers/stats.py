@@ -88,6 +88,9 @@ class TierStats:
     read_ahead_bytes: int = 0  # resumed sessions' KV read back into DDR in the background since start
     read_ahead_in_flight_bytes: int = 0  # being read back now
     window_hbm_bytes: int = 0  # HBM held by sliding-window layers' blocks (part of hbm_used_bytes)
+    shared_blocks: int = 0  # blocks (one layer's block each) several sessions point to now
+    shared_hbm_saved_bytes: int = 0  # HBM the shared blocks would take again if each session had its own
+    shared_ddr_saved_bytes: int = 0  # DDR likewise
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

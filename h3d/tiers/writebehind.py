@@ -153,7 +153,8 @@ class WriteBehind:
         t = b.table(seq)
         span = 4 * max(1, room // L)  # columns looked at a time: a step's share, not a 128K context's
         while start < end:  # past the columns archived already (adopted, spilled)
-            written = e.archived[t.ids[full_layers, start : min(end, start + span)]].all(axis=0)
+            look = t.ids[full_layers, start : min(end, start + span)]
+            written = (e.archived[look] | (e.refs[look] > 1)).all(axis=0)  # (a shared block stays put)
             if not written.all():
                 start += int(np.argmin(written))
                 break
@@ -163,7 +164,7 @@ class WriteBehind:
             return 0
         cols = min(end - start, max(1, room // L))
         ids = t.ids[full_layers, start : start + cols]  # [L, cols]
-        todo = ~e.archived[ids]
+        todo = ~e.archived[ids] & (e.refs[ids] <= 1)
         # DDR room for the copies down: what lies below the watermark, cheap copies dropped for it
         # (perhaps of these blocks too: which need a copy down is read after the drops)
         free = self._ddr_room(int((todo & (e.ddr[ids] == NONE)).sum()), batch, protect)
@@ -293,6 +294,12 @@ class WriteBehind:
         self.wait(seq)
         if seq in self.cursor:
             self.cursor[seq] = min(self.cursor[seq], num_tokens // self.tiers.blocks.block_size)
+
+    def look_again(self, seqs: set[SeqId]) -> None:
+        """Blocks of `seqs` that were shared (and so passed over) may be theirs alone now: their
+        cursors go back to their first block (the columns archived already are skipped quickly)."""
+        for seq in seqs:
+            self.cursor.pop(seq, None)
 
     def forget(self, seq: SeqId) -> None:
         """`seq` is about to be released: its batches in flight done first (applied)."""

@@ -595,7 +595,7 @@ def test_ids_by_unique_prefix(d: RunningDaemon) -> None:
 
 def test_session_show_in_words(d: RunningDaemon) -> None:
     sid = new_session(d)
-    ok(d, "append", sid, "--text", LONG_TEXT)
+    ok(d, "append", sid, "--text", f"{sid}: {LONG_TEXT}")  # (its own first block: no prefix shared)
     shown = ok_json(d, "session", "show", sid)
     cached, res = shown["cached_tokens"], shown["residency"]
     blocks = -(-cached // 32)  # block_size 32; the model has 3 layers

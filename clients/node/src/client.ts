@@ -113,7 +113,7 @@ export class H3Client {
 
   /**
    * A new session whose context is the first `atTokens` tokens of another's (all by default),
-   * its KV copied and its last tokens prefilled before this resolves: ready to decode.
+   * its KV blocks shared and its last tokens prefilled before this resolves: ready to decode.
    */
   forkSession(sessionId: string, options: ForkSessionOptions = {}): Promise<Session> {
     const request = { sessionId, atTokens: options.atTokens };

@@ -5,7 +5,7 @@ message); a response with `previous_response_id` continues that response's sessi
 that only the new messages are prefilled (`usage.input_tokens_details.cached_tokens`: the tokens
 whose KV the session already held). Only the latest response of a conversation continues it in
 place; an earlier one (or any with `store: false`) continues a fork of the session as it stood at
-that response's end (`Engine.fork_session`: its KV copied, its last tokens computed again), a new
+that response's end (`Engine.fork_session`: its KV blocks shared, its last tokens computed again), a new
 session that later responses continue.
 
 Each stored response is a record in its session's `extra` (the token log: it lives as long as the
@@ -75,7 +75,7 @@ class Turn:
     cached: int  # of those, tokens whose KV the session held (or got from a cached prefix: `count`)
 
     def count(self, engine: Engine, reused: int) -> None:
-        """After an append's submit: if it copied KV from a cached prefix (`share_prefixes`: the
+        """After an append's submit: if it shared KV blocks of a cached prefix (`share_prefixes`: the
         engine's reused tokens grew past `reused`), that KV is what the turn did not compute."""
         if engine.counters.prefix_reused_tokens > reused:
             self.cached = engine.cached_tokens(self.sid)
@@ -146,7 +146,7 @@ class Responses:
                 cached = engine.kv.cached_tokens(session.seq)
                 return Turn(session.id, session.owner, False, len(session.tokens), cached), params
             # An earlier response, or one continued on the side (store: false): a fork of the
-            # conversation as it stood at that response's end (its KV copied, not computed again).
+            # conversation as it stood at that response's end (its KV blocks shared, not computed again).
             end = next((int(r["end"]) for r in records if r["id"] == previous), None)
             if end is None:
                 raise NotFound(f"no stored response {clip(previous or '')!r}", param="previous_response_id",

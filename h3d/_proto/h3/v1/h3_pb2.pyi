@@ -102,7 +102,7 @@ class Session(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., created_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., busy: _Optional[bool] = ..., pinned: _Optional[bool] = ..., pinned_until: _Optional[float] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ..., window_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., closed: _Optional[bool] = ..., chat: _Optional[bool] = ..., num_messages: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("hbm_hit_rate", "hbm_hits", "hbm_misses", "ddr_evict_count", "hbm_evict_count", "ssd_read_count", "ssd_write_count", "hbf_latency_us_p50", "hbf_latency_us_p99", "hbm_used_bytes", "hbm_capacity_bytes", "ddr_used_bytes", "ddr_capacity_bytes", "ssd_used_bytes", "fetch_bytes", "kv_rebuild_blocks", "ssd_degraded", "ssd_degraded_reason", "ssd_write_errors", "recompute_evict_count", "hbm_rebalance_count", "dirty_bytes", "write_behind_bytes", "write_behind_in_flight_bytes", "write_behind_lag_s", "read_ahead_bytes", "read_ahead_in_flight_bytes", "window_freed_blocks", "window_hbm_bytes")
+    __slots__ = ("hbm_hit_rate", "hbm_hits", "hbm_misses", "ddr_evict_count", "hbm_evict_count", "ssd_read_count", "ssd_write_count", "hbf_latency_us_p50", "hbf_latency_us_p99", "hbm_used_bytes", "hbm_capacity_bytes", "ddr_used_bytes", "ddr_capacity_bytes", "ssd_used_bytes", "fetch_bytes", "kv_rebuild_blocks", "ssd_degraded", "ssd_degraded_reason", "ssd_write_errors", "recompute_evict_count", "hbm_rebalance_count", "dirty_bytes", "write_behind_bytes", "write_behind_in_flight_bytes", "write_behind_lag_s", "read_ahead_bytes", "read_ahead_in_flight_bytes", "window_freed_blocks", "window_hbm_bytes", "shared_blocks", "shared_hbm_saved_bytes", "shared_ddr_saved_bytes")
     HBM_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     HBM_HITS_FIELD_NUMBER: _ClassVar[int]
     HBM_MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,9 @@ class TierStats(_message.Message):
     READ_AHEAD_IN_FLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_HBM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_HBM_SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_DDR_SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     hbm_hit_rate: float
     hbm_hits: int
     hbm_misses: int
@@ -161,7 +164,10 @@ class TierStats(_message.Message):
     read_ahead_in_flight_bytes: int
     window_freed_blocks: int
     window_hbm_bytes: int
-    def __init__(self, hbm_hit_rate: _Optional[float] = ..., hbm_hits: _Optional[int] = ..., hbm_misses: _Optional[int] = ..., ddr_evict_count: _Optional[int] = ..., hbm_evict_count: _Optional[int] = ..., ssd_read_count: _Optional[int] = ..., ssd_write_count: _Optional[int] = ..., hbf_latency_us_p50: _Optional[float] = ..., hbf_latency_us_p99: _Optional[float] = ..., hbm_used_bytes: _Optional[int] = ..., hbm_capacity_bytes: _Optional[int] = ..., ddr_used_bytes: _Optional[int] = ..., ddr_capacity_bytes: _Optional[int] = ..., ssd_used_bytes: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., kv_rebuild_blocks: _Optional[int] = ..., ssd_degraded: _Optional[bool] = ..., ssd_degraded_reason: _Optional[str] = ..., ssd_write_errors: _Optional[int] = ..., recompute_evict_count: _Optional[int] = ..., hbm_rebalance_count: _Optional[int] = ..., dirty_bytes: _Optional[int] = ..., write_behind_bytes: _Optional[int] = ..., write_behind_in_flight_bytes: _Optional[int] = ..., write_behind_lag_s: _Optional[float] = ..., read_ahead_bytes: _Optional[int] = ..., read_ahead_in_flight_bytes: _Optional[int] = ..., window_freed_blocks: _Optional[int] = ..., window_hbm_bytes: _Optional[int] = ...) -> None: ...
+    shared_blocks: int
+    shared_hbm_saved_bytes: int
+    shared_ddr_saved_bytes: int
+    def __init__(self, hbm_hit_rate: _Optional[float] = ..., hbm_hits: _Optional[int] = ..., hbm_misses: _Optional[int] = ..., ddr_evict_count: _Optional[int] = ..., hbm_evict_count: _Optional[int] = ..., ssd_read_count: _Optional[int] = ..., ssd_write_count: _Optional[int] = ..., hbf_latency_us_p50: _Optional[float] = ..., hbf_latency_us_p99: _Optional[float] = ..., hbm_used_bytes: _Optional[int] = ..., hbm_capacity_bytes: _Optional[int] = ..., ddr_used_bytes: _Optional[int] = ..., ddr_capacity_bytes: _Optional[int] = ..., ssd_used_bytes: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., kv_rebuild_blocks: _Optional[int] = ..., ssd_degraded: _Optional[bool] = ..., ssd_degraded_reason: _Optional[str] = ..., ssd_write_errors: _Optional[int] = ..., recompute_evict_count: _Optional[int] = ..., hbm_rebalance_count: _Optional[int] = ..., dirty_bytes: _Optional[int] = ..., write_behind_bytes: _Optional[int] = ..., write_behind_in_flight_bytes: _Optional[int] = ..., write_behind_lag_s: _Optional[float] = ..., read_ahead_bytes: _Optional[int] = ..., read_ahead_in_flight_bytes: _Optional[int] = ..., window_freed_blocks: _Optional[int] = ..., window_hbm_bytes: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., shared_hbm_saved_bytes: _Optional[int] = ..., shared_ddr_saved_bytes: _Optional[int] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
     __slots__ = ("system_prompt", "policy", "sampling", "chat")

@@ -132,9 +132,9 @@ class H3Servicer:
 
     def ForkSession(self, request, context):
         """A new session whose context is the first `at_tokens` tokens of another's (all of them by
-        default), with its policy, sampling defaults and chat conversation. Its KV is copied from the
-        other session's HBM and DDR copies, and its last tokens are prefilled before this returns, so
-        the fork is ready to decode. FAILED_PRECONDITION while the session has a request in flight;
+        default), with its policy, sampling defaults and chat conversation. Its KV blocks are the
+        other session's, shared where it holds them in HBM or DDR (held once for both), and its last
+        tokens are prefilled before this returns, so the fork is ready to decode. FAILED_PRECONDITION while the session has a request in flight;
         INVALID_ARGUMENT for `at_tokens` past its context or inside a chat message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

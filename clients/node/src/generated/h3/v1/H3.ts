@@ -63,9 +63,9 @@ export interface H3Client extends grpc.Client {
   
   /**
    * A new session whose context is the first `at_tokens` tokens of another's (all of them by
-   * default), with its policy, sampling defaults and chat conversation. Its KV is copied from the
-   * other session's HBM and DDR copies, and its last tokens are prefilled before this returns, so
-   * the fork is ready to decode. FAILED_PRECONDITION while the session has a request in flight;
+   * default), with its policy, sampling defaults and chat conversation. Its KV blocks are the
+   * other session's, shared where it holds them in HBM or DDR (held once for both), and its last
+   * tokens are prefilled before this returns, so the fork is ready to decode. FAILED_PRECONDITION while the session has a request in flight;
    * INVALID_ARGUMENT for `at_tokens` past its context or inside a chat message.
    */
   ForkSession(argument: _h3_v1_ForkSessionRequest, metadata: grpc.Metadata, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
@@ -74,9 +74,9 @@ export interface H3Client extends grpc.Client {
   ForkSession(argument: _h3_v1_ForkSessionRequest, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
   /**
    * A new session whose context is the first `at_tokens` tokens of another's (all of them by
-   * default), with its policy, sampling defaults and chat conversation. Its KV is copied from the
-   * other session's HBM and DDR copies, and its last tokens are prefilled before this returns, so
-   * the fork is ready to decode. FAILED_PRECONDITION while the session has a request in flight;
+   * default), with its policy, sampling defaults and chat conversation. Its KV blocks are the
+   * other session's, shared where it holds them in HBM or DDR (held once for both), and its last
+   * tokens are prefilled before this returns, so the fork is ready to decode. FAILED_PRECONDITION while the session has a request in flight;
    * INVALID_ARGUMENT for `at_tokens` past its context or inside a chat message.
    */
   forkSession(argument: _h3_v1_ForkSessionRequest, metadata: grpc.Metadata, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_Session__Output>): grpc.ClientUnaryCall;
@@ -163,9 +163,9 @@ export interface H3Handlers extends grpc.UntypedServiceImplementation {
   
   /**
    * A new session whose context is the first `at_tokens` tokens of another's (all of them by
-   * default), with its policy, sampling defaults and chat conversation. Its KV is copied from the
-   * other session's HBM and DDR copies, and its last tokens are prefilled before this returns, so
-   * the fork is ready to decode. FAILED_PRECONDITION while the session has a request in flight;
+   * default), with its policy, sampling defaults and chat conversation. Its KV blocks are the
+   * other session's, shared where it holds them in HBM or DDR (held once for both), and its last
+   * tokens are prefilled before this returns, so the fork is ready to decode. FAILED_PRECONDITION while the session has a request in flight;
    * INVALID_ARGUMENT for `at_tokens` past its context or inside a chat message.
    */
   ForkSession: grpc.handleUnaryCall<_h3_v1_ForkSessionRequest__Output, _h3_v1_Session>;

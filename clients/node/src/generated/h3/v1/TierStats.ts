@@ -107,6 +107,17 @@ export interface TierStats {
    * blocks per session and layer, whatever the context's length.
    */
   'windowHbmBytes'?: (number | string | Long);
+  /**
+   * Blocks (one layer's block each) that several sessions point to now: a fork's, a reused
+   * prefix's (h3d.kv.blocks), held once in each tier.
+   */
+  'sharedBlocks'?: (number | string | Long);
+  /**
+   * HBM and DDR bytes that sharing saves now: what the sessions beyond the first would hold if
+   * each had its own copies of the shared blocks.
+   */
+  'sharedHbmSavedBytes'?: (number | string | Long);
+  'sharedDdrSavedBytes'?: (number | string | Long);
 }
 
 /**
@@ -214,4 +225,15 @@ export interface TierStats__Output {
    * blocks per session and layer, whatever the context's length.
    */
   'windowHbmBytes': (number);
+  /**
+   * Blocks (one layer's block each) that several sessions point to now: a fork's, a reused
+   * prefix's (h3d.kv.blocks), held once in each tier.
+   */
+  'sharedBlocks': (number);
+  /**
+   * HBM and DDR bytes that sharing saves now: what the sessions beyond the first would hold if
+   * each had its own copies of the shared blocks.
+   */
+  'sharedHbmSavedBytes': (number);
+  'sharedDdrSavedBytes': (number);
 }

@@ -1,0 +1,146 @@
+"""Shared blocks: a fork and a reused prefix point at their parent's KV blocks rather than copying
+them (`BlockManager.share`). The blocks are held once in HBM and DDR, reference-counted; no block
+is freed while a session points at it, none is left behind once none does, and every session
+decodes exactly as an unshared one given its tokens would, through random sequences of forks,
+decodes, rewinds, demotions, closes, deletes and restarts."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import VOCAB_SIZE, make_engine, random_prompt
+
+from h3d.engine.engine import Engine
+from h3d.engine.sampling import SamplingParams
+from h3d.engine.session import SessionId
+from h3d.hbf.policy import PROBE_QUERIES
+from h3d.kv.slots import FREE
+
+BS = 16
+LAYERS = 3  # llama_gqa4_tied
+MODEL = "llama_gqa4_tied"
+
+
+def _engine(checkpoint: Callable[[str], Path], tmp_path: Path, **kw: Any) -> Engine:
+    return make_engine(
+        checkpoint(MODEL), prefill_chunk_tokens=64, ssd_path=str(tmp_path / "ssd"),
+        session_log_path=str(tmp_path / "logs"), **kw,
+    )  # fmt: skip
+
+
+def _used(engine: Engine) -> int:
+    """Block copies held in HBM and DDR, all sessions together (each slot once)."""
+    b = engine.kv.blocks
+    return b.hbm_capacity - int(b.hbm_alloc.free.sum()) + b.ddr_alloc.capacity - b.ddr_free
+
+
+def test_forks_hold_the_parents_blocks_once(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    engine = _engine(checkpoint, tmp_path, hbm_mb=64.0)
+    parent = engine.create_session()
+    engine.append(parent, token_ids=random_prompt(600, VOCAB_SIZE, seed=3))
+    one = _used(engine)
+    shared = (600 - 1 - PROBE_QUERIES) // BS
+    forks = [engine.fork(parent) for _ in range(4)]
+    tail = -(-600 // BS) - shared  # each fork's own blocks: its last tokens, computed again
+    assert _used(engine) - one <= 4 * tail * LAYERS  # (with HBM room, one copy each)
+    b = engine.kv.blocks
+    ids = b.table(engine.session(parent).seq).ids[:, :shared]
+    assert (b.entries.refs[ids] == 5).all()
+    assert b.peers(engine.session(parent).seq) == {engine.session(f).seq for f in forks}
+    stats, e = engine.tier_stats(), b.entries
+    assert stats.shared_blocks == shared * LAYERS
+    block = engine.kv.tiers.block_bytes
+    assert stats.shared_hbm_saved_bytes == 4 * int((e.hbm[ids] >= 0).sum()) * block > 0
+    assert stats.shared_ddr_saved_bytes == 4 * int((e.ddr[ids] >= 0).sum()) * block
+    want = engine.complete(forks[0], "", SamplingParams(max_tokens=8, ignore_eos=True)).token_ids
+    for f in forks[1:]:
+        assert engine.complete(f, "", SamplingParams(max_tokens=8, ignore_eos=True)).token_ids == want
+    for f in forks:
+        engine.close_session(f, purge=True)
+    assert (b.entries.refs[ids] == 1).all() and not b.peers(engine.session(parent).seq)
+    engine.close()
+
+
+def _continuation(engine: Engine, sid: SessionId) -> tuple[int, ...]:
+    return engine.complete(sid, "", SamplingParams(max_tokens=4, ignore_eos=True)).token_ids
+
+
+def _reference(engine: Engine, tokens: list[int], n: int) -> tuple[int, ...]:
+    """The greedy continuation of a session computed alone (an owner of its own: nothing shared)."""
+    sid = engine.create_session(owner="alone")
+    engine.append(sid, token_ids=tokens)
+    out = engine.complete(sid, "", SamplingParams(max_tokens=n, ignore_eos=True)).token_ids
+    engine.close_session(sid, purge=True)
+    return out
+
+
+def _check(engine: Engine) -> None:
+    """The bookkeeping (no block freed while pointed at: counts equal the cells pointing) and
+    every pair of copies of a block equal."""
+    engine.kv.check()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_forks_closes_evictions_rewinds_and_restarts(
+    checkpoint: Callable[[str], Path], tmp_path: Path, seed: int
+) -> None:
+    """Small HBM and DDR (most blocks in DDR and in the archive), random operations on a family of
+    forks; after each the bookkeeping is checked, at the end each session decodes as one computed
+    alone would, and once all are deleted no entry or slot is left in use."""
+    rng = random.Random(seed)
+    probe = _engine(checkpoint, tmp_path / "probe")
+    slot = probe.kv.tiers.block_bytes  # one block of one layer
+    probe.close()
+    kw: dict[str, Any] = {"hbm_mb": 40 * LAYERS * slot / 2**20, "ddr_mb": 60 * LAYERS * slot / 2**20}
+    engine = _engine(checkpoint, tmp_path, **kw)
+    root = engine.create_session()
+    engine.append(root, token_ids=random_prompt(500, VOCAB_SIZE, seed=seed))
+    live: list[SessionId] = [root]
+    seen = {"shared": 0, "ddr_only": 0, "archive_only": 0, "ops": 0}
+    ops = ["fork"] * 4 + ["decode"] * 2 + ["rewind", "demote", "demote", "close", "delete", "restart"]
+    for _ in range(32):
+        op = rng.choice(ops)
+        sid = rng.choice(live)
+        if op == "fork":
+            n = len(engine.session(sid).tokens)
+            at = rng.choice([None, rng.randrange(max(1, n // 2), n + 1), rng.randrange(1, n + 1)])
+            live.append(engine.fork(sid, at))
+        elif op == "decode":
+            engine.complete(sid, "", SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=True))
+        elif op == "rewind":
+            engine.rewind(sid, rng.randrange(1, len(engine.session(sid).tokens) + 1))
+        elif op == "demote":
+            seq = engine.session(sid).seq
+            engine.kv.demote(seq, to_ssd=rng.random() < 0.5)
+        elif op == "close":
+            engine.close_session(sid)
+        elif op == "delete" and len(live) > 1:
+            engine.close_session(sid, purge=True)
+            live.remove(sid)
+        elif op == "restart":
+            engine.close()
+            engine = _engine(checkpoint, tmp_path, **kw)
+        _check(engine)
+        e = engine.kv.blocks.entries
+        used = e.refs > 0
+        seen["ops"] += 1
+        seen["shared"] += int((e.refs > 1).sum())
+        seen["ddr_only"] += int((used & (e.hbm < 0) & (e.ddr >= 0)).sum())
+        seen["archive_only"] += int((used & (e.hbm < 0) & (e.ddr < 0)).sum())
+    assert seen["shared"] and seen["ddr_only"] and seen["archive_only"], seen  # (each state was reached)
+    for sid in live:
+        tokens = list(engine.session(sid).tokens)
+        assert _continuation(engine, sid) == _reference(engine, tokens, 4), f"session {sid} (seed {seed})"
+        _check(engine)
+    for sid in live:
+        engine.close_session(sid, purge=True)
+    b = engine.kv.blocks
+    assert b.entries.num_used == 0 and not b.tables()
+    assert (b.hbm_owner[1:] == FREE).all() and (b.ddr_owner[1:] == FREE).all()
+    assert np.count_nonzero(b.entries.refs) == 0
+    engine.close()
