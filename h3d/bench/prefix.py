@@ -32,6 +32,7 @@ from typing import Any
 
 from h3d.bench.report import write_section
 from h3d.bench.serve import Client, Daemon, log
+from h3d.hbf.policy import PROBE_QUERIES
 
 DEFAULT_MODEL = Path("data/models/smollm2-135m-instruct")
 SOURCE = Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md"  # real text to read
@@ -75,10 +76,11 @@ def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) 
     return {"ttft_s": (first or time.perf_counter()) - t0, "text": "".join(texts), "usage": used}
 
 
-def kv_bytes(client: Client) -> tuple[int, int]:
-    """The tiers' used bytes: HBM + DDR (each copy of a block counted), and the archive's."""
+def kv_bytes(client: Client) -> tuple[int, int, int]:
+    """The tiers' used bytes: HBM + DDR (each copy of a block counted once, whatever the sessions
+    pointing at it), the archive's, and what sharing saves in HBM and DDR."""
     g = getattr(client.h3.GetStats(client.pb.GetStatsRequest()), "global")
-    return g.hbm_used_bytes + g.ddr_used_bytes, g.ssd_used_bytes
+    return g.hbm_used_bytes + g.ddr_used_bytes, g.ssd_used_bytes, g.shared_hbm_saved_bytes + g.shared_ddr_saved_bytes
 
 
 def continuation(client: Client, sid: str, n: int) -> list[int]:
@@ -103,6 +105,12 @@ def forks(client: Client, ids: list[int], n: int, generate: int) -> dict[str, An
         made.append(client.h3.ForkSession(pb.ForkSessionRequest(session_id=parent)).session_id)
         times.append(time.perf_counter() - t0)
     after = kv_bytes(client)
+    # The goal's allowance: 1.2 x one session's KV, plus each fork's own blocks (those it computed:
+    # from PROBE_QUERIES + 1 tokens before its end), at one session's bytes per block.
+    bs = int(client.config()["block_size"])
+    blocks = -(-len(ids) // bs)
+    own = blocks - max(len(ids) - 1 - PROBE_QUERIES, 0) // bs
+    allowance = 1.2 * (one[0] - before[0]) + n * own * (one[0] - before[0]) / blocks
     reference = client.session("attention_entropy")
     client.append(reference, ids)
     want = continuation(client, reference, generate)
@@ -115,6 +123,7 @@ def forks(client: Client, ids: list[int], n: int, generate: int) -> dict[str, An
         "fork_s_max": times[-1], "forks_identical": same,
         "one_session_mb": (one[0] - before[0]) / 2**20, "with_forks_mb": (after[0] - before[0]) / 2**20,
         "archive_one_mb": (one[1] - before[1]) / 2**20, "archive_with_forks_mb": (after[1] - before[1]) / 2**20,
+        "fork_own_blocks": own, "allowance_mb": allowance / 2**20, "shared_saved_mb": after[2] / 2**20,
     }  # fmt: skip
 
 
@@ -146,6 +155,9 @@ def table(r: dict[str, Any]) -> str:
         f"| forks whose greedy tokens equal an unshared session's | {f['forks_identical']} of {f['forks']} |",
         f"| HBM + DDR used by KV: one session / with its {f['forks']} forks | {f['one_session_mb']:.0f} MiB / "
         f"{f['with_forks_mb']:.0f} MiB ({f['with_forks_mb'] / f['one_session_mb']:.1f} x) |",
+        f"| the goal: at most 1.2 x one session + each fork's own {f['fork_own_blocks']} blocks | "
+        f"{f['allowance_mb']:.0f} MiB: {'met' if f['with_forks_mb'] <= f['allowance_mb'] else 'missed'} |",
+        f"| HBM + DDR that sharing saves (GetStats) | {f['shared_saved_mb']:.0f} MiB |",
         f"| archive grown: one session / with its forks | {f['archive_one_mb']:.0f} MiB / "
         f"{f['archive_with_forks_mb']:.0f} MiB |",
         "",
@@ -165,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forks", type=int, default=16, help="forks of the document")
     p.add_argument("--generate", type=int, default=64, help="tokens each fork generates")
     p.add_argument("--work", type=Path, default=Path(".bench/prefix"), help="the daemon's data folder")
-    p.add_argument("--out", type=Path, default=None, help="the JSON (default bench/results/<date>-cpu-prefix.json)")
+    p.add_argument("--out", type=Path, default=None, help="the JSON (default bench/results/DATE-cpu-prefix.json)")
     p.add_argument("--write", type=Path, default=None, help="update this markdown file's prefix section")
     args = p.parse_args(argv)
     from h3d.model.tokenizer import Tokenizer
@@ -185,22 +197,30 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         daemon.stop()
     result = {
-        "date": dt.date.today().isoformat(), "host": f"CPU, {_cores()} cores", "model": args.model.name,
+        "date": dt.date.today().isoformat(), "host": _host(), "model": args.model.name,
         "argv": list(sys.argv[1:] if argv is None else argv), "forks": fork_figures, "chat": chat_figures,
     }  # fmt: skip
-    out = args.out or Path("bench/results") / f"{result['date']}-cpu-prefix.json"
+    card = "cpu" if result["host"].startswith("CPU") else "gpu"
+    out = args.out or Path("bench/results") / f"{result['date']}-{card}-prefix.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
     if args.write is not None:
-        write_section(args.write, "## Forks and prefix reuse through the daemon (CPU)\n\n" + table(result), "prefix")
+        where = "CPU" if card == "cpu" else result["host"].split(",")[0]
+        title = f"## Forks and prefix reuse through the daemon ({where})\n\n"
+        write_section(args.write, title + table(result), "prefix" if card == "cpu" else "prefix-gpu")
     return 0
 
 
-def _cores() -> int:
+def _host() -> str:
+    """The card the daemon's `auto` device picks, else the CPU's cores."""
     import os
 
-    return len(os.sched_getaffinity(0))
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)}, {len(os.sched_getaffinity(0))} cores"
+    return f"CPU, {len(os.sched_getaffinity(0))} cores"
 
 
 if __name__ == "__main__":
