@@ -144,3 +144,31 @@ def test_random_forks_closes_evictions_rewinds_and_restarts(
     assert (b.hbm_owner[1:] == FREE).all() and (b.ddr_owner[1:] == FREE).all()
     assert np.count_nonzero(b.entries.refs) == 0
     engine.close()
+
+
+def test_ddr_full_of_shared_blocks_makes_idle_sharers_compute_again(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A shared block stays where it is; when DDR is full and shared blocks hold most of it, a
+    session that needs DDR gets it: the idle sessions that share those blocks forget their KV
+    from the first shared one in DDR (their tokens stay) and compute it again when used, with
+    the same tokens."""
+    probe = _engine(checkpoint, tmp_path / "probe")
+    slot = probe.kv.tiers.block_bytes
+    probe.close()
+    engine = _engine(checkpoint, tmp_path, hbm_mb=4 * LAYERS * slot / 2**20, ddr_mb=80 * slot / 2**20)
+    parent = engine.create_session()
+    engine.append(parent, token_ids=random_prompt(300, VOCAB_SIZE, seed=21))
+    fork = engine.fork(parent)
+    b = engine.kv.blocks
+    assert int((b.shared(np.arange(b.entries.capacity)) & (b.entries.ddr >= 0)).sum()) >= 30
+    engine.kv.take_notices()
+    other = engine.create_session(owner="other")
+    engine.append(other, token_ids=random_prompt(800, VOCAB_SIZE, seed=22))  # a layer of it takes most of DDR
+    dropped = [d for kind, d in engine.kv.take_notices() if kind == "kv_dropped_for_recompute"]
+    assert dropped and engine.cached_tokens(other) == 799
+    _check(engine)
+    for sid in (parent, fork):
+        tokens = list(engine.session(sid).tokens)
+        assert _continuation(engine, sid) == _reference(engine, tokens, 4)
+    engine.close()
