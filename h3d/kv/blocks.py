@@ -788,6 +788,18 @@ class BlockManager:
         for seq, group in self._groups.items():
             assert seq in group and len(group) > 1 and all(self._groups.get(o) is group for o in group), "share groups"
             assert all(o in self._tables for o in group), "a share group holds a freed session"
+        # Every table pointing at a shared entry is in one group (a change of its copies reaches them all).
+        cells = [(seq, t.ids[t.ids != NULL_ENTRY]) for seq, t in self._tables.items()]
+        pairs = [(c[e.refs[c] > 1], seq) for seq, c in cells]
+        ent = np.concatenate([np.empty(0, np.int64), *(c for c, _ in pairs)])
+        who = np.concatenate([np.empty(0, np.int64), *(np.full(len(c), s, np.int64) for c, s in pairs)])
+        _, first = np.unique(ent, return_index=True)
+        lead = dict(zip(ent[first].tolist(), who[first].tolist(), strict=True))
+        for i, s in zip(ent.tolist(), who.tolist(), strict=True):
+            assert lead[i] == s or lead[i] in self._groups.get(SeqId(s), ()), "a shared entry's tables in two groups"
+        # An archived entry's record is its home's, a session that points at it.
+        homed = sum(int((e.archived[t.ids] & (e.home[t.ids] == seq)).sum()) for seq, t in self._tables.items())
+        assert homed == int(np.count_nonzero(e.archived)), "an archived entry's home does not point at it"
         self._check_entries()
 
     def _check_entries(self) -> None:

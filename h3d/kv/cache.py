@@ -119,6 +119,7 @@ class KVCache:
         self.promoter = Promoter(self.tiers, promote_bytes_per_step)
         self.hbf = hbf
         self.frozen: dict[SeqId, int] = {}  # seq -> its first block no step may move (ModelRunner.begin)
+        self.tiers.frozen = self.frozen  # (never cut to make room)
         self.shares = HbmShares(self.tiers, self.promoter, self.demand)  # fair HBM between active sessions
         self.promoter.room = self.shares.room
         # Blocks moved toward the shares per step (both ways); None: no limit.
@@ -372,10 +373,10 @@ class KVCache:
         record = self.sessions[seq]
         if num_tokens >= record.table.num_tokens:
             return
-        num_tokens = self.blocks.keepable(seq, num_tokens)
         bs = self.block_size
         if num_tokens % bs and self.blocks.shared(record.table.ids[:, num_tokens // bs]).any():
             num_tokens -= num_tokens % bs  # a block other sessions share is never written to: computed again
+        num_tokens = self.blocks.keepable(seq, num_tokens)
         self.tiers.behind.look_again(self.blocks.peers(seq))  # what it shared may be theirs alone now
         if self.digest_files is not None:  # its snapshot holds the digests of the blocks cut
             self.digest_files.cut(record.name, num_tokens // self.block_size)

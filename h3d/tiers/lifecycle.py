@@ -44,7 +44,8 @@ def demote(tiers: TierManager, seq: SeqId, to_ssd: bool) -> int:
             idx = idx[idx >= full]  # the full ones are archived: dropped below
         copy = idx[t.layer_ddr(layer)[idx] == NONE]
         if len(copy) > b.ddr_free:
-            tiers.free_ddr(len(copy) - b.ddr_free, [p for p in tiers.eviction_order([seq], None) if p[0] != seq], {})
+            order = [p for p in tiers.eviction_order([seq], None) if p[0] != seq]
+            tiers.free_ddr(len(copy) - b.ddr_free, order, {}, [seq])
         if len(copy):
             slots = b.add_ddr(seq, layer, copy)
             tiers.mover.hbm_to_ddr(t.layer_hbm(layer)[copy].copy(), slots)

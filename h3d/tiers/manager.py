@@ -20,7 +20,7 @@ Owner: the counters, the archive keys of sessions, and every decision to move a 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
@@ -74,6 +74,7 @@ class TierManager:
         self._spilling: dict[int, list[tuple[SeqId, int, np.ndarray]]] = {}  # transfer id -> blocks
         self._staged_step = -1  # the last step that staged blocks from the archive
         self.rewriting: tuple[SeqId, int] | None = None  # (seq, block) being computed again: never moved
+        self.frozen: dict[SeqId, int] = {}  # the KV cache's: long prompts in flight (never cut for room)
         self.ssd_degraded: str | None = None  # why the archive takes no writes now
         self.ssd_retry_interval_s = ssd_retry_interval_s
         self._ssd_retry_at = 0.0
@@ -112,7 +113,7 @@ class TierManager:
                 "raise hbm_mb or ddr_mb"
             )
         if self.archive is None:
-            used = sum(t.num_blocks for t in b.tables().values()) * b.num_layers
+            used = b.entries.num_used  # (a block several sessions share counts once)
             capacity = b.hbm_capacity + b.ddr_alloc.capacity
             new = (per_layer - table.num_blocks) * b.num_layers
             if used + new > capacity:
@@ -174,12 +175,18 @@ class TierManager:
         self.ssd_degraded = None
         return True
 
-    def _drop_idle_kv(self, need: int, protect: dict[SeqId, int]) -> int:
+    def _busy(self, protect: dict[SeqId, int], spare: Iterable[SeqId]) -> set[SeqId]:
+        """The sessions whose KV is never cut to make room: those protected, `spare` (the ones
+        the caller is working on), pinned, being rewritten, or with a long prompt in flight."""
+        rewriting = {self.rewriting[0]} if self.rewriting else set()
+        return set(protect) | set(spare) | self._pinned() | rewriting | set(self.frozen)
+
+    def _drop_idle_kv(self, need: int, protect: dict[SeqId, int], spare: Iterable[SeqId] = ()) -> int:
         """Free `need` DDR slots by forgetting the KV of idle sessions, least recently used
         first, from their last block back (their tokens stay; the next request computes the KV
         again). Returns the slots freed."""
         b = self.blocks
-        busy = set(protect) | self._pinned() | ({self.rewriting[0]} if self.rewriting else set())
+        busy = self._busy(protect, spare)
         freed = 0
         for seq in sorted((s for s in b.tables() if s not in busy), key=lambda s: self.sessions[s].last_used):
             t = b.table(seq)
@@ -214,7 +221,7 @@ class TierManager:
                 self._demote_idle(layer, new - alloc.num_free, idle, batch, protect)
         short = sum(max(new - a.num_free, 0) for a in b.hbm_alloc) - b.ddr_free
         if short > 0:
-            self.free_ddr(short, self.eviction_order(batch, None), protect)
+            self.free_ddr(short, self.eviction_order(batch, None), protect, [seq, *batch])
 
     def stage_partial(self, seq: SeqId, batch: list[SeqId], protect: dict[SeqId, int]) -> None:
         """Bring `seq`'s partial last block into DDR in every layer where only the archive holds
@@ -231,7 +238,7 @@ class TierManager:
         if not len(layers):
             return
         if len(layers) > b.ddr_free:
-            self.free_ddr(len(layers) - b.ddr_free, self.eviction_order(batch, None), protect)
+            self.free_ddr(len(layers) - b.ddr_free, self.eviction_order(batch, None), protect, [seq, *batch])
         for layer in layers.tolist():
             block = np.array([last])
             slots = b.add_ddr(seq, layer, block)
@@ -279,7 +286,7 @@ class TierManager:
             short = staged - b.ddr_free
             if short > 0:
                 order = [p for p in self.eviction_order(batch, layer) if not (p[1] == layer and p[0] in batch)]
-                self.free_ddr(short, order, protect)
+                self.free_ddr(short, order, protect, batch)
             for seq, gone in missing:
                 slots = b.add_ddr(seq, layer, gone)
                 b.entries.staged_at[b.table(seq).ids[layer, gone]] = self.step
@@ -309,7 +316,7 @@ class TierManager:
         self.rewriting = (seq, block)
         short = self.blocks.homeless(seq, block) - self.blocks.ddr_free
         if short > 0:
-            self.free_ddr(short, self.eviction_order([seq], None), {})
+            self.free_ddr(short, self.eviction_order([seq], None), {}, [seq])
 
     def end_rewrite(self) -> None:
         self.rewriting = None
@@ -374,33 +381,41 @@ class TierManager:
         spare = (t.layer_hbm(layer)[:limit] != NONE) | t.layer_archived(layer)[:limit]
         return np.flatnonzero(ddr & spare), np.flatnonzero(ddr & ~spare)
 
-    def free_ddr(self, need: int, order: list[Pair], protect: dict[SeqId, int]) -> None:
+    def free_ddr(self, need: int, order: list[Pair], protect: dict[SeqId, int], spare: Iterable[SeqId] = ()) -> None:
         """Free `need` DDR slots now: drop redundant copies first, then archive and drop (write-behind
-        in flight is not waited for: its blocks keep their DDR copies until durable)."""
+        in flight is not waited for: its blocks keep their DDR copies until durable). Where blocks
+        several sessions share hold the rest, idle sessions that share them forget that KV
+        (`_unshare_idle`); `spare`: sessions the caller is working on, never cut."""
         self.settle_spills()
         before = self.blocks.ddr_free
         self._spill(need, order, protect, wait=True)
         freed = self.blocks.ddr_free - before  # archive writes that failed freed nothing
-        if freed < need and self.ssd_degraded is None and self._unshare_idle(protect):
-            self._spill(need - freed, order, protect, wait=True)
-            freed = self.blocks.ddr_free - before
+        if freed < need and self.ssd_degraded is None:
+            for _ in self._unshare_idle(protect, spare):
+                freed = self.blocks.ddr_free - before  # (a block's last reference frees its slots)
+                if freed < need:
+                    self._spill(need - freed, order, protect, wait=True)
+                    freed = self.blocks.ddr_free - before
+                if freed >= need:
+                    break
         if freed < need and self.ssd_degraded is not None:
-            freed += self._drop_idle_kv(need - freed, protect)
+            freed += self._drop_idle_kv(need - freed, protect, spare)
         if freed < need:
             why = " (no ssd_path is configured)" if self.archive is None else ""
             if self.ssd_degraded is not None:
                 why = f" (the SSD tier is degraded: {self.ssd_degraded})"
             raise OutOfBlocks(f"DDR is full: {need - freed} more blocks are needed and none can be evicted{why}")
 
-    def _unshare_idle(self, protect: dict[SeqId, int]) -> bool:
+    def _unshare_idle(self, protect: dict[SeqId, int], spare: Iterable[SeqId]) -> Iterator[SeqId]:
         """DDR is full and blocks shared by several sessions hold part of it (a shared block stays
-        where it is): the idle sessions that share blocks forget their KV from their first shared
-        block in DDR on, least recently used first, until none is shared in DDR (their tokens
-        stay: the next request computes the KV again). Returns whether any was cut."""
+        where it is): the idle sessions that share blocks in DDR forget their KV from the first
+        such block on, least recently used first, one per iteration, while any is left (their
+        tokens stay: the next request computes the KV again). Yields each session cut."""
         b = self.blocks
-        busy = set(protect) | self._pinned() | ({self.rewriting[0]} if self.rewriting else set())
-        cut = False
+        busy = self._busy(protect, spare)
         for seq in sorted((s for s in b.tables() if s not in busy), key=lambda s: self.sessions[s].last_used):
+            if not b.has(seq):
+                continue
             t = b.table(seq)
             ids = t.ids[:, : t.num_blocks]
             held = (b.entries.ddr[ids] != NONE) & b.shared(ids)  # [L, n]
@@ -411,10 +426,7 @@ class TierManager:
             self.truncate(seq, keep * b.block_size)
             self.counters.recompute_evict_count += copies
             self.notices.append(("kv_dropped_for_recompute", {"session": self.sessions[seq].name, "from_block": keep}))
-            cut = True
-            if not b.shared(np.flatnonzero(b.entries.ddr != NONE)).any():
-                break
-        return cut
+            yield seq
 
     def drop_cheap(self, need: int, order: list[Pair], protect: dict[SeqId, int]) -> int:
         """Drop up to `need` DDR copies of blocks with another copy (in HBM, or durable in the
@@ -514,7 +526,7 @@ class TierManager:
         if len(copy) > b.ddr_free:
             order = [p for p in self.eviction_order(batch, None) if p != (seq, layer)]
             try:
-                self.free_ddr(len(copy) - b.ddr_free, order, protect)
+                self.free_ddr(len(copy) - b.ddr_free, order, protect, [seq, *batch])
             except OutOfBlocks:
                 return 0
         if len(copy):

@@ -172,3 +172,48 @@ def test_ddr_full_of_shared_blocks_makes_idle_sharers_compute_again(
         tokens = list(engine.session(sid).tokens)
         assert _continuation(engine, sid) == _reference(engine, tokens, 4)
     engine.close()
+
+
+def test_a_rewind_inside_a_shared_block_near_a_window_floor(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """A cut inside a shared block keeps the whole blocks before it, never less than what a
+    sliding-window layer can keep: the cut is rounded down first, then checked against the
+    freed blocks (all of the KV dropped where they would be read)."""
+    engine = make_engine(
+        checkpoint("qwen2_window_layers"), prefill_chunk_tokens=64, window_keep_tokens=128,
+        session_log_path=str(tmp_path / "logs"),
+    )  # fmt: skip
+    parent = engine.create_session()
+    engine.append(parent, token_ids=random_prompt(400, VOCAB_SIZE, seed=31))
+    tokens = list(engine.session(parent).tokens)
+    # The fork shares 20 blocks; its window layers keep blocks from 15 on (128 tokens past a
+    # 24-token window at 400): a cut at 263-271 tokens is keepable, the block boundary below not.
+    for at in range(256, 330, 2):
+        fork = engine.fork(parent)
+        engine.rewind(fork, at)
+        kept = engine.cached_tokens(fork)
+        assert kept <= at - 1 and (kept == 0 or kept % BS == 0 or kept == at - 1), (at, kept)
+        _check(engine)
+        if at % 20 == 0:
+            assert _continuation(engine, fork) == _reference(engine, tokens[:at], 4), at
+        engine.close_session(fork, purge=True)
+    engine.close()
+
+
+def test_without_an_archive_forks_are_admitted_by_the_blocks_they_add(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """With no archive, admission counts the blocks held: a shared one once, not once per session."""
+    probe = _engine(checkpoint, tmp_path / "probe")
+    slot = probe.kv.tiers.block_bytes
+    probe.close()
+    engine = make_engine(checkpoint(MODEL), prefill_chunk_tokens=64, hbm_mb=40 * LAYERS * slot / 2**20,
+                         ddr_mb=60 * slot / 2**20)  # fmt: skip
+    parent = engine.create_session()
+    engine.append(parent, token_ids=random_prompt(400, VOCAB_SIZE, seed=41))  # 25 blocks a layer
+    forks = [engine.fork(parent) for _ in range(4)]  # 5 x 25 x 3 blocks pointed at: more than 180
+    assert engine.kv.blocks.entries.num_used <= 75 + 4 * 5 * LAYERS
+    got = [_continuation(engine, f) for f in forks]
+    for f in forks:
+        engine.close_session(f, purge=True)
+    assert got == [_reference(engine, list(engine.session(parent).tokens), 4)] * 4
+    engine.close()

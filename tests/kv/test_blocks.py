@@ -708,3 +708,55 @@ def test_a_cut_behind_a_window_drops_the_whole_kv() -> None:
     m.check_invariants()
     with pytest.raises(ValueError, match="freed behind a window"):
         m.rewrite(2, 1)
+
+
+def test_shared_entries_are_counted_stay_put_and_free_their_slots_with_the_last_reference() -> None:
+    bm = BlockManager(hbm_slots_per_layer=4, ddr_slots=8, num_layers=2, block_size=4)
+    a, b, c, d = SeqId(0), SeqId(1), SeqId(2), SeqId(3)
+    for s in (d, a, b, c):
+        bm.allocate(s)
+    bm.append(d, 4)  # one HBM slot a layer, given back below
+    bm.append(a, 22)  # 6 blocks a layer: 3 in HBM, 3 in DDR
+    bm.share(a, b, 5)
+    bm.share(b, c, 3)
+    bm.check_invariants()
+    ta, tb, tc = bm.table(a), bm.table(b), bm.table(c)
+    assert (tb.ids[:, :5] == ta.ids[:, :5]).all() and tb.num_tokens == 20 and tc.num_tokens == 12
+    e = bm.entries
+    assert (e.refs[ta.ids[:, :3]] == 3).all() and (e.refs[ta.ids[:, 3:5]] == 2).all()
+    assert (e.refs[ta.ids[:, 5]] == 1).all()
+    assert bm.peers(a) == {b, c} and bm.peers(c) == {a, b}
+    used = bm.hbm_capacity - int(bm.hbm_alloc.free.sum()) + bm.ddr_alloc.capacity - bm.ddr_free
+    assert used == 12 + 2  # the blocks of `a` once, and `d`'s
+    with pytest.raises(RuntimeError, match="share"):
+        bm.drop_hbm(b, 0, np.array([0]))
+    with pytest.raises(RuntimeError, match="a cut inside a shared block"):
+        bm.truncate(b, 10)  # inside block 2, shared: never written to
+    assert tb.num_tokens == 20
+    # A copy added through one sharer changes every sharer's version.
+    bm.free(d)
+    before = (ta.version, tc.version)
+    bm.add_hbm(b, 0, np.array([3]))  # (in DDR only until now)
+    assert ta.version > before[0] and tc.version > before[1]
+    bm.check_invariants()
+    # Archived by its home: a sharer's release keeps the record's standing, the home's does not.
+    bm.set_archived(a, 1, np.array([0]))
+    bm.free(c)
+    assert e.archived[ta.ids[1, 0]] and e.home[ta.ids[1, 0]] == a
+    bm.free(a)
+    assert not e.archived[tb.ids[1, 0]] and (e.refs[tb.ids[:, :5]] == 1).all() and not bm.peers(b)
+    bm.check_invariants()
+    bm.free(b)
+    bm.check_invariants()
+    assert e.num_used == 0 and bm.ddr_free == 8 and (bm.hbm_alloc.free == 4).all()
+
+
+def test_a_missing_share_group_is_caught() -> None:
+    bm = BlockManager(hbm_slots_per_layer=4, ddr_slots=4, num_layers=1, block_size=4)
+    bm.allocate(SeqId(0))
+    bm.allocate(SeqId(1))
+    bm.append(SeqId(0), 8)
+    bm.share(SeqId(0), SeqId(1), 2)
+    bm._groups.clear()  # as if the share had not been recorded: version changes would not reach the peer
+    with pytest.raises(AssertionError, match="two groups"):
+        bm.check_invariants()
