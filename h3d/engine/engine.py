@@ -441,14 +441,18 @@ class Engine:
     def _reuse_prefix(self, session: Session) -> int:
         """A session with less than a block of KV (none yet, or a short system message's), whose
         tokens begin with whole blocks another session (or a retired one, `prefix_cache`) of its
-        scope holds KV for: those KV blocks shared (`KVCache.fork`; what little KV it had is dropped
-        first), up to `PROBE_QUERIES` tokens before its last token, so that its prompt probe sees
-        its own last tokens. Returns the tokens shared (counted: `EngineCounters.prefix_*`)."""
+        scope holds KV for: those KV blocks shared (`KVCache.fork`; what little KV it had is
+        dropped first), up to `PROBE_QUERIES` tokens before its last token, so that its prompt
+        probe sees its own last tokens. A session whose first block the archive alone holds (a
+        restart, a reopening) takes another's blocks in HBM or DDR for its own instead of reading
+        them back (`KVCache.rebase`): a restart rebuilds the sharing as sessions are used. Returns
+        the tokens shared (counted: `EngineCounters.prefix_*`)."""
         scope = self._scope(session)
         bs = self.kv.block_size
-        n = len(session.tokens) - 1 - PROBE_QUERIES
         had = self.kv.cached_tokens(session.seq)
-        if scope is None or n < bs or had >= bs:
+        resumed = had >= bs and self.kv.resident_head(session.seq) == 0
+        n = had if resumed else len(session.tokens) - 1 - PROBE_QUERIES
+        if scope is None or n < bs or (had >= bs and not resumed):
             return 0
         self.counters.prefix_queries += 1
         pool = {**self.sessions, **self.prefix_cache}
@@ -458,16 +462,22 @@ class Engine:
         best, blocks = None, 0
         for sid, shared in self.prefixes.longest(scope, session.tokens[:n], exclude=session.id).items():
             donor = pool.get(SessionId(sid))
-            have = 0 if donor is None else min(shared, self.kv.cached_tokens(donor.seq) // bs)
-            if donor is not None and have > blocks:
+            if donor is None:
+                continue
+            held = self.kv.resident_head(donor.seq) if resumed else self.kv.cached_tokens(donor.seq) // bs
+            have = min(shared, held)
+            if have > blocks:
                 best, blocks = donor, have
         if best is None:
             return 0
         if best.id in self.prefix_cache:
             self.prefix_cache.move_to_end(best.id)
-        if had:
-            self.kv.truncate(session.seq, 0)  # (less than a block: its tokens are the donor's too)
-        shared = self._share_kv(best, session, blocks * bs)
+        if resumed:
+            shared = self.kv.rebase(best.seq, session.seq, blocks * bs)
+        else:
+            if had:
+                self.kv.truncate(session.seq, 0)  # (less than a block: its tokens are the donor's too)
+            shared = self._share_kv(best, session, blocks * bs)
         self.counters.prefix_hits += bool(shared)
         self.counters.prefix_reused_tokens += shared
         return shared

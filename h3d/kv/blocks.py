@@ -418,6 +418,37 @@ class BlockManager:
             self._groups[seq] = group
         self._touched(child, live)
 
+    def rebase(self, donor: SeqId, seq: SeqId, n: int) -> int:
+        """Point `seq`'s first `n` blocks at `donor`'s (the same tokens: a session resumed from the
+        archive whose prefix another holds in HBM or DDR): `seq`'s own entries there are let go
+        (their archive records stay), the donor's shared. Both must hold `n` full blocks, the
+        donor's each in HBM or DDR, and no window layer of `seq` may need a block the donor freed.
+        Returns the blocks (one layer's each) that now point at the donor's."""
+        src, dst = self._tables[donor], self._tables[seq]
+        if n > min(src.num_tokens, dst.num_tokens) // self.block_size:
+            raise ValueError(f"seq {seq}: only whole blocks both sessions hold are shared ({n} asked)")
+        if src.archive_only(upto=n).any():
+            raise RuntimeError(f"seq {donor}: a block to share is in the archive only")
+        floor = np.minimum(dst.floor, n)
+        if (src.floor > floor).any():
+            raise ValueError(f"seq {donor}: a window layer freed blocks seq {seq} reads")
+        cols = np.arange(n)[None, :] >= floor[:, None]  # [L, n] the cells seq keeps
+        old, new = dst.ids[:, :n], src.ids[:, :n]
+        swap = cols & (old != new)
+        if not swap.any():
+            return 0
+        layers = np.nonzero(swap)[0]  # ascending
+        self._unref(seq, layers, old[swap])
+        ids = new[swap]
+        self.entries.refs[ids] += 1
+        dst.ids[:, :n][swap] = ids
+        dst.version += 1
+        group = self._groups.get(donor, {donor}) | self._groups.get(seq, {seq})
+        for member in group:
+            self._groups[member] = group
+        self._touched(seq, ids)
+        return len(ids)
+
     def _touched(self, seq: SeqId, ids: np.ndarray) -> None:
         """`seq`'s entries `ids` gained copies: those shared get `SHARED` owners for their slots,
         and the other sessions of `seq`'s group a new version (where attention reads may move)."""

@@ -349,6 +349,39 @@ class KVCache:
                 record.stale_digests = True  # rebuilt from the keys at its next step
         return n * bs
 
+    def resident_head(self, seq: SeqId) -> int:
+        """The leading full blocks of `seq` that HBM or DDR hold in every layer (what a session
+        that shares them reads without the archive)."""
+        t = self.sessions[seq].table
+        full = t.num_tokens // self.block_size
+        if not self.blocks.entries.num_archived:
+            return full
+        homeless = t.archive_only(upto=full).any(axis=0)
+        return int(np.argmax(homeless)) if homeless.any() else full
+
+    @torch.inference_mode()
+    def rebase(self, donor: SeqId, seq: SeqId, num_tokens: int) -> int:
+        """`seq`'s KV of its first `num_tokens` tokens (whole blocks) replaced by `donor`'s, which
+        holds the same tokens in HBM or DDR (`BlockManager.rebase`): a session whose KV the
+        archive alone holds (resumed after a restart, or reopened) reads the donor's blocks
+        rather than its own records, and shares them. Nothing where either's long prompt is in
+        flight, where a window layer of `seq` reads a block the donor freed, or where the donor's
+        blocks are in the archive only. The archive writes and reads ahead of `seq` in flight
+        land or are given back first. Returns the tokens whose blocks are shared now."""
+        self.flush_lagged()
+        b, bs = self.blocks, self.block_size
+        n = min(num_tokens // bs, self.resident_head(donor), self.sessions[seq].table.num_tokens // bs)
+        if donor in self.frozen or seq in self.frozen or n <= 0:
+            return 0
+        if (b.table(donor).floor > np.minimum(b.table(seq).floor, n)).any():
+            return 0
+        self.tiers.settle()
+        self.tiers.ahead.drop(seq, stop=False)
+        if not b.rebase(donor, seq, n):
+            return 0
+        self.tiers.behind.look_again({seq})
+        return n * bs
+
     def truncate(self, seq: SeqId, num_tokens: int) -> None:
         """Forget `seq`'s KV past its first `num_tokens` tokens, and the cut keys' share of its
         digests (the bounds stay those of the kept keys)."""

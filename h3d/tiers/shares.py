@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from h3d.kv.blocks import NONE, SeqId
+from h3d.kv.entries import NULL_ENTRY
 
 if TYPE_CHECKING:
     from h3d.tiers.manager import TierManager
@@ -121,7 +122,7 @@ class HbmShares:
         for seq in (s for s in b.tables() if sessions[s].pinned):
             caps -= self.held(seq)
         demand = np.stack([self.demand(s) for s in unpinned])  # [n, L]
-        size = np.array([b.table(s).num_blocks for s in unpinned], dtype=np.int64)  # [n], every layer
+        size = np.array([self._size(s) for s in unpinned], dtype=np.int64)  # [n], every layer
         caps = np.maximum(caps, 0)
         out = np.stack([shares(int(c), demand[:, layer], size) for layer, c in enumerate(caps)], axis=1)
         self.target = {s: out[i] for i, s in enumerate(unpinned)}
@@ -129,10 +130,25 @@ class HbmShares:
         # two plans takes free slots as before); it still says what each is owed (Stats).
         self.contended = bool((int(size.sum()) > caps).any())
 
-    def held(self, seq: SeqId) -> np.ndarray:
-        """`seq`'s blocks in HBM in each layer, [L]."""
+    def _size(self, seq: SeqId) -> int:
+        """`seq`'s blocks per layer; a block it shares with others counts as its part of it (1/n
+        for n sessions), so that sharing sessions together count it once."""
         t = self.blocks.table(seq)
-        return np.count_nonzero(t.hbm[:, : t.num_blocks] != NONE, axis=1)
+        if not self.blocks.peers(seq):
+            return t.num_blocks
+        ids = t.ids[:, : t.num_blocks]
+        part = 1.0 / np.maximum(self.blocks.entries.refs[ids], 1)
+        return int(np.ceil(part[ids != NULL_ENTRY].sum() / self.blocks.num_layers))
+
+    def held(self, seq: SeqId) -> np.ndarray:
+        """`seq`'s blocks in HBM in each layer, [L]; a block it shares counts as its part of it."""
+        t = self.blocks.table(seq)
+        ids = t.ids[:, : t.num_blocks]
+        in_hbm = self.blocks.entries.hbm[ids] != NONE
+        if not self.blocks.peers(seq):
+            return np.count_nonzero(in_hbm, axis=1)
+        part = 1.0 / np.maximum(self.blocks.entries.refs[ids], 1)
+        return np.rint((part * in_hbm).sum(axis=1)).astype(np.int64)
 
     def room(self, seq: SeqId) -> np.ndarray | None:
         """How many more HBM blocks `seq` may take in each layer, [L]; None: no cap (HBM holds

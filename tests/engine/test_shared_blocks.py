@@ -57,6 +57,11 @@ def test_forks_hold_the_parents_blocks_once(checkpoint: Callable[[str], Path], t
     block = engine.kv.tiers.block_bytes
     assert stats.shared_hbm_saved_bytes == 4 * int((e.hbm[ids] >= 0).sum()) * block > 0
     assert stats.shared_ddr_saved_bytes == 4 * int((e.ddr[ids] >= 0).sum()) * block
+    # Fair HBM counts a shared block once over the sessions sharing it (each its part of it).
+    seqs = [engine.session(x).seq for x in (parent, *forks)]
+    held = sum(engine.kv.shares.held(q) for q in seqs)
+    in_hbm = b.hbm_capacity - int(b.hbm_alloc.free.sum())
+    assert abs(int(held.sum()) - in_hbm) <= len(seqs) * LAYERS  # (each session's part rounded)
     want = engine.complete(forks[0], "", SamplingParams(max_tokens=8, ignore_eos=True)).token_ids
     for f in forks[1:]:
         assert engine.complete(f, "", SamplingParams(max_tokens=8, ignore_eos=True)).token_ids == want
@@ -123,6 +128,8 @@ def test_random_forks_closes_evictions_rewinds_and_restarts(
             engine.close_session(sid, purge=True)
             live.remove(sid)
         elif op == "restart":
+            if rng.random() < 0.75:
+                engine.checkpoint()  # (a SIGTERM's; else as after a crash: computed again from the logs)
             engine.close()
             engine = _engine(checkpoint, tmp_path, **kw)
         _check(engine)
@@ -217,3 +224,32 @@ def test_without_an_archive_forks_are_admitted_by_the_blocks_they_add(
         engine.close_session(f, purge=True)
     assert got == [_reference(engine, list(engine.session(parent).tokens), 4)] * 4
     engine.close()
+
+
+def test_a_restart_rebuilds_the_sharing_as_sessions_are_used(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """After a restart every session's KV is in the archive only, under its own records; the first
+    fork used reads its blocks back, the next ones take its blocks in DDR for their own instead of
+    reading theirs (`KVCache.rebase`), and decode as sessions computed alone would."""
+    engine = _engine(checkpoint, tmp_path)
+    parent = engine.create_session()
+    engine.append(parent, token_ids=random_prompt(300, VOCAB_SIZE, seed=51))
+    forks = [engine.fork(parent) for _ in range(3)]
+    tokens = list(engine.session(parent).tokens)
+    engine.checkpoint()  # (what a SIGTERM does): each session's blocks under its own name
+    engine.close()
+    again = _engine(checkpoint, tmp_path)
+    b = again.kv.blocks
+    assert all(again.cached_tokens(s) == 299 for s in [parent, *forks])
+    want = _reference(again, tokens, 4)
+    reads = again.tier_stats().ssd_read_count
+    got = [_continuation(again, f) for f in forks]
+    assert got == [want] * 3
+    seqs = [again.session(f).seq for f in forks]
+    assert b.peers(seqs[0]) >= set(seqs[1:])  # the later forks share the first one's blocks
+    shared = (300 - 1) // BS  # a fork's tokens are the parent's 300: all its full blocks
+    assert (b.entries.refs[b.table(seqs[2]).ids[:, :shared]] >= 3).all()
+    assert again.counters.prefix_hits >= 2
+    # Blocks read back from the archive: the first fork's (and each one's partial last block), not three times over.
+    assert again.tier_stats().ssd_read_count - reads < 2 * -(-300 // BS) * LAYERS
+    _check(again)
+    again.close()
