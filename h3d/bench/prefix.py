@@ -2,6 +2,11 @@
 
     python -m h3d.bench.prefix [--model data/models/smollm2-135m-instruct] [--tokens 6000] [--forks 16]
                                [--out FILE] [--write docs/BENCHMARKS.md]
+    python3 -m h3d.bench.prefix --shape llama3-8b --tokens 32768 --tokenizer DIR   # the GPU row
+
+With `--shape`, the model folder (`--model`, default `.bench/model-<shape>-shape`) is written first
+as `h3d.bench.serve` writes it: the shape's random weights, the tokenizer of `--tokenizer` (`--tiny`:
+the shape at a few layers, the test of the code on a CPU).
 
 Two measurements, both on the product path (gRPC and the OpenAI HTTP API of one `h3d serve`
 started with `--http-listen` and nothing else):
@@ -172,7 +177,21 @@ def table(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m h3d.bench.prefix", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the model folder the daemon serves")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="the model folder the daemon serves (default: the "
+        "embedded model; with --shape, where that model is written)",
+    )
+    p.add_argument(
+        "--shape",
+        choices=["llama3-8b", "gemma3-12b"],
+        default=None,
+        help="write a model folder of this shape with random weights (h3d.bench.serve's) and serve it",
+    )
+    p.add_argument("--tiny", action="store_true", help="with --shape: a few layers (the code's test on a CPU)")
+    p.add_argument("--tokenizer", type=Path, default=DEFAULT_MODEL, help="with --shape: the tokenizer's folder")
     p.add_argument("--tokens", type=int, default=6000, help="the document's tokens")
     p.add_argument("--forks", type=int, default=16, help="forks of the document")
     p.add_argument("--generate", type=int, default=64, help="tokens each fork generates")
@@ -180,6 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="the JSON (default bench/results/DATE-cpu-prefix.json)")
     p.add_argument("--write", type=Path, default=None, help="update this markdown file's prefix section")
     args = p.parse_args(argv)
+    if args.shape is not None:
+        from h3d.bench.serve import Shape, tokenizer_config, write_model
+
+        args.model = args.model or Path(".bench") / (
+            f"model-tiny-{args.shape}" if args.tiny else f"model-{args.shape}-shape"
+        )
+        write_model(args.model, Shape.pick(args.tiny, tokenizer_config(args.tokenizer), args.shape), args.tokenizer, 0)
+    args.model = args.model or DEFAULT_MODEL
     from h3d.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(str(args.model))
