@@ -824,10 +824,14 @@ class BlockManager:
         pairs = [(c[e.refs[c] > 1], seq) for seq, c in cells]
         ent = np.concatenate([np.empty(0, np.int64), *(c for c, _ in pairs)])
         who = np.concatenate([np.empty(0, np.int64), *(np.full(len(c), s, np.int64) for c, s in pairs)])
-        _, first = np.unique(ent, return_index=True)
-        lead = dict(zip(ent[first].tolist(), who[first].tolist(), strict=True))
-        for i, s in zip(ent.tolist(), who.tolist(), strict=True):
-            assert lead[i] == s or lead[i] in self._groups.get(SeqId(s), ()), "a shared entry's tables in two groups"
+        group_of = {seq: min(self._groups.get(seq, {seq})) for seq in self._tables}  # a group's least member
+        key = np.array([group_of[SeqId(s)] for s in who.tolist()], dtype=np.int64)
+        uniq, inverse = np.unique(ent, return_inverse=True)
+        lo = np.full(len(uniq), np.iinfo(np.int64).max)
+        hi = np.full(len(uniq), np.iinfo(np.int64).min)
+        np.minimum.at(lo, inverse, key)
+        np.maximum.at(hi, inverse, key)
+        assert (lo == hi).all(), "a shared entry's tables in two groups"
         # An archived entry's record is its home's, a session that points at it.
         homed = sum(int((e.archived[t.ids] & (e.home[t.ids] == seq)).sum()) for seq, t in self._tables.items())
         assert homed == int(np.count_nonzero(e.archived)), "an archived entry's home does not point at it"
