@@ -369,17 +369,19 @@ class KVCache:
         blocks are in the archive only. The archive writes and reads ahead of `seq` in flight
         land or are given back first. Returns the tokens whose blocks are shared now."""
         self.flush_lagged()
+        if donor in self.frozen or seq in self.frozen:
+            return 0
+        self.tiers.settle()  # (a spill in flight may leave a donor's block in the archive only)
         b, bs = self.blocks, self.block_size
         n = min(num_tokens // bs, self.resident_head(donor), self.sessions[seq].table.num_tokens // bs)
-        if donor in self.frozen or seq in self.frozen or n <= 0:
+        if n <= 0 or (b.table(donor).floor > np.minimum(b.table(seq).floor, n)).any():
             return 0
-        if (b.table(donor).floor > np.minimum(b.table(seq).floor, n)).any():
-            return 0
-        self.tiers.settle()
         self.tiers.ahead.drop(seq, stop=False)
+        peers = b.peers(seq)  # what `seq` let go of may be theirs alone now
         if not b.rebase(donor, seq, n):
             return 0
-        self.tiers.behind.look_again({seq})
+        self.tiers.behind.look_again(peers | {seq})
+        # (Its digests, if kept, stay its own: the donor's keys are those of the same tokens.)
         return n * bs
 
     def truncate(self, seq: SeqId, num_tokens: int) -> None:

@@ -123,6 +123,7 @@ class HbmShares:
             caps -= self.held(seq)
         demand = np.stack([self.demand(s) for s in unpinned])  # [n, L]
         size = np.array([self._size(s) for s in unpinned], dtype=np.int64)  # [n], every layer
+        demand = np.minimum(demand, size[:, None])  # (a shared block: its part of it, as `size` counts)
         caps = np.maximum(caps, 0)
         out = np.stack([shares(int(c), demand[:, layer], size) for layer, c in enumerate(caps)], axis=1)
         self.target = {s: out[i] for i, s in enumerate(unpinned)}
