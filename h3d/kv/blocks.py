@@ -22,7 +22,8 @@ their leading full blocks (`share`: a fork, a prefix reused): their tables point
 entries, at the same block indices. While an entry is shared:
 - none of its copies is dropped or moved (a drop raises): it stays where it was, readable by every
   session that points to it; a copy may be added (a promotion to HBM through any of them), and
-  then every one of their tables changes version;
+  then every one of their tables changes version; only a DDR copy beside an HBM one may go
+  (where they read it does not change);
 - its slots' owner is `SHARED`;
 - its archive record is its `home` session's (the one that archived it); a session that releases
   an entry it is home to while others keep it takes that record's standing with it.
@@ -728,7 +729,8 @@ class BlockManager:
     def drop_ddr(self, seq: SeqId, layer: int, blocks: np.ndarray) -> None:
         table = self._tables[seq]
         e, ids = self.entries, table.ids[layer, blocks]
-        self._unshared(ids, f"seq {seq} layer {layer}: a DDR copy dropped")
+        # (A shared block's DDR copy beside its HBM one may go: where its sessions read it stays.)
+        self._unshared(ids[e.hbm[ids] == NONE], f"seq {seq} layer {layer}: a DDR copy dropped")
         full = blocks < table.num_tokens // self.block_size
         self._check_other_copy(layer, blocks, (e.hbm[ids] != NONE) | (e.archived[ids] & full), "DDR")
         self.ddr_alloc.release(e.ddr[ids])

@@ -375,7 +375,9 @@ class TierManager:
         t = self.blocks.table(seq)
         limit = min(t.num_tokens // self.blocks.block_size, protect.get(seq, t.num_blocks))
         ids = t.ids[layer, :limit]
-        ddr = (self.blocks.entries.ddr[ids] != NONE) & ~self.blocks.shared(ids)  # a shared block stays put
+        e = self.blocks.entries
+        # A shared block stays put; only its DDR copy beside an HBM one may go (a cheap drop).
+        ddr = (e.ddr[ids] != NONE) & (~self.blocks.shared(ids) | (e.hbm[ids] != NONE))
         if self.rewriting is not None and self.rewriting[0] == seq and self.rewriting[1] < limit:
             ddr[self.rewriting[1]] = False
         spare = (t.layer_hbm(layer)[:limit] != NONE) | t.layer_archived(layer)[:limit]

@@ -739,6 +739,12 @@ def test_shared_entries_are_counted_stay_put_and_free_their_slots_with_the_last_
     bm.add_hbm(b, 0, np.array([3]))  # (in DDR only until now)
     assert ta.version > before[0] and tc.version > before[1]
     bm.check_invariants()
+    # Its DDR copy beside the HBM one may go (where the sessions read it stays); a lone DDR copy not.
+    bm.drop_ddr(a, 0, np.array([3]))
+    assert e.ddr[ta.ids[0, 3]] == NONE and e.hbm[ta.ids[0, 3]] != NONE
+    with pytest.raises(RuntimeError, match="share"):
+        bm.drop_ddr(a, 0, np.array([4]))
+    bm.check_invariants()
     # Archived by its home: a sharer's release keeps the record's standing, the home's does not.
     bm.set_archived(a, 1, np.array([0]))
     bm.free(c)
