@@ -1,5 +1,5 @@
 """Session forks through the Engine API: a fork's context is a prefix of its parent's, its KV
-copied where the parent holds it; it continues exactly as an unshared session given the same
+blocks shared where the parent holds them; it continues exactly as an unshared session given the same
 tokens would, in every tier, and through a restart."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _engine(checkpoint: Callable[[str], Path], tmp_path: Path, model: str, **kw:
 
 def _unshared(engine: Engine, tokens: list[int]) -> tuple[int, ...]:
     """The greedy continuation of a new session given `tokens` (then closed for good), of an
-    owner of its own: its KV computed, not copied from a session with the same tokens."""
+    owner of its own: its KV computed, not shared with a session with the same tokens."""
     sid = engine.create_session(owner="unshared")
     engine.append(sid, token_ids=tokens)
     out = engine.complete(sid, "", GREEDY).token_ids
@@ -58,13 +58,13 @@ def test_a_fork_continues_as_an_unshared_session_would(
         fork = engine.fork_session(parent, at)
         n = len(tokens) if at is None else at
         assert engine.session(fork).tokens == tokens[:n]
-        # Whole blocks copied, up to PROBE_QUERIES tokens before the last; window layers may refuse.
-        copied = engine.cached_tokens(fork)
-        assert copied % BS == 0 and copied <= max(n - 1 - PROBE_QUERIES, 0)
+        # Whole blocks shared, up to PROBE_QUERIES tokens before the last; window layers may refuse.
+        reused = engine.cached_tokens(fork)
+        assert reused % BS == 0 and reused <= max(n - 1 - PROBE_QUERIES, 0)
         if model == "llama_gqa4_tied" or at is None:  # (a window layer freed what a shorter fork would read)
-            assert copied == max(n - 1 - PROBE_QUERIES, 0) // BS * BS
+            assert reused == max(n - 1 - PROBE_QUERIES, 0) // BS * BS
         rid = engine.catch_up(fork)
-        if n > 1 + copied:
+        if n > 1 + reused:
             assert rid is not None
             list(engine.run(rid))
         assert engine.cached_tokens(fork) == max(n - 1, 0) or n <= 1
@@ -86,7 +86,7 @@ def test_a_fork_continues_as_an_unshared_session_would(
 
 @pytest.mark.parametrize("tier", ["ddr", "ssd"])
 def test_a_fork_of_a_parent_below_hbm(checkpoint: Callable[[str], Path], tmp_path: Path, tier: str) -> None:
-    """A parent's blocks in DDR are copied from there; blocks in the archive only are read back
+    """A parent's blocks in DDR are shared where they are; blocks in the archive only are read back
     into DDR first (as many as fit below the high watermark): the tokens are the same either way."""
     engine = _engine(checkpoint, tmp_path, "llama_gqa4_tied")
     parent = _parent(engine)
@@ -228,7 +228,7 @@ def test_random_forks_reuse_and_evictions_keep_every_session_exact(
         if not tokens:
             continue
         got = engine.complete(sid, "", short).token_ids
-        ref = engine.create_session(owner="reference")  # another owner: computed, not copied
+        ref = engine.create_session(owner="reference")  # another owner: computed, not shared
         engine.append(ref, token_ids=tokens)
         assert got == engine.complete(ref, "", short).token_ids, f"session {sid}"
         engine.close_session(ref, purge=True)

@@ -1,5 +1,5 @@
 """Prefix reuse (`share_prefixes`): a new session whose tokens begin with whole blocks another
-session holds KV for gets that KV copied at its first request; it decodes exactly as it would have
+session holds KV for shares those KV blocks at its first request; it decodes exactly as it would have
 computing it, owners stay apart, and finished request sessions (`Engine.retire`) serve as a prefix
 cache, least recently used dropped first."""
 
