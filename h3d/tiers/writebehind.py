@@ -153,8 +153,7 @@ class WriteBehind:
         t = b.table(seq)
         span = 4 * max(1, room // L)  # columns looked at a time: a step's share, not a 128K context's
         while start < end:  # past the columns archived already (adopted, spilled)
-            look = t.ids[full_layers, start : min(end, start + span)]
-            written = (e.archived[look] | (e.refs[look] > 1)).all(axis=0)  # (a shared block stays put)
+            written = e.archived[t.ids[full_layers, start : min(end, start + span)]].all(axis=0)
             if not written.all():
                 start += int(np.argmin(written))
                 break
@@ -164,7 +163,7 @@ class WriteBehind:
             return 0
         cols = min(end - start, max(1, room // L))
         ids = t.ids[full_layers, start : start + cols]  # [L, cols]
-        todo = ~e.archived[ids] & (e.refs[ids] <= 1)
+        todo = ~e.archived[ids]  # (a block shared with other sessions: written once, its record this session's)
         # DDR room for the copies down: what lies below the watermark, cheap copies dropped for it
         # (perhaps of these blocks too: which need a copy down is read after the drops)
         free = self._ddr_room(int((todo & (e.ddr[ids] == NONE)).sum()), batch, protect)

@@ -253,3 +253,28 @@ def test_a_restart_rebuilds_the_sharing_as_sessions_are_used(checkpoint: Callabl
     assert again.tier_stats().ssd_read_count - reads < 2 * -(-300 // BS) * LAYERS
     _check(again)
     again.close()
+
+
+def test_shared_blocks_are_written_behind_once(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """Write-behind writes a block several sessions share once, under the name of the session that
+    reached it (its home); after a crash (no checkpoint) the sessions come back from the records
+    there are, computing the rest again, with the same tokens."""
+    engine = _engine(checkpoint, tmp_path)  # (the default budget: the parent's blocks left dirty)
+    parent = engine.create_session()
+    engine.append(parent, token_ids=random_prompt(300, VOCAB_SIZE, seed=61))
+    forks = [engine.fork(parent) for _ in range(2)]
+    assert not engine.kv.blocks.entries.archived.any()
+    engine.kv.tiers.behind.dirty_limit = 0  # (as write_behind_dirty_mb = 0: everything written behind)
+    for f in forks:
+        engine.complete(f, "", SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.kv.tiers.settle()
+    b, e = engine.kv.blocks, engine.kv.blocks.entries
+    seqs = {engine.session(s).seq for s in (parent, *forks)}
+    ids = b.table(engine.session(parent).seq).ids[:, : (300 - 1 - PROBE_QUERIES) // BS]
+    assert (e.refs[ids] == 3).all() and e.archived[ids].all() and set(e.home[ids].ravel().tolist()) <= seqs
+    tokens = {s: list(engine.session(s).tokens) for s in (parent, *forks)}
+    engine.close()  # no checkpoint: as after a crash
+    again = _engine(checkpoint, tmp_path, write_behind_dirty_mb=0)
+    for s, toks in tokens.items():
+        assert _continuation(again, s) == _reference(again, toks, 4), s
+    again.close()
