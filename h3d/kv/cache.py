@@ -317,7 +317,7 @@ class KVCache:
         - Nothing is shared where a sliding-window layer freed a block the child would read
           (`BlockManager.keepable`), or while the parent's long prompt is in flight (`frozen`: its
           table holds blocks not written yet).
-        - The archive writes in flight land first, so that none marks a block once it is shared.
+        - The archive writes in flight land first: a spill finishing later would drop a shared copy.
         - The shared blocks' digests are the parent's, copied (rebuilt from the keys at the
           child's first step where the parent's are not at hand).
         What it leaves is prefilled again. Returns the tokens shared."""
