@@ -300,6 +300,11 @@ class BlockManager:
         group = self._groups.get(seq)
         return set() if group is None else group - {seq}
 
+    @property
+    def sharing(self) -> bool:
+        """Whether any sessions share (or shared) blocks now."""
+        return bool(self._groups)
+
     def shared(self, ids: np.ndarray) -> np.ndarray:
         """Whether each of the entries `ids` has several tables pointing to it (a bool array of
         `ids`' shape)."""

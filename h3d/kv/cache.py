@@ -334,8 +334,7 @@ class KVCache:
         self.tiers.settle()
         if self.archive_only(parent):  # read back into DDR first, as many as fit
             self.tiers.load(parent, upto=n)
-            homeless = src.archive_only(upto=n).any(axis=0)  # [n]
-            n = int(np.argmax(homeless)) if homeless.any() else n
+            n = min(n, self.resident_head(parent))
         if not n:
             return 0
         b.share(parent, child, n)

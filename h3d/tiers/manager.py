@@ -199,10 +199,7 @@ class TierManager:
             keep = t.num_blocks - 1 - int(np.searchsorted(from_end, need - freed))
             keep = max(keep, 0)
             got = int(per_block[keep:].sum())
-            copies = int((t.hbm[:, keep : t.num_blocks] != NONE).sum()) + got
-            self.truncate(seq, keep * b.block_size)
-            self.counters.recompute_evict_count += copies
-            self.notices.append(("kv_dropped_for_recompute", {"session": self.sessions[seq].name, "from_block": keep}))
+            self._forget_from(seq, keep)
             freed += got
             if freed >= need:
                 break
@@ -408,6 +405,17 @@ class TierManager:
                 why = f" (the SSD tier is degraded: {self.ssd_degraded})"
             raise OutOfBlocks(f"DDR is full: {need - freed} more blocks are needed and none can be evicted{why}")
 
+    def _forget_from(self, seq: SeqId, block: int) -> None:
+        """An idle session forgets its KV from `block` on to make room (its tokens stay: its next
+        request computes the KV again); counted and logged."""
+        b, e = self.blocks, self.blocks.entries
+        ids = b.table(seq).ids[:, block : b.table(seq).num_blocks]
+        gone = ~b.shared(ids)  # (a block others share keeps its copies)
+        copies = ((e.hbm[ids] != NONE) & gone).sum() + ((e.ddr[ids] != NONE) & gone).sum()
+        self.counters.recompute_evict_count += int(copies)
+        self.truncate(seq, block * b.block_size)
+        self.notices.append(("kv_dropped_for_recompute", {"session": self.sessions[seq].name, "from_block": block}))
+
     def _unshare_idle(self, protect: dict[SeqId, int], spare: Iterable[SeqId]) -> Iterator[SeqId]:
         """DDR is full and blocks shared by several sessions hold part of it (a shared block stays
         where it is): the idle sessions that share blocks in DDR forget their KV from the first
@@ -423,11 +431,7 @@ class TierManager:
             held = (b.entries.ddr[ids] != NONE) & b.shared(ids)  # [L, n]
             if not held.any():
                 continue
-            keep = int(np.argmax(held.any(axis=0)))
-            copies = int((b.entries.hbm[ids[:, keep:]] != NONE).sum() + (b.entries.ddr[ids[:, keep:]] != NONE).sum())
-            self.truncate(seq, keep * b.block_size)
-            self.counters.recompute_evict_count += copies
-            self.notices.append(("kv_dropped_for_recompute", {"session": self.sessions[seq].name, "from_block": keep}))
+            self._forget_from(seq, int(np.argmax(held.any(axis=0))))
             yield seq
 
     def drop_cheap(self, need: int, order: list[Pair], protect: dict[SeqId, int]) -> int:
@@ -625,6 +629,8 @@ class TierManager:
         """The shared blocks, and the HBM and DDR their sharing saves (each session beyond the
         first would hold its own copies)."""
         e = self.blocks.entries
+        if not self.blocks.sharing:  # (no scan of every entry while nothing is shared)
+            return {"shared_blocks": 0, "shared_hbm_saved_bytes": 0, "shared_ddr_saved_bytes": 0}
         shared = np.flatnonzero(e.refs > 1)
         extra = e.refs[shared] - 1
         return {
