@@ -17,6 +17,13 @@ and fsync the manifest (and the folder whenever a file is created). What must st
 - `get` returns a block only after its crc matches and its header matches this archive's identity
   and the key asked for (ArchiveCorrupt / ArchiveMismatch otherwise: `identity.verify_record`).
 
+A block several sessions share is stored once (`link`): the other sessions' keys point at the
+record written under the first one's name (`Loc.home`), in a manifest line of their own and
+without a byte of KV written again; the reader checks the record's header against its home's key.
+A record is live while any key points at it, its own or a linked one, and counted once in
+`live_bytes`; deleting its home session leaves it to the others. Linked records are what store
+format 2 adds (`h3d.tiers.identity.STORE_FORMAT`); an archive of format 1 opens as it is.
+
 Superseded and deleted records stay in their segments until a compaction (`compact`, or
 `compact_later` on the archive's own thread: h3d.tiers.compaction) copies the live records of mostly
 dead segments into a new one, renames a rewritten manifest over the old one and deletes those
@@ -38,6 +45,7 @@ archive stands; `abandon` lets it go as a process exit would.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
@@ -90,7 +98,8 @@ DEFAULT_SEGMENT_BYTES = 256 * 2**20
 
 @dataclass(frozen=True, slots=True)
 class ArchiveStats:
-    """Counters since this Archive was opened, except `live_records` (blocks the store holds now)."""
+    """Counters since this Archive was opened, except `live_records` (blocks the store holds now,
+    counted under each session: a linked record counts once per session pointing at it)."""
 
     raw_bytes: int  # uncompressed K+V bytes put
     stored_bytes: int  # payload bytes written (after compression, headers excluded)
@@ -157,6 +166,7 @@ class Archive:
         self._write_lock = threading.Lock()
         self._state = threading.Lock()
         self._index: dict[str, dict[tuple[int, int], Loc]] = {}  # session -> (layer, index) -> place
+        self._links: dict[tuple[int, int], int] = {}  # a linked record (segment, offset) -> keys linked to it
         self._seg_paths: dict[int, str] = {}  # segment -> its path (reads name it for every record)
         self._live: dict[int, int] = {}  # segment -> bytes of its records the index points at
         self._live_total = 0  # their sum (read without the lock: the engine thread asks every step)
@@ -191,25 +201,62 @@ class Archive:
     def _place(self, key: BlockKey, loc: Loc) -> None:
         """Point the index at `loc` for `key` (under `_state`, or while opening)."""
         blocks = self._index.setdefault(key.session, {})
-        old = blocks.get((key.layer, key.index))
+        at = (key.layer, key.index)
+        old = blocks.get(at)
+        blocks[at] = loc
         if old is not None:
-            self._live[old.segment] -= old.length
-            self._live_total -= old.length
-        blocks[(key.layer, key.index)] = loc
-        self._live[loc.segment] = self._live.get(loc.segment, 0) + loc.length
-        self._live_total += loc.length
+            self._let_go(at, old)
+        self._hold(at, loc)
 
     def _forget(self, session: str, first: int = 0) -> int:
         """Drop `session`'s blocks of index `first` and later from the index (under `_state`, or while opening)."""
         blocks = self._index.get(session, {})
         gone = [key for key in blocks if key[1] >= first]
         for key in gone:
-            loc = blocks.pop(key)
-            self._live[loc.segment] -= loc.length
-            self._live_total -= loc.length
+            self._let_go(key, blocks.pop(key))
         if not blocks:
             self._index.pop(session, None)
         return len(gone)
+
+    # A record is live while a key points at it: its own (the key it was written under) or one
+    # linked to it (`home` set). Only links are counted (`_links`), so that a session's own
+    # records cost no more than their index entry; `_owned` asks the index for the other.
+
+    def _owned(self, at: tuple[int, int], loc: Loc) -> bool:
+        """The key `loc` was written under (of `loc.home`, at the same (layer, index)) points at it."""
+        own = self._index.get(loc.home, {}).get(at) if loc.home is not None else None
+        return own is not None and own.home is None and own.segment == loc.segment and own.offset == loc.offset
+
+    def _hold(self, at: tuple[int, int], loc: Loc) -> None:
+        """A key at `at` points at `loc` now (after the index says so): its bytes count as live."""
+        record = (loc.segment, loc.offset)
+        links = self._links.get(record, 0)
+        if loc.home is not None:
+            self._links[record] = links + 1
+            if links or self._owned(at, loc):
+                return  # counted already
+        elif links:
+            return  # (a compaction moving a record's own key after its links)
+        self._live[loc.segment] = self._live.get(loc.segment, 0) + loc.length
+        self._live_total += loc.length
+
+    def _let_go(self, at: tuple[int, int], loc: Loc) -> None:
+        """A key at `at` no longer points at `loc` (the index says so already): its bytes are dead
+        once no key points at it."""
+        record = (loc.segment, loc.offset)
+        links = self._links.get(record, 0)
+        if loc.home is not None:
+            links -= 1
+            if links:
+                self._links[record] = links
+                return
+            del self._links[record]
+            if self._owned(at, loc):
+                return
+        elif links:
+            return
+        self._live[loc.segment] -= loc.length
+        self._live_total -= loc.length
 
     def _seg_path(self, n: int) -> Path:
         return segment_path(self.path, n)
@@ -392,6 +439,27 @@ class Archive:
                 self._forget(session, first)
             return n
 
+    def link(self, session: str, source: str, blocks: list[tuple[int, int]]) -> int:
+        """Give `session` the records `source` holds for `blocks` ((layer, index) pairs) without
+        writing them again: one durable manifest line, and `session`'s keys point at the same
+        records (a block several sessions share is stored once). A record stays while any key
+        points at it, so deleting `source` leaves it to `session`. Blocks `source` lacks are
+        skipped. -> the blocks linked."""
+        if session == source:
+            raise ValueError(f"session {session!r} cannot link its own records")
+        with self._writing():  # the index changes only under this lock
+            src = self._index.get(source, {})
+            found = [(at, src[at]) for at in blocks if at in src]
+            if not found:
+                return 0
+            keys = [BlockKey(session, layer, index) for (layer, index), _ in found]
+            locs = [loc if loc.home is not None else dataclasses.replace(loc, home=source) for _, loc in found]
+            self._append_manifest([puts_entry(session, keys, locs)])
+            with self._state:
+                for key, loc in zip(keys, locs, strict=True):
+                    self._place(key, loc)
+            return len(keys)
+
     def live_bytes(self) -> int:
         """Bytes of the records the store holds now (what compaction would keep)."""
         return self._live_total  # one int, written under `_state`: read as it stands, never torn
@@ -548,7 +616,8 @@ class Archive:
                     data = os.pread(fds[loc.segment], loc.length, loc.offset)
                 except OSError as e:
                     raise ArchiveCorrupt(f"{describe(key)} cannot be read from {where}: {e}", key) from e
-                codec, payload = verify_record(self.identity, self.codec_for(key.layer), key, loc, data, where)
+                own = key if loc.home is None else BlockKey(loc.home, key.layer, key.index)
+                codec, payload = verify_record(self.identity, self.codec_for(key.layer), own, loc, data, where)
                 out.append((codec, payload, loc, where))
         finally:
             for fd in fds.values():

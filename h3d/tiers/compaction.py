@@ -5,7 +5,8 @@
    and those with no live record (never the active one: if it is a victim, a new active segment
    is started first, so that no record is appended to a victim); their live records, in file
    order; a new segment number for the copies;
-2. copy, with no lock: the records' bytes as they are (checksums kept) into the new segment,
+2. copy, with no lock: the records' bytes as they are (checksums kept; a record several sessions'
+   keys point at, once) into the new segment,
    fsynced, and the folder fsynced; puts, deletes and reads go on meanwhile (victims take no
    appends, and only a compaction deletes segments, one compaction at a time);
 3. switch, under the write lock: the records still current (not superseded or deleted during
@@ -40,6 +41,7 @@ deleted while the compaction ran). A segment with no live record left goes witho
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -99,7 +101,7 @@ def compact(a: Archive, keep_ratio: float) -> int:
                 _drop_unnamed(a, target)
                 return 0
             if target is not None and copies is not None:
-                a._compaction_hooks.copied(target, len(copies))
+                a._compaction_hooks.copied(target, len(_records(copies)))
             copies = copies or []
             with a._writing():  # the index changes only under this lock: read here without `_state`
                 moved = [
@@ -131,13 +133,18 @@ def compact(a: Archive, keep_ratio: float) -> int:
             if target is not None:
                 _drop_unnamed(a, target)
             raise
-    written = sum(c.length for c in copies)
+    written = sum(_records(copies).values())
     freed = sum(sizes.get(n, written if n == target else 0) for n in gone) - written
     log.info(
         "KV archive %s: compaction moved %d records, deleted %d segments, freed %d bytes",
         a.path, len(moved), len(gone), freed,
     )  # fmt: skip
     return freed
+
+
+def _records(locs: list[Loc]) -> dict[tuple[int, int], int]:
+    """The distinct records among `locs` (several keys may point at one): (segment, offset) -> length."""
+    return {(x.segment, x.offset): x.length for x in locs}
 
 
 def _drop_unnamed(a: Archive, target: int) -> None:
@@ -182,9 +189,14 @@ def _copy_records(a: Archive, moving: list[tuple[BlockKey, Loc]], target: int) -
         copies: list[Loc] = []
         chunk: list[bytes] = []
         offset = flushed = 0
+        done: dict[tuple[int, int], Loc] = {}  # a record linked to by several keys is copied once
         for key, loc in moving:
             if a._stopping.is_set():
                 return None
+            copy = done.get((loc.segment, loc.offset))
+            if copy is not None:
+                copies.append(dataclasses.replace(copy, home=loc.home))
+                continue
             if loc.segment not in sources:
                 sources[loc.segment] = a.files.open(a._seg_path(loc.segment), os.O_RDONLY)
             data = os.pread(sources[loc.segment], loc.length, loc.offset)
@@ -194,7 +206,8 @@ def _copy_records(a: Archive, moving: list[tuple[BlockKey, Loc]], target: int) -
                     "compaction stopped", key,
                 )  # fmt: skip
             chunk.append(data)
-            copies.append(Loc(target, offset, loc.length, loc.num_tokens, loc.codec, loc.crc))
+            copy = done[(loc.segment, loc.offset)] = Loc(target, offset, loc.length, loc.num_tokens, loc.codec, loc.crc)
+            copies.append(dataclasses.replace(copy, home=loc.home))
             offset += loc.length
             if offset - flushed >= a._copy_chunk_bytes:
                 a.files.write_all(fd, b"".join(chunk), flushed)

@@ -1,9 +1,10 @@
 """Which cache archived blocks belong to, the checks that keep them there, and the archive's errors.
 
 A store belongs to one cache: `identity.json` in its folder names the model fingerprint, dtype,
-block geometry and the format version. `check_identity` creates it, or refuses a store written for
-another cache (ArchiveMismatch): blocks are never reused across models or layouts. Each record
-names its cache and its block again in its header (`record_header`). What must stay true:
+block geometry and the store's format (`STORE_FORMAT`). `check_identity` creates it, or refuses a
+store written for another cache (ArchiveMismatch): blocks are never reused across models or
+layouts. Each record names its cache and its block again in its header (`record_header`, whose
+format is the record's own, `h3d.tiers.codecs.FORMAT_VERSION`). What must stay true:
 - `verify_record` returns a record's payload only after its crc matches and its header matches the
   archive's identity and the key asked for, every field compared (ArchiveCorrupt /
   ArchiveMismatch otherwise);
@@ -14,6 +15,7 @@ The errors live here, below every other archive module, so that each raises the 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -22,6 +24,14 @@ from h3d.errors import H3Error
 from h3d.store.files import create_file
 from h3d.tiers.codecs import CODECS_BY_ID, DTYPES, FORMAT_VERSION, Codec, RecordHeader, unpack_record
 from h3d.tiers.segments import Loc, fsync_dir
+
+log = logging.getLogger(__name__)
+
+# The store's layout, in identity.json. 1: each session's blocks in records of their own. 2: a
+# session's block may point at a record written under another session's name (`Archive.link`),
+# which a reader of format 1 would refuse as corrupt. A store of format 1 is one of format 2 with
+# no links: opening it rewrites identity.json and nothing else.
+STORE_FORMAT = 2
 
 
 class ArchiveError(H3Error):
@@ -73,33 +83,49 @@ def describe(key: BlockKey) -> str:
 
 
 def check_identity(folder: Path, identity: CacheIdentity) -> None:
-    """Create identity.json, or refuse a store written for another cache."""
-    want = {"format": FORMAT_VERSION, **{f.name: getattr(identity, f.name) for f in fields(CacheIdentity)}}
+    """Create identity.json, or refuse a store written for another cache (or a newer h3d); a
+    store of an older format is migrated (`STORE_FORMAT`)."""
+    want = {"format": STORE_FORMAT, **{f.name: getattr(identity, f.name) for f in fields(CacheIdentity)}}
     file = folder / "identity.json"
     if not file.exists():
-        tmp = file.with_suffix(".tmp")
-        tmp.unlink(missing_ok=True)
-        fd = create_file(tmp, os.O_WRONLY)
-        try:
-            view = memoryview(json.dumps(want, indent=1).encode())
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        tmp.replace(file)
-        fsync_dir(folder)
+        _write_json(file, want)
         return
     try:
         found = json.loads(file.read_text())
     except (OSError, ValueError) as e:
         raise ArchiveCorrupt(f"{file} is unreadable ({e}); delete the folder to start a new archive") from e
+    stored = found.get("format") if isinstance(found, dict) else None
+    if isinstance(stored, int) and stored > STORE_FORMAT:
+        raise ArchiveMismatch(
+            f"KV archive {folder} is of format {stored}, written by a newer h3d (this one reads up to "
+            f"{STORE_FORMAT}); run that version, or point the archive at another folder"
+        )
     for name, expected in want.items():
-        if found.get(name) != expected:
+        got = found.get(name) if isinstance(found, dict) else None
+        if got != expected and not (name == "format" and got == 1):
             raise ArchiveMismatch(
                 f"KV archive {folder} belongs to another cache: {name} expected {expected!r}, found "
-                f"{found.get(name)!r}; point the archive at another folder or delete this one"
+                f"{got!r}; point the archive at another folder or delete this one"
             )
+    if stored != STORE_FORMAT:
+        _write_json(file, want)
+        log.info("KV archive %s: store format %s migrated to %d", folder, stored, STORE_FORMAT)
+
+
+def _write_json(file: Path, value: dict[str, object]) -> None:
+    """`value` as `file`, atomically (a temporary file fsynced, renamed over it, the folder fsynced)."""
+    tmp = file.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = create_file(tmp, os.O_WRONLY)
+    try:
+        view = memoryview(json.dumps(value, indent=1).encode())
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    tmp.replace(file)
+    fsync_dir(file.parent)
 
 
 def record_header(identity: CacheIdentity, key: BlockKey, num_tokens: int, codec_id: int) -> RecordHeader:

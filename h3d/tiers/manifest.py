@@ -3,7 +3,9 @@
 One line per change, `<crc32 hex> <json>` (`encode_lines`): `put` (`put_entry`) maps a BlockKey to
 its record's place (a `Loc`), `puts` (`puts_entry`) maps many of one session's (a bulk write's,
 `Archive.put_blocks`: its fields as lists), `del` (`del_entry`) drops a session's blocks (all of them, or those
-from a block index on: `from`). Replaying it (`replay`) gives
+from a block index on: `from`). A `put` or `puts` entry may name, in `h`, the session whose record
+a key points at when it is not the key's own (a linked record, `Archive.link`: several sessions'
+keys, one record; store format 2). Replaying it (`replay`) gives
 the live index; the last entry for a key wins. What must stay true:
 - a torn tail (partial or bad-crc last lines) is truncated at open; a bad line followed by good
   ones is real corruption and refuses to open (ArchiveCorrupt); an entry of an unknown format
@@ -75,15 +77,24 @@ def _apply(entry: dict[str, Any], place: Place, forget: Forget, ends: dict[int, 
         if entry["op"] == "puts":
             s = entry["s"]
             names = ("l", "i", "seg", "off", "len", "n", "c", "crc")
-            for layer, index, seg, off, length, n, c, crc in zip(*(entry[k] for k in names), strict=True):
-                place(BlockKey(s, layer, index), Loc(seg, off, length, n, Codec(c), crc))
+            homes = entry.get("h") or [None] * len(entry["l"])
+            for layer, index, seg, off, length, n, c, crc, home in zip(*(entry[k] for k in names), homes, strict=True):
+                place(BlockKey(s, layer, index), Loc(seg, off, length, n, Codec(c), crc, _home(home)))
                 ends[seg] = max(ends.get(seg, 0), off + length)
             return
-        loc = Loc(entry["seg"], entry["off"], entry["len"], entry["n"], Codec(entry["c"]), entry["crc"])
+        loc = Loc(
+            entry["seg"], entry["off"], entry["len"], entry["n"], Codec(entry["c"]), entry["crc"], _home(entry.get("h"))
+        )
         place(BlockKey(entry["s"], entry["l"], entry["i"]), loc)
         ends[loc.segment] = max(ends.get(loc.segment, 0), loc.offset + loc.length)
     except (KeyError, ValueError, TypeError) as e:
         raise ArchiveMismatch(f"{file} offset {pos}: manifest entry of an unknown format ({e!r})") from e
+
+
+def _home(name: object) -> str | None:
+    if name is None or isinstance(name, str):
+        return name
+    raise TypeError(f"a record's home must be a session name, got {name!r}")
 
 
 def encode_lines(entries: list[dict[str, Any]]) -> bytes:
@@ -99,17 +110,18 @@ def put_entry(key: BlockKey, loc: Loc) -> dict[str, Any]:
     return {
         "op": "put", "s": key.session, "l": key.layer, "i": key.index, "seg": loc.segment, "off": loc.offset,
         "len": loc.length, "n": loc.num_tokens, "c": loc.codec.value, "crc": loc.crc,
-    }  # fmt: skip
+    } | ({"h": loc.home} if loc.home is not None else {})  # fmt: skip
 
 
 def puts_entry(session: str, keys: list[BlockKey], locs: list[Loc]) -> dict[str, Any]:
-    """Many of one session's records in one line (a bulk write's): the `put` entries' fields as
-    lists, one element per record."""
+    """Many of one session's records in one line (a bulk write's, a link's): the `put` entries'
+    fields as lists, one element per record (`h` only where one of them is linked)."""
+    homes = [x.home for x in locs]
     return {
         "op": "puts", "s": session, "l": [k.layer for k in keys], "i": [k.index for k in keys],
         "seg": [x.segment for x in locs], "off": [x.offset for x in locs], "len": [x.length for x in locs],
         "n": [x.num_tokens for x in locs], "c": [x.codec.value for x in locs], "crc": [x.crc for x in locs],
-    }  # fmt: skip
+    } | ({"h": homes} if any(h is not None for h in homes) else {})  # fmt: skip
 
 
 def del_entry(session: str, first: int = 0) -> dict[str, Any]:

@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Loc:
-    """A record's place: its segment, offset and length, with the tokens, codec and crc it holds."""
+    """A record's place: its segment, offset and length, with the tokens, codec and crc it holds.
+    `home`: the session whose name the record's header carries, when that is not the session of
+    the key pointing at it (a linked record, `Archive.link`); None for a session's own record."""
 
     segment: int
     offset: int
@@ -37,6 +39,7 @@ class Loc:
     num_tokens: int
     codec: Codec
     crc: int
+    home: str | None = None
 
 
 def segment_path(folder: Path, n: int) -> Path:

@@ -9,6 +9,7 @@ import os
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -816,3 +817,105 @@ class _NoBulk:
 
     def compress(self, data: bytes) -> bytes:
         return self._c.compress(data)
+
+
+def test_linked_records_are_stored_once_and_outlive_their_home(tmp_path: Path) -> None:
+    """`link` gives a session another's records: its keys read the same bytes, no KV is written
+    again (the segments do not grow), the bytes count once, and the record stays while any key
+    points at it: deleting the home leaves it to the others, superseding a link leaves the home's."""
+    a = Archive(tmp_path, IDENT)
+    held, size = {}, []  # size[i]: block i's record
+    for i in range(4):
+        held[BlockKey("doc", 0, i)] = put(a, BlockKey("doc", 0, i), i)
+        size.append(a.live_bytes() - sum(size))
+    disk, live = a.disk_bytes(), a.live_bytes()
+    blocks = [(0, i) for i in range(3)] + [(5, 0)]  # (a block the source lacks is skipped)
+    assert a.link("fork1", "doc", blocks) == 3
+    assert a.link("fork2", "fork1", [(0, 0), (0, 1)]) == 2  # a link of a link: the home's record
+    assert a.disk_bytes() == disk and a.live_bytes() == live
+    for name, n in (("fork1", 3), ("fork2", 2)):
+        for i in range(n):
+            assert_holds(a, BlockKey(name, 0, i), held[BlockKey("doc", 0, i)])
+    assert a.blocks_of("fork2") == {(0, 0): 32, (0, 1): 32}
+    assert manifest_entries(tmp_path)[-1]["h"] == ["doc", "doc"]
+    with pytest.raises(ValueError, match="its own"):
+        a.link("doc", "doc", [(0, 0)])
+    a.remove("doc")  # the home goes: its block 3 with it, blocks 0-2 stay for the forks
+    assert a.live_bytes() == live - size[3]
+    new = put(a, BlockKey("fork1", 0, 0), 77)  # superseded in fork1: fork2 still points at the old one
+    mine = a.live_bytes() - (live - size[3])
+    a.close()
+    with Archive(tmp_path, IDENT) as b:
+        assert b.live_bytes() == live - size[3] + mine
+        assert_holds(b, BlockKey("fork1", 0, 0), new)
+        assert_holds(b, BlockKey("fork2", 0, 0), held[BlockKey("doc", 0, 0)])
+        assert_holds(b, BlockKey("fork1", 0, 2), held[BlockKey("doc", 0, 2)])
+        b.remove("fork1")
+        assert b.live_bytes() == size[0] + size[1]  # fork2's two
+        b.remove("fork2", first=1)
+        assert b.live_bytes() == size[0]
+        b.remove("fork2")
+        assert b.live_bytes() == 0 and not b.keys()
+
+
+def test_a_linked_record_is_checked_against_its_home(tmp_path: Path) -> None:
+    """A linked key reads its home's record, whose header names the home: the check is against
+    the home's key (another record under the linked name would not pass)."""
+    with Archive(tmp_path, IDENT) as a:
+        put(a, BlockKey("doc", 1, 0), 1)
+        a.link("fork", "doc", [(1, 0)])
+        entry = manifest_entries(tmp_path)[-1]
+    with open(tmp_path / "manifest.log", "ab") as f:  # the link's line, naming no home: a forged one
+        body = json.dumps({k: v for k, v in entry.items() if k != "h"}, separators=(",", ":")).encode()
+        f.write(b"%08x %s\n" % (zlib.crc32(body), body))
+    with Archive(tmp_path, IDENT) as a, pytest.raises(ArchiveMismatch, match="session expected 'fork', found 'doc'"):
+        a.get(BlockKey("fork", 1, 0))
+
+
+def test_compaction_copies_a_linked_record_once(tmp_path: Path) -> None:
+    """A compaction moves a record several keys point at once, every key follows it, and the
+    rewritten manifest keeps the links (the store reopens the same, the bytes counted once)."""
+    a = Archive(tmp_path, IDENT, segment_bytes=1)  # every batch starts a segment
+    held = sessions_of(a, ["doc", "dead"], blocks_each=4)
+    a.remove("dead")
+    doc = a.live_bytes()
+    for name in ("f1", "f2", "f3"):
+        a.link(name, "doc", [(0, i) for i in range(4)])
+        held |= {BlockKey(name, 0, i): held[BlockKey("doc", 0, i)] for i in range(4)}
+    a.remove("doc", first=2)  # blocks 2 and 3 live on through the links only
+    gone = {BlockKey("doc", 0, 2), BlockKey("doc", 0, 3)}
+    held = {key: kv for key, kv in held.items() if key.session != "dead" and key not in gone}
+    assert a.live_bytes() == doc
+    a.compact(keep_ratio=1.0)
+    assert_store(a, held)
+    assert a.disk_bytes() == a.live_bytes() == doc
+    a.close()
+    with Archive(tmp_path, IDENT) as b:
+        assert_store(b, held)
+        assert b.disk_bytes() == b.live_bytes() == doc
+        b.remove("f1")
+        b.remove("f2")
+        assert b.live_bytes() == doc
+        b.remove("f3")
+        assert 0 < b.live_bytes() < doc  # doc's blocks 0 and 1
+        b.remove("doc")
+        assert b.live_bytes() == 0
+
+
+def test_a_store_of_format_1_is_migrated_and_a_newer_one_refused(tmp_path: Path) -> None:
+    """A store written before links (format 1) opens with its records, and its identity.json says
+    format 2 afterwards; a store of a format newer than this h3d reads is refused by name."""
+    with Archive(tmp_path, IDENT) as a:
+        kv = put(a, BlockKey("s", 0, 0), 1)
+    ident = json.loads((tmp_path / "identity.json").read_text())
+    assert ident["format"] == 2
+    (tmp_path / "identity.json").write_text(json.dumps(ident | {"format": 1}))
+    with Archive(tmp_path, IDENT) as a:
+        assert_holds(a, BlockKey("s", 0, 0), kv)
+    assert json.loads((tmp_path / "identity.json").read_text()) == ident
+    (tmp_path / "identity.json").write_text(json.dumps(ident | {"format": 3}))
+    with pytest.raises(ArchiveMismatch, match="format 3, written by a newer h3d"):
+        Archive(tmp_path, IDENT)
+    (tmp_path / "identity.json").write_text(json.dumps(ident | {"format": 1, "fingerprint": "beef"}))
+    with pytest.raises(ArchiveMismatch, match="fingerprint"):
+        Archive(tmp_path, IDENT)
