@@ -26,7 +26,8 @@ entries, at the same block indices. While an entry is shared:
   (where they read it does not change);
 - its slots' owner is `SHARED`;
 - its archive record is its `home` session's (the one that archived it); a session that releases
-  an entry it is home to while others keep it takes that record's standing with it.
+  an entry it is home to while others keep it takes that record's standing with it, unless the
+  tier manager made one of them its home first (the record linked to it: `TierManager._hand_over`).
 
 A sliding-window layer's blocks older than its window are never read again: `drop_behind` frees
 them (every copy, in every tier) as the context moves on, and the table points at the null entry

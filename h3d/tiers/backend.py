@@ -4,7 +4,8 @@ A cold tier holds archived KV blocks by key (`BlockKey`: session, layer, block i
 record of the block's K and V that comes back bit for bit (or within its codec's stated error),
 and refuses what it cannot vouch for (`ArchiveCorrupt`). The SSD archive (`h3d.tiers.archive`)
 is the first; a remote store shared by several daemons is the next. LMCache's storage backend is
-the model: contains / put / get / remove / close, with the durability rule stated on `put`.
+the model: contains / put / get / remove / close, with the durability rule stated on `put`, and
+`link` for a block several sessions share.
 
 The tier manager (`h3d.tiers.manager`), the mover (`h3d.tiers.mover`) and a session's lifecycle
 (`h3d.tiers.lifecycle`) use a cold tier only through this interface. What a tier keeps is decided
@@ -57,6 +58,13 @@ class ColdTier(Protocol):
 
     def blocks_of(self, session: str) -> dict[tuple[int, int], int]:
         """The session's held blocks: (layer, index) -> tokens in the record."""
+        ...
+
+    def link(self, session: str, source: str, blocks: list[tuple[int, int]]) -> int:
+        """Give `session` the records `source` holds for `blocks` ((layer, index) pairs), durably
+        and without storing them again (a block several sessions share is held once); a record
+        stays while any session's key points at it. Returns the blocks linked (those `source`
+        lacks are skipped); raises `ArchiveWriteFailed`."""
         ...
 
     def remove(self, session: str, first: int = 0) -> int:

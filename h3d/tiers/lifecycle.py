@@ -6,8 +6,10 @@ What must stay true: a DDR copy is dropped only once an archive copy is durable;
 session's every block, the partial last one included, is durable in the archive before its HBM
 and DDR copies go; adoption takes only a prefix whose blocks the archive holds in every layer.
 Blocks a session shares with others stay where they are (`h3d.kv.blocks`): a demotion or a park
-leaves them, and a snapshot writes them under the session's name too (unmarked: their
-`archived` is their home's record), so that each session's records restore it alone.
+leaves them. A snapshot gives the session a record of each under its own name, so that its
+records restore it alone, without writing one twice: a block archived already (under its home's
+name) is linked (`Archive.link`: one manifest line, no KV written), one not archived yet is
+written and the session becomes its home.
 """
 
 from __future__ import annotations
@@ -118,35 +120,52 @@ def _snapshot(tiers: TierManager, seq: SeqId, partial: bool) -> int:
             b.set_archived(seq, layer, np.array(blocks, dtype=np.int64))
         written += len(w.keys)
 
-    def add(group: tuple[int, bool], layer: int, block: int, slot: int, tokens: int, shared: bool = False) -> None:
+    def add(group: tuple[int, bool], layer: int, block: int, slot: int, tokens: int) -> None:
         w = pending.setdefault(group, _Write())
         w.keys.append(BlockKey(name, layer, block))
         w.slots.append(slot)
         w.tokens.append(tokens)
-        if not group[1] and not shared:  # a full block: archived once durable (the partial one stays the tail)
+        if not group[1]:  # a full block: archived once durable (the partial one stays the tail)
             w.marks.setdefault(layer, []).append(block)
         if len(w.keys) >= per_write:
             flush(group)
 
     ids = t.ids[:, :full]
-    shared = b.shared(ids)  # [L, full]: written under this name where its archive lacks them, unmarked
+    shared = b.shared(ids)  # [L, full]: another session's record linked where there is one, else written here
     have = tiers.archive.blocks_of(name) if shared.any() and tiers.archive is not None else {}
-    own = b.entries.archived[ids] & (b.entries.home[ids] == seq)
+    e = b.entries
+    own = e.archived[ids] & (e.home[ids] == seq)
+    links: dict[SeqId, list[tuple[int, int]]] = {}  # home -> the (layer, block)s of its records to link
+    mine: dict[int, list[int]] = {}  # layer -> shared blocks whose record under this name is current
     for layer in range(b.num_layers):
         todo = np.flatnonzero(~own[layer])
         todo = todo[todo >= t.floor[layer]]  # (a window layer's blocks before its floor are freed)
         where = (t.layer_hbm(layer), t.layer_ddr(layer))
+        skip = []
+        for j in todo[shared[layer, todo]].tolist():
+            if have.get((layer, j)) == b.block_size:  # (a full block's record holds its tokens' KV)
+                mine.setdefault(layer, []).append(j)
+            elif e.archived[ids[layer, j]]:
+                links.setdefault(SeqId(int(e.home[ids[layer, j]])), []).append((layer, j))
+            else:
+                continue
+            skip.append(j)
+        if skip:
+            todo = np.setdiff1d(todo, skip, assume_unique=True)
         for p, slots in enumerate(where):
             here = todo[slots[todo] != NONE]
             for j in here.tolist():
-                if shared[layer, j] and have.get((layer, j)) == b.block_size:
-                    continue  # (a full block's record holds its tokens' KV: written before)
-                add((p, False), layer, j, int(slots[j]), b.block_size, bool(shared[layer, j]))
+                add((p, False), layer, j, int(slots[j]), b.block_size)
             todo = todo[slots[todo] == NONE]
         if partial and full < t.num_blocks and (where[0][full] != NONE or where[1][full] != NONE):
             # (in the archive only, a parked session's: its record is current, and no slot holds it)
             p = 0 if where[0][full] != NONE else 1
             add((p, True), layer, full, int(where[p][full]), t.num_tokens - full * b.block_size)
+    for home, pairs in links.items():  # one manifest line each, no KV written again
+        assert tiers.archive is not None
+        tiers.archive.link(name, tiers.sessions[home].name, pairs)
+    for layer, blocks in mine.items():
+        b.set_archived(seq, layer, np.array(blocks, dtype=np.int64))  # (the record is this session's now)
     for group in list(pending):
         flush(group)
     tiers.counters.ssd_write_count += written

@@ -94,9 +94,38 @@ class TierManager:
         self.behind.forget(seq)  # its write-behind batches in flight: waited for
         self.ahead.drop(seq)
         self.behind.look_again(self.blocks.peers(seq))  # what it shared may be theirs alone now
+        self._hand_over(seq)
         self.blocks.free(seq)
         if purge_archive and self.archive is not None:
             self.archive.remove(self.sessions[seq].name)
+
+    def _hand_over(self, seq: SeqId) -> None:
+        """The records of blocks `seq` is home to and other sessions keep, linked to one of them
+        (`ColdTier.link`: no KV written), which becomes their home: they stay archived once
+        `seq`'s records go. Without a writable archive they lose it (written again if needed)."""
+        b, e = self.blocks, self.blocks.entries
+        if self.archive is None or not self.writable or not b.peers(seq):
+            return
+        t = b.table(seq)
+        ids = t.ids[:, : t.num_blocks]
+        left = e.archived[ids] & (e.home[ids] == seq) & (e.refs[ids] > 1)
+        for peer in sorted(b.peers(seq)):
+            if not left.any():
+                return
+            other = b.table(peer)
+            n = min(other.num_blocks, t.num_blocks)
+            here = left[:, :n] & (other.ids[:, :n] == ids[:, :n])
+            if not here.any():
+                continue
+            layers, blocks = np.nonzero(here)
+            pairs = list(zip(layers.tolist(), blocks.tolist(), strict=True))
+            try:
+                self.archive.link(self.sessions[peer].name, self.sessions[seq].name, pairs)
+            except ArchiveWriteFailed as err:
+                self.degrade(err)
+                return
+            b.set_archived_many(peer, layers, blocks)  # (its home is `peer` now)
+            left[:, :n] &= ~here
 
     # ---- admission --------------------------------------------------------------------------
 
@@ -604,7 +633,7 @@ class TierManager:
         hbm_cap = b.hbm_capacity
         hbm_used = hbm_cap - int(b.hbm_alloc.free.sum())
         ddr_used = b.ddr_alloc.capacity - b.ddr_free
-        ssd = self.archive.stored_bytes() if self.archive is not None else 0
+        ssd = self.archive.live_bytes() if self.archive is not None else 0
         behind = self.behind.stats()
         return TierStats(
             **asdict(c),

@@ -85,9 +85,17 @@ def _reference(engine: Engine, tokens: list[int], n: int) -> tuple[int, ...]:
 
 
 def _check(engine: Engine) -> None:
-    """The bookkeeping (no block freed while pointed at: counts equal the cells pointing) and
-    every pair of copies of a block equal."""
+    """The bookkeeping (no block freed while pointed at: counts equal the cells pointing), every
+    pair of copies of a block equal, and each archived block's record under its home's name."""
     engine.kv.check()
+    archive, b = engine.kv.tiers.archive, engine.kv.blocks
+    if archive is None:
+        return
+    for seq, t in b.tables().items():
+        ids = t.ids[:, : t.num_blocks]
+        mine = b.entries.archived[ids] & (b.entries.home[ids] == seq)
+        held = archive.blocks_of(engine.kv.sessions[seq].name)
+        assert all((layer, j) in held for layer, j in zip(*np.nonzero(mine), strict=True)), seq
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -277,4 +285,46 @@ def test_shared_blocks_are_written_behind_once(checkpoint: Callable[[str], Path]
     again = _engine(checkpoint, tmp_path, write_behind_dirty_mb=0)
     for s, toks in tokens.items():
         assert _continuation(again, s) == _reference(again, toks, 4), s
+    again.close()
+
+
+def test_the_archive_holds_a_shared_prefix_once(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """A checkpoint of a parent and its forks writes the shared blocks once: each fork's records
+    of them are links to the parent's (`Archive.link`), its own blocks written. Deleting the
+    parent hands its records of what the forks keep over to one of them (linked, nothing written);
+    after a restart each fork comes back from its own records and decodes as one computed alone."""
+    engine = _engine(checkpoint, tmp_path)
+    parent = engine.create_session()
+    engine.append(parent, token_ids=random_prompt(300, VOCAB_SIZE, seed=71))
+    engine.kv.snapshot(engine.session(parent).seq)
+    archive = engine.kv.tiers.archive
+    assert archive is not None
+    one = archive.live_bytes()
+    forks = [engine.fork(parent) for _ in range(3)]
+    for f in forks:
+        engine.complete(f, "", SamplingParams(max_tokens=20, ignore_eos=True))
+    b, e = engine.kv.blocks, engine.kv.blocks.entries
+    shared = (300 - 1 - PROBE_QUERIES) // BS
+    ids = b.table(engine.session(parent).seq).ids[:, :shared].copy()
+    assert (e.refs[ids] == 4).all() and e.archived[ids].all()
+    engine.close_session(parent, purge=True)  # its records of the shared blocks: handed over
+    first = engine.session(forks[0]).seq
+    assert e.archived[ids].all() and (e.home[ids] == first).all()
+    name = {f: engine.kv.sessions[engine.session(f).seq].name for f in forks}
+    assert archive.blocks_of(name[forks[0]]) == {(layer, j): BS for layer in range(LAYERS) for j in range(shared)}
+    assert 0.7 * one < archive.live_bytes() < one  # (the parent's last blocks, shared by none, gone)
+    written = archive.stats().records
+    engine.checkpoint()
+    own = -(-(300 + 20) // BS) - shared  # each fork's blocks beyond the shared ones
+    assert archive.stats().records - written == 3 * own * LAYERS  # nothing shared written again
+    for f in forks:
+        assert len(archive.blocks_of(name[f])) == -(-(300 + 20) // BS) * LAYERS
+    tokens = {f: list(engine.session(f).tokens) for f in forks}
+    _check(engine)
+    engine.close()
+    again = _engine(checkpoint, tmp_path)
+    assert all(again.cached_tokens(f) == 319 for f in forks)
+    for f in forks:
+        assert _continuation(again, f) == _reference(again, tokens[f], 4), f
+    _check(again)
     again.close()

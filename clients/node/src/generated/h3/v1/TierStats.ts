@@ -36,7 +36,9 @@ export interface TierStats {
   'ddrUsedBytes'?: (number | string | Long);
   'ddrCapacityBytes'?: (number | string | Long);
   /**
-   * Bytes the archive's segments take on disk.
+   * Bytes of the records the archive holds now (a record several sessions share counted once):
+   * what ssd_capacity_mb counts. The segments on disk hold up to a third more until a compaction
+   * gives back the space of deleted records.
    */
   'ssdUsedBytes'?: (number | string | Long);
   /**
@@ -154,7 +156,9 @@ export interface TierStats__Output {
   'ddrUsedBytes': (number);
   'ddrCapacityBytes': (number);
   /**
-   * Bytes the archive's segments take on disk.
+   * Bytes of the records the archive holds now (a record several sessions share counted once):
+   * what ssd_capacity_mb counts. The segments on disk hold up to a third more until a compaction
+   * gives back the space of deleted records.
    */
   'ssdUsedBytes': (number);
   /**
