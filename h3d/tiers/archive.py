@@ -616,8 +616,7 @@ class Archive:
                     data = os.pread(fds[loc.segment], loc.length, loc.offset)
                 except OSError as e:
                     raise ArchiveCorrupt(f"{describe(key)} cannot be read from {where}: {e}", key) from e
-                own = key if loc.home is None else BlockKey(loc.home, key.layer, key.index)
-                codec, payload = verify_record(self.identity, self.codec_for(key.layer), own, loc, data, where)
+                codec, payload = verify_record(self.identity, self.codec_for(key.layer), key, loc, data, where)
                 out.append((codec, payload, loc, where))
         finally:
             for fd in fds.values():

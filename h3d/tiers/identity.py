@@ -78,8 +78,9 @@ class BlockKey:
     index: int  # block index within the session's layer
 
 
-def describe(key: BlockKey) -> str:
-    return f"archived block (session {key.session!r}, layer {key.layer}, block {key.index})"
+def describe(key: BlockKey, loc: Loc | None = None) -> str:
+    linked = f", linked to session {loc.home!r}'s record" if loc is not None and loc.home is not None else ""
+    return f"archived block (session {key.session!r}, layer {key.layer}, block {key.index}{linked})"
 
 
 def check_identity(folder: Path, identity: CacheIdentity) -> None:
@@ -141,7 +142,9 @@ def verify_record(
     identity: CacheIdentity, want_codec: Codec, key: BlockKey, loc: Loc, data: bytes, where: str
 ) -> tuple[Codec, memoryview]:
     """Check the record's crc, then that it is the block asked for, of this cache. -> (codec, payload).
-    `want_codec`: the codec the archive writes `key`'s layer with (a lossless one is taken too)."""
+    `want_codec`: the codec the archive writes `key`'s layer with (a lossless one is taken too).
+    A linked record (`loc.home`) carries its home's name: the header is compared with that; the
+    errors name `key`, the block asked for."""
     try:
         if len(data) != loc.length:
             raise ValueError(f"record is truncated ({len(data)} of {loc.length} bytes)")
@@ -149,17 +152,18 @@ def verify_record(
         if crc != loc.crc:
             raise ValueError("checksum differs from the manifest's")
     except ValueError as e:
-        raise ArchiveCorrupt(f"{describe(key)} is corrupt: {e}, in {where}", key) from e
-    want = record_header(identity, key, loc.num_tokens, found.codec_id)
+        raise ArchiveCorrupt(f"{describe(key, loc)} is corrupt: {e}, in {where}", key) from e
+    own = key if loc.home is None else BlockKey(loc.home, key.layer, key.index)
+    want = record_header(identity, own, loc.num_tokens, found.codec_id)
     if found != want:  # one comparison of the whole header; the loop only names what differs
         for f in fields(RecordHeader):
             expected, got = getattr(want, f.name), getattr(found, f.name)
             if expected != got:
-                raise ArchiveMismatch(f"{describe(key)} in {where}: {f.name} expected {expected!r}, found {got!r}")
+                raise ArchiveMismatch(f"{describe(key, loc)} in {where}: {f.name} expected {expected!r}, found {got!r}")
     codec = CODECS_BY_ID.get(found.codec_id)
     if codec is None or not (codec is want_codec or codec.lossless):
         name = codec.value if codec else f"id {found.codec_id}"
         raise ArchiveMismatch(
-            f"{describe(key)} in {where}: codec expected {want_codec.value} (or lossless), found {name}"
+            f"{describe(key, loc)} in {where}: codec expected {want_codec.value} (or lossless), found {name}"
         )
     return codec, payload

@@ -919,3 +919,25 @@ def test_a_store_of_format_1_is_migrated_and_a_newer_one_refused(tmp_path: Path)
     (tmp_path / "identity.json").write_text(json.dumps(ident | {"format": 1, "fingerprint": "beef"}))
     with pytest.raises(ArchiveMismatch, match="fingerprint"):
         Archive(tmp_path, IDENT)
+
+
+def test_a_damaged_linked_record_is_named_by_the_block_asked_for(tmp_path: Path) -> None:
+    """A linked record that fails its checksum is reported as the reading session's block (whose
+    step repairs it for that session), naming the record it is linked to."""
+    with Archive(tmp_path, IDENT) as a:
+        put(a, BlockKey("doc", 2, 4), 1)
+        a.link("fork", "doc", [(2, 4)])
+    entry = manifest_entries(tmp_path)[0]
+    seg = tmp_path / f"seg-{entry['seg']:06d}.h3kv"
+    data = bytearray(seg.read_bytes())
+    data[entry["off"] + entry["len"] - 10] ^= 0x40  # type: ignore[operator]
+    seg.write_bytes(bytes(data))
+    with Archive(tmp_path, IDENT) as a:
+        with pytest.raises(ArchiveCorrupt) as err:
+            a.get_bytes([BlockKey("fork", 2, 4)])
+        assert err.value.key == BlockKey("fork", 2, 4)
+        assert "session 'fork'" in str(err.value) and "linked to session 'doc'" in str(err.value)
+        kv = put(a, BlockKey("fork", 2, 4), 5)  # the fork's block written again (a repair): its own record
+        assert_holds(a, BlockKey("fork", 2, 4), kv)
+        with pytest.raises(ArchiveCorrupt):
+            a.get(BlockKey("doc", 2, 4))
