@@ -110,15 +110,20 @@ class WriteBehind:
         b = tiers.blocks
         bs, L = b.block_size, len(b.full_layers)
         todo: list[tuple[int, SeqId, int, int]] = []  # (last use, seq, first block, end)
-        dirty = 0
+        dirty = 0.0
+        sharing = b.sharing and L > 0
         for seq, t in b.tables().items():
             full = t.num_tokens // bs
             end = min(full, protect.get(seq, full))
             start = min(self.cursor.get(seq, 0), end)
             if start < end:
                 todo.append((tiers.sessions[seq].last_used, seq, start, end))
-                dirty += (end - start) * L
-        over = dirty - self.dirty_limit
+                if sharing:  # a block n sessions share counts 1/n in each: once in all (by its first layer's)
+                    refs = b.entries.refs[t.ids[b.full_layers[0], start:end]]
+                    dirty += L * float((1.0 / np.maximum(refs, 1)).sum())
+                else:
+                    dirty += (end - start) * L
+        over = int(np.ceil(dirty)) - self.dirty_limit
         now = time.monotonic()
         if over <= 0:
             self._over_since = None
@@ -308,13 +313,14 @@ class WriteBehind:
     def stats(self) -> WriteBehindStats:
         b = self.tiers.blocks
         e = b.entries
-        dirty = 0
+        dirty = np.zeros(e.capacity, dtype=bool)  # (a block several sessions share: once)
         for t in b.tables().values():
             full = t.num_tokens // b.block_size
-            dirty += int(np.count_nonzero(~e.archived[t.ids[b.full_layers, :full]]))
+            ids = t.ids[b.full_layers, :full]
+            dirty[ids[~e.archived[ids]]] = True
         lag = 0.0 if self._over_since is None else time.monotonic() - self._over_since
         bb = self.tiers.block_bytes
-        return WriteBehindStats(dirty * bb, self.in_flight * bb, self.written_blocks * bb, lag)
+        return WriteBehindStats(int(dirty.sum()) * bb, self.in_flight * bb, self.written_blocks * bb, lag)
 
     def close(self) -> None:
         if self._pool is not None:

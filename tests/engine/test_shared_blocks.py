@@ -328,3 +328,24 @@ def test_the_archive_holds_a_shared_prefix_once(checkpoint: Callable[[str], Path
         assert _continuation(again, f) == _reference(again, tokens[f], 4), f
     _check(again)
     again.close()
+
+
+def test_the_dirty_budget_counts_a_shared_block_once(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """Write-behind's budget (`write_behind_dirty_mb`) and the dirty bytes it reports count a block
+    several sessions share once: forks of a parent whose KV fits the budget write nothing behind."""
+    probe = _engine(checkpoint, tmp_path / "probe")
+    block = probe.kv.tiers.block_bytes
+    probe.close()
+    parent_blocks = (300 // BS) * LAYERS  # its full blocks, all dirty
+    engine = _engine(checkpoint, tmp_path, write_behind_dirty_mb=2 * parent_blocks * block / 2**20)
+    parent = engine.create_session()
+    engine.append(parent, token_ids=random_prompt(300, VOCAB_SIZE, seed=81))
+    forks = [engine.fork(parent) for _ in range(4)]  # counted per session: 5 x the parent's, past the budget
+    for f in forks:
+        engine.complete(f, "", SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.kv.tiers.settle()
+    assert engine.kv.tiers.behind.written_blocks == 0
+    dirty = engine.kv.tiers.behind.stats().dirty_bytes // block
+    own = (-(-304 // BS) - (300 - 1 - PROBE_QUERIES) // BS) * LAYERS  # each fork's full blocks past the shared
+    assert parent_blocks <= dirty <= parent_blocks + 4 * own
+    engine.close()
