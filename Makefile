@@ -2,7 +2,8 @@
 #              (gRPC on a socket under $(DATA)/run, the OpenAI HTTP API on 127.0.0.1:8000)
 # make proto — regenerate h3d/_proto from protos/ (make test checks it is current)
 # make test  — set up .venv, then lint (ruff), type-check (mypy h3d) and run the tests, Python then Node
-#              (setup and test install promtool where it is missing: tests/daemon/test_metrics.py runs it)
+#              (setup and test install promtool where it is missing: tests/daemon/test_metrics.py runs it;
+#              and redis-server: tests/remote start one of their own)
 # make test-node — the Node client's tests (clients/node), against a daemon they start
 # make bench — CPU benchmarks (vs transformers, codecs, HBF cost, retrieval): docs/BENCHMARKS.md; hours
 # make longctx-model — the long-context benchmark model (Qwen2.5-Coder-0.5B-Instruct, 32K positions):
@@ -14,7 +15,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 DATA   ?= data
 MODEL  ?= $(DATA)/models/smollm2-135m-instruct
-STAMP  := $(VENV)/.installed-v3
+STAMP  := $(VENV)/.installed-v4
 RUNDIR ?= $(abspath $(DATA)/run)
 HTTP_LISTEN ?= 127.0.0.1:8000
 PROMPT ?= In two sentences, why does a long conversation need a large KV cache?
@@ -26,9 +27,9 @@ LONGCTX_GGUF  := $(DATA)/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 GEMMA_MODEL   ?= $(DATA)/models/gemma-3-270m
 GEMMA_GGUF    := $(DATA)/gguf/gemma-3-270m-q4_k_m.gguf
 
-.PHONY: run test test-node lint proto bench setup model clean promtool longctx-model gemma-model
+.PHONY: run test test-node lint proto bench setup model clean promtool redis-server longctx-model gemma-model
 
-setup: $(STAMP) promtool
+setup: $(STAMP) promtool redis-server
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +48,14 @@ promtool:
 	@command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends prometheus) || \
 		{ echo "promtool missing: install Debian's prometheus package (as root), or promtool from prometheus.io"; exit 1; }
+
+# The remote tier's tests (tests/remote) start a redis-server of their own, on ports of their own: Debian's
+# package, installed as root where it is missing (where systemd runs, its postinst also starts the system's
+# server on port 6379, which the tests leave alone).
+redis-server:
+	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends redis-server) || \
+		{ echo "redis-server missing: install Debian's redis-server package (as root)"; exit 1; }
 
 model: $(MODEL)/config.json
 
@@ -68,7 +77,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check h3d tests
 	$(BIN)/mypy h3d
 
-test: lint promtool
+test: lint promtool redis-server
 	$(BIN)/python -m pytest -q --durations=15
 	$(MAKE) test-node
 

@@ -337,7 +337,12 @@ class TokenStore:
 
 
 def read_log(path: Path) -> Restored:
-    data = path.read_bytes()
+    return parse_log(path.name[: -len(SUFFIX)], path.read_bytes())
+
+
+def parse_log(session_id: str, data: bytes) -> Restored:
+    """A log's records (`data`, as the file or a remote store holds them) -> the session they tell;
+    reading stops at the first torn or corrupt record (`Restored.truncated_bytes` after it)."""
     meta: dict[str, Any] = {}
     tokens: list[int] = []
     closed = False
@@ -376,7 +381,7 @@ def read_log(path: Path) -> Restored:
         else:
             break  # an unknown kind, or a payload of the wrong size: not ours
         pos = end
-    return Restored(path.name[: -len(SUFFIX)], meta, tokens, closed, len(data) - pos, messages)
+    return Restored(session_id, meta, tokens, closed, len(data) - pos, messages)
 
 
 def _message(payload: bytes) -> tuple[dict[str, Any], tuple[int, ...]] | None:
