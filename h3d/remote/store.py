@@ -137,8 +137,17 @@ _APPEND = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return -1
 end
-return redis.call('APPEND', KEYS[2], ARGV[2])
-"""  # KEYS: lease, log; ARGV: holder, bytes -> the log's length, or -1 (fenced)
+local at = tonumber(ARGV[3])
+local size = redis.call('STRLEN', KEYS[2])
+if size == at then
+  return redis.call('APPEND', KEYS[2], ARGV[2])
+end
+if size == at + string.len(ARGV[2]) and redis.call('GETRANGE', KEYS[2], at, size - 1) == ARGV[2] then
+  return size
+end
+return -2 - size
+"""  # KEYS: lease, log; ARGV: holder, bytes, the offset they go at -> the log's length; -1: fenced;
+# -2 - size: the log is `size` bytes, not the offset (a retry whose first try landed is taken as done)
 _DELETE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
@@ -260,18 +269,32 @@ class RemoteStore:
 
     # ---- logs ---------------------------------------------------------------------------------
 
-    async def append(self, lease: Lease, data: bytes) -> int:
-        """Append token-log records (`h3d.store.tokenlog.record`) to the session's log, acknowledged
-        by the store when this returns. -> the log's length. Raises Fenced (nothing written)."""
+    async def append(self, lease: Lease, data: bytes, at: int) -> int:
+        """Append token-log records (`h3d.store.tokenlog.record`) to the session's log at offset
+        `at` (its length: appended once whatever the retries), acknowledged by the store when this
+        returns. -> the log's length. Raises Fenced, nothing written: the lease is gone, or the log
+        is not `at` bytes long (another writer)."""
         keys = [self._key(lease.session, "lease"), self._key(lease.session, "log")]
-        size = await self._call(f"appending to session {lease.session}'s log", self._append(keys, [lease.value, data]))
-        if size < 0:
+        what = f"appending to session {lease.session}'s log"
+        size = int(await self._call(what, self._append(keys, [lease.value, data, at])))
+        if size == -1:
             raise Fenced(f"session {lease.session}: not written, this daemon's lease (token {lease.token}) is gone")
-        return int(size)
+        if size < -1:
+            raise Fenced(f"session {lease.session}: not written, the store's log is {-2 - size} bytes, not {at}")
+        return size
+
+    async def log_size(self, session: str) -> int:
+        """The bytes of `session`'s log in the store (0 if it has none)."""
+        return int(await self._call(f"reading session {session}'s log", self._redis.strlen(self._key(session, "log"))))
+
+    async def log_bytes(self, session: str) -> bytes | None:
+        """`session`'s log as the store holds it, or None."""
+        data = await self._call(f"reading session {session}'s log", self._redis.get(self._key(session, "log")))
+        return None if data is None else bytes(data)
 
     async def load(self, session: str) -> Restored | None:
         """`session` as its log in the store tells it, or None if the store has no log of it."""
-        data = await self._call(f"reading session {session}'s log", self._redis.get(self._key(session, "log")))
+        data = await self.log_bytes(session)
         return None if data is None else parse_log(session, data)
 
     async def delete(self, lease: Lease) -> None:

@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 from redisserver import RedisServer
 
-from h3d.remote.store import Fenced, Held, NotDurable, RemoteError, RemoteStore, RemoteUnavailable, redact
+from h3d.remote.store import Fenced, Held, Lease, NotDurable, RemoteError, RemoteStore, RemoteUnavailable, redact
 from h3d.store.tokenlog import TOKENS, TokenStore, record
 
 T = TypeVar("T")
@@ -34,11 +34,16 @@ def tokens(ids: list[int]) -> bytes:
     return record(TOKENS, struct.pack(f"<{len(ids)}I", *ids))
 
 
+async def add(s: RemoteStore, lease: Lease, data: bytes) -> int:
+    """Append at the end of the store's log (as a daemon whose file matches it does)."""
+    return await s.append(lease, data, at=await s.log_size(lease.session))
+
+
 def test_a_lease_is_one_daemons_and_a_stale_holder_writes_nothing(redis_server: RedisServer) -> None:
     async def body() -> None:
         a, b = store(redis_server, "daemon-a", lease_s=0.3), store(redis_server, "daemon-b", lease_s=0.3)
         lease = await a.acquire("s1")
-        await a.append(lease, tokens([1, 2, 3]))
+        await add(a, lease, tokens([1, 2, 3]))
         with pytest.raises(Held) as held:
             await b.acquire("s1")
         assert held.value.holder == lease.value and "daemon-a" in str(held.value)
@@ -47,19 +52,19 @@ def test_a_lease_is_one_daemons_and_a_stale_holder_writes_nothing(redis_server: 
         taken = await b.acquire("s1")
         assert taken.token > lease.token
         with pytest.raises(Fenced):
-            await a.append(lease, tokens([99]))  # the stale holder: refused, nothing written
+            await add(a, lease, tokens([99]))  # the stale holder: refused, nothing written
         with pytest.raises(Fenced):
             await a.renew(lease)
         with pytest.raises(Fenced):
             await a.delete(lease)
         assert not await a.release(lease)
-        await b.append(taken, tokens([4]))
+        await add(b, taken, tokens([4]))
         restored = await a.load("s1")  # (reading needs no lease)
         assert restored is not None and restored.tokens == [1, 2, 3, 4]
         again = await b.acquire("s1")  # the same owner takes it again: a new token, the old one fenced
         assert again.token > taken.token
         with pytest.raises(Fenced):
-            await b.append(taken, tokens([5]))
+            await add(b, taken, tokens([5]))
         await b.renew(again)
         assert await b.release(again) and await b.holder("s1") is None
         lease = await a.acquire("s1")  # released: taken at once, no expiry waited for
@@ -88,7 +93,7 @@ def test_a_remote_log_reads_back_as_the_file_does(redis_server: RedisServer, tmp
         s = store(redis_server, "d")
         lease = await s.acquire("s1")
         for piece in (data[:40], data[40:]):  # appended in pieces, as a daemon writes
-            await s.append(lease, piece)
+            await add(s, lease, piece)
         got = await s.load("s1")
         assert got == want and got.tokens == [5, 6, 7, 8]
         assert await s.sessions() == ["s1"]
@@ -106,7 +111,7 @@ def test_acknowledged_appends_survive_the_store_killed(redis_server: RedisServer
         assert await s.check_durable() == "appendonly yes, appendfsync always"
         lease = await s.acquire("s1")
         for i in range(200):
-            await s.append(lease, tokens([i]))
+            await add(s, lease, tokens([i]))
         await s.close()
         return lease.token
 
@@ -164,3 +169,25 @@ def test_urls_never_show_a_password() -> None:
         RemoteStore("http://host:6379", namespace="t", owner="d")
     with pytest.raises(RemoteError, match="owner"):
         RemoteStore("redis://host:6379", namespace="t", owner="two words")
+
+
+def test_an_append_lands_once_at_its_offset(redis_server: RedisServer) -> None:
+    """An append names the offset it goes at: a retry of one that landed (its reply lost) is taken
+    as done, not written twice; one at another offset (another writer, a gap) writes nothing."""
+
+    async def body() -> None:
+        s = store(redis_server, "d")
+        lease = await s.acquire("s1")
+        one, two = tokens([1, 2]), tokens([3])
+        assert await s.append(lease, one, at=0) == len(one)
+        assert await s.append(lease, one, at=0) == len(one)  # the retry
+        with pytest.raises(Fenced, match=f"log is {len(one)} bytes, not 5"):
+            await s.append(lease, two, at=5)
+        with pytest.raises(Fenced, match="not 0"):
+            await s.append(lease, two, at=0)  # (other bytes at that offset)
+        assert await s.append(lease, two, at=len(one)) == len(one) + len(two)
+        got = await s.load("s1")
+        assert got is not None and got.tokens == [1, 2, 3]
+        await s.close()
+
+    run(body)

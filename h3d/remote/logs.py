@@ -1,0 +1,306 @@
+"""The token logs' copies in the remote store, kept up with the local files.
+
+With the remote tier on, a session's token log in the store is its truth, and the local file
+(`h3d.store.tokenlog.TokenStore`) the copy this daemon writes first: every byte the file gets is
+appended to the store's log after it, in the same order, by this module's thread (an asyncio loop
+of its own, on uvloop, driving `h3d.remote.store.RemoteStore`), so that nothing the engine thread
+does waits for the store. The file is the queue: what the store lacks is read back from the file
+(`os.pread` of the bytes past what the store acknowledged), so a store that is down or slow costs
+no memory here, and when it is back the copy catches up by itself.
+
+What must stay true:
+- the store's log is a prefix of the file's at every moment (the same bytes, appended in order,
+  each append checked against the length the store reports: another writer is never papered over);
+- `durable(session, size)` resolves only once the store acknowledged the file's first `size`
+  bytes (under `appendfsync always`, on its disk: `RemoteStore.check_durable`); in `sync` mode it
+  fails after `timeout_s` instead (the daemon then ends the stream with UNAVAILABLE, never showing
+  a token the store does not hold);
+- a session's log is written under its lease only (`take`), renewed every third of `lease_s`; a
+  lease found gone (`Fenced`) stops the writes for that session and is reported (`lost`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from h3d.remote.store import Fenced, Lease, RemoteError, RemoteStore, RemoteUnavailable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+APPEND_MAX_BYTES = 4 << 20  # the most one append sends (a long log catching up goes in pieces)
+RETRY_S = 1.0  # a failed append or renewal is tried again after this long
+
+
+@dataclass
+class _Log:
+    """One session's copy: its lease, what the store holds, what the file holds, who waits."""
+
+    lease: Lease
+    path: Path
+    stored: int  # bytes the store acknowledged
+    local: int  # bytes the file holds (as told by `written`)
+    waiters: list[tuple[int, Future[None]]] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+    lost: str | None = None  # why the lease is gone: nothing more is written
+
+
+class RemoteLogs:
+    """See the module's docstring. `path_of(session)`: the session's local log file. Every method
+    may be called from any thread but the store's own; the blocking ones wait at most
+    `store.timeout_s` (RemoteUnavailable past it)."""
+
+    def __init__(self, store: RemoteStore, path_of: Callable[[str], Path], sync: bool = True) -> None:
+        self.store, self.path_of, self.sync = store, path_of, sync
+        self.timeout_s = store.timeout_s
+        self._logs: dict[str, _Log] = {}
+        self._degraded: str | None = None
+        self._loop = _new_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="h3d-remote", daemon=True)
+        self._thread.start()
+        self._renewing: asyncio.Task[None] | None = None
+
+    # ---- the calling threads' side ------------------------------------------------------------
+
+    def _wait(self, coro: Coroutine[Any, Any, T], grace: float = 1.0) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(self.timeout_s + grace)
+        except TimeoutError as e:
+            future.cancel()
+            raise RemoteUnavailable(f"remote store: no answer within {self.timeout_s} s") from e
+
+    def start(self) -> str:
+        """Connect; in `sync` mode check the store persists every write first (NotDurable).
+        Returns what was checked (for the log)."""
+        found = self._wait(self._start())
+        return found
+
+    async def _start(self) -> str:
+        await self.store.ping()
+        found = await self.store.check_durable() if self.sync else "not checked (remote_log = async)"
+        self._renewing = asyncio.create_task(self._renew_loop())
+        return found
+
+    def take(self, session: str) -> int:
+        """Take `session`'s lease (Held if another daemon serves it) and start copying its log.
+        Returns the bytes of its log the store holds (0 for a new session)."""
+        return self._wait(self._take(session))
+
+    async def _take(self, session: str) -> int:
+        lease = await self.store.acquire(session)
+        stored = await self.store.log_size(session)
+        self._logs[session] = _Log(lease, self.path_of(session), stored, stored)
+        return stored
+
+    def written(self, session: str, size: int) -> None:
+        """`session`'s file holds `size` bytes now: copy what the store lacks (returns at once)."""
+        self._loop.call_soon_threadsafe(self._written, session, size)
+
+    def durable(self, session: str, size: int) -> Future[None]:
+        """Resolves once the store holds the file's first `size` bytes of `session`'s log; in
+        `sync` mode fails with RemoteUnavailable after `timeout_s` (`async`: waits as long as it takes)."""
+        future: Future[None] = Future()
+        self._loop.call_soon_threadsafe(self._add_waiter, session, size, future)
+        return future
+
+    def fetch(self, session: str) -> bytes | None:
+        """The store's log of `session` (None if it has none), read without taking it."""
+        return self._wait(self.store.log_bytes(session))
+
+    def holder(self, session: str) -> str | None:
+        return self._wait(self.store.holder(session))
+
+    def sessions(self) -> list[str]:
+        return self._wait(self.store.sessions())
+
+    def release(self, session: str) -> None:
+        """Copy the rest of `session`'s log, then give its lease up: another daemon may take it at
+        once. Raises RemoteUnavailable (the lease stays until it expires) if the store lacks bytes."""
+        self._wait(self._release(session), grace=self.timeout_s)
+
+    async def _release(self, session: str) -> None:
+        entry = self._logs.get(session)
+        if entry is None:
+            return
+        await self._catch_up(session, entry, deadline=time.monotonic() + self.timeout_s)
+        if entry.stored < entry.local:
+            raise RemoteUnavailable(f"session {session}: the store lacks {entry.local - entry.stored} bytes of its log")
+        self._logs.pop(session, None)
+        await self.store.release(entry.lease)
+
+    def delete(self, session: str) -> None:
+        """Delete `session`'s log from the store (its lease with it)."""
+        self._wait(self._delete(session))
+
+    async def _delete(self, session: str) -> None:
+        entry = self._logs.pop(session, None)
+        if entry is not None:
+            if entry.task is not None:
+                entry.task.cancel()
+            _fail(entry, RemoteError(f"session {session} was deleted"))
+            with contextlib.suppress(Fenced):
+                await self.store.delete(entry.lease)
+
+    def forget(self, session: str) -> None:
+        """Stop copying `session` (its lease left to expire): a session this daemon no longer serves."""
+        self._loop.call_soon_threadsafe(self._forget, session)
+
+    def _forget(self, session: str) -> None:
+        entry = self._logs.pop(session, None)
+        if entry is not None and entry.task is not None:
+            entry.task.cancel()
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the store does not take the copies now (None: it does)."""
+        return self._degraded
+
+    def lag_bytes(self) -> int:
+        """Bytes of the files the store does not hold yet, all sessions."""
+        return sum(max(0, x.local - x.stored) for x in list(self._logs.values()))
+
+    def lost(self) -> dict[str, str]:
+        """The sessions whose lease is gone (another daemon took them), with why."""
+        return {s: x.lost for s, x in list(self._logs.items()) if x.lost is not None}
+
+    def close(self) -> None:
+        """Copy what the store lacks (within `timeout_s`), give every lease up, stop the thread."""
+        with contextlib.suppress(RemoteError):
+            self._wait(self._close(), grace=self.timeout_s)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    async def _close(self) -> None:
+        if self._renewing is not None:
+            self._renewing.cancel()
+        deadline = time.monotonic() + self.timeout_s
+        for session, entry in list(self._logs.items()):
+            if entry.lost is None:
+                await self._catch_up(session, entry, deadline)
+            if entry.stored >= entry.local and entry.lost is None:
+                with contextlib.suppress(RemoteError):
+                    await self.store.release(entry.lease)
+            _fail(entry, RemoteUnavailable("the daemon is stopping"))
+        self._logs.clear()
+        await self.store.close()
+
+    # ---- the store's thread -------------------------------------------------------------------
+
+    def _written(self, session: str, size: int) -> None:
+        entry = self._logs.get(session)
+        if entry is None:
+            return
+        entry.local = max(entry.local, size)
+        if entry.task is None or entry.task.done():
+            entry.task = asyncio.ensure_future(self._copy(session, entry))
+
+    def _add_waiter(self, session: str, size: int, future: Future[None]) -> None:
+        entry = self._logs.get(session)
+        if entry is None:
+            future.set_exception(RemoteError(f"session {session}'s log is not copied to the remote store"))
+            return
+        if entry.lost is not None:
+            future.set_exception(Fenced(entry.lost))
+            return
+        if entry.stored >= size:
+            future.set_result(None)
+            return
+        entry.waiters.append((size, future))
+        if self.sync:
+            self._loop.call_later(self.timeout_s, self._expire, future, session)
+
+    def _expire(self, future: Future[None], session: str) -> None:
+        if not future.done():
+            reason = self._degraded or "the store did not acknowledge in time"
+            future.set_exception(RemoteUnavailable(f"session {session}'s log is not in the remote store: {reason}"))
+
+    async def _copy(self, session: str, entry: _Log) -> None:
+        """Append what the store lacks until it holds the whole file (retrying while it is down)."""
+        while entry.stored < entry.local and entry.lost is None and self._logs.get(session) is entry:
+            try:
+                await self._append_some(session, entry)
+                self._degraded = None
+            except Fenced as e:
+                entry.lost = str(e)
+                log.error("remote tier: session %s: %s", session, e)
+                _fail(entry, e)
+                return
+            except RemoteError as e:
+                if self._degraded is None:
+                    log.warning("remote tier degraded: %s", e)
+                self._degraded = str(e)
+                await asyncio.sleep(RETRY_S)
+
+    async def _catch_up(self, session: str, entry: _Log, deadline: float) -> None:
+        while entry.stored < entry.local and entry.lost is None and time.monotonic() < deadline:
+            try:
+                await self._append_some(session, entry)
+            except Fenced as e:
+                entry.lost = str(e)
+                return
+            except RemoteError:
+                await asyncio.sleep(min(RETRY_S, max(0.0, deadline - time.monotonic())))
+
+    async def _append_some(self, session: str, entry: _Log) -> None:
+        n = min(entry.local - entry.stored, APPEND_MAX_BYTES)
+        data = await asyncio.to_thread(_pread, entry.path, entry.stored, n)
+        if len(data) < n:
+            raise Fenced(f"session {session}: its log file is shorter than what was written ({entry.path})")
+        size = await self.store.append(entry.lease, data, at=entry.stored)
+        entry.stored = size
+        done = [f for s, f in entry.waiters if s <= size]
+        entry.waiters = [(s, f) for s, f in entry.waiters if s > size]
+        for future in done:
+            if not future.done():
+                future.set_result(None)
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.store.lease_s / 3)
+            for session, entry in list(self._logs.items()):
+                if entry.lost is not None:
+                    continue
+                try:
+                    await self.store.renew(entry.lease)
+                except Fenced as e:
+                    entry.lost = str(e)
+                    log.error("remote tier: session %s: %s", session, e)
+                    _fail(entry, e)
+                except RemoteError as e:
+                    self._degraded = str(e)
+
+
+def _fail(entry: _Log, error: Exception) -> None:
+    waiters, entry.waiters = entry.waiters, []
+    for _, future in waiters:
+        if not future.done():
+            future.set_exception(error)
+
+
+def _pread(path: Path, offset: int, n: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, n, offset)
+    finally:
+        os.close(fd)
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # (uvloop is a dependency; a platform without it runs asyncio's own)
+        return asyncio.new_event_loop()

@@ -1,0 +1,107 @@
+"""The token logs' copies in the store (`RemoteLogs`), against a real redis-server: the store's log
+follows the file's, a write is acknowledged only once the store holds it, a store that went down
+is caught up with when it is back, a lease another daemon took stops the copy, and a release hands
+the session over with its whole log."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from redisserver import RedisServer
+
+from h3d.remote.logs import RemoteLogs
+from h3d.remote.store import Fenced, Held, RemoteStore, RemoteUnavailable
+from h3d.store.tokenlog import TokenStore, parse_log
+
+
+def logs_for(server: RedisServer, folder: Path, owner: str, **kw: float) -> RemoteLogs:
+    store = RemoteStore(server.url, namespace="t", owner=owner, **kw)
+    return RemoteLogs(store, lambda s: folder / f"{s}.h3log")
+
+
+def size(folder: Path, session: str) -> int:
+    return (folder / f"{session}.h3log").stat().st_size
+
+
+def test_the_stores_log_follows_the_file(redis_server: RedisServer, tmp_path: Path) -> None:
+    files = TokenStore(tmp_path / "a")
+    remote = logs_for(redis_server, tmp_path / "a", "daemon-a")
+    assert remote.start() == "appendonly yes, appendfsync always"
+    assert remote.take("s1") == 0
+    files.create("s1", {"owner": "o"}, [1, 2, 3])
+    remote.written("s1", size(tmp_path / "a", "s1"))
+    for i in range(50):
+        files.append("s1", [10 + i])
+        remote.written("s1", size(tmp_path / "a", "s1"))
+    remote.durable("s1", size(tmp_path / "a", "s1")).result(10)
+    stored = remote.fetch("s1")
+    assert stored == (tmp_path / "a" / "s1.h3log").read_bytes()
+    assert parse_log("s1", stored).tokens == [1, 2, 3, *range(10, 60)]
+    assert remote.lag_bytes() == 0 and remote.degraded is None
+    other = logs_for(redis_server, tmp_path / "b", "daemon-b")
+    other.start()
+    with pytest.raises(Held, match="daemon-a"):
+        other.take("s1")
+    remote.release("s1")  # handed over: the other daemon takes it at once, with the whole log
+    assert other.take("s1") == len(stored)
+    other.close()
+    remote.close()
+    files.close()
+
+
+def test_a_store_down_fails_the_wait_and_is_caught_up_with(redis_server: RedisServer, tmp_path: Path) -> None:
+    files = TokenStore(tmp_path / "a")
+    remote = logs_for(redis_server, tmp_path / "a", "daemon-a", timeout_s=0.5, lease_s=30)
+    remote.start()
+    remote.take("s1")
+    files.create("s1", {}, [1])
+    remote.written("s1", size(tmp_path / "a", "s1"))
+    remote.durable("s1", size(tmp_path / "a", "s1")).result(10)
+    redis_server.stop()
+    files.append("s1", [2, 3])
+    remote.written("s1", size(tmp_path / "a", "s1"))
+    t0 = time.monotonic()
+    with pytest.raises(RemoteUnavailable):
+        remote.durable("s1", size(tmp_path / "a", "s1")).result(10)  # sync: bounded by timeout_s
+    assert time.monotonic() - t0 < 3
+    assert remote.degraded is not None and remote.lag_bytes() > 0
+    redis_server.start()  # (its AOF: what it acknowledged is back)
+    deadline = time.monotonic() + 15
+    while remote.lag_bytes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert remote.lag_bytes() == 0 and remote.degraded is None  # caught up by itself
+    assert parse_log("s1", remote.fetch("s1") or b"").tokens == [1, 2, 3]
+    remote.close()
+    files.close()
+
+
+def test_a_lease_another_daemon_took_stops_the_copy(redis_server: RedisServer, tmp_path: Path) -> None:
+    """A daemon cut off long enough loses its lease to another: its next renewal finds it gone,
+    the session is reported lost, and nothing more of its file reaches the store."""
+    files = TokenStore(tmp_path / "a")
+    remote = logs_for(redis_server, tmp_path / "a", "daemon-a", lease_s=0.3)
+    remote.start()
+    remote.take("s1")
+    files.create("s1", {}, [1])
+    remote.written("s1", size(tmp_path / "a", "s1"))
+    remote.durable("s1", size(tmp_path / "a", "s1")).result(10)
+    redis.Redis.from_url(redis_server.url).delete("h3d:t:{s1}:lease")  # (as if it had expired)
+    other = logs_for(redis_server, tmp_path / "b", "daemon-b", lease_s=0.3)
+    other.start()
+    other.take("s1")
+    deadline = time.monotonic() + 5
+    while "s1" not in remote.lost() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "gone" in remote.lost()["s1"]
+    stored = remote.fetch("s1")
+    files.append("s1", [2])
+    remote.written("s1", size(tmp_path / "a", "s1"))
+    with pytest.raises(Fenced):
+        remote.durable("s1", size(tmp_path / "a", "s1")).result(10)
+    assert remote.fetch("s1") == stored
+    other.close()
+    remote.close()
+    files.close()
