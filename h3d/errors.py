@@ -59,3 +59,29 @@ def clip(text: str, limit: int = 64) -> str:
     """`text` cut to `limit` characters, for messages and logs: a client's input is never echoed
     whole (a 1 MB session id would not fit in a status message)."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+class RemoteError(H3Error):
+    """The remote tier's store cannot do what was asked (`h3d.remote`)."""
+
+
+class RemoteUnavailable(RemoteError):
+    """The remote store did not answer within `remote_timeout_s`, or refused the connection (maps
+    to UNAVAILABLE)."""
+
+
+class NotDurable(RemoteError):
+    """The remote store does not persist every write before acknowledging it (`remote_log = sync` needs it)."""
+
+
+class Fenced(RemoteError):
+    """A write by a daemon whose lease on the session is gone (expired, or taken by another)."""
+
+
+class Held(RemoteError):
+    """The session is served by another daemon of the remote store (`holder`: its `<owner> <token>`;
+    maps to FAILED_PRECONDITION)."""
+
+    def __init__(self, message: str, holder: str) -> None:
+        super().__init__(message)
+        self.holder = holder

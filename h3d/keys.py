@@ -368,6 +368,29 @@ DAEMON: tuple[Key, ...] = (
         "archive and their next request reopens them; a `session_expired` event says which",
         default="0 (never)",
     ),
+    Key(
+        "remote_url",
+        "`redis://HOST:PORT/DB` (or `rediss://`, `unix://`) of the remote tier: a Redis-protocol store (Redis, "
+        "Valkey) that every session's token log is copied to and that is its truth; any daemon of the same model "
+        "sharing the store takes over a session whose lease is free or expired. A password never goes in the URL "
+        "(refused): `remote_password_file`",
+        default="off",
+    ),
+    Key("remote_password_file", "the remote store's password, on the file's first line", default="off"),
+    Key(
+        "remote_log",
+        "`sync`: a token is streamed only once the store acknowledged the log bytes that hold it (the store must "
+        "run `appendonly yes` with `appendfsync always`, checked at start); a Generate whose tokens the store does "
+        "not take within `remote_timeout_s` ends with UNAVAILABLE. `async`: the logs are copied behind, and a "
+        "daemon that dies may leave the store without its last tokens (those since its last copy; another daemon "
+        "continues from there)",
+    ),
+    Key(
+        "remote_lease_s",
+        "how long a daemon's hold on a session lasts unless renewed (every third of it): after a daemon dies, "
+        "another takes its sessions over this long after its last renewal",
+    ),
+    Key("remote_timeout_s", "the longest a call to the remote store may take (at most a third of remote_lease_s)"),
 )
 
 KEYS: dict[str, Key] = {k.name: k for k in ENGINE + DAEMON}

@@ -88,8 +88,14 @@ class RunningDaemon:
 
 @contextlib.contextmanager
 def running_daemon(
-    model: Path, data_dir: Path, extra: list[str] | None = None, tcp: bool = True, env: dict[str, str] | None = None
+    model: Path,
+    data_dir: Path,
+    extra: list[str] | None = None,
+    tcp: bool = True,
+    env: dict[str, str] | None = None,
+    exit_code: int = 0,
 ) -> Iterator[RunningDaemon]:
+    """`exit_code`: what the daemon must have exited with at the end (-9: the test killed it)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     sock = data_dir / "h3d.sock"
     cmd = [
@@ -130,4 +136,4 @@ def running_daemon(
         yield d
     finally:
         code = d.stop()
-        assert code == 0, f"h3d serve exited with {code}:\n" + "".join(d.raw[-50:])
+        assert code == exit_code, f"h3d serve exited with {code}:\n" + "".join(d.raw[-50:])

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
-from h3d.ctl.client import Client, NoSuchSession, UsageError
+from h3d.ctl.client import Client, NoSuchSession, UsageError, connect
 from h3d.ctl.options import ID_HELP, UINT64_MAX, uint64
 from h3d.ctl.output import emit_json, table, to_dict, when, yes_no
 
@@ -142,6 +142,8 @@ def session_text(s: Any, block_size: int | None = None, layers: int | None = Non
         ("pinned", pinned),
         ("sampling", sampling),
     ]
+    if s.served_by:
+        rows.insert(1, ("served_by", f"{s.served_by} (read from the remote store; not taken over)"))
     width = max(len(k) for k, _ in rows)
     out = "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
     if s.token_ids:
@@ -236,9 +238,34 @@ def cmd_session_close(c: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_session_release(c: Client, args: argparse.Namespace) -> int:
+    c.call(c.h3.ReleaseSession, pb.ReleaseSessionRequest(session_id=args.id))
+    if args.json:
+        emit_json({"session_id": args.id, "released": True})
+    else:
+        print(f"released {args.id}: the next daemon of the remote store that it names takes it over")
+    return 0
+
+
+def cmd_session_move(c: Client, args: argparse.Namespace) -> int:
+    target = connect(argparse.Namespace(**{**vars(args), **target_of(args.to)}))
+    c.call(c.h3.ReleaseSession, pb.ReleaseSessionRequest(session_id=args.id))
+    s = target.call(target.h3.GetSession, pb.GetSessionRequest(session_id=args.id, take_over=True))
+    if args.json:
+        emit_json({"session_id": args.id, "moved_to": args.to, "num_tokens": s.num_tokens})
+    else:
+        print(f"moved {args.id} to {args.to} ({s.num_tokens} tokens; its KV is computed again there when used)")
+    return 0
+
+
+def target_of(to: str) -> dict[str, str | None]:
+    """`--to`: a Unix socket's path (it has a `/`) or HOST:PORT."""
+    return {"socket": to, "address": None} if "/" in to else {"socket": None, "address": to}
+
+
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`session` and its actions."""
-    session = sub.add_parser("session", help="create, fork, list, show, close sessions")
+    session = sub.add_parser("session", help="create, fork, list, show, close, release, move sessions")
     ss = session.add_subparsers(dest="session_command", required=True, metavar="ACTION")
     c = ss.add_parser("create", help="open a session; prints its id")
     c.add_argument(
@@ -271,3 +298,22 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="delete it now, token log and archived KV (without: closed, kept on disk, reopened when used)",
     )
     c.set_defaults(func=cmd_session_close)
+    c = ss.add_parser(
+        "release",
+        help="with the remote tier (remote_url): hand a session over to the other daemons of the store at "
+        "once (its log's last bytes stored, its lease released, forgotten here)",
+    )
+    c.add_argument("id", metavar="ID", help=ID_HELP)
+    c.set_defaults(func=cmd_session_release)
+    c = ss.add_parser(
+        "move",
+        help="with the remote tier: release a session here and have another daemon of the store take it over now",
+    )
+    c.add_argument("id", metavar="ID", help=ID_HELP)
+    c.add_argument(
+        "--to",
+        required=True,
+        metavar="SOCKET|ADDRESS",
+        help="the daemon that takes it: its Unix socket's path, or HOST:PORT (the same --token-file and --tls-ca)",
+    )
+    c.set_defaults(func=cmd_session_move)

@@ -68,6 +68,14 @@ def stats_text(stats: Any) -> str:
         ),
         ("hbf_latency_us", f"p50 {g.hbf_latency_us_p50:.1f}  p99 {g.hbf_latency_us_p99:.1f}"),
         (
+            "remote_tier",
+            "off"
+            if not g.remote_on
+            else f"DEGRADED ({g.remote_degraded_reason}); {g.remote_lag_bytes} bytes of logs behind"
+            if g.remote_degraded
+            else f"ok; {g.remote_lag_bytes} bytes of logs behind",
+        ),
+        (
             "occupancy_mib",
             f"HBM {mib(g.hbm_used_bytes)}/{mib(g.hbm_capacity_bytes)}  "
             f"DDR {mib(g.ddr_used_bytes)}/{mib(g.ddr_capacity_bytes)}  SSD {mib(g.ssd_used_bytes)}",

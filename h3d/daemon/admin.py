@@ -36,7 +36,7 @@ class H3AdminServicer:
     async def EvictSession(
         self, request: pb.EvictSessionRequest, context: Any, caller: Caller
     ) -> pb.EvictSessionResponse:
-        sid = self.s.check_owner(caller, request.session_id)
+        sid = await self.s.owned(caller, request.session_id)
         if request.to not in (pb.TIER_DDR, pb.TIER_SSD):
             raise InvalidRequest("to: must be TIER_DDR or TIER_SSD")
 
@@ -50,7 +50,7 @@ class H3AdminServicer:
         return await self.s.worker.call(evict)
 
     async def PinSession(self, request: pb.PinSessionRequest, context: Any, caller: Caller) -> pb.Session:
-        sid = self.s.check_owner(caller, request.session_id)
+        sid = await self.s.owned(caller, request.session_id)
         if not (math.isfinite(request.ttl_s) and request.ttl_s >= 0):
             raise InvalidRequest(f"ttl_s: must be a number >= 0, got {request.ttl_s}")
 
@@ -63,7 +63,7 @@ class H3AdminServicer:
     async def SnapshotSession(
         self, request: pb.SnapshotSessionRequest, context: Any, caller: Caller
     ) -> pb.SnapshotSessionResponse:
-        sid = self.s.check_owner(caller, request.session_id)
+        sid = await self.s.owned(caller, request.session_id)
 
         def snapshot(engine: Engine) -> pb.SnapshotSessionResponse:
             t0 = time.perf_counter()
@@ -73,7 +73,7 @@ class H3AdminServicer:
         return await self.s.worker.call(snapshot)
 
     async def SetPolicy(self, request: pb.SetPolicyRequest, context: Any, caller: Caller) -> pb.Session:
-        sid = self.s.check_owner(caller, request.session_id)
+        sid = await self.s.owned(caller, request.session_id)
 
         def set_policy(engine: Engine) -> pb.Session:
             engine.set_policy(sid, request.policy)

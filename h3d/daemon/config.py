@@ -20,6 +20,7 @@ from h3d.config import AUTO, OR_AUTO, EngineConfig, SamplingDefaults
 from h3d.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+REMOTE_LOGS = ("sync", "async")
 DEFAULT_DATA_DIR = "/var/lib/h3d"
 # Keys SIGHUP re-reads from the file (the others need a restart).
 RELOADABLE = (
@@ -59,6 +60,11 @@ class DaemonConfig:
     max_message_bytes: int = 4 * 1024 * 1024
     retry_after_ms: int = 500
     session_ttl_s: float = 0.0  # close sessions idle (no request, not pinned) this long; 0: never
+    remote_url: str | None = None  # redis://HOST:PORT/DB of the remote tier (h3d.remote); off by default
+    remote_password_file: str | None = None
+    remote_log: str = "sync"  # sync: a token streamed once the store holds it; async: copied behind
+    remote_lease_s: float = 15.0
+    remote_timeout_s: float = 5.0
 
     @property
     def socket_path(self) -> Path:
@@ -106,12 +112,47 @@ class DaemonConfig:
                 )
         if self.metrics_listen is not None:
             split_address("metrics_listen", self.metrics_listen)
+        self._validate_remote()
         return self
+
+    def _validate_remote(self) -> None:
+        from h3d.remote.store import RemoteError, check_url  # (redis loads only where the tier is used)
+
+        if self.remote_log not in REMOTE_LOGS:
+            raise ConfigError(f"remote_log: {self.remote_log!r} is not one of {', '.join(REMOTE_LOGS)}")
+        if not self.remote_lease_s > 0 or not self.remote_timeout_s > 0:
+            raise ConfigError("remote_lease_s, remote_timeout_s: must be > 0")
+        if self.remote_timeout_s * 3 > self.remote_lease_s:
+            raise ConfigError(
+                f"remote_timeout_s: {self.remote_timeout_s} s is more than a third of remote_lease_s "
+                f"({self.remote_lease_s} s): a lease must be renewable within its life"
+            )
+        if self.remote_url is None:
+            if self.remote_password_file is not None:
+                raise ConfigError("remote_password_file: set remote_url too (or neither)")
+            return
+        try:
+            check_url(self.remote_url)
+        except RemoteError as e:
+            raise ConfigError(f"remote_url: {e}") from None
+        path = self.remote_password_file
+        if path is not None and not (Path(path).is_file() and Path(path).read_text().strip()):
+            raise ConfigError(f"remote_password_file: {path} is not a readable file holding a password")
+
+    def remote_password(self) -> str | None:
+        """The remote store's password (`remote_password_file`'s first line), or None."""
+        if self.remote_password_file is None:
+            return None
+        return Path(self.remote_password_file).read_text().strip().splitlines()[0]
 
     def public(self) -> dict[str, Any]:
         """Every key and value (token files by path only), for GetConfig and the startup log."""
         out = asdict(self)
         engine = out.pop("engine")
+        if self.remote_url is not None:
+            from h3d.remote.store import redact
+
+            out["remote_url"] = redact(self.remote_url)
         return {**engine, **out, "socket": str(self.socket_path)}
 
     def to_json(self) -> str:

@@ -14,10 +14,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
+from h3d.daemon.auth import LOCAL, Caller
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import FinishReason, GenerationDone, Session, SessionId
-from h3d.errors import InvalidRequest
+from h3d.errors import InvalidRequest, SessionNotFound
+from h3d.store.tokenlog import parse_log
 
 if TYPE_CHECKING:
     from h3d.daemon.rpc import State
@@ -81,6 +83,36 @@ def session_pb(engine: Engine, session: Session, with_tokens: bool = False) -> p
     return out
 
 
+def remote_session_pb(engine: Engine, sid: SessionId, caller: Caller, with_tokens: bool = False) -> pb.Session:
+    """A session this daemon does not serve, as the remote store's log tells it (read, not taken
+    over): what its log holds, and who serves it (`served_by`). SessionNotFound if the store has no
+    such session of the caller's."""
+    remote = engine.remote
+    data = remote.fetch(sid) if remote is not None else None
+    if data is None or remote is None:
+        raise SessionNotFound(f"no session {sid!r}")
+    r = parse_log(sid, data)
+    owner = str(r.meta.get("owner", "")) or LOCAL
+    if owner != caller.owner and not caller.admin:
+        raise SessionNotFound(f"no session {sid!r}")
+    holder = remote.holder(sid)
+    out = pb.Session(
+        session_id=sid,
+        num_tokens=len(r.tokens),
+        policy=str(r.meta.get("policy", "")),
+        created_at=float(r.meta.get("created_at", 0.0)),
+        last_used_at=float(r.meta.get("last_used_at", 0.0)),
+        closed=bool(r.meta.get("closed", False)),
+        chat=bool(r.meta.get("chat", False)),
+        num_messages=len(r.messages),
+        served_by=holder.split(" ")[0] if holder else "",
+    )
+    if with_tokens:
+        out.token_ids.extend(r.tokens)
+        out.text = engine.tokenizer.decode(r.tokens)
+    return out
+
+
 def tier_stats_pb(engine: Engine) -> pb.TierStats:
     t = engine.tier_stats()
     p50, p99 = engine.hbf_latency_us()
@@ -117,6 +149,10 @@ def tier_stats_pb(engine: Engine) -> pb.TierStats:
         shared_blocks=t.shared_blocks,
         shared_hbm_saved_bytes=t.shared_hbm_saved_bytes,
         shared_ddr_saved_bytes=t.shared_ddr_saved_bytes,
+        remote_on=engine.remote is not None,
+        remote_degraded=engine.remote is not None and engine.remote.degraded is not None,
+        remote_degraded_reason=(engine.remote.degraded or "") if engine.remote is not None else "",
+        remote_lag_bytes=engine.remote.lag_bytes() if engine.remote is not None else 0,
     )
 
 

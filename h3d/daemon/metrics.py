@@ -101,6 +101,11 @@ class Metrics:
         metric("h3d_window_hbm_bytes", "gauge", "HBM bytes held by sliding-window layers' blocks.", g.window_hbm_bytes)
         metric("h3d_shared_blocks", "gauge", "Blocks several sessions point to (forks, reused prefixes).",
                g.shared_blocks)  # fmt: skip
+        if g.remote_on:
+            metric("h3d_remote_degraded", "gauge", "1 while the remote store does not take the token logs' copies.",
+                   int(g.remote_degraded))  # fmt: skip
+            metric("h3d_remote_lag_bytes", "gauge", "Bytes of the token logs the remote store does not hold yet.",
+                   g.remote_lag_bytes)  # fmt: skip
         lines += [
             "# HELP h3d_shared_saved_bytes Bytes that sharing blocks saves now, per tier.",
             "# TYPE h3d_shared_saved_bytes gauge",

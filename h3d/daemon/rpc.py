@@ -25,7 +25,7 @@ import structlog
 from google.protobuf.message import DecodeError, Message
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
-from h3d.daemon.auth import Auth, Caller
+from h3d.daemon.auth import LOCAL, Auth, Caller
 from h3d.daemon.config import DaemonConfig
 from h3d.daemon.metrics import Metrics
 from h3d.daemon.status import Draining, Overloaded, status_of
@@ -88,10 +88,24 @@ class State:
         finally:
             self.in_flight -= 1
 
-    def check_owner(self, caller: Caller, session_id: str) -> SessionId:
+    async def owned(self, caller: Caller, session_id: str) -> SessionId:
+        """`check_owner`, after taking over a session that the remote store has and this daemon
+        does not (`Engine.adopt`: its lease, its log; Held if another daemon serves it)."""
+        sid = SessionId(session_id)
+        if sid not in self.owners and SESSION_ID.fullmatch(session_id) and self.worker.engine.remote is not None:
+            session = await self.worker.call(lambda e: e.adopt(sid))
+            if session is not None:
+                self.owners[sid] = session.owner or LOCAL
+                log.info("session_taken_over", session_id=sid, tokens=len(session.tokens))
+        return self.check_owner(caller, session_id)
+
+    def check_id(self, session_id: str) -> SessionId:
         if not SESSION_ID.fullmatch(session_id):
             raise InvalidRequest(f"session_id: {clip(session_id)!r} is not a session id (32 lowercase hex digits)")
-        sid = SessionId(session_id)
+        return SessionId(session_id)
+
+    def check_owner(self, caller: Caller, session_id: str) -> SessionId:
+        sid = self.check_id(session_id)
         owner = self.owners.get(sid)
         if owner is None or (owner != caller.owner and not caller.admin):
             raise SessionNotFound(f"no session {session_id!r}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import os
 import signal
 import socket
@@ -47,6 +48,7 @@ from h3d.store.files import make_dirs
 if TYPE_CHECKING:
     from h3d.engine.engine import Checkpoint, Engine
     from h3d.engine.session import SessionId
+    from h3d.remote.logs import RemoteLogs
 
 log = structlog.get_logger("h3d.server")
 SERVICES = ("h3.v1.H3", "h3.v1.H3Admin")
@@ -81,8 +83,16 @@ class Daemon:
             "starting", pid=os.getpid(), model=cfg.engine.model, data_dir=cfg.data_dir, cpu_threads=threads,
             triton_cache_dir=kernels,
         )  # fmt: skip
+        remote = await self._connect_remote() if cfg.remote_url is not None else None
         t0 = time.perf_counter()
-        engine = await asyncio.to_thread(Engine, cfg.engine)
+        try:
+            engine = await asyncio.to_thread(Engine, cfg.engine, remote)
+        except BaseException:
+            if remote is not None:
+                await asyncio.to_thread(remote.close)
+            raise
+        if engine.moved_away:
+            log.info("sessions_moved_away", sessions=len(engine.moved_away))  # served by other daemons now
         log.info("model_loaded", seconds=round(time.perf_counter() - t0, 3), layers=engine.model.config.num_layers)
         sized = engine.budgets
         blocks = engine.kv.blocks
@@ -135,6 +145,8 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self._reload)
         self._tasks.append(asyncio.create_task(self._stats_loop()))
         self._tasks.append(asyncio.create_task(self._expiry_loop()))
+        if remote is not None:
+            self._tasks.append(asyncio.create_task(self._lost_loop(remote.store.lease_s / 3)))
         if self.notifier.watchdog_s:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(self.notifier.watchdog_s / 2)))
         self.worker.collector.start()  # what exists now is frozen; GC runs between steps from here on
@@ -162,9 +174,36 @@ class Daemon:
                  digest_bytes=done.digest_bytes, budget_s=cfg.shutdown_budget_s,
                  seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
         await asyncio.to_thread(engine.close)  # archive writes in flight become durable
+        if remote is not None:  # the logs' last bytes copied, the leases given up: other daemons take over at once
+            await asyncio.to_thread(remote.close)
         self._unlink_socket()
         log.info("stopped", requests_finished=finished, requests_cancelled=cancelled)
         return 0
+
+    async def _connect_remote(self) -> RemoteLogs:
+        """The remote tier (`remote_url`): connected, and in `sync` mode its durability checked
+        (NotDurable, RemoteUnavailable: the daemon does not start)."""
+        from h3d.model.fingerprint import model_fingerprint
+        from h3d.remote.logs import RemoteLogs
+        from h3d.remote.store import RemoteStore, redact
+
+        cfg = self.config
+        assert cfg.remote_url is not None and cfg.engine.session_log_path is not None
+        folder = Path(cfg.engine.session_log_path)
+        namespace = (await asyncio.to_thread(model_fingerprint, cfg.engine.model))[:16]
+        store = RemoteStore(
+            cfg.remote_url, namespace=namespace, owner=owner_name(cfg), password=cfg.remote_password(),
+            timeout_s=cfg.remote_timeout_s, lease_s=cfg.remote_lease_s,
+        )  # fmt: skip
+        remote = RemoteLogs(store, lambda session: folder / f"{session}.h3log", sync=cfg.remote_log == "sync")
+        try:
+            checked = await asyncio.to_thread(remote.start)
+        except BaseException:
+            await asyncio.to_thread(remote.close)
+            raise
+        log.info("remote_connected", url=redact(cfg.remote_url), namespace=namespace, owner=store.owner,
+                 remote_log=cfg.remote_log, durability=checked)  # fmt: skip
+        return remote
 
     def checkpoint(self, engine: Engine, budget_s: float) -> Checkpoint:
         """The sessions' KV into the archive within `budget_s` (`Engine.checkpoint`), telling
@@ -306,6 +345,9 @@ class Daemon:
             except H3Error:
                 continue
             g, t = getattr(stats, "global"), stats.throughput
+            remote = (
+                {"remote_degraded": g.remote_degraded, "remote_lag_bytes": g.remote_lag_bytes} if g.remote_on else {}
+            )
             log.info(
                 "tier_stats",
                 hbm_hit_rate=round(g.hbm_hit_rate, 4),
@@ -327,6 +369,7 @@ class Daemon:
                 in_flight=self.state.in_flight,
                 gc_collections=self.worker.collector.collections,
                 gc_pause_ms_max=round(self.worker.collector.take_max() * 1e3, 2),
+                **remote,
             )
             self.state.prune_gaps(self.state.owners)  # the gaps of purged sessions
 
@@ -341,6 +384,15 @@ class Daemon:
             closed = await self.worker.call(functools.partial(_close_idle, ttl_s=ttl))
             for sid in closed:
                 log.info("session_expired", session_id=sid, ttl_s=ttl)
+
+    async def _lost_loop(self, every_s: float) -> None:
+        """Forget the sessions whose lease another daemon took (this one was cut off from the remote
+        store for longer than a lease): their requests end, their log and KV here go."""
+        while True:
+            await asyncio.sleep(every_s)
+            for sid in await self.worker.call(lambda e: e.drop_lost()):
+                self.state.owners.pop(sid, None)
+                log.warning("session_taken_over", session_id=sid)
 
     async def _watchdog_loop(self, every_s: float) -> None:
         while True:
@@ -363,6 +415,14 @@ class Daemon:
             k for k, v in fresh.public().items() if k not in RELOADABLE and self.config.public().get(k) != v
         )
         log.info("reloaded", changed=sorted(changes), need_restart=restart)
+
+
+def owner_name(config: DaemonConfig) -> str:
+    """This daemon's name in the remote store's leases: its host and its data folder (one daemon
+    per folder: the archive's lock), so that a daemon restarted in place takes its sessions back
+    at once."""
+    folder = hashlib.sha256(os.path.realpath(config.data_dir).encode()).hexdigest()[:8]
+    return f"{socket.gethostname()}-{folder}".replace(" ", "_")
 
 
 def triton_cache(data_dir: Path) -> str:

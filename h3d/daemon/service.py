@@ -14,16 +14,20 @@ import math
 from collections.abc import AsyncIterator
 from typing import Any
 
+import structlog
+
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.config import POLICIES
 from h3d.daemon.auth import Caller
-from h3d.daemon.convert import check_token_ids, sampling_from, session_pb, stats_pb
+from h3d.daemon.convert import check_token_ids, remote_session_pb, sampling_from, session_pb, stats_pb
 from h3d.daemon.generation import stream_append, stream_generation
 from h3d.daemon.rpc import State
 from h3d.daemon.worker import Finished
 from h3d.engine.engine import Engine
 from h3d.engine.session import PrefillProgress, RequestId, Session, SessionId
 from h3d.errors import InvalidRequest, SessionBusy, clip
+
+log = structlog.get_logger("h3d.service")
 
 MAX_PAGE = 1000
 DEFAULT_PAGE = 100
@@ -54,7 +58,7 @@ class H3Servicer:
 
     async def ForkSession(self, request: pb.ForkSessionRequest, context: Any, caller: Caller) -> pb.Session:
         self.s.accepting()
-        sid = self.s.check_owner(caller, request.session_id)
+        sid = await self.s.owned(caller, request.session_id)
         at = request.at_tokens if request.HasField("at_tokens") else None
 
         def fork(engine: Engine) -> tuple[SessionId, bool]:
@@ -82,8 +86,23 @@ class H3Servicer:
             raise
 
     async def GetSession(self, request: pb.GetSessionRequest, context: Any, caller: Caller) -> pb.Session:
+        sid = SessionId(request.session_id)
+        if request.take_over:
+            sid = await self.s.owned(caller, request.session_id)
+        elif sid not in self.s.owners and self.s.worker.engine.remote is not None:  # read from the store, not taken
+            self.s.check_id(request.session_id)
+            return await self.s.worker.call(lambda e: remote_session_pb(e, sid, caller, request.with_tokens))
         sid = self.s.check_owner(caller, request.session_id)
         return await self.s.worker.call(lambda e: session_pb(e, e.session(sid), request.with_tokens))
+
+    async def ReleaseSession(
+        self, request: pb.ReleaseSessionRequest, context: Any, caller: Caller
+    ) -> pb.ReleaseSessionResponse:
+        sid = self.s.check_owner(caller, request.session_id)
+        await self.s.worker.call(lambda e: e.hand_over(sid))
+        self.s.owners.pop(sid, None)
+        log.info("session_released", session_id=sid)
+        return pb.ReleaseSessionResponse()
 
     async def ListSessions(
         self, request: pb.ListSessionsRequest, context: Any, caller: Caller
@@ -110,7 +129,7 @@ class H3Servicer:
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: Any, caller: Caller
     ) -> pb.CloseSessionResponse:
-        sid = self.s.check_owner(caller, request.session_id)
+        sid = await self.s.owned(caller, request.session_id)
         if request.purge:  # answered once the session's data is gone
             await self.s.worker.call(lambda e: e.close_session(sid, purge=True))
             self.s.owners.pop(sid, None)
@@ -125,7 +144,7 @@ class H3Servicer:
         self, request: pb.AppendContextRequest, context: Any, caller: Caller
     ) -> AsyncIterator[pb.AppendContextResponse]:
         self.s.accepting()
-        sid = self.s.check_owner(caller, request.session_id)
+        sid = await self.s.owned(caller, request.session_id)
         if request.text and request.token_ids:
             raise InvalidRequest("give text or token_ids, not both")
         if not request.text and not request.token_ids:
@@ -152,7 +171,7 @@ class H3Servicer:
         self, request: pb.GenerateRequest, context: Any, caller: Caller
     ) -> AsyncIterator[pb.GenerateResponse]:
         self.s.accepting()
-        sid = self.s.check_owner(caller, request.session_id)
+        sid = await self.s.owned(caller, request.session_id)
         if request.prompt and request.prompt_token_ids:
             raise InvalidRequest("give prompt or prompt_token_ids, not both")
         ids = list(request.prompt_token_ids)

@@ -260,7 +260,7 @@ class EngineWorker:
                 if failed is not None:
                     batch.append((stream, failed))
         if batch:
-            self._loop.call_soon_threadsafe(_deliver, batch)
+            self._deliver_held(batch)
         # The ended requests' metadata, once their last tokens are out, and before the fsyncs that
         # the ends wait for (which then cover it).
         self.engine.save_touched()
@@ -278,13 +278,59 @@ class EngineWorker:
         if now:
             self._loop.call_soon_threadsafe(_deliver, now)
 
+    def _deliver_held(self, batch: list[tuple[asyncio.Queue[Event | Finished], Event | Finished]]) -> None:
+        """Deliver a step's events; with the remote tier in `sync` mode, each session's only once
+        the store holds its log as it is now (`RemoteLogs.durable`): a token is never shown before
+        the store has it. A store that does not take it in time ends the stream (UNAVAILABLE)."""
+        remote, journal = self.engine.remote, self.engine.journal
+        if remote is None or not remote.sync or journal is None:
+            self._loop.call_soon_threadsafe(_deliver, batch)
+            return
+        now: list[tuple[asyncio.Queue[Event | Finished], Event | Finished]] = []
+        held: dict[SessionId, list[tuple[asyncio.Queue[Event | Finished], Event | Finished]]] = {}
+        for item in batch:
+            sid: SessionId = getattr(item[1], "session_id")  # noqa: B009 (every event of a step names it)
+            if journal.size(sid):
+                held.setdefault(sid, []).append(item)
+            else:
+                now.append(item)
+        for sid, items in held.items():
+            future = remote.durable(sid, journal.size(sid))
+            if future.done() and future.exception() is None:
+                now += items
+            else:
+                future.add_done_callback(functools.partial(self._when_stored, items))
+        if now:
+            self._loop.call_soon_threadsafe(_deliver, now)
+
+    def _when_stored(
+        self, items: list[tuple[asyncio.Queue[Event | Finished], Event | Finished]], stored: Future[None]
+    ) -> None:
+        """The store's thread: a step's events of one session, once the store holds its log (or
+        each stream's end, UNAVAILABLE, if it did not in time)."""
+        error = stored.exception()
+        out: list[tuple[asyncio.Queue[Event | Finished], Event | Finished]] = items
+        if error is not None:
+            cause = error if isinstance(error, H3Error) else InternalFault(f"the remote store failed: {error}")
+            ended: dict[int, tuple[asyncio.Queue[Event | Finished], Event | Finished]] = {}
+            for stream, event in items:
+                e: Any = event
+                ended.setdefault(id(stream), (stream, RequestFailed(e.request_id, e.session_id, cause)))
+            out = list(ended.values())
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is gone
+            self._loop.call_soon_threadsafe(_deliver, out)
+
     def _durable(self, session_id: SessionId) -> Future[None] | None:
-        """The fsync of `session_id`'s log on the store's thread (`TokenStore.sync_behind`); None
-        where there is nothing to wait for."""
+        """The fsync of `session_id`'s log on the store's thread (`TokenStore.sync_behind`), and
+        with the remote tier in `sync` mode the store's acknowledgement of it too; None where
+        there is nothing to wait for."""
         journal = self.engine.journal
         if journal is None:
             return None
         future = journal.sync_behind(session_id)
+        remote = self.engine.remote
+        if remote is not None and remote.sync and journal.size(session_id):
+            future = _both(future, remote.durable(session_id, journal.size(session_id)))
         return None if future.done() and future.exception() is None else future
 
     def _when_durable(self, stream: asyncio.Queue[Event | Finished], finished: Finished, durable: Future[None]) -> None:
@@ -341,6 +387,25 @@ def _summary_of(engine: Engine, done: GenerationDone, tiers: list[pb.TierStats])
             prompt_tokens=done.prompt_tokens,
             completion_tokens=len(done.token_ids),
         )
+
+
+def _both(first: Future[None], second: Future[None]) -> Future[None]:
+    """A future done once both are; it fails with the first failure."""
+    out: Future[None] = Future()
+
+    def done(_: Future[None]) -> None:
+        if out.done():
+            return
+        for f in (first, second):
+            if f.done() and f.exception() is not None:
+                out.set_exception(f.exception())
+                return
+        if first.done() and second.done():
+            out.set_result(None)
+
+    first.add_done_callback(done)
+    second.add_done_callback(done)
+    return out
 
 
 def _deliver(batch: list[tuple[asyncio.Queue[Event | Finished], Event | Finished]]) -> None:

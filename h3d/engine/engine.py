@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,7 +30,7 @@ from h3d.engine.build import budgets, build_runner
 from h3d.engine.chat import Conversation, chat_piece, end_of_turn
 from h3d.engine.detok import IncrementalDetokenizer
 from h3d.engine.graphs import GraphKey
-from h3d.engine.journal import log_piece, replay_chat, restore_sessions, session_meta
+from h3d.engine.journal import log_piece, replay_chat, restore_session, restore_sessions, session_meta
 from h3d.engine.prefill import Interleave
 from h3d.engine.prefixes import PrefixIndex
 from h3d.engine.sampling import SamplingParams, make_generator, sample_batch
@@ -69,6 +70,9 @@ from h3d.store.tokenlog import TokenStore
 from h3d.tiers.identity import ArchiveCorrupt
 from h3d.tiers.stats import TierStats
 
+if TYPE_CHECKING:
+    from h3d.remote.logs import RemoteLogs
+
 log = logging.getLogger(__name__)
 
 
@@ -97,8 +101,11 @@ class EngineCounters:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, remote: RemoteLogs | None = None) -> None:
         self.config = config.validate()
+        # The remote tier's copies of the token logs (the daemon's `remote_url`): the store's log is
+        # each session's truth, and a session another daemon served is taken over from it (`adopt`).
+        self.remote = remote
         self.model = load_model(config.model, config.resolved_dtype, config.resolved_device)
         self.tokenizer = Tokenizer(config.model)
         self.max_context = config.max_context_tokens or self.model.config.max_position_embeddings
@@ -132,8 +139,11 @@ class Engine:
         # thread; the daemon turns it off and waits for it off the engine's thread instead
         # (`EngineWorker`: the generation's end goes out once `TokenStore.sync_behind` is done).
         self.sync_on_finish = True
+        self.moved_away: list[str] = []  # sessions another daemon serves now (their local logs dropped at start)
         if config.session_log_path is not None:
-            self.journal = TokenStore(Path(config.session_log_path), config.fsync_interval_ms)
+            self.journal = TokenStore(Path(config.session_log_path), config.fsync_interval_ms, mirror=remote)
+            if remote is not None:
+                self._reconcile(remote)
             restored = restore_sessions(
                 self.journal, self.kv, self.tokenizer, config.policy, self._seq_ids, self.runner.device
             )
@@ -141,6 +151,81 @@ class Engine:
                 self.sessions[session.id] = session
                 self.restored.append(session.id)
             self.swept = sweep_archive(self.kv, set(self.sessions))
+
+    def _reconcile(self, remote: RemoteLogs) -> None:
+        """At start, the local logs against the store's (`RemoteLogs.reconcile`): a session whose
+        log the store changed (another daemon served it since) loses its archived KV here, which
+        may be of other tokens; one another daemon serves now is dropped."""
+        assert self.journal is not None
+        archive = self.kv.archive
+        paths = sorted(self.journal.folder.glob("*.h3log"))
+        before = {p.name.split(".")[0]: p.stat().st_size for p in paths}
+        self.moved_away = remote.reconcile(paths)
+        for session, size in before.items():
+            path = self.journal.path(session)
+            changed = session in self.moved_away or not path.exists() or path.stat().st_size != size
+            if changed and archive is not None and self.kv.writable:
+                archive.remove(session)
+
+    def adopt(self, session_id: SessionId) -> Session | None:
+        """A session this daemon does not have, taken over from the remote store (its lease taken,
+        its log written here, its KV computed again from its tokens by its next request); None
+        without a remote tier or if the store has no such session. Raises Held (another daemon
+        serves it) or RemoteUnavailable."""
+        if self.remote is None or self.journal is None:
+            return None
+        if session_id in self.sessions:
+            return self.sessions[session_id]
+        data = self.remote.adopt(session_id)
+        if data is None:
+            return None
+        try:
+            restored = self.journal.restore(session_id, data)
+            if self.kv.archive is not None and self.kv.writable:
+                self.kv.archive.remove(session_id)  # (KV this daemon archived of it before: maybe of other tokens)
+            session = restore_session(
+                restored, self.kv, self.tokenizer, self.config.policy, SeqId(next(self._seq_ids)), self.runner.device
+            )
+        except BaseException:
+            self.remote.forget(session_id)
+            raise
+        self.sessions[session.id] = session
+        return session
+
+    def hand_over(self, session_id: SessionId) -> None:
+        """Give `session_id` up to the other daemons of the remote store: its log's last bytes
+        copied there and its lease released (RemoteUnavailable: it stays here), then its requests
+        cancelled and everything of it here forgotten (its KV, its local log); the store keeps it."""
+        session = self.session(session_id)
+        if self.remote is None or self.journal is None:
+            raise InvalidRequest("handing a session over needs the remote tier (remote_url)")
+        self._save_meta(session)
+        self._cancel_requests(session)
+        self.remote.release(session_id)
+        purge_kv(self.kv, session.seq)
+        self.prefixes.forget(session_id)
+        del self.sessions[session_id]
+        self.journal.delete(session_id, mirrored=False)
+
+    def drop_lost(self) -> list[SessionId]:
+        """Sessions whose lease another daemon took (this one was cut off from the store too long):
+        forgotten here, their requests cancelled; the store's log, written by the new holder, is
+        theirs. Returns them."""
+        if self.remote is None or self.journal is None:
+            return []
+        gone = []
+        for sid in self.remote.lost():
+            session = self.sessions.get(SessionId(sid))
+            self.remote.forget(sid)
+            if session is None:
+                continue
+            self._cancel_requests(session)
+            purge_kv(self.kv, session.seq)
+            self.prefixes.forget(session.id)
+            del self.sessions[session.id]
+            self.journal.delete(session.id, mirrored=False)
+            gone.append(session.id)
+        return gone
 
     def tier_stats(self) -> TierStats:
         """The tier layer's counters and occupancy (see h3d.tiers.stats)."""

@@ -24,7 +24,7 @@ from h3d.hbf.policy import POLICIES, anchors_to_meta, policy_named, state_from_m
 from h3d.kv.blocks import SeqId
 from h3d.kv.cache import KVCache
 from h3d.model.tokenizer import Tokenizer
-from h3d.store.tokenlog import TokenStore
+from h3d.store.tokenlog import Restored, TokenStore
 
 
 def session_meta(session: Session, kv: KVCache, anchors: bool = True) -> dict[str, object]:
@@ -81,31 +81,39 @@ def restore_sessions(
     (read lazily); the tokens without it are prefilled again by the session's next request.
     Yields each session once its KV state is open in `kv` (`seq_ids`: the engine's counter)."""
     for r in store.load_all():
-        meta = r.meta
-        saved = dict(meta.get("sampling", {}))
-        saved["stop"] = tuple(saved.get("stop", ()))
-        saved["stop_token_ids"] = tuple(saved.get("stop_token_ids", ()))
-        sampling = SamplingParams(**saved)
-        policy = POLICIES.get(str(meta.get("policy"))) or policy_named(default_policy)
-        session = Session(
-            id=SessionId(r.session_id),
-            seq=SeqId(next(seq_ids)),
-            sampling=sampling,
-            tokens=list(r.tokens),
-            pieces=int(bool(r.tokens)),
-            created_at=float(meta.get("created_at", time.time())),
-            owner=str(meta.get("owner", "")),
-            closed=bool(meta.get("closed", False)),
-            extra=dict(meta.get("extra") or {}),
-        )
-        session.last_used_at = float(meta.get("last_used_at", session.created_at))
-        if meta.get("chat"):
-            session.chat = replay_chat(tokenizer, r.messages, session.tokens)
-        kv.open(session.seq, session.id, policy)
-        pin = meta.get("pinned_until")
-        kv.pin(session.seq, math.inf if pin == "forever" else float(pin) if pin is not None else None)
-        selection = kv.selection(session.seq)  # (logs written before "hbf_anchors" keep them in "hbf")
-        state_from_meta(selection, {**(meta.get("hbf") or {}), **(meta.get("hbf_anchors") or {})}, device)
-        session.anchors_logged = selection.anchors_version
-        kv.adopt(session.seq, max(len(session.tokens) - 1, 0))  # the last token: fed by the next request
-        yield session
+        yield restore_session(r, kv, tokenizer, default_policy, SeqId(next(seq_ids)), device)
+
+
+def restore_session(
+    r: Restored, kv: KVCache, tokenizer: Tokenizer, default_policy: str, seq: SeqId, device: torch.device
+) -> Session:
+    """One session as its log tells it (`r`), its KV state opened in `kv` as `seq`, adopting what
+    the archive holds of it."""
+    meta = r.meta
+    saved = dict(meta.get("sampling", {}))
+    saved["stop"] = tuple(saved.get("stop", ()))
+    saved["stop_token_ids"] = tuple(saved.get("stop_token_ids", ()))
+    sampling = SamplingParams(**saved)
+    policy = POLICIES.get(str(meta.get("policy"))) or policy_named(default_policy)
+    session = Session(
+        id=SessionId(r.session_id),
+        seq=seq,
+        sampling=sampling,
+        tokens=list(r.tokens),
+        pieces=int(bool(r.tokens)),
+        created_at=float(meta.get("created_at", time.time())),
+        owner=str(meta.get("owner", "")),
+        closed=bool(meta.get("closed", False)),
+        extra=dict(meta.get("extra") or {}),
+    )
+    session.last_used_at = float(meta.get("last_used_at", session.created_at))
+    if meta.get("chat"):
+        session.chat = replay_chat(tokenizer, r.messages, session.tokens)
+    kv.open(session.seq, session.id, policy)
+    pin = meta.get("pinned_until")
+    kv.pin(session.seq, math.inf if pin == "forever" else float(pin) if pin is not None else None)
+    selection = kv.selection(session.seq)  # (logs written before "hbf_anchors" keep them in "hbf")
+    state_from_meta(selection, {**(meta.get("hbf") or {}), **(meta.get("hbf_anchors") or {})}, device)
+    session.anchors_logged = selection.anchors_version
+    kv.adopt(session.seq, max(len(session.tokens) - 1, 0))  # the last token: fed by the next request
+    return session

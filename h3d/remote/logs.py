@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from h3d.remote.store import Fenced, Lease, RemoteError, RemoteStore, RemoteUnavailable
+from h3d.remote.store import Fenced, Held, Lease, RemoteError, RemoteStore, RemoteUnavailable
+from h3d.store.files import create_file, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,65 @@ class RemoteLogs:
         stored = await self.store.log_size(session)
         self._logs[session] = _Log(lease, self.path_of(session), stored, stored)
         return stored
+
+    def creating(self, session: str) -> None:
+        """A new session's log is about to be written (`h3d.store.tokenlog.LogMirror`): take its lease."""
+        self.take(session)
+
+    def deleted(self, session: str) -> None:
+        """A session was deleted: its log goes from the store too (tried again while the store is down)."""
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._delete_until_done(session)))
+
+    async def _delete_until_done(self, session: str) -> None:
+        while True:
+            try:
+                await self._delete(session)
+                return
+            except Fenced:
+                return
+            except RemoteError as e:
+                self._degraded = str(e)
+                await asyncio.sleep(RETRY_S)
+
+    def adopt(self, session: str) -> bytes | None:
+        """A session this daemon does not have: its lease taken (Held if another daemon serves it)
+        and its log as the store holds it, to be served from here on; None if the store has none."""
+        return self._wait(self._adopt(session))
+
+    async def _adopt(self, session: str) -> bytes | None:
+        if await self.store.log_bytes(session) is None:
+            return None
+        lease = await self.store.acquire(session)
+        data = await self.store.log_bytes(session)  # (read again under the lease: nothing writes it now)
+        if data is None:  # deleted meanwhile
+            await self.store.release(lease)
+            return None
+        self._logs[session] = _Log(lease, self.path_of(session), len(data), len(data))
+        return data
+
+    def reconcile(self, paths: list[Path]) -> list[str]:
+        """At start, before the local logs are read (`paths`, named `<session>.h3log`): each one's
+        lease taken and the file made the store's log where the two differ (the store is the
+        truth: another daemon served the session since), or its tail copied where the store lacks
+        it (it holds a prefix of the file). The files of sessions another daemon serves now are
+        deleted (their archived KV goes with the sweep of blocks without a log). Returns those."""
+        gone = []
+        for path in paths:
+            session = path.name.split(".")[0]
+            try:
+                self.take(session)
+            except Held:
+                path.unlink(missing_ok=True)
+                gone.append(session)
+                continue
+            data = self.fetch(session) or b""
+            local = path.read_bytes()
+            if local.startswith(data):
+                self.written(session, len(local))  # (what the store lacks, if anything, copied)
+            else:
+                _replace(path, data)
+                log.warning("token log of session %s replaced by the remote store's (%d bytes)", session, len(data))
+        return gone
 
     def written(self, session: str, size: int) -> None:
         """`session`'s file holds `size` bytes now: copy what the store lacks (returns at once)."""
@@ -287,6 +347,22 @@ def _fail(entry: _Log, error: Exception) -> None:
     for _, future in waiters:
         if not future.done():
             future.set_exception(error)
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """`path` holding `data`, atomically (a temporary file fsynced, renamed over it, the folder fsynced)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = create_file(tmp, os.O_WRONLY)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    tmp.replace(path)
+    fsync_dir(path.parent)
 
 
 def _pread(path: Path, offset: int, n: int) -> bytes:

@@ -41,36 +41,12 @@ from urllib.parse import urlsplit, urlunsplit
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from h3d.errors import H3Error
+from h3d.errors import Fenced, Held, NotDurable, RemoteError, RemoteUnavailable
 from h3d.store.tokenlog import Restored, parse_log
 
 T = TypeVar("T")
 
 SCHEMES = ("redis", "rediss", "unix")
-
-
-class RemoteError(H3Error):
-    """The remote store cannot do what was asked."""
-
-
-class RemoteUnavailable(RemoteError):
-    """The store did not answer within the timeout, or refused the connection."""
-
-
-class NotDurable(RemoteError):
-    """The store does not persist every write before acknowledging it (the `sync` mode needs it)."""
-
-
-class Fenced(RemoteError):
-    """A write by a daemon whose lease on the session is gone (expired, or taken by another)."""
-
-
-class Held(RemoteError):
-    """The session's lease is held by another daemon (`holder`: `<owner> <token>`)."""
-
-    def __init__(self, message: str, holder: str) -> None:
-        super().__init__(message)
-        self.holder = holder
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from h3d.store.files import FileOps, make_dirs
 
@@ -54,6 +54,18 @@ MAGIC = b"H3"
 HEADER = struct.Struct("<2sBII")  # magic, kind, length, crc
 META, TOKENS, CUT, CLOSED, MESSAGE = 1, 2, 3, 4, 5
 SUFFIX = ".h3log"
+
+
+class LogMirror(Protocol):
+    """A copy of the logs somewhere else, kept up by whoever implements it (the remote tier:
+    `h3d.remote.logs.RemoteLogs`): told of each log before it is created (it may refuse: the
+    creation fails), of each write once the file holds it (its new size), and of each deletion."""
+
+    def creating(self, session_id: str) -> None: ...
+
+    def written(self, session_id: str, size: int) -> None: ...
+
+    def deleted(self, session_id: str) -> None: ...
 
 
 @dataclass
@@ -94,6 +106,7 @@ class TokenStore:
     fsync_interval_ms: float = 50.0
     files: FileOps = field(default_factory=FileOps)
     clock: Callable[[], float] = time.monotonic
+    mirror: LogMirror | None = None
     syncs: int = 0
     _logs: dict[str, _Log] = field(default_factory=dict, init=False)
     _last_sync: float = field(default=0.0, init=False)
@@ -141,10 +154,12 @@ class TokenStore:
         self._create(session_id, b"".join(data))
         return Restored(session_id, meta, tokens, False, 0, messages)
 
-    def _create(self, session_id: str, data: bytes) -> None:
+    def _create(self, session_id: str, data: bytes, mirrored: bool = True) -> None:
         path = self._path(session_id)
         if session_id in self._logs or path.exists():
             raise ValueError(f"session {session_id} already has a token log")
+        if mirrored and self.mirror is not None:
+            self.mirror.creating(session_id)
         tmp = path.with_suffix(".tmp")
         files = self.files
         files.unlink(tmp, missing_ok=True)  # a create that failed midway: never acknowledged
@@ -159,6 +174,30 @@ class TokenStore:
         files.replace(tmp, path)
         files.fsync_dir(self.folder)
         self._open(session_id, path)
+        if mirrored and self.mirror is not None:
+            self.mirror.written(session_id, len(data))
+
+    def restore(self, session_id: str, data: bytes) -> Restored:
+        """A log whose bytes come from elsewhere (the remote store's: a session this daemon takes
+        over), written as `create` writes one, the copy not told (it has them). Returns what it holds."""
+        restored = parse_log(session_id, data)
+        if restored.truncated_bytes:
+            raise ValueError(f"session {session_id}'s log is torn after {len(data) - restored.truncated_bytes} bytes")
+        old = self._logs.pop(session_id, None)
+        if old is not None:
+            os.close(old.fd)
+        self.files.unlink(self._path(session_id), missing_ok=True)
+        self._create(session_id, data, mirrored=False)
+        return restored
+
+    def size(self, session_id: str) -> int:
+        """The bytes of `session_id`'s log written so far (0 for an unknown one)."""
+        log = self._logs.get(session_id)
+        return 0 if log is None else log.size
+
+    def path(self, session_id: str) -> Path:
+        """`session_id`'s log file."""
+        return self._path(session_id)
 
     def append(self, session_id: str, tokens: list[int]) -> None:
         if tokens:
@@ -175,8 +214,9 @@ class TokenStore:
     def cut(self, session_id: str, num_tokens: int) -> None:
         self._write(session_id, record(CUT, struct.pack("<Q", num_tokens)))
 
-    def delete(self, session_id: str) -> None:
-        """Forget a closed session: a CLOSED record (durable), then the file goes."""
+    def delete(self, session_id: str, mirrored: bool = True) -> None:
+        """Forget a closed session: a CLOSED record (durable), then the file goes (and the copy,
+        unless not `mirrored`: a session handed to another daemon, whose log lives on there)."""
         log = self._logs.pop(session_id, None)
         if log is None:
             return
@@ -187,6 +227,8 @@ class TokenStore:
             os.close(log.fd)
         self.files.unlink(self._path(session_id), missing_ok=True)
         self.files.fsync_dir(self.folder)
+        if mirrored and self.mirror is not None:
+            self.mirror.deleted(session_id)
 
     def sync(self, session_id: str | None = None) -> None:
         """fsync one session's log (or every dirty one) now, on this thread; raises what an fsync
@@ -334,6 +376,8 @@ class TokenStore:
             self.files.truncate(log.fd, log.size)
             raise OSError(28, "short write to the token log (disk full?)")
         log.size += written
+        if self.mirror is not None:
+            self.mirror.written(session_id, log.size)
 
 
 def read_log(path: Path) -> Restored:

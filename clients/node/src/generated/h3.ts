@@ -26,6 +26,8 @@ import type { H3AdminClient as _h3_v1_H3AdminClient, H3AdminDefinition as _h3_v1
 import type { ListSessionsRequest as _h3_v1_ListSessionsRequest, ListSessionsRequest__Output as _h3_v1_ListSessionsRequest__Output } from './h3/v1/ListSessionsRequest.js';
 import type { ListSessionsResponse as _h3_v1_ListSessionsResponse, ListSessionsResponse__Output as _h3_v1_ListSessionsResponse__Output } from './h3/v1/ListSessionsResponse.js';
 import type { PinSessionRequest as _h3_v1_PinSessionRequest, PinSessionRequest__Output as _h3_v1_PinSessionRequest__Output } from './h3/v1/PinSessionRequest.js';
+import type { ReleaseSessionRequest as _h3_v1_ReleaseSessionRequest, ReleaseSessionRequest__Output as _h3_v1_ReleaseSessionRequest__Output } from './h3/v1/ReleaseSessionRequest.js';
+import type { ReleaseSessionResponse as _h3_v1_ReleaseSessionResponse, ReleaseSessionResponse__Output as _h3_v1_ReleaseSessionResponse__Output } from './h3/v1/ReleaseSessionResponse.js';
 import type { ResumeRequest as _h3_v1_ResumeRequest, ResumeRequest__Output as _h3_v1_ResumeRequest__Output } from './h3/v1/ResumeRequest.js';
 import type { ResumeResponse as _h3_v1_ResumeResponse, ResumeResponse__Output as _h3_v1_ResumeResponse__Output } from './h3/v1/ResumeResponse.js';
 import type { SamplingParams as _h3_v1_SamplingParams, SamplingParams__Output as _h3_v1_SamplingParams__Output } from './h3/v1/SamplingParams.js';
@@ -73,6 +75,8 @@ export interface ProtoGrpcType {
       ListSessionsRequest: MessageTypeDefinition<_h3_v1_ListSessionsRequest, _h3_v1_ListSessionsRequest__Output>
       ListSessionsResponse: MessageTypeDefinition<_h3_v1_ListSessionsResponse, _h3_v1_ListSessionsResponse__Output>
       PinSessionRequest: MessageTypeDefinition<_h3_v1_PinSessionRequest, _h3_v1_PinSessionRequest__Output>
+      ReleaseSessionRequest: MessageTypeDefinition<_h3_v1_ReleaseSessionRequest, _h3_v1_ReleaseSessionRequest__Output>
+      ReleaseSessionResponse: MessageTypeDefinition<_h3_v1_ReleaseSessionResponse, _h3_v1_ReleaseSessionResponse__Output>
       ResumeRequest: MessageTypeDefinition<_h3_v1_ResumeRequest, _h3_v1_ResumeRequest__Output>
       ResumeResponse: MessageTypeDefinition<_h3_v1_ResumeResponse, _h3_v1_ResumeResponse__Output>
       SamplingParams: MessageTypeDefinition<_h3_v1_SamplingParams, _h3_v1_SamplingParams__Output>

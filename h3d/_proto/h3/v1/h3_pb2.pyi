@@ -64,7 +64,7 @@ class TierResidency(_message.Message):
     def __init__(self, hbm_blocks: _Optional[int] = ..., ddr_blocks: _Optional[int] = ..., ssd_blocks: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "num_tokens", "cached_tokens", "policy", "created_at", "last_used_at", "busy", "pinned", "pinned_until", "sampling", "residency", "window_tokens", "token_ids", "text", "closed", "chat", "num_messages")
+    __slots__ = ("session_id", "num_tokens", "cached_tokens", "policy", "created_at", "last_used_at", "busy", "pinned", "pinned_until", "sampling", "residency", "window_tokens", "token_ids", "text", "closed", "chat", "num_messages", "served_by")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class Session(_message.Message):
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     NUM_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_tokens: int
     cached_tokens: int
@@ -99,10 +100,11 @@ class Session(_message.Message):
     closed: bool
     chat: bool
     num_messages: int
-    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., created_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., busy: _Optional[bool] = ..., pinned: _Optional[bool] = ..., pinned_until: _Optional[float] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ..., window_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., closed: _Optional[bool] = ..., chat: _Optional[bool] = ..., num_messages: _Optional[int] = ...) -> None: ...
+    served_by: str
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., created_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., busy: _Optional[bool] = ..., pinned: _Optional[bool] = ..., pinned_until: _Optional[float] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., residency: _Optional[_Union[TierResidency, _Mapping]] = ..., window_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., closed: _Optional[bool] = ..., chat: _Optional[bool] = ..., num_messages: _Optional[int] = ..., served_by: _Optional[str] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("hbm_hit_rate", "hbm_hits", "hbm_misses", "ddr_evict_count", "hbm_evict_count", "ssd_read_count", "ssd_write_count", "hbf_latency_us_p50", "hbf_latency_us_p99", "hbm_used_bytes", "hbm_capacity_bytes", "ddr_used_bytes", "ddr_capacity_bytes", "ssd_used_bytes", "fetch_bytes", "kv_rebuild_blocks", "ssd_degraded", "ssd_degraded_reason", "ssd_write_errors", "recompute_evict_count", "hbm_rebalance_count", "dirty_bytes", "write_behind_bytes", "write_behind_in_flight_bytes", "write_behind_lag_s", "read_ahead_bytes", "read_ahead_in_flight_bytes", "window_freed_blocks", "window_hbm_bytes", "shared_blocks", "shared_hbm_saved_bytes", "shared_ddr_saved_bytes")
+    __slots__ = ("hbm_hit_rate", "hbm_hits", "hbm_misses", "ddr_evict_count", "hbm_evict_count", "ssd_read_count", "ssd_write_count", "hbf_latency_us_p50", "hbf_latency_us_p99", "hbm_used_bytes", "hbm_capacity_bytes", "ddr_used_bytes", "ddr_capacity_bytes", "ssd_used_bytes", "fetch_bytes", "kv_rebuild_blocks", "ssd_degraded", "ssd_degraded_reason", "ssd_write_errors", "recompute_evict_count", "hbm_rebalance_count", "dirty_bytes", "write_behind_bytes", "write_behind_in_flight_bytes", "write_behind_lag_s", "read_ahead_bytes", "read_ahead_in_flight_bytes", "window_freed_blocks", "window_hbm_bytes", "shared_blocks", "shared_hbm_saved_bytes", "shared_ddr_saved_bytes", "remote_on", "remote_degraded", "remote_degraded_reason", "remote_lag_bytes")
     HBM_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     HBM_HITS_FIELD_NUMBER: _ClassVar[int]
     HBM_MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +137,10 @@ class TierStats(_message.Message):
     SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SHARED_HBM_SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARED_DDR_SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ON_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_DEGRADED_REASON_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_LAG_BYTES_FIELD_NUMBER: _ClassVar[int]
     hbm_hit_rate: float
     hbm_hits: int
     hbm_misses: int
@@ -167,7 +173,11 @@ class TierStats(_message.Message):
     shared_blocks: int
     shared_hbm_saved_bytes: int
     shared_ddr_saved_bytes: int
-    def __init__(self, hbm_hit_rate: _Optional[float] = ..., hbm_hits: _Optional[int] = ..., hbm_misses: _Optional[int] = ..., ddr_evict_count: _Optional[int] = ..., hbm_evict_count: _Optional[int] = ..., ssd_read_count: _Optional[int] = ..., ssd_write_count: _Optional[int] = ..., hbf_latency_us_p50: _Optional[float] = ..., hbf_latency_us_p99: _Optional[float] = ..., hbm_used_bytes: _Optional[int] = ..., hbm_capacity_bytes: _Optional[int] = ..., ddr_used_bytes: _Optional[int] = ..., ddr_capacity_bytes: _Optional[int] = ..., ssd_used_bytes: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., kv_rebuild_blocks: _Optional[int] = ..., ssd_degraded: _Optional[bool] = ..., ssd_degraded_reason: _Optional[str] = ..., ssd_write_errors: _Optional[int] = ..., recompute_evict_count: _Optional[int] = ..., hbm_rebalance_count: _Optional[int] = ..., dirty_bytes: _Optional[int] = ..., write_behind_bytes: _Optional[int] = ..., write_behind_in_flight_bytes: _Optional[int] = ..., write_behind_lag_s: _Optional[float] = ..., read_ahead_bytes: _Optional[int] = ..., read_ahead_in_flight_bytes: _Optional[int] = ..., window_freed_blocks: _Optional[int] = ..., window_hbm_bytes: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., shared_hbm_saved_bytes: _Optional[int] = ..., shared_ddr_saved_bytes: _Optional[int] = ...) -> None: ...
+    remote_on: bool
+    remote_degraded: bool
+    remote_degraded_reason: str
+    remote_lag_bytes: int
+    def __init__(self, hbm_hit_rate: _Optional[float] = ..., hbm_hits: _Optional[int] = ..., hbm_misses: _Optional[int] = ..., ddr_evict_count: _Optional[int] = ..., hbm_evict_count: _Optional[int] = ..., ssd_read_count: _Optional[int] = ..., ssd_write_count: _Optional[int] = ..., hbf_latency_us_p50: _Optional[float] = ..., hbf_latency_us_p99: _Optional[float] = ..., hbm_used_bytes: _Optional[int] = ..., hbm_capacity_bytes: _Optional[int] = ..., ddr_used_bytes: _Optional[int] = ..., ddr_capacity_bytes: _Optional[int] = ..., ssd_used_bytes: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., kv_rebuild_blocks: _Optional[int] = ..., ssd_degraded: _Optional[bool] = ..., ssd_degraded_reason: _Optional[str] = ..., ssd_write_errors: _Optional[int] = ..., recompute_evict_count: _Optional[int] = ..., hbm_rebalance_count: _Optional[int] = ..., dirty_bytes: _Optional[int] = ..., write_behind_bytes: _Optional[int] = ..., write_behind_in_flight_bytes: _Optional[int] = ..., write_behind_lag_s: _Optional[float] = ..., read_ahead_bytes: _Optional[int] = ..., read_ahead_in_flight_bytes: _Optional[int] = ..., window_freed_blocks: _Optional[int] = ..., window_hbm_bytes: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., shared_hbm_saved_bytes: _Optional[int] = ..., shared_ddr_saved_bytes: _Optional[int] = ..., remote_on: _Optional[bool] = ..., remote_degraded: _Optional[bool] = ..., remote_degraded_reason: _Optional[str] = ..., remote_lag_bytes: _Optional[int] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
     __slots__ = ("system_prompt", "policy", "sampling", "chat")
@@ -190,12 +200,14 @@ class ForkSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., at_tokens: _Optional[int] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
-    __slots__ = ("session_id", "with_tokens")
+    __slots__ = ("session_id", "with_tokens", "take_over")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WITH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TAKE_OVER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     with_tokens: bool
-    def __init__(self, session_id: _Optional[str] = ..., with_tokens: _Optional[bool] = ...) -> None: ...
+    take_over: bool
+    def __init__(self, session_id: _Optional[str] = ..., with_tokens: _Optional[bool] = ..., take_over: _Optional[bool] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ("page_size", "page_token")
@@ -224,6 +236,16 @@ class CloseSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., purge: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReleaseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseSessionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

@@ -74,6 +74,11 @@ class H3Stub:
                 request_serializer=h3_dot_v1_dot_h3__pb2.ForkSessionRequest.SerializeToString,
                 response_deserializer=h3_dot_v1_dot_h3__pb2.Session.FromString,
                 _registered_method=True)
+        self.ReleaseSession = channel.unary_unary(
+                '/h3.v1.H3/ReleaseSession',
+                request_serializer=h3_dot_v1_dot_h3__pb2.ReleaseSessionRequest.SerializeToString,
+                response_deserializer=h3_dot_v1_dot_h3__pb2.ReleaseSessionResponse.FromString,
+                _registered_method=True)
 
 
 class H3Servicer:
@@ -141,6 +146,17 @@ class H3Servicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseSession(self, request, context):
+        """Hand a session over to the other daemons of the remote tier (remote_url) at once: its token
+        log's last bytes reach the store, its lease is released, its requests here are cancelled and
+        this daemon forgets it (its KV too). The next call naming it on any daemon of the store takes
+        it over. FAILED_PRECONDITION without the remote tier; UNAVAILABLE if the store does not take
+        the log's last bytes (the session stays here).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_H3Servicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -183,6 +199,11 @@ def add_H3Servicer_to_server(servicer, server):
                     servicer.ForkSession,
                     request_deserializer=h3_dot_v1_dot_h3__pb2.ForkSessionRequest.FromString,
                     response_serializer=h3_dot_v1_dot_h3__pb2.Session.SerializeToString,
+            ),
+            'ReleaseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSession,
+                    request_deserializer=h3_dot_v1_dot_h3__pb2.ReleaseSessionRequest.FromString,
+                    response_serializer=h3_dot_v1_dot_h3__pb2.ReleaseSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -401,6 +422,33 @@ class H3:
             '/h3.v1.H3/ForkSession',
             h3_dot_v1_dot_h3__pb2.ForkSessionRequest.SerializeToString,
             h3_dot_v1_dot_h3__pb2.Session.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/h3.v1.H3/ReleaseSession',
+            h3_dot_v1_dot_h3__pb2.ReleaseSessionRequest.SerializeToString,
+            h3_dot_v1_dot_h3__pb2.ReleaseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

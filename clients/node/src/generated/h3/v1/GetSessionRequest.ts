@@ -7,6 +7,13 @@ export interface GetSessionRequest {
    * Include the context's token ids and text.
    */
   'withTokens'?: (boolean);
+  /**
+   * With the remote tier: take the session over from the store now if another daemon does not
+   * serve it (its lease, its log; the KV is computed again by its next request), as any other call
+   * naming it does. Without it, GetSession reads a session this daemon does not serve from the
+   * store, leaving it where it is (`served_by`). FAILED_PRECONDITION if another daemon serves it.
+   */
+  'takeOver'?: (boolean);
 }
 
 export interface GetSessionRequest__Output {
@@ -15,4 +22,11 @@ export interface GetSessionRequest__Output {
    * Include the context's token ids and text.
    */
   'withTokens': (boolean);
+  /**
+   * With the remote tier: take the session over from the store now if another daemon does not
+   * serve it (its lease, its log; the KV is computed again by its next request), as any other call
+   * naming it does. Without it, GetSession reads a session this daemon does not serve from the
+   * store, leaving it where it is (`served_by`). FAILED_PRECONDITION if another daemon serves it.
+   */
+  'takeOver': (boolean);
 }

@@ -14,6 +14,8 @@ import type { GetSessionRequest as _h3_v1_GetSessionRequest, GetSessionRequest__
 import type { GetStatsRequest as _h3_v1_GetStatsRequest, GetStatsRequest__Output as _h3_v1_GetStatsRequest__Output } from '../../h3/v1/GetStatsRequest.js';
 import type { ListSessionsRequest as _h3_v1_ListSessionsRequest, ListSessionsRequest__Output as _h3_v1_ListSessionsRequest__Output } from '../../h3/v1/ListSessionsRequest.js';
 import type { ListSessionsResponse as _h3_v1_ListSessionsResponse, ListSessionsResponse__Output as _h3_v1_ListSessionsResponse__Output } from '../../h3/v1/ListSessionsResponse.js';
+import type { ReleaseSessionRequest as _h3_v1_ReleaseSessionRequest, ReleaseSessionRequest__Output as _h3_v1_ReleaseSessionRequest__Output } from '../../h3/v1/ReleaseSessionRequest.js';
+import type { ReleaseSessionResponse as _h3_v1_ReleaseSessionResponse, ReleaseSessionResponse__Output as _h3_v1_ReleaseSessionResponse__Output } from '../../h3/v1/ReleaseSessionResponse.js';
 import type { Session as _h3_v1_Session, Session__Output as _h3_v1_Session__Output } from '../../h3/v1/Session.js';
 import type { Stats as _h3_v1_Stats, Stats__Output as _h3_v1_Stats__Output } from '../../h3/v1/Stats.js';
 
@@ -142,6 +144,29 @@ export interface H3Client extends grpc.Client {
   listSessions(argument: _h3_v1_ListSessionsRequest, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_ListSessionsResponse__Output>): grpc.ClientUnaryCall;
   listSessions(argument: _h3_v1_ListSessionsRequest, callback: grpc.requestCallback<_h3_v1_ListSessionsResponse__Output>): grpc.ClientUnaryCall;
   
+  /**
+   * Hand a session over to the other daemons of the remote tier (remote_url) at once: its token
+   * log's last bytes reach the store, its lease is released, its requests here are cancelled and
+   * this daemon forgets it (its KV too). The next call naming it on any daemon of the store takes
+   * it over. FAILED_PRECONDITION without the remote tier; UNAVAILABLE if the store does not take
+   * the log's last bytes (the session stays here).
+   */
+  ReleaseSession(argument: _h3_v1_ReleaseSessionRequest, metadata: grpc.Metadata, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_ReleaseSessionResponse__Output>): grpc.ClientUnaryCall;
+  ReleaseSession(argument: _h3_v1_ReleaseSessionRequest, metadata: grpc.Metadata, callback: grpc.requestCallback<_h3_v1_ReleaseSessionResponse__Output>): grpc.ClientUnaryCall;
+  ReleaseSession(argument: _h3_v1_ReleaseSessionRequest, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_ReleaseSessionResponse__Output>): grpc.ClientUnaryCall;
+  ReleaseSession(argument: _h3_v1_ReleaseSessionRequest, callback: grpc.requestCallback<_h3_v1_ReleaseSessionResponse__Output>): grpc.ClientUnaryCall;
+  /**
+   * Hand a session over to the other daemons of the remote tier (remote_url) at once: its token
+   * log's last bytes reach the store, its lease is released, its requests here are cancelled and
+   * this daemon forgets it (its KV too). The next call naming it on any daemon of the store takes
+   * it over. FAILED_PRECONDITION without the remote tier; UNAVAILABLE if the store does not take
+   * the log's last bytes (the session stays here).
+   */
+  releaseSession(argument: _h3_v1_ReleaseSessionRequest, metadata: grpc.Metadata, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_ReleaseSessionResponse__Output>): grpc.ClientUnaryCall;
+  releaseSession(argument: _h3_v1_ReleaseSessionRequest, metadata: grpc.Metadata, callback: grpc.requestCallback<_h3_v1_ReleaseSessionResponse__Output>): grpc.ClientUnaryCall;
+  releaseSession(argument: _h3_v1_ReleaseSessionRequest, options: grpc.CallOptions, callback: grpc.requestCallback<_h3_v1_ReleaseSessionResponse__Output>): grpc.ClientUnaryCall;
+  releaseSession(argument: _h3_v1_ReleaseSessionRequest, callback: grpc.requestCallback<_h3_v1_ReleaseSessionResponse__Output>): grpc.ClientUnaryCall;
+  
 }
 
 export interface H3Handlers extends grpc.UntypedServiceImplementation {
@@ -191,6 +216,15 @@ export interface H3Handlers extends grpc.UntypedServiceImplementation {
    */
   ListSessions: grpc.handleUnaryCall<_h3_v1_ListSessionsRequest__Output, _h3_v1_ListSessionsResponse>;
   
+  /**
+   * Hand a session over to the other daemons of the remote tier (remote_url) at once: its token
+   * log's last bytes reach the store, its lease is released, its requests here are cancelled and
+   * this daemon forgets it (its KV too). The next call naming it on any daemon of the store takes
+   * it over. FAILED_PRECONDITION without the remote tier; UNAVAILABLE if the store does not take
+   * the log's last bytes (the session stays here).
+   */
+  ReleaseSession: grpc.handleUnaryCall<_h3_v1_ReleaseSessionRequest__Output, _h3_v1_ReleaseSessionResponse>;
+  
 }
 
 export interface H3Definition extends grpc.ServiceDefinition {
@@ -202,4 +236,5 @@ export interface H3Definition extends grpc.ServiceDefinition {
   GetSession: MethodDefinition<_h3_v1_GetSessionRequest, _h3_v1_Session, _h3_v1_GetSessionRequest__Output, _h3_v1_Session__Output>
   GetStats: MethodDefinition<_h3_v1_GetStatsRequest, _h3_v1_Stats, _h3_v1_GetStatsRequest__Output, _h3_v1_Stats__Output>
   ListSessions: MethodDefinition<_h3_v1_ListSessionsRequest, _h3_v1_ListSessionsResponse, _h3_v1_ListSessionsRequest__Output, _h3_v1_ListSessionsResponse__Output>
+  ReleaseSession: MethodDefinition<_h3_v1_ReleaseSessionRequest, _h3_v1_ReleaseSessionResponse, _h3_v1_ReleaseSessionRequest__Output, _h3_v1_ReleaseSessionResponse__Output>
 }

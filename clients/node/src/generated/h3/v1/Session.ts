@@ -62,6 +62,12 @@ export interface Session {
    * Messages of a chat session's conversation (appended and generated).
    */
   'numMessages'?: (number);
+  /**
+   * With the remote tier: the daemon that serves the session now (its lease's holder), when it
+   * is not this one (GetSession reads such a session from the store without taking it over; the
+   * residency and cached_tokens are then unknown, 0). Empty otherwise.
+   */
+  'servedBy'?: (string);
 }
 
 export interface Session__Output {
@@ -122,4 +128,10 @@ export interface Session__Output {
    * Messages of a chat session's conversation (appended and generated).
    */
   'numMessages': (number);
+  /**
+   * With the remote tier: the daemon that serves the session now (its lease's holder), when it
+   * is not this one (GetSession reads such a session from the store without taking it over; the
+   * residency and cached_tokens are then unknown, 0). Empty otherwise.
+   */
+  'servedBy': (string);
 }

@@ -120,6 +120,15 @@ export interface TierStats {
    */
   'sharedHbmSavedBytes'?: (number | string | Long);
   'sharedDdrSavedBytes'?: (number | string | Long);
+  /**
+   * The remote tier (remote_url): whether its store takes the token logs' copies now (false:
+   * degraded, `remote_degraded_reason` says why; the copies catch up by themselves when it is
+   * back), and the bytes of the local logs it does not hold yet. Both 0 / false without the tier.
+   */
+  'remoteOn'?: (boolean);
+  'remoteDegraded'?: (boolean);
+  'remoteDegradedReason'?: (string);
+  'remoteLagBytes'?: (number | string | Long);
 }
 
 /**
@@ -240,4 +249,13 @@ export interface TierStats__Output {
    */
   'sharedHbmSavedBytes': (number);
   'sharedDdrSavedBytes': (number);
+  /**
+   * The remote tier (remote_url): whether its store takes the token logs' copies now (false:
+   * degraded, `remote_degraded_reason` says why; the copies catch up by themselves when it is
+   * back), and the bytes of the local logs it does not hold yet. Both 0 / false without the tier.
+   */
+  'remoteOn': (boolean);
+  'remoteDegraded': (boolean);
+  'remoteDegradedReason': (string);
+  'remoteLagBytes': (number);
 }

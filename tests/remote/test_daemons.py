@@ -1,0 +1,184 @@
+"""Two daemons and one store (`remote_url`): a session made on daemon A is continued on daemon B
+after A stops (SIGTERM: its leases released, B takes over at once), after A is killed during a
+stream (B takes over once A's lease expires, with every token A's client was sent), and after a
+release; the store refused at start where it may lose writes; a store that goes away ends a sync
+stream with UNAVAILABLE, and the daemon recovers when it is back. The reference is an in-process
+engine that never stops."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+from helpers import VOCAB_SIZE, random_prompt
+from live_daemon import RunningDaemon, running_daemon
+from redisserver import RedisServer
+
+from h3d._proto.h3.v1 import h3_pb2 as pb
+from h3d.config import EngineConfig
+from h3d.engine.engine import Engine
+from h3d.engine.sampling import SamplingParams
+
+MODEL = "llama_long"
+LEASE = ["--remote-lease-s", "1.5", "--remote-timeout-s", "0.5"]
+
+
+def remote(server: RedisServer, *extra: str) -> list[str]:
+    return ["--remote-url", server.url, *LEASE, *extra]
+
+
+def generate(stub: object, sid: str, n: int) -> list[int]:
+    sampling = pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    out: list[int] = []
+    for msg in stub.Generate(pb.GenerateRequest(session_id=sid, sampling=sampling), timeout=300):  # type: ignore[attr-defined]
+        if msg.HasField("delta"):
+            out += list(msg.delta.token_ids)
+    return out
+
+
+def created(d: RunningDaemon, prompt: list[int]) -> str:
+    h3 = d.h3()
+    sid = h3.CreateSession(pb.CreateSessionRequest()).session_id
+    for _ in h3.AppendContext(pb.AppendContextRequest(session_id=sid, token_ids=prompt), timeout=300):
+        pass
+    return str(sid)
+
+
+def reference(ckpt: Path, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy tokens after `prompt`, from an engine that never stops."""
+    engine = Engine(EngineConfig.build(model=str(ckpt)))
+    sid = engine.create_session()
+    engine.append(sid, token_ids=prompt)
+    out = list(engine.complete(sid, "", SamplingParams(max_tokens=n, ignore_eos=True)).token_ids)
+    engine.close()
+    return out
+
+
+def test_a_session_continues_on_another_daemon(
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    ckpt = checkpoint(MODEL)
+    prompt = random_prompt(300, VOCAB_SIZE, seed=5)
+    want = reference(ckpt, prompt, 24)
+    with running_daemon(ckpt, tmp_path / "a", tcp=False, extra=remote(redis_server)) as a:
+        sid = created(a, prompt)
+        assert generate(a.h3(), sid, 8) == want[:8]
+        [connected] = a.events("remote_connected")
+        assert connected["durability"] == "appendonly yes, appendfsync always"
+        with running_daemon(ckpt, tmp_path / "b", tcp=False, extra=remote(redis_server)) as b:
+            seen = b.h3().GetSession(pb.GetSessionRequest(session_id=sid, with_tokens=True))
+            assert list(seen.token_ids) == prompt + want[:8] and seen.served_by == connected["owner"]
+            with pytest.raises(grpc.RpcError) as held:
+                generate(b.h3(), sid, 4)  # A serves it
+            assert held.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            released = b.ctl("session", "move", sid, "--to", str(a.socket))  # (from B: it does not serve it)
+            assert released.returncode == 1
+            moved = a.ctl("session", "move", sid, "--to", str(b.socket))
+            assert moved.returncode == 0, moved.stderr
+            assert generate(b.h3(), sid, 8) == want[8:16]  # B took it over
+            with pytest.raises(grpc.RpcError) as gone:
+                a.h3().GetSession(pb.GetSessionRequest(session_id=sid, take_over=True))
+            assert gone.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # B serves it now
+    # Both stopped (SIGTERM: their leases released): a third start takes it over at its first call.
+    with running_daemon(ckpt, tmp_path / "c", tcp=False, extra=remote(redis_server)) as c:
+        assert generate(c.h3(), sid, 8) == want[16:24]
+        assert len(c.events("session_taken_over")) == 1
+
+
+def test_a_daemon_killed_during_a_stream_loses_no_token_it_sent(
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """kill -9 while A streams: after A's lease expires B takes the session over, and its log holds
+    every token A's client received (sync: a token is sent only once the store holds it)."""
+    ckpt = checkpoint(MODEL)
+    prompt = random_prompt(200, VOCAB_SIZE, seed=6)
+    with (
+        running_daemon(ckpt, tmp_path / "b", tcp=False, extra=remote(redis_server)) as b,
+        running_daemon(ckpt, tmp_path / "a", tcp=False, extra=remote(redis_server), exit_code=-9) as a,
+    ):
+        sid = created(a, prompt)
+        got: list[int] = []
+        sampling = pb.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        for msg in a.h3().Generate(pb.GenerateRequest(session_id=sid, sampling=sampling), timeout=300):
+            if msg.HasField("delta"):
+                got += list(msg.delta.token_ids)
+            if len(got) >= 10:
+                a.proc.send_signal(signal.SIGKILL)
+                break
+        a.proc.wait(30)
+        a.close_channels()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                taken = b.h3().GetSession(pb.GetSessionRequest(session_id=sid, with_tokens=True, take_over=True))
+                break
+            except grpc.RpcError as e:  # A's lease until it expires
+                assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and time.monotonic() < deadline
+                time.sleep(0.2)
+        tokens = list(taken.token_ids)
+        assert tokens[: len(prompt)] == prompt and tokens[len(prompt) : len(prompt) + len(got)] == got
+        want = reference(ckpt, tokens, 4)
+        assert generate(b.h3(), sid, 4) == want
+
+
+def test_the_sync_mode_refuses_a_store_that_may_lose_writes(
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    redis.Redis.from_url(redis_server.url).config_set("appendfsync", "everysec")
+    ckpt = checkpoint(MODEL)
+    with (
+        pytest.raises(RuntimeError, match="appendfsync everysec") as err,
+        running_daemon(ckpt, tmp_path / "a", tcp=False, extra=remote(redis_server)),
+    ):
+        pass
+    assert "remote_log = async" in str(err.value)
+    with running_daemon(ckpt, tmp_path / "a", tcp=False, extra=remote(redis_server, "--remote-log", "async")) as d:
+        [connected] = d.events("remote_connected")
+        assert connected["remote_log"] == "async"
+
+
+def test_a_store_gone_ends_a_sync_stream_unavailable_and_comes_back(
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    ckpt = checkpoint(MODEL)
+    prompt = random_prompt(100, VOCAB_SIZE, seed=7)
+    # (a long lease: the store's absence must not cost the daemon its session)
+    extra = ["--remote-url", redis_server.url, "--remote-lease-s", "30", "--remote-timeout-s", "0.5"]
+    with running_daemon(ckpt, tmp_path / "a", tcp=False, extra=extra) as a:
+        sid = created(a, prompt)
+        first = generate(a.h3(), sid, 4)
+        redis_server.stop()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            generate(a.h3(), sid, 4)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 10
+        assert "remote store" in (err.value.details() or "")
+        g = getattr(a.h3().GetStats(pb.GetStatsRequest()), "global")
+        assert g.remote_on and g.remote_degraded and g.remote_lag_bytes > 0 and g.remote_degraded_reason
+        redis_server.start()
+        deadline = time.monotonic() + 15
+        while True:  # caught up by itself: the next generation streams again
+            try:
+                more = generate(a.h3(), sid, 4)
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
+                time.sleep(0.3)
+        tokens = list(a.h3().GetSession(pb.GetSessionRequest(session_id=sid, with_tokens=True)).token_ids)
+        assert tokens[: len(prompt) + 4] == prompt + first and tokens[-4:] == more
+        log = redis.Redis.from_url(redis_server.url).get(f"h3d:{namespace(a)}:{{{sid}}}:log")
+        assert log == (a.data_dir / "sessions" / f"{sid}.h3log").read_bytes()  # the store holds the whole log
+        g = getattr(a.h3().GetStats(pb.GetStatsRequest()), "global")
+        assert not g.remote_degraded and g.remote_lag_bytes == 0
+        shown = a.ctl("stats")
+        assert "remote_tier" in shown.stdout and "ok; 0 bytes of logs behind" in shown.stdout
+
+
+def namespace(d: RunningDaemon) -> str:
+    [connected] = d.events("remote_connected")
+    return str(connected["namespace"])
