@@ -391,6 +391,13 @@ DAEMON: tuple[Key, ...] = (
         "another takes its sessions over this long after its last renewal",
     ),
     Key("remote_timeout_s", "the longest a call to the remote store may take (at most a third of remote_lease_s)"),
+    Key(
+        "remote_kv_ttl_s",
+        "how long a KV block written to the remote store (by a daemon giving a session up: ReleaseSession, "
+        "SIGTERM) stays there since it was last written; blocks are keyed by content, so a fork's shared prefix "
+        "is held once; a session taken over after its blocks expired computes its KV again",
+        default="604800 (7 days)",
+    ),
 )
 
 KEYS: dict[str, Key] = {k.name: k for k in ENGINE + DAEMON}

@@ -65,6 +65,7 @@ class DaemonConfig:
     remote_log: str = "sync"  # sync: a token streamed once the store holds it; async: copied behind
     remote_lease_s: float = 15.0
     remote_timeout_s: float = 5.0
+    remote_kv_ttl_s: float = 7 * 86400.0  # a KV block's life in the store since it was last written
 
     @property
     def socket_path(self) -> Path:
@@ -122,6 +123,8 @@ class DaemonConfig:
             raise ConfigError(f"remote_log: {self.remote_log!r} is not one of {', '.join(REMOTE_LOGS)}")
         if not self.remote_lease_s > 0 or not self.remote_timeout_s > 0:
             raise ConfigError("remote_lease_s, remote_timeout_s: must be > 0")
+        if not self.remote_kv_ttl_s >= 1:
+            raise ConfigError(f"remote_kv_ttl_s: must be >= 1, got {self.remote_kv_ttl_s}")
         if self.remote_timeout_s * 3 > self.remote_lease_s:
             raise ConfigError(
                 f"remote_timeout_s: {self.remote_timeout_s} s is more than a third of remote_lease_s "

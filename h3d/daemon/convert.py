@@ -86,7 +86,8 @@ def session_pb(engine: Engine, session: Session, with_tokens: bool = False) -> p
 def remote_session_pb(engine: Engine, sid: SessionId, caller: Caller, with_tokens: bool = False) -> pb.Session:
     """A session this daemon does not serve, as the remote store's log tells it (read, not taken
     over): what its log holds, and who serves it (`served_by`). SessionNotFound if the store has no
-    such session of the caller's."""
+    such session of the caller's. Called off the engine thread: it reads the store and the
+    tokenizer only, never the engine's state."""
     remote = engine.remote
     data = remote.fetch(sid) if remote is not None else None
     if data is None or remote is None:

@@ -173,6 +173,13 @@ class Daemon:
                  sessions_left_to_recompute=done.sessions_left, blocks_left_to_recompute=done.blocks_left,
                  digest_bytes=done.digest_bytes, budget_s=cfg.shutdown_budget_s,
                  seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+        if remote is not None:  # the sessions' KV for the daemons that take them over, in what is left of the budget
+            left = max(0.0, cfg.shutdown_budget_s - (time.perf_counter() - t0))
+            t1 = time.perf_counter()
+            exported, kv_blocks = await asyncio.to_thread(engine.export_kv_all, time.monotonic() + left)
+            log.info(
+                "remote_kv_written", sessions=exported, blocks=kv_blocks, seconds=round(time.perf_counter() - t1, 3)
+            )
         await asyncio.to_thread(engine.close)  # archive writes in flight become durable
         if remote is not None:  # the logs' last bytes copied, the leases given up: other daemons take over at once
             await asyncio.to_thread(remote.close)
@@ -195,7 +202,10 @@ class Daemon:
             cfg.remote_url, namespace=namespace, owner=owner_name(cfg), password=cfg.remote_password(),
             timeout_s=cfg.remote_timeout_s, lease_s=cfg.remote_lease_s,
         )  # fmt: skip
-        remote = RemoteLogs(store, lambda session: folder / f"{session}.h3log", sync=cfg.remote_log == "sync")
+        remote = RemoteLogs(
+            store, lambda session: folder / f"{session}.h3log", sync=cfg.remote_log == "sync",
+            kv_ttl_s=int(cfg.remote_kv_ttl_s),
+        )  # fmt: skip
         try:
             checked = await asyncio.to_thread(remote.start)
         except BaseException:

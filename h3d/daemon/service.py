@@ -9,6 +9,7 @@ whenever it ends before the request did.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 from collections.abc import AsyncIterator
@@ -90,8 +91,8 @@ class H3Servicer:
         if request.take_over:
             sid = await self.s.owned(caller, request.session_id)
         elif sid not in self.s.owners and self.s.worker.engine.remote is not None:  # read from the store, not taken
-            self.s.check_id(request.session_id)
-            return await self.s.worker.call(lambda e: remote_session_pb(e, sid, caller, request.with_tokens))
+            self.s.check_id(request.session_id)  # (the store's calls off the engine thread)
+            return await asyncio.to_thread(remote_session_pb, self.s.worker.engine, sid, caller, request.with_tokens)
         sid = self.s.check_owner(caller, request.session_id)
         return await self.s.worker.call(lambda e: session_pb(e, e.session(sid), request.with_tokens))
 

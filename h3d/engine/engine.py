@@ -57,6 +57,7 @@ from h3d.errors import (
     InvalidRequest,
     NoChatTemplate,
     OutOfBlocks,
+    RemoteError,
     SessionBusy,
     SessionNotFound,
     SsdDegraded,
@@ -183,6 +184,7 @@ class Engine:
             restored = self.journal.restore(session_id, data)
             if self.kv.archive is not None and self.kv.writable:
                 self.kv.archive.remove(session_id)  # (KV this daemon archived of it before: maybe of other tokens)
+                self._import_kv(session_id, restored.tokens[: max(len(restored.tokens) - 1, 0)])
             session = restore_session(
                 restored, self.kv, self.tokenizer, self.config.policy, SeqId(next(self._seq_ids)), self.runner.device
             )
@@ -191,6 +193,52 @@ class Engine:
             raise
         self.sessions[session.id] = session
         return session
+
+    def _import_kv(self, session_id: SessionId, tokens: list[int]) -> int:
+        """The KV blocks of `tokens` the remote store holds (`h3d.remote.kv`), archived here under
+        `session_id`: its next request reads them instead of computing them. Returns the blocks."""
+        from h3d.remote.kv import incoming, layout, wanted
+
+        archive, remote = self.kv.archive, self.remote
+        assert archive is not None and remote is not None
+        layers = self.model.config.num_layers
+        keys = [
+            remote.store.kv_key(layout(archive.identity), layer, d)
+            for layer, d in wanted(archive.identity, tokens, layers)
+        ]
+        return incoming(archive, session_id, tokens, layers, remote.get_kv(keys)) if keys else 0
+
+    def export_kv(self, session_id: SessionId) -> int:
+        """`session_id`'s whole KV blocks, archived here first (`KVCache.snapshot`), written to the
+        remote store for the daemon that takes it over next (`h3d.remote.kv`). Returns the blocks."""
+        from h3d.remote.kv import layout, outgoing
+
+        session = self.session(session_id)
+        archive, remote = self.kv.archive, self.remote
+        if archive is None or remote is None or not self.kv.writable:
+            return 0
+        self.kv.snapshot(session.seq)
+        out = outgoing(archive, session.id, session.tokens)
+        remote.put_kv(
+            [(remote.store.kv_key(layout(archive.identity), layer, d), v) for layer, d, v in out], remote.kv_ttl_s
+        )
+        return len(out)
+
+    def export_kv_all(self, deadline: float | None = None) -> tuple[int, int]:
+        """Before a shutdown, after the checkpoint: every session's KV blocks written to the remote
+        store (`export_kv`), the most recently used first, none started past `deadline`; a
+        session left out is computed again by the daemon that takes it over. -> (sessions, blocks)."""
+        sessions = blocks = 0
+        for session in sorted(self.sessions.values(), key=lambda s: s.last_used_at, reverse=True):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            try:
+                blocks += self.export_kv(session.id)
+            except (SsdDegraded, RemoteError) as e:
+                log.warning("KV of session %s not written to the remote store: %s", session.id, e)
+                continue
+            sessions += 1
+        return sessions, blocks
 
     def hand_over(self, session_id: SessionId) -> None:
         """Give `session_id` up to the other daemons of the remote store: its log's last bytes
@@ -201,6 +249,8 @@ class Engine:
             raise InvalidRequest("handing a session over needs the remote tier (remote_url)")
         self._save_meta(session)
         self._cancel_requests(session)
+        with contextlib.suppress(SsdDegraded):  # (without it the next daemon computes the KV again)
+            self.export_kv(session_id)
         self.remote.release(session_id)
         purge_kv(self.kv, session.seq)
         self.prefixes.forget(session_id)

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 from h3d.remote.store import Fenced, Held, Lease, RemoteError, RemoteStore, RemoteUnavailable
 from h3d.store.files import create_file, fsync_dir
+from h3d.store.tokenlog import parse_log
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,15 @@ class RemoteLogs:
     may be called from any thread but the store's own; the blocking ones wait at most
     `store.timeout_s` (RemoteUnavailable past it)."""
 
-    def __init__(self, store: RemoteStore, path_of: Callable[[str], Path], sync: bool = True) -> None:
+    def __init__(
+        self, store: RemoteStore, path_of: Callable[[str], Path], sync: bool = True, kv_ttl_s: int = 7 * 86400
+    ) -> None:
         self.store, self.path_of, self.sync = store, path_of, sync
+        self.kv_ttl_s = kv_ttl_s  # a KV block's life in the store since it was last written (`h3d.remote.kv`)
         self.timeout_s = store.timeout_s
         self._logs: dict[str, _Log] = {}
         self._degraded: str | None = None
+        self._failed_at = 0.0  # when the store last failed a call (monotonic)
         self._loop = _new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="h3d-remote", daemon=True)
         self._thread.start()
@@ -96,8 +101,16 @@ class RemoteLogs:
 
     def take(self, session: str) -> int:
         """Take `session`'s lease (Held if another daemon serves it) and start copying its log.
-        Returns the bytes of its log the store holds (0 for a new session)."""
-        return self._wait(self._take(session))
+        Returns the bytes of its log the store holds (0 for a new session). While the store is
+        down it fails at once (RemoteUnavailable) for `RETRY_S` after each failure, so that a caller
+        on the engine thread waits for the timeout at most once in that time."""
+        if self._degraded is not None and time.monotonic() - self._failed_at < RETRY_S:
+            raise RemoteUnavailable(f"the remote store is unavailable: {self._degraded}")
+        try:
+            return self._wait(self._take(session))
+        except RemoteUnavailable as e:
+            self._degrade(str(e))
+            raise
 
     async def _take(self, session: str) -> int:
         lease = await self.store.acquire(session)
@@ -121,7 +134,7 @@ class RemoteLogs:
             except Fenced:
                 return
             except RemoteError as e:
-                self._degraded = str(e)
+                self._degrade(str(e))
                 await asyncio.sleep(RETRY_S)
 
     def adopt(self, session: str) -> bytes | None:
@@ -157,6 +170,11 @@ class RemoteLogs:
                 continue
             data = self.fetch(session) or b""
             local = path.read_bytes()
+            told = parse_log(session, local)
+            if told.closed:  # deleted here, and the daemon stopped before the store heard of it
+                self.delete(session)
+                continue
+            local = local[: len(local) - told.truncated_bytes]  # (a torn tail: cut off when the file is read)
             if local.startswith(data):
                 self.written(session, len(local))  # (what the store lacks, if anything, copied)
             else:
@@ -174,6 +192,14 @@ class RemoteLogs:
         future: Future[None] = Future()
         self._loop.call_soon_threadsafe(self._add_waiter, session, size, future)
         return future
+
+    def put_kv(self, items: list[tuple[str, bytes]], ttl_s: int) -> None:
+        """Write KV blocks to the store (`RemoteStore.put_kv`); each round trip within the timeout."""
+        self._wait(self.store.put_kv(items, ttl_s), grace=_transfer_s(sum(len(v) for _, v in items)))
+
+    def get_kv(self, keys: list[str]) -> list[bytes | None]:
+        """Read KV blocks from the store (`RemoteStore.get_kv`); None where it has none."""
+        return self._wait(self.store.get_kv(keys), grace=_transfer_s(len(keys) << 20))
 
     def fetch(self, session: str) -> bytes | None:
         """The store's log of `session` (None if it has none), read without taking it."""
@@ -221,6 +247,16 @@ class RemoteLogs:
         entry = self._logs.pop(session, None)
         if entry is not None and entry.task is not None:
             entry.task.cancel()
+
+    def _degrade(self, reason: str) -> None:
+        if self._degraded is None:
+            log.warning("remote tier degraded: %s", reason)
+        self._degraded, self._failed_at = reason, time.monotonic()
+
+    def _recovered(self) -> None:
+        if self._degraded is not None:
+            log.warning("remote tier recovered")
+        self._degraded = None
 
     @property
     def degraded(self) -> str | None:
@@ -291,16 +327,14 @@ class RemoteLogs:
         while entry.stored < entry.local and entry.lost is None and self._logs.get(session) is entry:
             try:
                 await self._append_some(session, entry)
-                self._degraded = None
+                self._recovered()
             except Fenced as e:
                 entry.lost = str(e)
                 log.error("remote tier: session %s: %s", session, e)
                 _fail(entry, e)
                 return
             except RemoteError as e:
-                if self._degraded is None:
-                    log.warning("remote tier degraded: %s", e)
-                self._degraded = str(e)
+                self._degrade(str(e))
                 await asyncio.sleep(RETRY_S)
 
     async def _catch_up(self, session: str, entry: _Log, deadline: float) -> None:
@@ -334,12 +368,20 @@ class RemoteLogs:
                     continue
                 try:
                     await self.store.renew(entry.lease)
+                    if entry.stored >= entry.local:
+                        self._recovered()  # (the store answers, and this log is whole there)
                 except Fenced as e:
                     entry.lost = str(e)
                     log.error("remote tier: session %s: %s", session, e)
                     _fail(entry, e)
                 except RemoteError as e:
-                    self._degraded = str(e)
+                    self._degrade(str(e))
+
+
+def _transfer_s(nbytes: int) -> float:
+    """A bulk transfer's allowance beyond one call's timeout: at 50 MB/s (each round trip of it has
+    the timeout of its own)."""
+    return 1.0 + nbytes / 50e6
 
 
 def _fail(entry: _Log, error: Exception) -> None:

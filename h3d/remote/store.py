@@ -47,6 +47,8 @@ from h3d.store.tokenlog import Restored, parse_log
 T = TypeVar("T")
 
 SCHEMES = ("redis", "rediss", "unix")
+KV_PIPELINE_BYTES = 16 << 20  # KV blocks written per round trip (each within the call's timeout)
+KV_MGET_KEYS = 64  # KV blocks read per round trip
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +280,33 @@ class RemoteStore:
         keys = [self._key(lease.session, "lease"), self._key(lease.session, "log")]
         if not await self._call(f"deleting session {lease.session}", self._delete(keys, [lease.value])):
             raise Fenced(f"session {lease.session}: not deleted, this daemon's lease (token {lease.token}) is gone")
+
+    def kv_key(self, layout: str, layer: int, digest: str) -> str:
+        """A KV block's key: content-addressed (`h3d.remote.kv`), not a session's."""
+        return f"h3d:{self.namespace}:kv:{layout}:{layer}:{digest}"
+
+    async def put_kv(self, items: list[tuple[str, bytes]], ttl_s: int) -> None:
+        """Write KV blocks ((key, value) each; a key is its content, so writing one again changes
+        nothing but its expiry, renewed to `ttl_s`), in pipelines of about `KV_PIPELINE_BYTES`."""
+        start = 0
+        while start < len(items):
+            end, size = start, 0
+            while end < len(items) and (end == start or size < KV_PIPELINE_BYTES):
+                size += len(items[end][1])
+                end += 1
+            pipe = self._redis.pipeline(transaction=False)
+            for key, value in items[start:end]:
+                pipe.set(key, value, ex=ttl_s)
+            await self._call(f"writing {end - start} KV blocks", pipe.execute())
+            start = end
+
+    async def get_kv(self, keys: list[str]) -> list[bytes | None]:
+        """The values of `keys` (None where the store has none), in MGETs of `KV_MGET_KEYS`."""
+        out: list[bytes | None] = []
+        for i in range(0, len(keys), KV_MGET_KEYS):
+            part = keys[i : i + KV_MGET_KEYS]
+            out += await self._call(f"reading {len(part)} KV blocks", self._redis.mget(part))
+        return out
 
     async def sessions(self) -> list[str]:
         """Every session with a log in the store (of this namespace), in no order."""

@@ -357,6 +357,35 @@ class Archive:
         lengths = [size + n for n in sizes]
         self._write(_Records(keys, parts, lengths, [bs] * len(keys), codecs, crcs, raw_bytes, sum(sizes), bulk=True))
 
+    def get_records(self, keys: list[BlockKey]) -> list[tuple[int, Codec, bytes]]:
+        """`keys`' records as stored, checked but not decoded: (tokens, codec, payload) each, what
+        another archive's `put_records` takes (a session's KV carried to another daemon)."""
+        return [(loc.num_tokens, codec, bytes(payload)) for codec, payload, loc, _ in self._records(keys)]
+
+    def put_records(self, items: list[tuple[BlockKey, int, Codec, bytes]]) -> None:
+        """Archive records another archive gave (`get_records`: (key, tokens, codec, payload) each)
+        without decoding them, under this archive's identity; durable once this returns. A lossy
+        record of a layer this archive keeps lossless is refused (ValueError), as a read would."""
+        ident, itemsize = self.identity, self._dtype.itemsize
+        records = _Records([], [], [], [], [], [], 0, 0)
+        for key, n, codec, payload in items:
+            if not 1 <= n <= ident.block_size:
+                raise ValueError(f"{describe(key)}: {n} tokens is not 1 to {ident.block_size}")
+            if not (codec is self.codec_for(key.layer) or codec.lossless):
+                raise ValueError(
+                    f"{describe(key)}: a {codec.value} record in a layer kept {self.codec_for(key.layer).value}"
+                )
+            prefix, crc = record_prefix(record_header(ident, key, n, CODEC_IDS[codec]), payload)
+            records.keys.append(key)
+            records.parts += (prefix, payload)
+            records.lengths.append(len(prefix) + len(payload))
+            records.tokens.append(n)
+            records.codecs.append(codec)
+            records.crcs.append(crc)
+            records.raw_bytes += 2 * ident.num_kv_heads * n * ident.head_dim * itemsize
+            records.payload_bytes += len(payload)
+        self._write(records)
+
     def _write(self, records: _Records) -> None:
         """Append the records, then their manifest lines (the write protocol)."""
         if not records.keys:

@@ -76,8 +76,8 @@ BREAKS = [
     ),
     pytest.param(
         "uint64 window_tokens = 12;",
-        "uint64 window_tokens = 18;",
-        "h3.v1.Session: field `window_tokens` renumbered 12 -> 18",
+        "uint64 window_tokens = 19;",
+        "h3.v1.Session: field `window_tokens` renumbered 12 -> 19",
         id="field renumbered",
     ),
     pytest.param(
@@ -147,7 +147,7 @@ def test_each_break_is_reported(tmp_path: Path, old: str, new: str, want: str) -
 # (old text, new text)
 SAFE = [
     pytest.param(
-        "  uint32 num_messages = 17;\n}", "  uint32 num_messages = 17;\n  uint64 generation = 18;\n}", id="field added"
+        "  string served_by = 18;\n}", "  string served_by = 18;\n  uint64 generation = 19;\n}", id="field added"
     ),
     pytest.param("message GetConfigRequest {}", "message GetConfigRequest {}\nmessage Ping {}", id="message added"),
     pytest.param(GET_STATS, GET_STATS + "  rpc WatchStats(GetStatsRequest) returns (stream Stats);\n", id="rpc added"),
@@ -188,7 +188,7 @@ def test_command_lists_the_breaks_and_accept_records_a_baseline(
 
 def test_command_notes_additions_not_yet_accepted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     added = edited_protos(
-        tmp_path, ("  uint32 num_messages = 17;\n}", "  uint32 num_messages = 17;\n  uint64 generation = 18;\n}")
+        tmp_path, ("  string served_by = 18;\n}", "  string served_by = 18;\n  uint64 generation = 19;\n}")
     )
     assert breaking.main(["--protos", str(added)]) == 0
     assert "`--accept` records the additions" in capsys.readouterr().out

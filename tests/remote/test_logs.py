@@ -14,7 +14,7 @@ from redisserver import RedisServer
 
 from h3d.remote.logs import RemoteLogs
 from h3d.remote.store import Fenced, Held, RemoteStore, RemoteUnavailable
-from h3d.store.tokenlog import TokenStore, parse_log
+from h3d.store.tokenlog import CLOSED, TokenStore, parse_log, record
 
 
 def logs_for(server: RedisServer, folder: Path, owner: str, **kw: float) -> RemoteLogs:
@@ -105,3 +105,53 @@ def test_a_lease_another_daemon_took_stops_the_copy(redis_server: RedisServer, t
     other.close()
     remote.close()
     files.close()
+
+
+def test_at_start_the_local_logs_are_reconciled_with_the_stores(redis_server: RedisServer, tmp_path: Path) -> None:
+    """Before a restarted daemon reads its logs: a tail the store lacks is copied (a torn record
+    never), a log the store changed since (another daemon served it) replaces the file, a session
+    another daemon serves now is dropped here, and one deleted here is deleted from the store."""
+    files = TokenStore(tmp_path / "a")
+    for sid in ("tail", "changed", "elsewhere", "torn", "deleted"):
+        files.create(sid, {}, [1, 2])
+    files.close()
+    folder = tmp_path / "a"
+    other = logs_for(redis_server, tmp_path / "b", "daemon-b")
+    other.start()
+    first = (folder / "changed.h3log").read_bytes()
+    for sid in ("tail", "changed", "elsewhere", "torn", "deleted"):
+        other.take(sid)
+        (tmp_path / "b").mkdir(exist_ok=True)
+        (tmp_path / "b" / f"{sid}.h3log").write_bytes((folder / f"{sid}.h3log").read_bytes())
+        other.written(sid, size(folder, sid))
+        other.durable(sid, size(folder, sid)).result(10)
+    changed = TokenStore(tmp_path / "b")
+    changed.load_all()
+    changed.cut("changed", 1)  # another daemon rewound it
+    changed.append("changed", [7])
+    other.written("changed", size(tmp_path / "b", "changed"))
+    other.durable("changed", size(tmp_path / "b", "changed")).result(10)
+    changed.close()
+    for sid in ("tail", "changed", "torn", "deleted"):
+        other.release(sid)
+    again = TokenStore(folder)
+    again.load_all()
+    again.append("tail", [3])
+    again.delete("deleted")
+    again.close()
+    (folder / "deleted.h3log").write_bytes(first + record(CLOSED, b""))  # (a crash before the file went)
+    with open(folder / "torn.h3log", "ab") as f:
+        f.write(b"H3\x02\x08\x00")  # a record cut short by a crash
+    remote = logs_for(redis_server, folder, "daemon-a")
+    remote.start()
+    gone = remote.reconcile(sorted(folder.glob("*.h3log")))
+    assert gone == ["elsewhere"] and not (folder / "elsewhere.h3log").exists()
+    assert parse_log("changed", (folder / "changed.h3log").read_bytes()).tokens == [1, 7]
+    remote.durable("tail", size(folder, "tail")).result(10)
+    assert remote.fetch("tail") == (folder / "tail.h3log").read_bytes()
+    assert parse_log("tail", remote.fetch("tail") or b"").tokens == [1, 2, 3]
+    torn = remote.fetch("torn") or b""
+    assert parse_log("torn", torn).truncated_bytes == 0 and parse_log("torn", torn).tokens == [1, 2]
+    assert remote.fetch("deleted") is None
+    remote.close()
+    other.close()

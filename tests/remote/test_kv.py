@@ -1,0 +1,61 @@
+"""KV blocks carried between two daemons' archives through the store's values (`h3d.remote.kv`):
+content keys that agree exactly where the tokens do, values checked on the way, records that read
+back bit for bit under the new session's name, and nothing taken that the archive would refuse."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from h3d.remote.kv import digests, incoming, outgoing, pack, unpack, wanted
+from h3d.tiers.archive import Archive
+from h3d.tiers.codecs import Codec
+from h3d.tiers.identity import BlockKey, CacheIdentity
+
+IDENT = CacheIdentity(fingerprint="ab12", dtype="fp32", block_size=4, num_kv_heads=2, head_dim=8)
+
+
+def test_the_keys_agree_exactly_where_the_tokens_do() -> None:
+    a = digests(list(range(20)), 4, 5)
+    b = digests([*range(10), 99, *range(11, 20)], 4, 5)  # differs in block 2
+    assert a[:2] == b[:2] and all(x != y for x, y in zip(a[2:], b[2:], strict=True))
+    assert digests(list(range(20)), 4, 3) == a[:3] and len(set(a)) == 5
+
+
+def test_a_value_that_fails_its_check_is_not_used() -> None:
+    value = pack(4, Codec.RAW_ZSTD, b"payload")
+    assert unpack(value) == (4, Codec.RAW_ZSTD, b"payload")
+    assert unpack(value[:-1] + b"X") is None and unpack(b"H3") is None and unpack(b"XXXX" + value[4:]) is None
+
+
+def test_blocks_travel_between_archives_bit_for_bit(tmp_path: Path) -> None:
+    tokens = list(range(10))  # two whole blocks and a partial one
+    g = torch.Generator().manual_seed(0)
+    src = Archive(tmp_path / "a", IDENT)
+    kv = {}
+    for layer in range(3):
+        for j in range(3):
+            n = 4 if j < 2 else 2
+            k, v = torch.randn(2, n, 8, generator=g), torch.randn(2, n, 8, generator=g)
+            src.put([(BlockKey("s", layer, j), k, v)])
+            kv[(layer, j)] = (k, v)
+    out = outgoing(src, "s", tokens)
+    assert sorted((layer, d) for layer, d, _ in out) == sorted(wanted(IDENT, tokens, 3))  # the partial block stays
+    store = {f"{layer}:{d}": v for layer, d, v in out}
+    dst = Archive(tmp_path / "b", IDENT)
+    values = [store.get(f"{layer}:{d}") for layer, d in wanted(IDENT, tokens, 3)]
+    values[1] = None  # (one the store lost: left to be computed again)
+    assert incoming(dst, "t", tokens, 3, values) == 5
+    assert (0, 1) not in dst.blocks_of("t") and len(dst.blocks_of("t")) == 5
+    for (layer, j), n in dst.blocks_of("t").items():
+        k, v = dst.get(BlockKey("t", layer, j))
+        assert n == 4 and torch.equal(k, kv[(layer, j)][0]) and torch.equal(v, kv[(layer, j)][1])
+    # An int8 record is not taken into an archive that keeps its layer lossless (a read would refuse it).
+    lossy = Archive(tmp_path / "c", IDENT, codec=Codec.INT8_DELTA_ZSTD)
+    lossy.put([(BlockKey("s", 0, 0), *kv[(0, 0)])])
+    [(_, _, value)] = outgoing(lossy, "s", tokens[:4])
+    strict = Archive(tmp_path / "d", IDENT, lossless_layers=frozenset({0}))
+    assert incoming(strict, "t", tokens[:4], 1, [value]) == 0 and not strict.blocks_of("t")
+    for a in (src, dst, lossy, strict):
+        a.close()
