@@ -28,11 +28,12 @@ SESSION_ID = re.compile(r"[0-9a-f]{32}")  # a full id: sent as is, without a loo
 AMBIGUOUS_SHOWN = 10  # matches listed in the error for an ambiguous prefix
 
 
-def list_sessions(c: Client) -> list[Any]:
+def list_sessions(c: Client, every: bool = False) -> list[Any]:
     sessions: list[Any] = []
     token = ""
     while True:
-        resp = c.call(c.h3.ListSessions, pb.ListSessionsRequest(page_size=LIST_PAGE_SIZE, page_token=token))
+        request = pb.ListSessionsRequest(page_size=LIST_PAGE_SIZE, page_token=token, all=every)
+        resp = c.call(c.h3.ListSessions, request)
         sessions.extend(resp.sessions)
         if not resp.next_page_token or resp.next_page_token == token:
             return sessions
@@ -173,7 +174,7 @@ def cmd_session_fork(c: Client, args: argparse.Namespace) -> int:
 
 
 def cmd_session_list(c: Client, args: argparse.Namespace) -> int:
-    sessions = list_sessions(c)
+    sessions = list_sessions(c, args.all)
     if args.json:
         emit_json({"sessions": [to_dict(s) for s in sessions], "total": len(sessions)})
         return 0
@@ -194,6 +195,7 @@ def cmd_session_list(c: Client, args: argparse.Namespace) -> int:
                 for flag, on in (("chat", s.chat), ("busy", s.busy), ("pinned", s.pinned), ("closed", s.closed))
                 if on
             )
+            + (f" elsewhere:{s.served_by}" if s.served_by else "")
             or "-",
         )
         for s in sessions
@@ -285,6 +287,11 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     c.add_argument("--at", metavar="N", type=uint64, help="the fork's context: the session's first N tokens")
     c.set_defaults(func=cmd_session_fork)
     c = ss.add_parser("list", help="every session")
+    c.add_argument(
+        "--all",
+        action="store_true",
+        help="with the remote tier: the store's sessions too, those other daemons serve (FLAGS: elsewhere)",
+    )
     c.set_defaults(func=cmd_session_list)
     c = ss.add_parser("show", help="one session: tokens, KV blocks per tier and per layer, flags")
     c.add_argument("id", metavar="ID", help=ID_HELP)

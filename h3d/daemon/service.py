@@ -26,7 +26,7 @@ from h3d.daemon.rpc import State
 from h3d.daemon.worker import Finished
 from h3d.engine.engine import Engine
 from h3d.engine.session import PrefillProgress, RequestId, Session, SessionId
-from h3d.errors import InvalidRequest, SessionBusy, clip
+from h3d.errors import InvalidRequest, SessionBusy, SessionNotFound, clip
 
 log = structlog.get_logger("h3d.service")
 
@@ -113,16 +113,26 @@ class H3Servicer:
             raise InvalidRequest(f"page_size: at most {MAX_PAGE}, got {size}")
         after = _cursor(request.page_token)
         mine = [sid for sid, owner in self.s.owners.items() if owner == caller.owner or caller.admin]
+        engine = self.s.worker.engine
+        elsewhere: list[pb.Session] = []
+        if request.all and engine.remote is not None:  # the store's others, read off the engine thread
+            others = [SessionId(x) for x in await asyncio.to_thread(engine.remote.sessions) if x not in self.s.owners]
+            for sid in others:
+                with contextlib.suppress(SessionNotFound):  # (not the caller's, or gone meanwhile)
+                    elsewhere.append(await asyncio.to_thread(remote_session_pb, engine, sid, caller))
 
         def page(engine: Engine) -> pb.ListSessionsResponse:
-            sessions = sorted((engine.session(sid) for sid in mine if sid in engine.sessions), key=_age)
-            rest = [s for s in sessions if after is None or _age(s) > after]
+            here: list[tuple[tuple[float, str], Session | pb.Session]] = [
+                (_age(s), s) for s in (engine.session(x) for x in mine if x in engine.sessions)
+            ]
+            every = sorted(here + [((s.created_at, s.session_id), s) for s in elsewhere], key=lambda x: x[0])
+            rest = [(at, s) for at, s in every if after is None or at > after]
             chunk = rest[:size]
             more = len(rest) > size
             return pb.ListSessionsResponse(
-                sessions=[session_pb(engine, s) for s in chunk],
-                next_page_token=f"{chunk[-1].created_at!r}/{chunk[-1].id}" if more else "",
-                total=len(sessions),
+                sessions=[s if isinstance(s, pb.Session) else session_pb(engine, s) for _, s in chunk],
+                next_page_token=f"{chunk[-1][0][0]!r}/{chunk[-1][0][1]}" if more else "",
+                total=len(every),
             )
 
         return await self.s.worker.call(page)

@@ -75,6 +75,10 @@ def test_a_session_continues_on_another_daemon(
         with running_daemon(ckpt, tmp_path / "b", tcp=False, extra=remote(redis_server)) as b:
             seen = b.h3().GetSession(pb.GetSessionRequest(session_id=sid, with_tokens=True))
             assert list(seen.token_ids) == prompt + want[:8] and seen.served_by == connected["owner"]
+            listed = b.h3().ListSessions(pb.ListSessionsRequest(all=True))
+            assert [s.session_id for s in listed.sessions] == [sid] and listed.sessions[0].served_by == seen.served_by
+            assert not b.h3().ListSessions(pb.ListSessionsRequest()).sessions  # (B's own: none)
+            assert "elsewhere:" in b.ctl("session", "list", "--all").stdout
             with pytest.raises(grpc.RpcError) as held:
                 generate(b.h3(), sid, 4)  # A serves it
             assert held.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -210,12 +210,14 @@ class GetSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., with_tokens: _Optional[bool] = ..., take_over: _Optional[bool] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
-    __slots__ = ("page_size", "page_token")
+    __slots__ = ("page_size", "page_token", "all")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
     page_size: int
     page_token: str
-    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    all: bool
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., all: _Optional[bool] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
     __slots__ = ("sessions", "next_page_token", "total")

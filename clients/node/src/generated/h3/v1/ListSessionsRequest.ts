@@ -10,6 +10,12 @@ export interface ListSessionsRequest {
    * From a previous response's `next_page_token`; empty for the first page.
    */
   'pageToken'?: (string);
+  /**
+   * With the remote tier: every session of the caller's in the store, those other daemons serve
+   * (or none does) too, read from the store (`served_by`; residency unknown). Without it, this
+   * daemon's sessions.
+   */
+  'all'?: (boolean);
 }
 
 export interface ListSessionsRequest__Output {
@@ -21,4 +27,10 @@ export interface ListSessionsRequest__Output {
    * From a previous response's `next_page_token`; empty for the first page.
    */
   'pageToken': (string);
+  /**
+   * With the remote tier: every session of the caller's in the store, those other daemons serve
+   * (or none does) too, read from the store (`served_by`; residency unknown). Without it, this
+   * daemon's sessions.
+   */
+  'all': (boolean);
 }

@@ -1,0 +1,251 @@
+"""Sessions across daemons through the remote tier: `h3d serve` with its defaults and `--remote-url`.
+
+    python -m h3d.bench.remote [--model data/models/smollm2-135m-instruct] [--tokens 6000]
+                               [--streams 4] [--out FILE] [--write docs/BENCHMARKS.md]
+
+A `redis-server` of the benchmark's own (a free port, a temporary folder, appendonly yes with
+appendfsync always: what `remote_log = sync` asks) and daemons on the same model:
+
+- **Taken over after a SIGTERM.** Daemon A is given a document of `--tokens` tokens of real text
+  (AppendContext) and generates one token; A gets SIGTERM (its checkpoint, its KV written to the
+  store, its leases released). Daemon B is asked to continue the session: the time to its first
+  token (taking the session over, reading its KV from the store, the first step) against the same
+  context prefilled again on B (a new session, AppendContext of the same tokens, then its first
+  token), and whether the two continue with the same greedy tokens.
+- **Taken over after kill -9.** Daemon A streams `--streams` generations (sessions of 1,000
+  tokens); A is killed once each stream has shown 10 tokens. Daemon B takes each session over as
+  soon as A's lease has expired: the seconds from the kill, the tokens the clients had that B's
+  log lacks (the goal: none), and whether B continues each as the context's greedy continuation
+  computed again on B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from h3d.bench.prefix import DEFAULT_MODEL, document, free_port
+from h3d.bench.report import write_section
+from h3d.bench.serve import Client, Daemon, log
+
+
+class Redis:
+    """A redis-server on a free port, its data in `folder`, every write persisted before it is acknowledged."""
+
+    def __init__(self, folder: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise SystemExit("redis-server is missing: install Debian's redis-server package")
+        folder.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(folder), "--appendonly", "yes",
+             "--appendfsync", "always", "--save", "", "--logfile", str(folder / "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise SystemExit("redis-server did not start")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def generate(client: Client, sid: str, n: int) -> tuple[list[int], float]:
+    """`n` greedy tokens continuing the session, and the seconds to the first."""
+    pb = client.pb
+    sampling = pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    t0, first, out = time.perf_counter(), None, []
+    for msg in client.h3.Generate(pb.GenerateRequest(session_id=sid, sampling=sampling)):
+        if msg.HasField("delta"):
+            first = first or time.perf_counter()
+            out += list(msg.delta.token_ids)
+    return out, (first or time.perf_counter()) - t0
+
+
+def created(client: Client, ids: list[int]) -> tuple[str, float]:
+    sid = client.h3.CreateSession(client.pb.CreateSessionRequest()).session_id
+    t0 = time.perf_counter()
+    for _ in client.h3.AppendContext(client.pb.AppendContextRequest(session_id=sid, token_ids=ids)):
+        pass
+    return sid, time.perf_counter() - t0
+
+
+def after_sigterm(model: Path, work: Path, url: str, ids: list[int]) -> dict[str, Any]:
+    flags = ["--remote-url", url]
+    a = Daemon(model, work / "a", flags=flags)
+    ca = Client(a.sock)
+    sid, append_s = created(ca, ids)
+    first, _ = generate(ca, sid, 1)
+    ca.channel.close()
+    stop_s = a.stop()
+    written = a.event("remote_kv_written") or {}
+    b = Daemon(model, work / "b", flags=flags)
+    cb = Client(b.sock)
+    taken, resume_s = generate(cb, sid, 16)
+    ref, reprefill_append_s = created(cb, ids + first)
+    again, ref_first_s = generate(cb, ref, 16)
+    stats = getattr(cb.h3.GetStats(cb.pb.GetStatsRequest()), "global")
+    cb.channel.close()
+    b.stop()
+    return {
+        "tokens": len(ids), "append_s": append_s, "sigterm_s": stop_s, "kv_blocks_written": written.get("blocks"),
+        "kv_write_s": written.get("seconds"), "resume_first_token_s": resume_s,
+        "reprefill_first_token_s": reprefill_append_s + ref_first_s,
+        "ratio": resume_s / (reprefill_append_s + ref_first_s), "same_tokens": taken == again,
+        "kv_rebuild_blocks": stats.kv_rebuild_blocks,
+    }  # fmt: skip
+
+
+def after_kill(model: Path, work: Path, url: str, docs: list[list[int]]) -> dict[str, Any]:
+    flags = ["--remote-url", url]
+    b = Daemon(model, work / "kb", flags=flags)
+    a = Daemon(model, work / "ka", flags=flags)
+    ca, cb = Client(a.sock), Client(b.sock)
+    sids = [created(ca, ids)[0] for ids in docs]
+    got: list[list[int]] = [[] for _ in sids]
+
+    def stream(i: int) -> None:
+        pb = ca.pb
+        sampling = pb.SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+        try:
+            for msg in ca.h3.Generate(pb.GenerateRequest(session_id=sids[i], sampling=sampling)):
+                if msg.HasField("delta"):
+                    got[i] += list(msg.delta.token_ids)
+        except grpc.RpcError:  # (the kill cuts it)
+            return
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(sids))]
+    for t in threads:
+        t.start()
+    while min(len(g) for g in got) < 10:
+        time.sleep(0.01)
+    a.proc.send_signal(signal.SIGKILL)
+    killed = time.perf_counter()
+    if a in Daemon.running:
+        Daemon.running.remove(a)
+    for t in threads:
+        t.join(60)
+    lease = float(cb.config()["remote_lease_s"])
+    takeover, lost, same = [], 0, 0
+    for sid, ids, sent in zip(sids, docs, got, strict=True):
+        while True:
+            try:
+                s = cb.h3.GetSession(cb.pb.GetSessionRequest(session_id=sid, with_tokens=True, take_over=True))
+                break
+            except grpc.RpcError as e:  # A's lease, until it expires
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION or time.perf_counter() - killed > lease + 60:
+                    raise
+                time.sleep(0.05)
+        takeover.append(time.perf_counter() - killed)
+        tokens = list(s.token_ids)
+        logged = tokens[len(ids) :]
+        lost += max(0, len(sent) - len(logged)) + sum(1 for x, y in zip(sent, logged, strict=False) if x != y)
+        more, _ = generate(cb, sid, 8)
+        ref, _ = created(cb, tokens)
+        same += more == generate(cb, ref, 8)[0]
+    cb.channel.close()
+    b.stop()
+    return {
+        "streams": len(sids), "tokens_each": len(docs[0]), "streamed_before_kill": [len(g) for g in got],
+        "lease_s": lease, "takeover_s_max": max(takeover), "takeover_s_min": min(takeover), "tokens_lost": lost,
+        "continuations_identical": same,
+    }  # fmt: skip
+
+
+def table(r: dict[str, Any]) -> str:
+    s, k = r["sigterm"], r["kill"]
+    return "\n".join([
+        f"`python -m h3d.bench.remote {' '.join(r['argv'])}` ({r['date']}, {r['host']}, {r['model']}; "
+        "`h3d serve` defaults with `--remote-url`, redis-server 7 with appendfsync always)",
+        "",
+        "| taken over after SIGTERM | |",
+        "|---|---|",
+        f"| the session | {s['tokens']} tokens, appended in {s['append_s']:.2f} s on daemon A |",
+        f"| A's SIGTERM (checkpoint, {s['kv_blocks_written']} KV blocks to the store in {s['kv_write_s']} s) | "
+        f"{s['sigterm_s']:.2f} s |",
+        f"| daemon B's first token: taken over, its KV read from the store | {s['resume_first_token_s']:.2f} s |",
+        f"| the same context prefilled again on B, to its first token | {s['reprefill_first_token_s']:.2f} s |",
+        f"| ratio (goal ≤ 1/3) | {s['ratio']:.3f} |",
+        f"| B's 16 greedy tokens equal the prefilled-again session's | {'yes' if s['same_tokens'] else 'no'} |",
+        "",
+        "| taken over after kill -9 | |",
+        "|---|---|",
+        f"| streams cut | {k['streams']} sessions of {k['tokens_each']} tokens, "
+        f"{min(k['streamed_before_kill'])}-{max(k['streamed_before_kill'])} tokens streamed each |",
+        f"| taken over by B, seconds after the kill (lease {k['lease_s']:g} s; goal ≤ lease + 5) | "
+        f"{k['takeover_s_min']:.1f}-{k['takeover_s_max']:.1f} s |",
+        f"| tokens a client had that B's log lacks | {k['tokens_lost']} |",
+        f"| B's continuations equal the context's computed again | {k['continuations_identical']} of {k['streams']} |",
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m h3d.bench.remote", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the model folder the daemons serve")
+    p.add_argument("--tokens", type=int, default=6000, help="the document's tokens (taken over after SIGTERM)")
+    p.add_argument("--streams", type=int, default=4, help="streams cut by kill -9")
+    p.add_argument("--work", type=Path, default=Path(".bench/remote"), help="the daemons' and the store's folders")
+    p.add_argument("--out", type=Path, default=None, help="the JSON (default bench/results/DATE-cpu-remote.json)")
+    p.add_argument("--write", type=Path, default=None, help="update this markdown file's remote section")
+    args = p.parse_args(argv)
+    from h3d.model.tokenizer import Tokenizer
+
+    if args.work.exists():
+        shutil.rmtree(args.work)
+    store = Redis(args.work / "redis")
+    try:
+        tok = Tokenizer(args.model)
+        ids = tok.encode(document(tok, args.tokens))
+        log("taken over after SIGTERM ...")
+        sigterm = after_sigterm(args.model, args.work, store.url, ids)
+        log(f"sigterm: {json.dumps(sigterm)}")
+        log("taken over after kill -9 ...")
+        docs = [ids[i * 100 : i * 100 + 1000] for i in range(args.streams)]
+        kill = after_kill(args.model, args.work, store.url, docs)
+        log(f"kill: {json.dumps(kill)}")
+    finally:
+        for d in list(Daemon.running):
+            d.proc.kill()
+        store.stop()
+    today = dt.date.today().isoformat()
+    result = {
+        "date": today, "host": "CPU, 2 cores", "model": args.model.name, "argv": sys.argv[1:] if argv is None else argv,
+        "sigterm": sigterm, "kill": kill,
+    }  # fmt: skip
+    out = args.out or Path("bench/results") / f"{today}-cpu-remote.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    text = table(result)
+    print(text)
+    if args.write is not None:
+        write_section(args.write, "remote", "## Sessions across daemons through the remote tier (CPU)\n\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
