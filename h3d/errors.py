@@ -75,7 +75,12 @@ class NotDurable(RemoteError):
 
 
 class Fenced(RemoteError):
-    """A write by a daemon whose lease on the session is gone (expired, or taken by another)."""
+    """A write by a daemon whose lease on the session is gone (expired, or taken by another:
+    `lease_gone`), or whose log in the store is not what this daemon wrote (another wrote it)."""
+
+    def __init__(self, message: str, lease_gone: bool = False) -> None:
+        super().__init__(message)
+        self.lease_gone = lease_gone
 
 
 class Held(RemoteError):

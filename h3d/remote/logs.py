@@ -329,9 +329,9 @@ class RemoteLogs:
                 await self._append_some(session, entry)
                 self._recovered()
             except Fenced as e:
-                entry.lost = str(e)
-                log.error("remote tier: session %s: %s", session, e)
-                _fail(entry, e)
+                if e.lease_gone and await self._hold_again(session, entry):
+                    continue
+                self._lose(session, entry, e)
                 return
             except RemoteError as e:
                 self._degrade(str(e))
@@ -371,11 +371,30 @@ class RemoteLogs:
                     if entry.stored >= entry.local:
                         self._recovered()  # (the store answers, and this log is whole there)
                 except Fenced as e:
-                    entry.lost = str(e)
-                    log.error("remote tier: session %s: %s", session, e)
-                    _fail(entry, e)
+                    if not await self._hold_again(session, entry):
+                        self._lose(session, entry, e)
                 except RemoteError as e:
                     self._degrade(str(e))
+
+    async def _hold_again(self, session: str, entry: _Log) -> bool:
+        """`entry`'s lease expired (the store was out of reach longer than a lease, or restarted):
+        take it again if no other daemon did, and if the store's log is still what this one
+        copied (no other daemon wrote it meanwhile); with a new token. -> whether it holds it."""
+        try:
+            lease = await self.store.acquire(session)
+        except RemoteError:
+            return False
+        if await self.store.log_size(session) != entry.stored:
+            await self.store.release(lease)
+            return False
+        entry.lease = lease
+        log.warning("remote tier: session %s: its lease had expired; taken again (token %d)", session, lease.token)
+        return True
+
+    def _lose(self, session: str, entry: _Log, error: Fenced) -> None:
+        entry.lost = str(error)
+        log.error("remote tier: session %s: %s", session, error)
+        _fail(entry, error)
 
 
 def _transfer_s(nbytes: int) -> float:

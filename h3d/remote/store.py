@@ -233,7 +233,7 @@ class RemoteStore:
             self._renew([self._key(lease.session, "lease")], [lease.value, int(self.lease_s * 1000)]),
         )
         if not done:
-            raise Fenced(f"session {lease.session}: this daemon's lease (token {lease.token}) is gone")
+            raise Fenced(f"session {lease.session}: this daemon's lease (token {lease.token}) is gone", lease_gone=True)
 
     async def release(self, lease: Lease) -> bool:
         """Give `lease` up (another daemon may take the session at once). -> whether it was held."""
@@ -256,7 +256,10 @@ class RemoteStore:
         what = f"appending to session {lease.session}'s log"
         size = int(await self._call(what, self._append(keys, [lease.value, data, at])))
         if size == -1:
-            raise Fenced(f"session {lease.session}: not written, this daemon's lease (token {lease.token}) is gone")
+            raise Fenced(
+                f"session {lease.session}: not written, this daemon's lease (token {lease.token}) is gone",
+                lease_gone=True,
+            )
         if size < -1:
             raise Fenced(f"session {lease.session}: not written, the store's log is {-2 - size} bytes, not {at}")
         return size

@@ -155,3 +155,32 @@ def test_at_start_the_local_logs_are_reconciled_with_the_stores(redis_server: Re
     assert remote.fetch("deleted") is None
     remote.close()
     other.close()
+
+
+def test_a_lease_that_expired_while_the_store_was_away_is_taken_again(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The store gone longer than a lease (its keys' lives run out, or it restarts past them): if no
+    other daemon took the session meanwhile, the daemon takes its lease again, with a new token,
+    and the copy goes on; the session is not lost."""
+    files = TokenStore(tmp_path / "a")
+    remote = logs_for(redis_server, tmp_path / "a", "daemon-a", lease_s=0.6, timeout_s=0.2)
+    remote.start()
+    remote.take("s1")
+    files.create("s1", {}, [1])
+    remote.written("s1", size(tmp_path / "a", "s1"))
+    remote.durable("s1", size(tmp_path / "a", "s1")).result(10)
+    redis_server.stop()
+    files.append("s1", [2])
+    remote.written("s1", size(tmp_path / "a", "s1"))
+    time.sleep(1.0)  # past the lease
+    redis_server.start()  # (the lease's time to live ran out: gone at load)
+    deadline = time.monotonic() + 10
+    while remote.lag_bytes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert remote.lag_bytes() == 0 and not remote.lost()
+    assert parse_log("s1", remote.fetch("s1") or b"").tokens == [1, 2]
+    holder = remote.holder("s1")
+    assert holder is not None and holder.startswith("daemon-a ") and holder != "daemon-a 1"
+    remote.close()
+    files.close()
