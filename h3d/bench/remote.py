@@ -18,6 +18,10 @@ appendfsync always: what `remote_log = sync` asks) and daemons on the same model
   soon as A's lease has expired: the seconds from the kill, the tokens the clients had that B's
   log lacks (the goal: none), and whether B continues each as the context's greedy continuation
   computed again on B.
+- **The store down under load.** `--clients` clients generate 8 tokens at a time on sessions of
+  their own; the store is stopped for `--down-s` seconds from 5 s in, then started again: the
+  requests by outcome (`async`: the goal is none failed; `sync`: only UNAVAILABLE ones), the
+  daemon's RSS, whether the tier caught up by itself, and the sessions the daemon lost.
 """
 
 from __future__ import annotations
@@ -49,12 +53,15 @@ class Redis:
         binary = shutil.which("redis-server")
         if binary is None:
             raise SystemExit("redis-server is missing: install Debian's redis-server package")
-        folder = folder.resolve()  # (redis-server opens its log file after moving into --dir)
-        folder.mkdir(parents=True, exist_ok=True)
+        self.binary, self.folder = binary, folder.resolve()  # (redis-server opens its log after moving into --dir)
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
+        self.start()
+
+    def start(self) -> None:
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(folder), "--appendonly", "yes",
-             "--appendfsync", "always", "--save", "", "--logfile", str(folder / "redis.log")],
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder), "--appendonly",
+             "yes", "--appendfsync", "always", "--save", "", "--logfile", str(self.folder / "redis.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 30
@@ -190,6 +197,71 @@ def after_kill(model: Path, work: Path, url: str, docs: list[list[int]]) -> dict
     }  # fmt: skip
 
 
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def outage(model: Path, work: Path, store: Redis, mode: str, clients: int, down_s: float) -> dict[str, Any]:
+    """`clients` clients generating 8 tokens at a time on sessions of their own; the store stopped
+    for `down_s` seconds from 5 s in, then started again; 5 s more. Requests by outcome, the
+    daemon's RSS, and whether the tier caught up by itself."""
+    d = Daemon(model, work / f"outage-{mode}", flags=["--remote-url", store.url, "--remote-log", mode])
+    client = Client(d.sock)
+    pb = client.pb
+    sids = [created(client, list(range(100 + i, 164 + i)))[0] for i in range(clients)]
+    outcomes: dict[str, int] = {}
+    lock, stop = threading.Lock(), threading.Event()
+
+    def run(sid: str) -> None:
+        sampling = pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        while not stop.is_set():
+            try:
+                for _ in client.h3.Generate(pb.GenerateRequest(session_id=sid, sampling=sampling)):
+                    pass
+                code = "OK"
+            except grpc.RpcError as e:
+                code = e.code().name
+            with lock:
+                outcomes[code] = outcomes.get(code, 0) + 1
+
+    threads = [threading.Thread(target=run, args=(sid,)) for sid in sids]
+    for t in threads:
+        t.start()
+    rss, t0 = [], time.perf_counter()
+    stopped = started = False
+    while time.perf_counter() - t0 < 10 + down_s:
+        rss.append(rss_mb(d.proc.pid))
+        now = time.perf_counter() - t0
+        if now >= 5 and not stopped:
+            store.proc.terminate()
+            store.proc.wait(30)
+            stopped = True
+        if now >= 5 + down_s and not started:
+            store.start()
+            started = True
+        time.sleep(0.5)
+    stop.set()
+    for t in threads:
+        t.join(120)
+    deadline, g = time.monotonic() + 60, None
+    while time.monotonic() < deadline:
+        g = getattr(client.h3.GetStats(pb.GetStatsRequest()), "global")
+        if not g.remote_degraded and not g.remote_lag_bytes:
+            break
+        time.sleep(0.5)
+    assert g is not None
+    client.channel.close()
+    d.stop()
+    return {
+        "mode": mode, "clients": clients, "down_s": down_s, "outcomes": outcomes, "rss_mb_max": max(rss),
+        "rss_mb_start": rss[0], "recovered": not g.remote_degraded and not g.remote_lag_bytes,
+        "lost_sessions": sum(e.get("event") == "session_lost" for e in d.events()),
+    }  # fmt: skip
+
+
 def table(r: dict[str, Any]) -> str:
     s, k = r["sigterm"], r["kill"]
     return "\n".join([
@@ -216,6 +288,17 @@ def table(r: dict[str, Any]) -> str:
         f"{k['takeover_s_min']:.1f}-{k['takeover_s_max']:.1f} s |",
         f"| tokens a client had that B's log lacks | {k['tokens_lost']} |",
         f"| B's continuations equal the context's computed again | {k['continuations_identical']} of {k['streams']} |",
+        "",
+        "| the store down under load | requests by outcome | daemon RSS, start / max | caught up by itself "
+        "| sessions lost |",
+        "|---|---|---|---|---|",
+        *[
+            f"| `remote_log = {o['mode']}`: {o['clients']} clients, {o['down_s']:g} s down | "
+            f"{', '.join(f'{k}: {v}' for k, v in sorted(o['outcomes'].items()))} | "
+            f"{o['rss_mb_start']:.0f} / {o['rss_mb_max']:.0f} MiB | {'yes' if o['recovered'] else 'no'} | "
+            f"{o['lost_sessions']} |"
+            for o in r["outages"]
+        ],
     ])  # fmt: skip
 
 
@@ -224,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the model folder the daemons serve")
     p.add_argument("--tokens", type=int, default=6000, help="the document's tokens (taken over after SIGTERM)")
     p.add_argument("--streams", type=int, default=4, help="streams cut by kill -9")
+    p.add_argument("--clients", type=int, default=64, help="clients generating while the store is down")
+    p.add_argument("--down-s", type=float, default=30.0, help="how long the store is down")
     p.add_argument("--work", type=Path, default=Path(".bench/remote"), help="the daemons' and the store's folders")
     p.add_argument("--out", type=Path, default=None, help="the JSON (default bench/results/DATE-cpu-remote.json)")
     p.add_argument("--write", type=Path, default=None, help="update this markdown file's remote section")
@@ -243,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         docs = [ids[i * 100 : i * 100 + 1000] for i in range(args.streams)]
         kill = after_kill(args.model, args.work, store.url, docs)
         log(f"kill: {json.dumps(kill)}")
+        outages = []
+        for mode in ("async", "sync"):
+            log(f"the store down for {args.down_s:g} s under {args.clients} clients, remote_log = {mode} ...")
+            outages.append(outage(args.model, args.work, store, mode, args.clients, args.down_s))
+            log(f"outage: {json.dumps(outages[-1])}")
     finally:
         for d in list(Daemon.running):
             d.proc.kill()
@@ -250,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     today = dt.date.today().isoformat()
     result = {
         "date": today, "host": "CPU, 2 cores", "model": args.model.name, "argv": sys.argv[1:] if argv is None else argv,
-        "sigterm": sigterm, "kill": kill,
+        "sigterm": sigterm, "kill": kill, "outages": outages,
     }  # fmt: skip
     out = args.out or Path("bench/results") / f"{today}-cpu-remote.json"
     out.parent.mkdir(parents=True, exist_ok=True)

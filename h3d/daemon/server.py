@@ -402,7 +402,7 @@ class Daemon:
             await asyncio.sleep(every_s)
             for sid in await self.worker.call(lambda e: e.drop_lost()):
                 self.state.owners.pop(sid, None)
-                log.warning("session_taken_over", session_id=sid)
+                log.warning("session_lost", session_id=sid)  # (another daemon took it over)
 
     async def _watchdog_loop(self, every_s: float) -> None:
         while True:
