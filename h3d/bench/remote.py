@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(result)
     print(text)
     if args.write is not None:
-        write_section(args.write, "remote", "## Sessions across daemons through the remote tier (CPU)\n\n" + text)
+        write_section(args.write, "## Sessions across daemons through the remote tier (CPU)\n\n" + text, "remote")
     return 0
 
 
