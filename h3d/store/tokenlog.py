@@ -25,6 +25,10 @@ record and truncates the file there: what follows it was never acknowledged as d
 
 Files are created 0600 and a folder it creates 0700, whatever the umask (`h3d.store.files`).
 
+A `mirror` (`LogMirror`; the remote tier's `h3d.remote.logs.RemoteLogs`) is told of each log
+before it is created (it may refuse: nothing is created), of each write once the file holds it,
+and of each deletion.
+
 Seams (what a test passes in or reads, never a private name): every file system call but reads and
 closes goes through `files`, an `h3d.store.files.FileOps` (the real calls by default: a subclass
 stands for a short write, a failing or counted fsync); the group commit's time is `clock`'s
@@ -160,20 +164,25 @@ class TokenStore:
             raise ValueError(f"session {session_id} already has a token log")
         if mirrored and self.mirror is not None:
             self.mirror.creating(session_id)
-        tmp = path.with_suffix(".tmp")
-        files = self.files
-        files.unlink(tmp, missing_ok=True)  # a create that failed midway: never acknowledged
-        fd = files.create(tmp, os.O_WRONLY)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[files.write(fd, view) :]
-            files.fsync(fd)
-        finally:
-            os.close(fd)
-        files.replace(tmp, path)
-        files.fsync_dir(self.folder)
-        self._open(session_id, path)
+            tmp = path.with_suffix(".tmp")
+            files = self.files
+            files.unlink(tmp, missing_ok=True)  # a create that failed midway: never acknowledged
+            fd = files.create(tmp, os.O_WRONLY)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[files.write(fd, view) :]
+                files.fsync(fd)
+            finally:
+                os.close(fd)
+            files.replace(tmp, path)
+            files.fsync_dir(self.folder)
+            self._open(session_id, path)
+        except BaseException:
+            if mirrored and self.mirror is not None:
+                self.mirror.deleted(session_id)  # (the copy it had begun: nothing of it is kept)
+            raise
         if mirrored and self.mirror is not None:
             self.mirror.written(session_id, len(data))
 

@@ -840,3 +840,61 @@ def test_a_fork_holds_a_prefix_of_its_source_with_its_messages(tmp_path: Path) -
     store.close()
     again = {r.session_id: r for r in TokenStore(tmp_path).load_all()}
     assert again["b"].tokens == [1, 2, 3, 4, 5, 6, 8, 9, 11] and again["b"].messages == [(user, 3), (turn, 6)]
+
+
+class Mirror:
+    """A `LogMirror` that records what it is told (and refuses creations while `refuse`)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, int]] = []
+        self.refuse = False
+
+    def creating(self, session_id: str) -> None:
+        if self.refuse:
+            raise RuntimeError("no lease")
+        self.calls.append(("creating", session_id, 0))
+
+    def written(self, session_id: str, size: int) -> None:
+        self.calls.append(("written", session_id, size))
+
+    def deleted(self, session_id: str) -> None:
+        self.calls.append(("deleted", session_id, 0))
+
+
+def test_a_mirror_is_told_of_every_log_change_in_order(tmp_path: Path) -> None:
+    """Told before a log is created (a refusal creates nothing), of each write with the file's new
+    size once it holds it, of a deletion; a log restored from elsewhere or deleted only here is not told."""
+    mirror = Mirror()
+    store = TokenStore(tmp_path, mirror=mirror)
+    store.create("s1", {"owner": "o"}, [1, 2])
+    created = (tmp_path / f"s1{SUFFIX}").stat().st_size
+    store.append("s1", [3])
+    store.fork("s1", "s2", {}, 2)
+    store.delete("s2")
+    assert mirror.calls == [
+        ("creating", "s1", 0), ("written", "s1", created), ("written", "s1", store.size("s1")),
+        ("creating", "s2", 0), ("written", "s2", mirror.calls[4][2]), ("deleted", "s2", 0),
+    ]  # fmt: skip
+    assert store.size("s1") == (tmp_path / f"s1{SUFFIX}").stat().st_size
+    mirror.calls.clear()
+    mirror.refuse = True
+    with pytest.raises(RuntimeError, match="no lease"):
+        store.create("s3", {}, [1])
+    assert not (tmp_path / f"s3{SUFFIX}").exists() and "s3" not in store.open_sessions()
+    data = (tmp_path / f"s1{SUFFIX}").read_bytes()
+    assert store.restore("s4", data).tokens == [1, 2, 3]
+    store.delete("s4", mirrored=False)
+    assert mirror.calls == []
+    with pytest.raises(ValueError, match="torn"):
+        store.restore("s5", data[:-2])
+    store.close()
+
+    class FullDisk(FileOps):
+        def create(self, path: Path, flags: int) -> int:
+            raise OSError(28, "No space left on device")
+
+    mirror = Mirror()
+    full = TokenStore(tmp_path / "full", files=FullDisk(), mirror=mirror)
+    with pytest.raises(OSError, match="No space"):
+        full.create("s6", {}, [1])
+    assert mirror.calls == [("creating", "s6", 0), ("deleted", "s6", 0)]  # (the copy begun is dropped)
