@@ -90,3 +90,7 @@ class Held(RemoteError):
     def __init__(self, message: str, holder: str) -> None:
         super().__init__(message)
         self.holder = holder
+
+
+class NoRemoteTier(H3Error):
+    """What was asked needs the remote tier (`remote_url`), which is off (maps to FAILED_PRECONDITION)."""

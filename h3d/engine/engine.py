@@ -56,6 +56,7 @@ from h3d.errors import (
     H3Error,
     InvalidRequest,
     NoChatTemplate,
+    NoRemoteTier,
     OutOfBlocks,
     RemoteError,
     SessionBusy,
@@ -246,7 +247,7 @@ class Engine:
         cancelled and everything of it here forgotten (its KV, its local log); the store keeps it."""
         session = self.session(session_id)
         if self.remote is None or self.journal is None:
-            raise InvalidRequest("handing a session over needs the remote tier (remote_url)")
+            raise NoRemoteTier("handing a session over needs the remote tier (remote_url), which is off")
         self._save_meta(session)
         self._cancel_requests(session)
         with contextlib.suppress(SsdDegraded):  # (without it the next daemon computes the KV again)

@@ -44,6 +44,12 @@ export interface CreateSessionOptions extends CallOptions {
 export interface GetSessionOptions extends CallOptions {
   /** Include the context's token ids and text. */
   withTokens?: boolean;
+  /**
+   * With the remote tier (`remote_url`): take the session over from the store now if no other
+   * daemon serves it (FailedPreconditionError if one does). Without it, a session another daemon
+   * serves is read from the store and left there (`servedBy`).
+   */
+  takeOver?: boolean;
 }
 
 export interface ForkSessionOptions extends CallOptions {
@@ -56,6 +62,8 @@ export interface ListSessionsOptions extends CallOptions {
   pageSize?: number;
   /** A previous page's `nextPageToken`; unset: the first page. */
   pageToken?: string;
+  /** With the remote tier: the caller's sessions in the whole store, those other daemons serve too. */
+  all?: boolean;
 }
 
 export interface CloseOptions extends CallOptions {
@@ -105,7 +113,7 @@ export class H3Client {
 
   /** One session's metadata (and, with `withTokens`, its whole context). */
   getSession(sessionId: string, options: GetSessionOptions = {}): Promise<Session> {
-    const request = { sessionId, withTokens: options.withTokens };
+    const request = { sessionId, withTokens: options.withTokens, takeOver: options.takeOver };
     return unary(this.#metadata, options, (metadata, callOptions, callback) =>
       this.#stub.getSession(request, metadata, callOptions, callback),
     );
@@ -124,7 +132,7 @@ export class H3Client {
 
   /** One page of the caller's sessions, oldest first. */
   listSessions(options: ListSessionsOptions = {}): Promise<SessionPage> {
-    const request = { pageSize: options.pageSize, pageToken: options.pageToken };
+    const request = { pageSize: options.pageSize, pageToken: options.pageToken, all: options.all };
     return unary(this.#metadata, options, (metadata, callOptions, callback) =>
       this.#stub.listSessions(request, metadata, callOptions, callback),
     );
@@ -138,6 +146,18 @@ export class H3Client {
       yield* page.sessions;
       pageToken = page.nextPageToken;
     } while (pageToken !== "");
+  }
+
+  /**
+   * With the remote tier (`remote_url`): hand the session over to the other daemons of the store
+   * at once (its log's last bytes and its KV stored, its lease released, forgotten here).
+   * FailedPreconditionError without the remote tier.
+   */
+  async releaseSession(sessionId: string, options: CallOptions = {}): Promise<void> {
+    const request = { sessionId };
+    await unary(this.#metadata, options, (metadata, callOptions, callback) =>
+      this.#stub.releaseSession(request, metadata, callOptions, callback),
+    );
   }
 
   /** Close a session and free its KV in every tier. */

@@ -8,6 +8,7 @@ import { setTimeout as sleep } from "node:timers/promises";
 import {
   AbortError,
   DeadlineExceededError,
+  FailedPreconditionError,
   FinishReason,
   H3AdminClient,
   H3Client,
@@ -91,6 +92,14 @@ test("create, append, generate, stats and close over the Unix socket", async () 
   assert.equal(closed.closed, true); // closed, not deleted: its next request reopens it
   await h3.close(sid, { purge: true });
   await assert.rejects(h3.getSession(sid), NotFoundError);
+});
+
+test("releaseSession: refused without the remote tier, the session kept", async () => {
+  const { sessionId: sid } = await h3.createSession();
+  await assert.rejects(h3.releaseSession(sid), FailedPreconditionError);
+  const kept = await h3.getSession(sid);
+  assert.equal(kept.servedBy, "");
+  await h3.close(sid, { purge: true });
 });
 
 test("forkSession: a prefix of a session, ready to decode", async () => {
