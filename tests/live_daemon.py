@@ -130,7 +130,9 @@ def running_daemon(
         if time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError("h3d serve did not start:\n" + "".join(d.raw))
-    if proc.poll() is not None and not d.events("listening"):
+    if not d.events("listening"):  # (its output ended: it exited, or is exiting)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
         raise RuntimeError(f"h3d serve exited with {proc.returncode}:\n" + "".join(d.raw))
     try:
         yield d

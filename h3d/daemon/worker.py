@@ -32,7 +32,7 @@ from h3d.daemon.collector import Collector
 from h3d.daemon.convert import FINISH, summary_pb, tier_stats_pb
 from h3d.engine.engine import Engine
 from h3d.engine.session import AppendDone, Event, GenerationDone, RequestFailed, RequestId, SessionId
-from h3d.errors import H3Error, LogNotDurable
+from h3d.errors import H3Error, LogNotDurable, RemoteError
 
 T = TypeVar("T")
 THROUGHPUT_WINDOW_S = 10.0
@@ -131,6 +131,10 @@ class EngineWorker:
         """Cancel a request (its client went away): it ends at the next step, freeing its slot.
         A chain (`start_request`'s `then`) is cancelled by its first request's id."""
         self.post(lambda engine: self._cancel(engine, rid))
+
+    def _cancel_chain(self, rid: RequestId, engine: Engine) -> None:
+        """Cancel the chain `rid` is part of (by its first request's id)."""
+        self._cancel(engine, self._heads.get(rid, rid))
 
     def _cancel(self, engine: Engine, rid: RequestId) -> None:
         self._then.pop(rid, None)  # an append cancelled before its end chains nothing
@@ -315,6 +319,8 @@ class EngineWorker:
             ended: dict[int, tuple[asyncio.Queue[Event | Finished], Event | Finished]] = {}
             for stream, event in items:
                 e: Any = event
+                if id(stream) not in ended:  # its request stops too (the stream's end is this failure)
+                    self.post(functools.partial(self._cancel_chain, e.request_id))
                 ended.setdefault(id(stream), (stream, RequestFailed(e.request_id, e.session_id, cause)))
             out = list(ended.values())
         with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is gone
@@ -341,8 +347,11 @@ class EngineWorker:
         if error is not None:
             done = finished.done
             log.error("token_log_not_durable", session_id=done.session_id, error=str(error))
-            cause = LogNotDurable(f"the session's token log could not be fsynced ({error}): its last tokens "
-                                  "may be lost in a crash")  # fmt: skip
+            if isinstance(error, RemoteError):  # (the remote store's: it says what it is)
+                cause: H3Error = error
+            else:
+                cause = LogNotDurable(f"the session's token log could not be fsynced ({error}): its last tokens "
+                                      "may be lost in a crash")  # fmt: skip
             event = RequestFailed(done.request_id, done.session_id, cause)
         with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is gone
             self._loop.call_soon_threadsafe(_deliver, [(stream, event)])

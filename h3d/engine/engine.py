@@ -69,7 +69,7 @@ from h3d.kv.blocks import SeqId
 from h3d.model.loader import load_model
 from h3d.model.tokenizer import Tokenizer
 from h3d.store.tokenlog import TokenStore
-from h3d.tiers.identity import ArchiveCorrupt
+from h3d.tiers.identity import ArchiveCorrupt, ArchiveError
 from h3d.tiers.stats import TierStats
 
 if TYPE_CHECKING:
@@ -160,13 +160,9 @@ class Engine:
         may be of other tokens; one another daemon serves now is dropped."""
         assert self.journal is not None
         archive = self.kv.archive
-        paths = sorted(self.journal.folder.glob("*.h3log"))
-        before = {p.name.split(".")[0]: p.stat().st_size for p in paths}
-        self.moved_away = remote.reconcile(paths)
-        for session, size in before.items():
-            path = self.journal.path(session)
-            changed = session in self.moved_away or not path.exists() or path.stat().st_size != size
-            if changed and archive is not None and self.kv.writable:
+        self.moved_away, replaced = remote.reconcile(sorted(self.journal.folder.glob("*.h3log")))
+        if archive is not None and self.kv.writable:
+            for session in [*self.moved_away, *replaced]:
                 archive.remove(session)
 
     def adopt(self, session_id: SessionId) -> Session | None:
@@ -182,10 +178,17 @@ class Engine:
         if data is None:
             return None
         try:
-            restored = self.journal.restore(session_id, data)
+            try:
+                restored = self.journal.restore(session_id, data)
+            except ValueError as e:
+                raise RemoteError(f"session {session_id}'s log in the remote store cannot be read: {e}") from e
             if self.kv.archive is not None and self.kv.writable:
                 self.kv.archive.remove(session_id)  # (KV this daemon archived of it before: maybe of other tokens)
-                self._import_kv(session_id, restored.tokens[: max(len(restored.tokens) - 1, 0)])
+                try:
+                    self._import_kv(session_id, restored.tokens[: max(len(restored.tokens) - 1, 0)])
+                except (RemoteError, ArchiveError) as e:  # (its KV is computed again instead)
+                    log.warning("KV of session %s not read from the remote store: %s", session_id, e)
+                    self.kv.archive.remove(session_id)
             session = restore_session(
                 restored, self.kv, self.tokenizer, self.config.policy, SeqId(next(self._seq_ids)), self.runner.device
             )
@@ -250,8 +253,10 @@ class Engine:
             raise NoRemoteTier("handing a session over needs the remote tier (remote_url), which is off")
         self._save_meta(session)
         self._cancel_requests(session)
-        with contextlib.suppress(SsdDegraded):  # (without it the next daemon computes the KV again)
+        try:
             self.export_kv(session_id)
+        except (SsdDegraded, RemoteError, ArchiveError) as e:  # (the next daemon computes the KV again)
+            log.warning("KV of session %s not written to the remote store: %s", session_id, e)
         self.remote.release(session_id)
         purge_kv(self.kv, session.seq)
         self.prefixes.forget(session_id)

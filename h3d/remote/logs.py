@@ -56,6 +56,7 @@ class _Log:
     waiters: list[tuple[int, Future[None]]] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
     lost: str | None = None  # why the lease is gone: nothing more is written
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one append in flight at a time
 
 
 class RemoteLogs:
@@ -107,14 +108,18 @@ class RemoteLogs:
         if self._degraded is not None and time.monotonic() - self._failed_at < RETRY_S:
             raise RemoteUnavailable(f"the remote store is unavailable: {self._degraded}")
         try:
-            return self._wait(self._take(session))
+            return self._wait(self._take(session), grace=self.timeout_s)
         except RemoteUnavailable as e:
             self._degrade(str(e))
             raise
 
     async def _take(self, session: str) -> int:
         lease = await self.store.acquire(session)
-        stored = await self.store.log_size(session)
+        try:
+            stored = await self.store.log_size(session)
+        except BaseException:  # (a failure or a caller that gave up: the lease is not kept)
+            await _release_quietly(self.store, lease)
+            raise
         self._logs[session] = _Log(lease, self.path_of(session), stored, stored)
         return stored
 
@@ -140,26 +145,35 @@ class RemoteLogs:
     def adopt(self, session: str) -> bytes | None:
         """A session this daemon does not have: its lease taken (Held if another daemon serves it)
         and its log as the store holds it, to be served from here on; None if the store has none."""
-        return self._wait(self._adopt(session))
+        return self._wait(self._adopt(session), grace=2 * self.timeout_s)
 
     async def _adopt(self, session: str) -> bytes | None:
         if await self.store.log_bytes(session) is None:
+            holder = await self.store.holder(session)
+            if holder is not None and not holder.startswith(self.store.owner + " "):
+                # (created on another daemon a moment ago: its first bytes are on their way)
+                raise Held(f"session {session} is served by another daemon ({holder.split(' ')[0]})", holder)
             return None
         lease = await self.store.acquire(session)
-        data = await self.store.log_bytes(session)  # (read again under the lease: nothing writes it now)
+        try:
+            data = await self.store.log_bytes(session)  # (read again under the lease: nothing writes it now)
+        except BaseException:
+            await _release_quietly(self.store, lease)
+            raise
         if data is None:  # deleted meanwhile
-            await self.store.release(lease)
+            await _release_quietly(self.store, lease)
             return None
         self._logs[session] = _Log(lease, self.path_of(session), len(data), len(data))
         return data
 
-    def reconcile(self, paths: list[Path]) -> list[str]:
+    def reconcile(self, paths: list[Path]) -> tuple[list[str], list[str]]:
         """At start, before the local logs are read (`paths`, named `<session>.h3log`): each one's
         lease taken and the file made the store's log where the two differ (the store is the
         truth: another daemon served the session since), or its tail copied where the store lacks
         it (it holds a prefix of the file). The files of sessions another daemon serves now are
-        deleted (their archived KV goes with the sweep of blocks without a log). Returns those."""
-        gone = []
+        deleted (their archived KV goes with the sweep of blocks without a log). Returns those,
+        and those whose file was replaced."""
+        gone, replaced = [], []
         for path in paths:
             session = path.name.split(".")[0]
             try:
@@ -179,8 +193,9 @@ class RemoteLogs:
                 self.written(session, len(local))  # (what the store lacks, if anything, copied)
             else:
                 _replace(path, data)
+                replaced.append(session)
                 log.warning("token log of session %s replaced by the remote store's (%d bytes)", session, len(data))
-        return gone
+        return gone, replaced
 
     def written(self, session: str, size: int) -> None:
         """`session`'s file holds `size` bytes now: copy what the store lacks (returns at once)."""
@@ -214,7 +229,7 @@ class RemoteLogs:
     def release(self, session: str) -> None:
         """Copy the rest of `session`'s log, then give its lease up: another daemon may take it at
         once. Raises RemoteUnavailable (the lease stays until it expires) if the store lacks bytes."""
-        self._wait(self._release(session), grace=self.timeout_s)
+        self._wait(self._release(session), grace=2 * self.timeout_s)
 
     async def _release(self, session: str) -> None:
         entry = self._logs.get(session)
@@ -223,21 +238,26 @@ class RemoteLogs:
         await self._catch_up(session, entry, deadline=time.monotonic() + self.timeout_s)
         if entry.stored < entry.local:
             raise RemoteUnavailable(f"session {session}: the store lacks {entry.local - entry.stored} bytes of its log")
-        self._logs.pop(session, None)
         await self.store.release(entry.lease)
+        if entry.task is not None:
+            entry.task.cancel()
+        self._logs.pop(session, None)  # (only once released: a failure leaves it served and copied here)
 
     def delete(self, session: str) -> None:
         """Delete `session`'s log from the store (its lease with it)."""
         self._wait(self._delete(session))
 
     async def _delete(self, session: str) -> None:
-        entry = self._logs.pop(session, None)
-        if entry is not None:
-            if entry.task is not None:
-                entry.task.cancel()
-            _fail(entry, RemoteError(f"session {session} was deleted"))
-            with contextlib.suppress(Fenced):
-                await self.store.delete(entry.lease)
+        entry = self._logs.get(session)
+        if entry is None:
+            return
+        entry.lost = entry.lost or "deleted"  # (nothing more copied; the lease still renewed until it goes)
+        if entry.task is not None:
+            entry.task.cancel()
+        _fail(entry, RemoteError(f"session {session} was deleted"))
+        with contextlib.suppress(Fenced):  # (another daemon holds it now: its log is that daemon's)
+            await self.store.delete(entry.lease)
+        self._logs.pop(session, None)
 
     def forget(self, session: str) -> None:
         """Stop copying `session` (its lease left to expire): a session this daemon no longer serves."""
@@ -269,7 +289,7 @@ class RemoteLogs:
 
     def lost(self) -> dict[str, str]:
         """The sessions whose lease is gone (another daemon took them), with why."""
-        return {s: x.lost for s, x in list(self._logs.items()) if x.lost is not None}
+        return {s: x.lost for s, x in list(self._logs.items()) if x.lost not in (None, "deleted")}
 
     def close(self) -> None:
         """Copy what the store lacks (within `timeout_s`), give every lease up, stop the thread."""
@@ -329,10 +349,12 @@ class RemoteLogs:
                 await self._append_some(session, entry)
                 self._recovered()
             except Fenced as e:
-                if e.lease_gone and await self._hold_again(session, entry):
-                    continue
-                self._lose(session, entry, e)
-                return
+                held = await self._hold_again(session, entry) if e.lease_gone else False
+                if held is None:  # (the store is away again: tried later)
+                    await asyncio.sleep(RETRY_S)
+                elif not held:
+                    self._lose(session, entry, e)
+                    return
             except RemoteError as e:
                 self._degrade(str(e))
                 await asyncio.sleep(RETRY_S)
@@ -348,7 +370,13 @@ class RemoteLogs:
                 await asyncio.sleep(min(RETRY_S, max(0.0, deadline - time.monotonic())))
 
     async def _append_some(self, session: str, entry: _Log) -> None:
+        async with entry.lock:  # (the copy task and a release's or a stop's catch-up: one at a time)
+            await self._append_locked(session, entry)
+
+    async def _append_locked(self, session: str, entry: _Log) -> None:
         n = min(entry.local - entry.stored, APPEND_MAX_BYTES)
+        if n <= 0:
+            return
         data = await asyncio.to_thread(_pread, entry.path, entry.stored, n)
         if len(data) < n:
             raise Fenced(f"session {session}: its log file is shorter than what was written ({entry.path})")
@@ -364,28 +392,41 @@ class RemoteLogs:
         while True:
             await asyncio.sleep(self.store.lease_s / 3)
             for session, entry in list(self._logs.items()):
-                if entry.lost is not None:
+                if entry.lost is not None and entry.lost != "deleted":
                     continue
                 try:
                     await self.store.renew(entry.lease)
                     if entry.stored >= entry.local:
                         self._recovered()  # (the store answers, and this log is whole there)
                 except Fenced as e:
-                    if not await self._hold_again(session, entry):
+                    held = await self._hold_again(session, entry)
+                    if held is False:
                         self._lose(session, entry, e)
                 except RemoteError as e:
                     self._degrade(str(e))
+                except Exception:  # a bug: logged, and the other leases still renewed
+                    log.exception("remote tier: renewing session %s's lease failed", session)
 
-    async def _hold_again(self, session: str, entry: _Log) -> bool:
+    async def _hold_again(self, session: str, entry: _Log) -> bool | None:
         """`entry`'s lease expired (the store was out of reach longer than a lease, or restarted):
         take it again if no other daemon did, and if the store's log is still what this one
-        copied (no other daemon wrote it meanwhile); with a new token. -> whether it holds it."""
+        copied (no other daemon wrote it meanwhile); with a new token. -> whether it holds it;
+        None if the store did not answer (tried again later)."""
         try:
             lease = await self.store.acquire(session)
-        except RemoteError:
+        except Held:
             return False
-        if await self.store.log_size(session) != entry.stored:
-            await self.store.release(lease)
+        except RemoteError as e:
+            self._degrade(str(e))
+            return None
+        try:
+            size = await self.store.log_size(session)
+        except RemoteError as e:
+            self._degrade(str(e))
+            await _release_quietly(self.store, lease)
+            return None
+        if size != entry.stored:
+            await _release_quietly(self.store, lease)
             return False
         entry.lease = lease
         log.warning("remote tier: session %s: its lease had expired; taken again (token %d)", session, lease.token)
@@ -395,6 +436,12 @@ class RemoteLogs:
         entry.lost = str(error)
         log.error("remote tier: session %s: %s", session, error)
         _fail(entry, error)
+
+
+async def _release_quietly(store: RemoteStore, lease: Lease) -> None:
+    """Give `lease` up, if the store answers (else it expires by itself)."""
+    with contextlib.suppress(RemoteError):
+        await store.release(lease)
 
 
 def _transfer_s(nbytes: int) -> float:

@@ -117,15 +117,21 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then
 end
 local at = tonumber(ARGV[3])
 local size = redis.call('STRLEN', KEYS[2])
+local n = string.len(ARGV[2])
 if size == at then
   return redis.call('APPEND', KEYS[2], ARGV[2])
 end
-if size == at + string.len(ARGV[2]) and redis.call('GETRANGE', KEYS[2], at, size - 1) == ARGV[2] then
+local landed = size > at and size <= at + n
+if landed and redis.call('GETRANGE', KEYS[2], at, size - 1) == string.sub(ARGV[2], 1, size - at) then
+  if size < at + n then
+    return redis.call('APPEND', KEYS[2], string.sub(ARGV[2], size - at + 1))
+  end
   return size
 end
 return -2 - size
 """  # KEYS: lease, log; ARGV: holder, bytes, the offset they go at -> the log's length; -1: fenced;
-# -2 - size: the log is `size` bytes, not the offset (a retry whose first try landed is taken as done)
+# -2 - size: the log is `size` bytes and not a prefix of these at the offset (what an earlier try of
+# some of these bytes landed is taken as done, the rest appended)
 _DELETE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
@@ -314,8 +320,12 @@ class RemoteStore:
     async def sessions(self) -> list[str]:
         """Every session with a log in the store (of this namespace), in no order."""
         prefix = f"h3d:{self.namespace}:{{"
-        out = []
-        async for key in self._redis.scan_iter(match=f"{prefix}*}}:log", count=1000):
-            name = key.decode()
-            out.append(name[len(prefix) : -len("}:log")])
-        return out
+
+        async def scan() -> list[str]:
+            out = []
+            async for key in self._redis.scan_iter(match=f"{prefix}*}}:log", count=1000):
+                name = key.decode()
+                out.append(name[len(prefix) : -len("}:log")])
+            return out
+
+        return await self._call("listing the sessions", scan())

@@ -230,8 +230,9 @@ class TokenStore:
         if log is None:
             return
         try:
-            self.files.write(log.fd, record(CLOSED, b""))
-            self.files.fsync(log.fd)
+            if mirrored:  # (a handed-over log is not closed: at a restart its CLOSED record would delete the copy)
+                self.files.write(log.fd, record(CLOSED, b""))
+                self.files.fsync(log.fd)
         finally:
             os.close(log.fd)
         self.files.unlink(self._path(session_id), missing_ok=True)

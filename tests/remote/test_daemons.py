@@ -180,8 +180,13 @@ def test_a_store_gone_ends_a_sync_stream_unavailable_and_comes_back(
         redis_server.stop()
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
-            generate(a.h3(), sid, 4)
+            generate(a.h3(), sid, 4000)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 10
+        deadline = time.monotonic() + 10
+        while a.h3().GetSession(pb.GetSessionRequest(session_id=sid)).busy and time.monotonic() < deadline:
+            time.sleep(0.1)
+        after = a.h3().GetSession(pb.GetSessionRequest(session_id=sid))  # its generation stopped with its stream
+        assert not after.busy and after.num_tokens < len(prompt) + 4 + 4000
         assert "remote store" in (err.value.details() or "")
         g = getattr(a.h3().GetStats(pb.GetStatsRequest()), "global")
         assert g.remote_on and g.remote_degraded and g.remote_lag_bytes > 0 and g.remote_degraded_reason

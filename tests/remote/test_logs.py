@@ -144,8 +144,8 @@ def test_at_start_the_local_logs_are_reconciled_with_the_stores(redis_server: Re
         f.write(b"H3\x02\x08\x00")  # a record cut short by a crash
     remote = logs_for(redis_server, folder, "daemon-a")
     remote.start()
-    gone = remote.reconcile(sorted(folder.glob("*.h3log")))
-    assert gone == ["elsewhere"] and not (folder / "elsewhere.h3log").exists()
+    gone, replaced = remote.reconcile(sorted(folder.glob("*.h3log")))
+    assert gone == ["elsewhere"] and replaced == ["changed"] and not (folder / "elsewhere.h3log").exists()
     assert parse_log("changed", (folder / "changed.h3log").read_bytes()).tokens == [1, 7]
     remote.durable("tail", size(folder, "tail")).result(10)
     assert remote.fetch("tail") == (folder / "tail.h3log").read_bytes()
@@ -182,5 +182,37 @@ def test_a_lease_that_expired_while_the_store_was_away_is_taken_again(
     assert parse_log("s1", remote.fetch("s1") or b"").tokens == [1, 2]
     holder = remote.holder("s1")
     assert holder is not None and holder.startswith("daemon-a ") and holder != "daemon-a 1"
+    remote.close()
+    files.close()
+
+
+def test_a_delete_or_a_release_the_store_missed_is_not_forgotten(redis_server: RedisServer, tmp_path: Path) -> None:
+    """A release that fails leaves the session copied and held here (released once the store is
+    back); a deletion while the store is down reaches it once it is back."""
+    files = TokenStore(tmp_path / "a")
+    remote = logs_for(redis_server, tmp_path / "a", "daemon-a", timeout_s=0.3, lease_s=30)
+    remote.start()
+    for sid in ("kept", "gone"):
+        remote.take(sid)
+        files.create(sid, {}, [1])
+        remote.written(sid, size(tmp_path / "a", sid))
+        remote.durable(sid, size(tmp_path / "a", sid)).result(10)
+    redis_server.stop()
+    files.append("kept", [2])
+    remote.written("kept", size(tmp_path / "a", "kept"))
+    with pytest.raises(RemoteUnavailable):
+        remote.release("kept")
+    remote.deleted("gone")
+    redis_server.start()
+    deadline = time.monotonic() + 15
+    while remote.lag_bytes() and time.monotonic() < deadline:  # still copied from here
+        time.sleep(0.1)
+    assert parse_log("kept", remote.fetch("kept") or b"").tokens == [1, 2]
+    deadline = time.monotonic() + 15
+    while remote.fetch("gone") is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert remote.fetch("gone") is None and remote.holder("gone") is None
+    remote.release("kept")
+    assert remote.holder("kept") is None
     remote.close()
     files.close()

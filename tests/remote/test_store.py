@@ -188,6 +188,11 @@ def test_an_append_lands_once_at_its_offset(redis_server: RedisServer) -> None:
         assert await s.append(lease, two, at=len(one)) == len(one) + len(two)
         got = await s.load("s1")
         assert got is not None and got.tokens == [1, 2, 3]
+        three = tokens([4])
+        # A retry carrying more than its first try (whose reply was lost): what landed is kept, the rest appended.
+        assert await s.append(lease, two + three, at=len(one)) == len(one) + len(two) + len(three)
+        got = await s.load("s1")
+        assert got is not None and got.tokens == [1, 2, 3, 4]
         await s.close()
 
     run(body)
