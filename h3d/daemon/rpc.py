@@ -99,6 +99,15 @@ class State:
                 log.info("session_taken_over", session_id=sid, tokens=len(session.tokens))
         return self.check_owner(caller, session_id)
 
+    async def stored(self, sid: SessionId) -> None:
+        """With the remote tier in `sync` mode: once the store holds `sid`'s log as it is now (a
+        session made here is answered only then); RemoteUnavailable past the timeout."""
+        engine = self.worker.engine
+        remote, journal = engine.remote, engine.journal
+        if remote is None or not remote.sync or journal is None:
+            return
+        await asyncio.wrap_future(remote.durable(sid, journal.size(sid)))
+
     def check_id(self, session_id: str) -> SessionId:
         if not SESSION_ID.fullmatch(session_id):
             raise InvalidRequest(f"session_id: {clip(session_id)!r} is not a session id (32 lowercase hex digits)")

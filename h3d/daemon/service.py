@@ -54,7 +54,14 @@ class H3Servicer:
             return session_pb(engine, engine.session(sid))
 
         session = await self.s.worker.call(create)
-        self.s.owners[SessionId(session.session_id)] = caller.owner  # on the loop, which owns the map
+        made = SessionId(session.session_id)
+        self.s.owners[made] = caller.owner  # on the loop, which owns the map
+        try:
+            await self.s.stored(made)
+        except BaseException:  # a session the store does not hold is not made (sync)
+            self.s.owners.pop(made, None)
+            self.s.worker.post(lambda e: e.close_session(made, purge=True))
+            raise
         return session
 
     async def ForkSession(self, request: pb.ForkSessionRequest, context: Any, caller: Caller) -> pb.Session:
@@ -80,6 +87,7 @@ class H3Servicer:
                 async with contextlib.aclosing(stream_append(self.s, submit)) as events:
                     async for _ in events:
                         pass
+            await self.s.stored(made)
             return await self.s.worker.call(lambda e: session_pb(e, e.session(made)))
         except BaseException:  # a fork that is not ready is not made: nothing of it stays
             self.s.owners.pop(made, None)

@@ -391,21 +391,28 @@ class RemoteLogs:
     async def _renew_loop(self) -> None:
         while True:
             await asyncio.sleep(self.store.lease_s / 3)
-            for session, entry in list(self._logs.items()):
-                if entry.lost is not None and entry.lost != "deleted":
-                    continue
-                try:
-                    await self.store.renew(entry.lease)
-                    if entry.stored >= entry.local:
-                        self._recovered()  # (the store answers, and this log is whole there)
-                except Fenced as e:
-                    held = await self._hold_again(session, entry)
-                    if held is False:
-                        self._lose(session, entry, e)
-                except RemoteError as e:
-                    self._degrade(str(e))
-                except Exception:  # a bug: logged, and the other leases still renewed
-                    log.exception("remote tier: renewing session %s's lease failed", session)
+            try:
+                await self._renew_all()
+            except Exception:  # a bug: logged, and the renewals go on at the next round
+                log.exception("remote tier: renewing the leases failed")
+
+    async def _renew_all(self) -> None:
+        """Every lease held renewed, in pipelines (`RemoteStore.renew_many`); those found gone
+        taken again where no other daemon took them (`_hold_again`), else their sessions lost."""
+        entries = [(s, x) for s, x in list(self._logs.items()) if x.lost in (None, "deleted")]
+        try:
+            held = await self.store.renew_many([x.lease for _, x in entries])
+        except RemoteError as e:
+            self._degrade(str(e))
+            return
+        if all(entry.stored >= entry.local for _, entry in entries):
+            self._recovered()  # (the store answers, and every log is whole there)
+        for (session, entry), ok in zip(entries, held, strict=True):
+            if ok or self._logs.get(session) is not entry:
+                continue
+            again = await self._hold_again(session, entry)
+            if again is False:
+                self._lose(session, entry, Fenced(f"session {session}: this daemon's lease is gone", lease_gone=True))
 
     async def _hold_again(self, session: str, entry: _Log) -> bool | None:
         """`entry`'s lease expired (the store was out of reach longer than a lease, or restarted):

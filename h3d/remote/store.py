@@ -49,6 +49,7 @@ T = TypeVar("T")
 SCHEMES = ("redis", "rediss", "unix")
 KV_PIPELINE_BYTES = 16 << 20  # KV blocks written per round trip (each within the call's timeout)
 KV_MGET_KEYS = 64  # KV blocks read per round trip
+RENEW_BATCH = 512  # leases renewed per round trip
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +241,19 @@ class RemoteStore:
         )
         if not done:
             raise Fenced(f"session {lease.session}: this daemon's lease (token {lease.token}) is gone", lease_gone=True)
+
+    async def renew_many(self, leases: list[Lease]) -> list[bool]:
+        """`renew` of many leases, `RENEW_BATCH` to a round trip. -> whether each is still held (its
+        time to live extended)."""
+        out: list[bool] = []
+        ttl = int(self.lease_s * 1000)
+        for i in range(0, len(leases), RENEW_BATCH):
+            pipe = self._redis.pipeline(transaction=False)
+            part = leases[i : i + RENEW_BATCH]
+            for lease in part:
+                await self._renew([self._key(lease.session, "lease")], [lease.value, ttl], client=pipe)
+            out += [bool(x) for x in await self._call(f"renewing {len(part)} leases", pipe.execute())]
+        return out
 
     async def release(self, lease: Lease) -> bool:
         """Give `lease` up (another daemon may take the session at once). -> whether it was held."""

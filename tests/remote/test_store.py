@@ -196,3 +196,24 @@ def test_an_append_lands_once_at_its_offset(redis_server: RedisServer) -> None:
         await s.close()
 
     run(body)
+
+
+def test_leases_are_renewed_many_to_a_round_trip(redis_server: RedisServer) -> None:
+    """`renew_many` (pipelines of the renewal script, loaded again if the server forgot it): whether
+    each lease is still held."""
+
+    async def body() -> None:
+        a, b = store(redis_server, "daemon-a", lease_s=0.3), store(redis_server, "daemon-b", lease_s=0.3)
+        leases = [await a.acquire(f"s{i}") for i in range(600)]  # (more than one pipeline)
+        admin = aioredis.Redis.from_url(redis_server.url)
+        await admin.script_flush()
+        assert await a.renew_many(leases) == [True] * 600
+        await admin.delete("h3d:test:{s7}:lease")
+        await b.acquire("s7")
+        held = await a.renew_many(leases)
+        assert held == [i != 7 for i in range(600)]
+        await admin.aclose()
+        await a.close()
+        await b.close()
+
+    run(body)
