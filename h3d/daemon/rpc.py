@@ -32,6 +32,7 @@ from h3d.daemon.status import Draining, Overloaded, status_of
 from h3d.daemon.worker import EngineWorker
 from h3d.engine.session import SessionId
 from h3d.errors import H3Error, InvalidRequest, SessionNotFound, clip
+from h3d.store.tokenlog import parse_log
 
 log = structlog.get_logger("h3d.rpc")
 
@@ -48,6 +49,7 @@ class State:
         self.auth = auth
         self.metrics = metrics
         self.owners: dict[SessionId, str] = {}  # the event loop's: read and written on it only
+        self._taking: dict[SessionId, asyncio.Lock] = {}  # sessions being taken over from the remote store
         self.in_flight = 0  # AppendContext + Generate streams admitted
         self.draining = False
         self.started = time.time()
@@ -92,12 +94,31 @@ class State:
         """`check_owner`, after taking over a session that the remote store has and this daemon
         does not (`Engine.adopt`: its lease, its log; Held if another daemon serves it)."""
         sid = SessionId(session_id)
-        if sid not in self.owners and SESSION_ID.fullmatch(session_id) and self.worker.engine.remote is not None:
-            session = await self.worker.call(lambda e: e.adopt(sid))
-            if session is not None:
-                self.owners[sid] = session.owner or LOCAL
-                log.info("session_taken_over", session_id=sid, tokens=len(session.tokens))
+        engine = self.worker.engine
+        if sid not in self.owners and SESSION_ID.fullmatch(session_id) and engine.remote is not None:
+            lock = self._taking.setdefault(sid, asyncio.Lock())
+            async with lock:  # (two calls naming it at once take it over once)
+                if sid not in self.owners:
+                    await self._take_over(engine, sid, caller)
+            self._taking.pop(sid, None)
         return self.check_owner(caller, session_id)
+
+    async def _take_over(self, engine: Any, sid: SessionId, caller: Caller) -> None:
+        """A session the store has and this daemon does not, taken over if it is the caller's:
+        the store's part off the engine thread (`Engine.take_over`), then `Engine.adopt` on it."""
+        remote = engine.remote
+        data = await asyncio.to_thread(remote.fetch, sid)  # (read, not taken: whose is it?)
+        if data is None:
+            return
+        owner = str(parse_log(sid, data).meta.get("owner", "")) or LOCAL
+        if owner != caller.owner and not caller.admin:
+            return  # (not the caller's: NOT_FOUND, and it stays where it is)
+        data = await asyncio.to_thread(engine.take_over, sid)
+        if data is None:
+            return
+        session = await self.worker.call(lambda e: e.adopt(sid, data))
+        self.owners[sid] = session.owner or LOCAL
+        log.info("session_taken_over", session_id=sid, tokens=len(session.tokens))
 
     async def stored(self, sid: SessionId) -> None:
         """With the remote tier in `sync` mode: once the store holds `sid`'s log as it is now (a

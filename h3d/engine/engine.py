@@ -68,7 +68,7 @@ from h3d.hbf.policy import PROBE_QUERIES, policy_named
 from h3d.kv.blocks import SeqId
 from h3d.model.loader import load_model
 from h3d.model.tokenizer import Tokenizer
-from h3d.store.tokenlog import TokenStore
+from h3d.store.tokenlog import TokenStore, parse_log
 from h3d.tiers.identity import ArchiveCorrupt, ArchiveError
 from h3d.tiers.stats import TierStats
 
@@ -165,30 +165,41 @@ class Engine:
             for session in [*self.moved_away, *replaced]:
                 archive.remove(session)
 
-    def adopt(self, session_id: SessionId) -> Session | None:
-        """A session this daemon does not have, taken over from the remote store (its lease taken,
-        its log written here, its KV computed again from its tokens by its next request); None
-        without a remote tier or if the store has no such session. Raises Held (another daemon
-        serves it) or RemoteUnavailable."""
+    def take_over(self, session_id: SessionId) -> bytes | None:
+        """The remote store's part of taking a session over, off the engine thread (it reads only
+        the store and writes only the archive, which any thread may): its lease and its log
+        (`RemoteLogs.adopt`), then its KV blocks in the store read into the archive under its name
+        (what this daemon archived of it before dropped first: maybe of other tokens). Returns the
+        log for `adopt`; None if the store has no such session. Raises Held (another daemon serves
+        it) or RemoteUnavailable."""
         if self.remote is None or self.journal is None:
             return None
-        if session_id in self.sessions:
-            return self.sessions[session_id]
         data = self.remote.adopt(session_id)
         if data is None:
             return None
+        archive = self.kv.archive
+        if archive is not None and self.kv.writable:
+            try:
+                archive.remove(session_id)
+                tokens = parse_log(session_id, data).tokens
+                self._import_kv(session_id, tokens[: max(len(tokens) - 1, 0)])
+            except (RemoteError, ArchiveError) as e:  # (its KV is computed again instead)
+                log.warning("KV of session %s not read from the remote store: %s", session_id, e)
+                with contextlib.suppress(ArchiveError):
+                    archive.remove(session_id)
+        return data
+
+    def adopt(self, session_id: SessionId, data: bytes) -> Session:
+        """On the engine thread, after `take_over`: the session restored from its log `data` (its
+        KV read from the archive, or computed again, by its next request)."""
+        assert self.remote is not None and self.journal is not None
+        if session_id in self.sessions:
+            return self.sessions[session_id]
         try:
             try:
                 restored = self.journal.restore(session_id, data)
             except ValueError as e:
                 raise RemoteError(f"session {session_id}'s log in the remote store cannot be read: {e}") from e
-            if self.kv.archive is not None and self.kv.writable:
-                self.kv.archive.remove(session_id)  # (KV this daemon archived of it before: maybe of other tokens)
-                try:
-                    self._import_kv(session_id, restored.tokens[: max(len(restored.tokens) - 1, 0)])
-                except (RemoteError, ArchiveError) as e:  # (its KV is computed again instead)
-                    log.warning("KV of session %s not read from the remote store: %s", session_id, e)
-                    self.kv.archive.remove(session_id)
             session = restore_session(
                 restored, self.kv, self.tokenizer, self.config.policy, SeqId(next(self._seq_ids)), self.runner.device
             )
