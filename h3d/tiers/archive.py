@@ -301,20 +301,24 @@ class Archive:
         outside the locks, so several threads' puts compress in parallel.
         """
         payloads = self._encode([(key, *self._checked(key, k, v)) for key, k, v in items])
-        ident, itemsize = self.identity, self._dtype.itemsize
         records = _Records([], [], [], [], [], [], 0, 0)
         for (key, k, _), payload in zip(items, payloads, strict=True):
-            n, codec = k.shape[1], self.codec_for(key.layer)
-            prefix, crc = record_prefix(record_header(ident, key, n, CODEC_IDS[codec]), payload)
-            records.keys.append(key)
-            records.parts += (prefix, payload)
-            records.lengths.append(len(prefix) + len(payload))
-            records.tokens.append(n)
-            records.codecs.append(codec)
-            records.crcs.append(crc)
-            records.raw_bytes += 2 * ident.num_kv_heads * n * ident.head_dim * itemsize
-            records.payload_bytes += len(payload)
+            self._add_record(records, key, k.shape[1], self.codec_for(key.layer), payload)
         self._write(records)
+
+    def _add_record(self, records: _Records, key: BlockKey, n: int, codec: Codec, payload: Buffer) -> None:
+        """`key`'s record of `n` tokens and `payload` (of `codec`) added to the batch `records`."""
+        ident = self.identity
+        prefix, crc = record_prefix(record_header(ident, key, n, CODEC_IDS[codec]), payload)
+        size = memoryview(payload).nbytes
+        records.keys.append(key)
+        records.parts += (prefix, payload)
+        records.lengths.append(len(prefix) + size)
+        records.tokens.append(n)
+        records.codecs.append(codec)
+        records.crcs.append(crc)
+        records.raw_bytes += 2 * ident.num_kv_heads * n * ident.head_dim * self._dtype.itemsize
+        records.payload_bytes += size
 
     def put_blocks(
         self, session: str, layers: np.ndarray, indices: np.ndarray, k: torch.Tensor, v: torch.Tensor
@@ -366,7 +370,7 @@ class Archive:
         """Archive records another archive gave (`get_records`: (key, tokens, codec, payload) each)
         without decoding them, under this archive's identity; durable once this returns. A lossy
         record of a layer this archive keeps lossless is refused (ValueError), as a read would."""
-        ident, itemsize = self.identity, self._dtype.itemsize
+        ident = self.identity
         records = _Records([], [], [], [], [], [], 0, 0)
         for key, n, codec, payload in items:
             if not 1 <= n <= ident.block_size:
@@ -375,15 +379,7 @@ class Archive:
                 raise ValueError(
                     f"{describe(key)}: a {codec.value} record in a layer kept {self.codec_for(key.layer).value}"
                 )
-            prefix, crc = record_prefix(record_header(ident, key, n, CODEC_IDS[codec]), payload)
-            records.keys.append(key)
-            records.parts += (prefix, payload)
-            records.lengths.append(len(prefix) + len(payload))
-            records.tokens.append(n)
-            records.codecs.append(codec)
-            records.crcs.append(crc)
-            records.raw_bytes += 2 * ident.num_kv_heads * n * ident.head_dim * itemsize
-            records.payload_bytes += len(payload)
+            self._add_record(records, key, n, codec, payload)
         self._write(records)
 
     def _write(self, records: _Records) -> None:
