@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from h3d.remote.store import Fenced, Held, Lease, RemoteError, RemoteStore, RemoteUnavailable
-from h3d.store.files import create_file, fsync_dir
+from h3d.store.files import replace_file
 from h3d.store.tokenlog import parse_log
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class RemoteLogs:
             if local.startswith(data):
                 self.written(session, len(local))  # (what the store lacks, if anything, copied)
             else:
-                _replace(path, data)
+                replace_file(path, data)
                 replaced.append(session)
                 log.warning("token log of session %s replaced by the remote store's (%d bytes)", session, len(data))
         return gone, replaced
@@ -462,22 +462,6 @@ def _fail(entry: _Log, error: Exception) -> None:
     for _, future in waiters:
         if not future.done():
             future.set_exception(error)
-
-
-def _replace(path: Path, data: bytes) -> None:
-    """`path` holding `data`, atomically (a temporary file fsynced, renamed over it, the folder fsynced)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = create_file(tmp, os.O_WRONLY)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    tmp.replace(path)
-    fsync_dir(path.parent)
 
 
 def _pread(path: Path, offset: int, n: int) -> bytes:

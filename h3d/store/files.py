@@ -52,6 +52,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def replace_file(path: Path, data: bytes) -> None:
+    """`path` holding `data`, atomically: a temporary file beside it (mode FILE_MODE) written and
+    fsynced, renamed over it, the folder fsynced. A crash leaves the old file or the new one."""
+    tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = create_file(tmp, os.O_WRONLY)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    tmp.replace(path)
+    fsync_dir(path.parent)
+
+
 def make_dirs(path: Path) -> None:
     """`path` as a folder: it and its missing parents are created, mode DIR_MODE."""
     missing = []

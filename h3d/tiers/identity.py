@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from h3d.errors import H3Error
-from h3d.store.files import create_file
+from h3d.store.files import replace_file
 from h3d.tiers.codecs import CODECS_BY_ID, DTYPES, FORMAT_VERSION, Codec, RecordHeader, unpack_record
-from h3d.tiers.segments import Loc, fsync_dir
+from h3d.tiers.segments import Loc
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +88,7 @@ def check_identity(folder: Path, identity: CacheIdentity) -> None:
     want = {"format": STORE_FORMAT, **{f.name: getattr(identity, f.name) for f in fields(CacheIdentity)}}
     file = folder / "identity.json"
     if not file.exists():
-        _write_json(file, want)
+        replace_file(file, json.dumps(want, indent=1).encode())
         return
     try:
         found = json.loads(file.read_text())
@@ -109,24 +108,8 @@ def check_identity(folder: Path, identity: CacheIdentity) -> None:
                 f"{got!r}; point the archive at another folder or delete this one"
             )
     if stored != STORE_FORMAT:
-        _write_json(file, want)
+        replace_file(file, json.dumps(want, indent=1).encode())
         log.info("KV archive %s: store format %s migrated to %d", folder, stored, STORE_FORMAT)
-
-
-def _write_json(file: Path, value: dict[str, object]) -> None:
-    """`value` as `file`, atomically (a temporary file fsynced, renamed over it, the folder fsynced)."""
-    tmp = file.with_suffix(".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = create_file(tmp, os.O_WRONLY)
-    try:
-        view = memoryview(json.dumps(value, indent=1).encode())
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    tmp.replace(file)
-    fsync_dir(file.parent)
 
 
 def record_header(identity: CacheIdentity, key: BlockKey, num_tokens: int, codec_id: int) -> RecordHeader:
