@@ -27,7 +27,7 @@ from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
 
 MODEL = "llama_long"
-LEASE = ["--remote-lease-s", "1.5", "--remote-timeout-s", "0.5"]
+LEASE = ["--remote-lease-s", "3", "--remote-timeout-s", "1"]  # (short, and loose enough for a busy host)
 
 
 def remote(server: RedisServer, *extra: str) -> list[str]:
@@ -145,7 +145,7 @@ def test_a_daemon_killed_during_streams_loses_no_token_it_sent(
                 except grpc.RpcError as e:  # A's lease, until it expires
                     assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
                     time.sleep(0.1)
-            assert time.monotonic() - killed <= 1.5 + 5
+            assert time.monotonic() - killed <= 3 + 5  # (within the lease + 5 s)
             tokens = list(taken.token_ids)
             assert tokens[: len(prompt)] == prompt and tokens[len(prompt) : len(prompt) + len(sent)] == sent
             assert generate(b.h3(), sid, 4) == reference(ckpt, tokens, 4)
@@ -173,7 +173,7 @@ def test_a_store_gone_ends_a_sync_stream_unavailable_and_comes_back(
     ckpt = checkpoint(MODEL)
     prompt = random_prompt(100, VOCAB_SIZE, seed=7)
     # (a long lease: the store's absence must not cost the daemon its session)
-    extra = ["--remote-url", redis_server.url, "--remote-lease-s", "30", "--remote-timeout-s", "0.5"]
+    extra = ["--remote-url", redis_server.url, "--remote-lease-s", "30", "--remote-timeout-s", "1"]
     with running_daemon(ckpt, tmp_path / "a", tcp=False, extra=extra) as a:
         sid = created(a, prompt)
         first = generate(a.h3(), sid, 4)
@@ -240,7 +240,7 @@ def test_a_full_store_ends_sync_streams_unavailable_until_it_has_room(
     with UNAVAILABLE naming why, nothing is lost, and the copies resume once it has room."""
     ckpt = checkpoint(MODEL)
     admin = redis.Redis.from_url(redis_server.url)
-    extra = ["--remote-url", redis_server.url, "--remote-lease-s", "30", "--remote-timeout-s", "0.5"]
+    extra = ["--remote-url", redis_server.url, "--remote-lease-s", "30", "--remote-timeout-s", "1"]
     with running_daemon(ckpt, tmp_path / "a", tcp=False, extra=extra) as a:
         sid = created(a, random_prompt(100, VOCAB_SIZE, seed=9))
         used = int(admin.info("memory")["used_memory"])
