@@ -97,10 +97,8 @@ def test_a_lease_another_daemon_took_stops_the_copy(redis_server: RedisServer, t
     files.create("s1", {}, [1])
     remote.written("s1", size(tmp_path / "a", "s1"))
     remote.durable("s1", size(tmp_path / "a", "s1")).result(10)
-    redis.Redis.from_url(redis_server.url).delete("h3d:t:{s1}:lease")  # (as if it had expired)
-    other = logs_for(redis_server, tmp_path / "b", "daemon-b", lease_s=0.3)
-    other.start()
-    other.take("s1")
+    # (as if it had expired and daemon B had taken it: in one step, so that A cannot take it back first)
+    redis.Redis.from_url(redis_server.url).set("h3d:t:{s1}:lease", "daemon-b 999", px=60_000)
     deadline = time.monotonic() + 5
     while "s1" not in remote.lost() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -111,7 +109,6 @@ def test_a_lease_another_daemon_took_stops_the_copy(redis_server: RedisServer, t
     with pytest.raises(Fenced):
         remote.durable("s1", size(tmp_path / "a", "s1")).result(10)
     assert remote.fetch("s1") == stored
-    other.close()
     remote.close()
     files.close()
 
