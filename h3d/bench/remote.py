@@ -31,8 +31,6 @@ import datetime as dt
 import json
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -41,47 +39,10 @@ from typing import Any
 
 import grpc
 
-from h3d.bench.prefix import DEFAULT_MODEL, document, free_port
+from h3d.bench.prefix import DEFAULT_MODEL, document
 from h3d.bench.report import write_section
 from h3d.bench.serve import Client, Daemon, log
-
-
-class Redis:
-    """A redis-server on a free port, its data in `folder`, every write persisted before it is acknowledged."""
-
-    def __init__(self, folder: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("redis-server is missing: install Debian's redis-server package")
-        self.binary, self.folder = binary, folder.resolve()  # (redis-server opens its log after moving into --dir)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.start()
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder), "--appendonly",
-             "yes", "--appendfsync", "always", "--save", "", "--logfile", str(self.folder / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise SystemExit("redis-server did not start")
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+from h3d.remote.local import LocalRedis
 
 
 def generate(client: Client, sid: str, n: int) -> tuple[list[int], float]:
@@ -204,7 +165,7 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def outage(model: Path, work: Path, store: Redis, mode: str, clients: int, down_s: float) -> dict[str, Any]:
+def outage(model: Path, work: Path, store: LocalRedis, mode: str, clients: int, down_s: float) -> dict[str, Any]:
     """`clients` clients generating 8 tokens at a time on sessions of their own; the store stopped
     for `down_s` seconds from 5 s in, then started again; 5 s more. Requests by outcome, the
     daemon's RSS, and whether the tier caught up by itself."""
@@ -236,8 +197,7 @@ def outage(model: Path, work: Path, store: Redis, mode: str, clients: int, down_
         rss.append(rss_mb(d.proc.pid))
         now = time.perf_counter() - t0
         if now >= 5 and not stopped:
-            store.proc.terminate()
-            store.proc.wait(30)
+            store.stop()
             stopped = True
         if now >= 5 + down_s and not started:
             store.start()
@@ -317,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.work.exists():
         shutil.rmtree(args.work)
-    store = Redis(args.work / "redis")
+    store = LocalRedis(args.work / "redis")
     try:
         tok = Tokenizer(args.model)
         ids = tok.encode(document(tok, args.tokens))

@@ -77,6 +77,9 @@ class RemoteLogs:
         self._thread = threading.Thread(target=self._loop.run_forever, name="h3d-remote", daemon=True)
         self._thread.start()
         self._renewing: asyncio.Task[None] | None = None
+        self._pending: dict[str, int] = {}  # sizes `written` told, not yet taken by the store's thread
+        self._pending_lock = threading.Lock()
+        self._wake_due = False  # the store's thread is to take them
 
     # ---- the calling threads' side ------------------------------------------------------------
 
@@ -198,8 +201,21 @@ class RemoteLogs:
         return gone, replaced
 
     def written(self, session: str, size: int) -> None:
-        """`session`'s file holds `size` bytes now: copy what the store lacks (returns at once)."""
-        self._loop.call_soon_threadsafe(self._written, session, size)
+        """`session`'s file holds `size` bytes now: copy what the store lacks (returns at once).
+        Called for every write of every log (a token, each session, each step): the sizes wait in
+        `_pending`, and the store's thread is woken once for all that came meanwhile."""
+        with self._pending_lock:
+            self._pending[session] = max(size, self._pending.get(session, 0))
+            if self._wake_due:
+                return
+            self._wake_due = True
+        self._loop.call_soon_threadsafe(self._take_pending)
+
+    def _take_pending(self) -> None:
+        with self._pending_lock:
+            pending, self._pending, self._wake_due = self._pending, {}, False
+        for session, size in pending.items():
+            self._written(session, size)
 
     def durable(self, session: str, size: int) -> Future[None]:
         """Resolves once the store holds the file's first `size` bytes of `session`'s log; in

@@ -1,4 +1,4 @@
-"""The remote tier's tests: each gets a redis-server of its own (`redisserver.RedisServer`)."""
+"""The remote tier's tests: each gets a redis-server of its own (`h3d.remote.local.LocalRedis`)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from redisserver import RedisServer, free_port
+
+from h3d.remote.local import LocalRedis
 
 
 @pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis", free_port())
-    server.folder.mkdir()
-    server.start()
+def redis_server(tmp_path: Path) -> Iterator[LocalRedis]:
+    server = LocalRedis(tmp_path / "redis")
     try:
         yield server
     finally:

@@ -19,18 +19,18 @@ import pytest
 import redis
 from helpers import VOCAB_SIZE, random_prompt
 from live_daemon import RunningDaemon, running_daemon
-from redisserver import RedisServer
 
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
+from h3d.remote.local import LocalRedis
 
 MODEL = "llama_long"
 LEASE = ["--remote-lease-s", "3", "--remote-timeout-s", "1"]  # (short, and loose enough for a busy host)
 
 
-def remote(server: RedisServer, *extra: str) -> list[str]:
+def remote(server: LocalRedis, *extra: str) -> list[str]:
     return ["--remote-url", server.url, *LEASE, *extra]
 
 
@@ -62,7 +62,7 @@ def reference(ckpt: Path, prompt: list[int], n: int) -> list[int]:
 
 
 def test_a_session_continues_on_another_daemon(
-    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: RedisServer
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis
 ) -> None:
     ckpt = checkpoint(MODEL)
     prompt = random_prompt(300, VOCAB_SIZE, seed=5)
@@ -104,7 +104,7 @@ def test_a_session_continues_on_another_daemon(
 
 
 def test_a_daemon_killed_during_streams_loses_no_token_it_sent(
-    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: RedisServer
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis
 ) -> None:
     """kill -9 while A streams 4 generations: once A's lease expires (within remote_lease_s + 5 s)
     B takes each session over, its log holds every token A's clients received (sync: a token is
@@ -152,7 +152,7 @@ def test_a_daemon_killed_during_streams_loses_no_token_it_sent(
 
 
 def test_the_sync_mode_refuses_a_store_that_may_lose_writes(
-    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: RedisServer
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis
 ) -> None:
     redis.Redis.from_url(redis_server.url).config_set("appendfsync", "everysec")
     ckpt = checkpoint(MODEL)
@@ -168,7 +168,7 @@ def test_the_sync_mode_refuses_a_store_that_may_lose_writes(
 
 
 def test_a_store_gone_ends_a_sync_stream_unavailable_and_comes_back(
-    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: RedisServer
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis
 ) -> None:
     ckpt = checkpoint(MODEL)
     prompt = random_prompt(100, VOCAB_SIZE, seed=7)
@@ -215,7 +215,7 @@ def namespace(d: RunningDaemon) -> str:
 
 
 def test_a_daemon_of_another_model_sees_none_of_the_sessions(
-    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: RedisServer
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis
 ) -> None:
     """The store's keys are under the model's fingerprint: a daemon of another model neither reads
     nor takes over a session of this one."""
@@ -234,7 +234,7 @@ def test_a_daemon_of_another_model_sees_none_of_the_sessions(
 
 
 def test_a_full_store_ends_sync_streams_unavailable_until_it_has_room(
-    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: RedisServer
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis
 ) -> None:
     """`maxmemory` with `noeviction` reached: the store refuses the copies, a sync Generate ends
     with UNAVAILABLE naming why, nothing is lost, and the copies resume once it has room."""

@@ -10,16 +10,23 @@ from pathlib import Path
 
 import pytest
 import redis
-from redisserver import RedisServer
 
+from h3d.remote.local import LocalRedis
 from h3d.remote.logs import RemoteLogs
 from h3d.remote.store import Fenced, Held, RemoteStore, RemoteUnavailable
 from h3d.store.tokenlog import CLOSED, TokenStore, parse_log, record
 
 
-def logs_for(server: RedisServer, folder: Path, owner: str, **kw: float) -> RemoteLogs:
+def logs_for(server: LocalRedis, folder: Path, owner: str, **kw: float) -> RemoteLogs:
     store = RemoteStore(server.url, namespace="t", owner=owner, **kw)
     return RemoteLogs(store, lambda s: folder / f"{s}.h3log")
+
+
+def mirrored(server: LocalRedis, folder: Path, owner: str, **kw: float) -> tuple[TokenStore, RemoteLogs]:
+    """A token store in `folder` whose logs the store copies (`TokenStore.mirror`), as a daemon's."""
+    remote = logs_for(server, folder, owner, **kw)
+    remote.start()
+    return TokenStore(folder, mirror=remote), remote
 
 
 def wait_stored(remote: RemoteLogs, timeout: float = 15.0) -> None:
@@ -35,7 +42,7 @@ def size(folder: Path, session: str) -> int:
     return (folder / f"{session}.h3log").stat().st_size
 
 
-def test_the_stores_log_follows_the_file(redis_server: RedisServer, tmp_path: Path) -> None:
+def test_the_stores_log_follows_the_file(redis_server: LocalRedis, tmp_path: Path) -> None:
     files = TokenStore(tmp_path / "a")
     remote = logs_for(redis_server, tmp_path / "a", "daemon-a")
     assert remote.start() == "appendonly yes, appendfsync always"
@@ -61,13 +68,9 @@ def test_the_stores_log_follows_the_file(redis_server: RedisServer, tmp_path: Pa
     files.close()
 
 
-def test_a_store_down_fails_the_wait_and_is_caught_up_with(redis_server: RedisServer, tmp_path: Path) -> None:
-    files = TokenStore(tmp_path / "a")
-    remote = logs_for(redis_server, tmp_path / "a", "daemon-a", timeout_s=0.5, lease_s=30)
-    remote.start()
-    remote.take("s1")
-    files.create("s1", {}, [1])
-    remote.written("s1", size(tmp_path / "a", "s1"))
+def test_a_store_down_fails_the_wait_and_is_caught_up_with(redis_server: LocalRedis, tmp_path: Path) -> None:
+    files, remote = mirrored(redis_server, tmp_path / "a", "daemon-a", timeout_s=0.5, lease_s=30)
+    files.create("s1", {}, [1])  # (its lease taken, its bytes copied: the store log's mirror)
     wait_stored(remote)  # (polled: a wait of `durable` would be bounded by the short timeout)
     redis_server.stop()
     files.append("s1", [2, 3])
@@ -87,15 +90,11 @@ def test_a_store_down_fails_the_wait_and_is_caught_up_with(redis_server: RedisSe
     files.close()
 
 
-def test_a_lease_another_daemon_took_stops_the_copy(redis_server: RedisServer, tmp_path: Path) -> None:
+def test_a_lease_another_daemon_took_stops_the_copy(redis_server: LocalRedis, tmp_path: Path) -> None:
     """A daemon cut off long enough loses its lease to another: its next renewal finds it gone,
     the session is reported lost, and nothing more of its file reaches the store."""
-    files = TokenStore(tmp_path / "a")
-    remote = logs_for(redis_server, tmp_path / "a", "daemon-a", lease_s=0.3)
-    remote.start()
-    remote.take("s1")
-    files.create("s1", {}, [1])
-    remote.written("s1", size(tmp_path / "a", "s1"))
+    files, remote = mirrored(redis_server, tmp_path / "a", "daemon-a", lease_s=0.3)
+    files.create("s1", {}, [1])  # (its lease taken, its bytes copied: the store log's mirror)
     remote.durable("s1", size(tmp_path / "a", "s1")).result(10)
     # (as if it had expired and daemon B had taken it: in one step, so that A cannot take it back first)
     redis.Redis.from_url(redis_server.url).set("h3d:t:{s1}:lease", "daemon-b 999", px=60_000)
@@ -113,7 +112,7 @@ def test_a_lease_another_daemon_took_stops_the_copy(redis_server: RedisServer, t
     files.close()
 
 
-def test_at_start_the_local_logs_are_reconciled_with_the_stores(redis_server: RedisServer, tmp_path: Path) -> None:
+def test_at_start_the_local_logs_are_reconciled_with_the_stores(redis_server: LocalRedis, tmp_path: Path) -> None:
     """Before a restarted daemon reads its logs: a tail the store lacks is copied (a torn record
     never), a log the store changed since (another daemon served it) replaces the file, a session
     another daemon serves now is dropped here, and one deleted here is deleted from the store."""
@@ -163,18 +162,12 @@ def test_at_start_the_local_logs_are_reconciled_with_the_stores(redis_server: Re
     other.close()
 
 
-def test_a_lease_that_expired_while_the_store_was_away_is_taken_again(
-    redis_server: RedisServer, tmp_path: Path
-) -> None:
+def test_a_lease_that_expired_while_the_store_was_away_is_taken_again(redis_server: LocalRedis, tmp_path: Path) -> None:
     """The store gone longer than a lease (its keys' lives run out, or it restarts past them): if no
     other daemon took the session meanwhile, the daemon takes its lease again, with a new token,
     and the copy goes on; the session is not lost."""
-    files = TokenStore(tmp_path / "a")
-    remote = logs_for(redis_server, tmp_path / "a", "daemon-a", lease_s=0.6, timeout_s=0.2)
-    remote.start()
-    remote.take("s1")
-    files.create("s1", {}, [1])
-    remote.written("s1", size(tmp_path / "a", "s1"))
+    files, remote = mirrored(redis_server, tmp_path / "a", "daemon-a", lease_s=0.6, timeout_s=0.2)
+    files.create("s1", {}, [1])  # (its lease taken, its bytes copied: the store log's mirror)
     wait_stored(remote)  # (polled: a wait of `durable` would be bounded by the short timeout)
     redis_server.stop()
     files.append("s1", [2])
@@ -192,7 +185,7 @@ def test_a_lease_that_expired_while_the_store_was_away_is_taken_again(
     files.close()
 
 
-def test_a_delete_or_a_release_the_store_missed_is_not_forgotten(redis_server: RedisServer, tmp_path: Path) -> None:
+def test_a_delete_or_a_release_the_store_missed_is_not_forgotten(redis_server: LocalRedis, tmp_path: Path) -> None:
     """A release that fails leaves the session copied and held here (released once the store is
     back); a deletion while the store is down reaches it once it is back."""
     files = TokenStore(tmp_path / "a")

@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio as aioredis
-from redisserver import RedisServer
 
+from h3d.remote.local import LocalRedis
 from h3d.remote.store import Fenced, Held, Lease, NotDurable, RemoteError, RemoteStore, RemoteUnavailable, redact
 from h3d.store.tokenlog import TOKENS, TokenStore, record
 
@@ -26,7 +26,7 @@ def run(body: Callable[[], Awaitable[T]]) -> T:
     return asyncio.run(body())  # type: ignore[arg-type]
 
 
-def store(server: RedisServer, owner: str, **kw: Any) -> RemoteStore:
+def store(server: LocalRedis, owner: str, **kw: Any) -> RemoteStore:
     return RemoteStore(server.url, namespace="test", owner=owner, **kw)
 
 
@@ -39,7 +39,7 @@ async def add(s: RemoteStore, lease: Lease, data: bytes) -> int:
     return await s.append(lease, data, at=await s.log_size(lease.session))
 
 
-def test_a_lease_is_one_daemons_and_a_stale_holder_writes_nothing(redis_server: RedisServer) -> None:
+def test_a_lease_is_one_daemons_and_a_stale_holder_writes_nothing(redis_server: LocalRedis) -> None:
     async def body() -> None:
         a, b = store(redis_server, "daemon-a", lease_s=0.3), store(redis_server, "daemon-b", lease_s=0.3)
         lease = await a.acquire("s1")
@@ -76,7 +76,7 @@ def test_a_lease_is_one_daemons_and_a_stale_holder_writes_nothing(redis_server: 
     run(body)
 
 
-def test_a_remote_log_reads_back_as_the_file_does(redis_server: RedisServer, tmp_path: Path) -> None:
+def test_a_remote_log_reads_back_as_the_file_does(redis_server: LocalRedis, tmp_path: Path) -> None:
     """The same records through the store and through a token log file give the same session."""
     file = TokenStore(tmp_path / "logs")
     file.create("s1", {"owner": "o", "policy": "full"}, [5, 6, 7])
@@ -102,7 +102,7 @@ def test_a_remote_log_reads_back_as_the_file_does(redis_server: RedisServer, tmp
     run(body)
 
 
-def test_acknowledged_appends_survive_the_store_killed(redis_server: RedisServer) -> None:
+def test_acknowledged_appends_survive_the_store_killed(redis_server: LocalRedis) -> None:
     """appendfsync always: what `append` acknowledged is on the server's disk; a SIGKILL of the
     server loses none of it."""
 
@@ -129,7 +129,7 @@ def test_acknowledged_appends_survive_the_store_killed(redis_server: RedisServer
     run(read)
 
 
-def test_the_sync_modes_check_refuses_a_store_that_may_lose_writes(redis_server: RedisServer) -> None:
+def test_the_sync_modes_check_refuses_a_store_that_may_lose_writes(redis_server: LocalRedis) -> None:
     async def body() -> None:
         s, admin = store(redis_server, "d"), aioredis.Redis.from_url(redis_server.url)
         await admin.config_set("appendfsync", "everysec")
@@ -171,7 +171,7 @@ def test_urls_never_show_a_password() -> None:
         RemoteStore("redis://host:6379", namespace="t", owner="two words")
 
 
-def test_an_append_lands_once_at_its_offset(redis_server: RedisServer) -> None:
+def test_an_append_lands_once_at_its_offset(redis_server: LocalRedis) -> None:
     """An append names the offset it goes at: a retry of one that landed (its reply lost) is taken
     as done, not written twice; one at another offset (another writer, a gap) writes nothing."""
 
@@ -198,13 +198,13 @@ def test_an_append_lands_once_at_its_offset(redis_server: RedisServer) -> None:
     run(body)
 
 
-def test_leases_are_renewed_many_to_a_round_trip(redis_server: RedisServer) -> None:
+def test_leases_are_renewed_many_to_a_round_trip(redis_server: LocalRedis) -> None:
     """`renew_many` (pipelines of the renewal script, loaded again if the server forgot it): whether
     each lease is still held."""
 
     async def body() -> None:
-        a, b = store(redis_server, "daemon-a", lease_s=0.3), store(redis_server, "daemon-b", lease_s=0.3)
-        leases = [await a.acquire(f"s{i}") for i in range(600)]  # (more than one pipeline)
+        a, b = store(redis_server, "daemon-a", lease_s=60), store(redis_server, "daemon-b", lease_s=60)
+        leases = [await a.acquire(f"s{i}") for i in range(600)]  # (more than one pipeline; none expires meanwhile)
         admin = aioredis.Redis.from_url(redis_server.url)
         await admin.script_flush()
         assert await a.renew_many(leases) == [True] * 600
