@@ -393,10 +393,19 @@ DAEMON: tuple[Key, ...] = (
     Key("remote_timeout_s", "the longest a call to the remote store may take (at most a third of remote_lease_s)"),
     Key(
         "remote_kv_ttl_s",
-        "how long a KV block written to the remote store (by a daemon giving a session up: ReleaseSession, "
-        "SIGTERM) stays there since it was last written; blocks are keyed by content, so a fork's shared prefix "
-        "is held once; a session taken over after its blocks expired computes its KV again",
+        "how long a KV block written to the remote store (copied as write-behind archives it, or by a daemon "
+        "giving a session up: ReleaseSession, SIGTERM) stays there since it was last written or renewed; blocks "
+        "are keyed by content, so a fork's shared prefix is held once; a session taken over after its blocks "
+        "expired computes its KV again",
         default="604800 (7 days)",
+    ),
+    Key(
+        "remote_kv_copy_mb",
+        "KV blocks that write-behind made durable in the local archive are copied to the remote store too, so "
+        "that a daemon killed leaves their KV to the daemon that takes its sessions over; at most this much "
+        "waits to be sent (more, or the store unavailable: the blocks are skipped, and written when the session "
+        "is given up). 0: KV reaches the store only when a session is given up",
+        default="512",
     ),
 )
 

@@ -51,6 +51,36 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def shaped_model(model: Path | None, shape: str | None, tiny: bool, tokenizer: Path) -> Path:
+    """The model folder to serve: `model` (default: the embedded one) or, with `shape`, a folder of
+    that shape's random weights and `tokenizer`'s files written first (`h3d.bench.serve`'s; at a
+    few layers if `tiny`), at `model` or `.bench/model-<shape>-shape`."""
+    if shape is None:
+        return model or DEFAULT_MODEL
+    from h3d.bench.serve import Shape, tokenizer_config, write_model
+
+    model = model or Path(".bench") / (f"model-tiny-{shape}" if tiny else f"model-{shape}-shape")
+    write_model(model, Shape.pick(tiny, tokenizer_config(tokenizer), shape), tokenizer, 0)
+    return model
+
+
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="the model folder served (default: the embedded model; with --shape, where that model is written)",
+    )
+    p.add_argument(
+        "--shape",
+        choices=["llama3-8b", "gemma3-12b"],
+        default=None,
+        help="write a model folder of this shape with random weights (h3d.bench.serve's) and serve it",
+    )
+    p.add_argument("--tiny", action="store_true", help="with --shape: a few layers (the code's test on a CPU)")
+    p.add_argument("--tokenizer", type=Path, default=DEFAULT_MODEL, help="with --shape: the tokenizer's folder")
+
+
 def document(tokenizer: Any, n: int) -> str:
     """About `n` tokens of real text (the operations manual, repeated as needed)."""
     text = SOURCE.read_text()
@@ -196,21 +226,7 @@ def table(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m h3d.bench.prefix", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        help="the model folder the daemon serves (default: the "
-        "embedded model; with --shape, where that model is written)",
-    )
-    p.add_argument(
-        "--shape",
-        choices=["llama3-8b", "gemma3-12b"],
-        default=None,
-        help="write a model folder of this shape with random weights (h3d.bench.serve's) and serve it",
-    )
-    p.add_argument("--tiny", action="store_true", help="with --shape: a few layers (the code's test on a CPU)")
-    p.add_argument("--tokenizer", type=Path, default=DEFAULT_MODEL, help="with --shape: the tokenizer's folder")
+    add_shape_args(p)
     p.add_argument("--tokens", type=int, default=6000, help="the document's tokens")
     p.add_argument("--forks", type=int, default=16, help="forks of the document")
     p.add_argument("--generate", type=int, default=64, help="tokens each fork generates")
@@ -218,14 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="the JSON (default bench/results/DATE-cpu-prefix.json)")
     p.add_argument("--write", type=Path, default=None, help="update this markdown file's prefix section")
     args = p.parse_args(argv)
-    if args.shape is not None:
-        from h3d.bench.serve import Shape, tokenizer_config, write_model
-
-        args.model = args.model or Path(".bench") / (
-            f"model-tiny-{args.shape}" if args.tiny else f"model-{args.shape}-shape"
-        )
-        write_model(args.model, Shape.pick(args.tiny, tokenizer_config(args.tokenizer), args.shape), args.tokenizer, 0)
-    args.model = args.model or DEFAULT_MODEL
+    args.model = shaped_model(args.model, args.shape, args.tiny, args.tokenizer)
     from h3d.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(str(args.model))
@@ -243,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         daemon.stop()
     result = {
-        "date": dt.date.today().isoformat(), "host": _host(), "model": args.model.name,
+        "date": dt.date.today().isoformat(), "host": host_name(), "model": args.model.name,
         "argv": list(sys.argv[1:] if argv is None else argv), "forks": fork_figures, "chat": chat_figures,
     }  # fmt: skip
     card = "cpu" if result["host"].startswith("CPU") else "gpu"
@@ -258,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _host() -> str:
+def host_name() -> str:
     """The card the daemon's `auto` device picks, else the CPU's cores."""
     import os
 

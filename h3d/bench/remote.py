@@ -1,7 +1,11 @@
 """Sessions across daemons through the remote tier: `h3d serve` with its defaults and `--remote-url`.
 
     python -m h3d.bench.remote [--model data/models/smollm2-135m-instruct] [--tokens 6000]
-                               [--streams 4] [--out FILE] [--write docs/BENCHMARKS.md]
+                               [--streams 4] [--phase sigterm|kill|outage ...] [--out FILE]
+                               [--write docs/BENCHMARKS.md]
+    python3 -m h3d.bench.remote --shape llama3-8b --tokens 32768 --phase sigterm --tokenizer DIR   # the GPU row
+
+With `--shape`, the model folder is written first as `h3d.bench.prefix` writes it.
 
 A `redis-server` of the benchmark's own (a free port, a temporary folder, appendonly yes with
 appendfsync always: what `remote_log = sync` asks) and daemons on the same model:
@@ -9,7 +13,8 @@ appendfsync always: what `remote_log = sync` asks) and daemons on the same model
 - **Taken over after a SIGTERM.** Daemon A is given a document of `--tokens` tokens of real text
   (AppendContext) and generates one token; A gets SIGTERM (its checkpoint, its KV written to the
   store, its leases released). Daemon B is asked to continue the session: the time to its first
-  token (taking the session over, reading its KV from the store, the first step) against the same
+  token (taking the session over, reading its KV from the store, the first step; the KV's bytes
+  and seconds each way, from the daemons' `remote_kv_written` and `session_taken_over` events) against the same
   context prefilled again on B (a new session, AppendContext of the same tokens, then its first
   token; on a daemon of its own, since on B prefix reuse would share the taken-over session's KV),
   and whether the two continue with the same greedy tokens.
@@ -39,10 +44,12 @@ from typing import Any
 
 import grpc
 
-from h3d.bench.prefix import DEFAULT_MODEL, document
+from h3d.bench.prefix import add_shape_args, document, host_name, shaped_model
 from h3d.bench.report import write_section
 from h3d.bench.serve import Client, Daemon, log
 from h3d.remote.local import LocalRedis
+
+PHASES = ("sigterm", "kill", "outage")
 
 
 def generate(client: Client, sid: str, n: int) -> tuple[list[int], float]:
@@ -74,12 +81,14 @@ def after_sigterm(model: Path, work: Path, url: str, ids: list[int]) -> dict[str
     ca.channel.close()
     stop_s = a.stop()
     written = a.event("remote_kv_written") or {}
+    checkpoint = a.event("checkpoint") or {}
     b = Daemon(model, work / "b", flags=flags)
     cb = Client(b.sock)
     taken, resume_s = generate(cb, sid, 16)
     stats = getattr(cb.h3.GetStats(cb.pb.GetStatsRequest()), "global")
     cb.channel.close()
     b.stop()
+    read = b.event("session_taken_over") or {}
     # The same context prefilled again, on a daemon of its own (on B, prefix reuse would share the
     # taken-over session's KV instead of computing it).
     c = Daemon(model, work / "c", flags=flags)
@@ -89,8 +98,11 @@ def after_sigterm(model: Path, work: Path, url: str, ids: list[int]) -> dict[str
     cc.channel.close()
     c.stop()
     return {
-        "tokens": len(ids), "append_s": append_s, "sigterm_s": stop_s, "kv_blocks_written": written.get("blocks"),
-        "kv_write_s": written.get("seconds"), "resume_first_token_s": resume_s,
+        "tokens": len(ids), "append_s": append_s, "sigterm_s": stop_s, "checkpoint_s": checkpoint.get("seconds"),
+        "kv_blocks_written": written.get("blocks"), "kv_bytes_written": written.get("bytes"),
+        "kv_write_s": written.get("seconds"), "kv_blocks_read": read.get("kv_blocks_read"),
+        "kv_bytes_read": read.get("kv_bytes_read"), "kv_read_s": read.get("kv_read_s"),
+        "resume_first_token_s": resume_s,
         "reprefill_first_token_s": reprefill_append_s + ref_first_s,
         "ratio": resume_s / (reprefill_append_s + ref_first_s), "same_tokens": taken == again,
         "kv_rebuild_blocks": stats.kv_rebuild_blocks,
@@ -222,49 +234,70 @@ def outage(model: Path, work: Path, store: LocalRedis, mode: str, clients: int, 
     }  # fmt: skip
 
 
+def _gbps(nbytes: Any, seconds: Any) -> str:
+    if not nbytes or not seconds:
+        return "—"
+    return f"{nbytes / 1e9:.2f} GB in {seconds:.1f} s ({nbytes / 1e9 / seconds:.2f} GB/s)"
+
+
 def table(r: dict[str, Any]) -> str:
-    s, k = r["sigterm"], r["kill"]
-    return "\n".join([
+    lines = [
         f"`python -m h3d.bench.remote {' '.join(r['argv'])}` ({r['date']}, {r['host']}, {r['model']}; "
         "`h3d serve` defaults with `--remote-url`, redis-server 7 with appendfsync always)",
-        "",
-        "| taken over after SIGTERM | |",
-        "|---|---|",
-        f"| the session | {s['tokens']} tokens, appended in {s['append_s']:.2f} s on daemon A |",
-        f"| A's SIGTERM (checkpoint, {s['kv_blocks_written']} KV blocks to the store in {s['kv_write_s']} s) | "
-        f"{s['sigterm_s']:.2f} s |",
-        f"| daemon B's first token: taken over, its KV read from the store | {s['resume_first_token_s']:.2f} s |",
-        f"| the same context prefilled again (a daemon of its own), to its first token | "
-        f"{s['reprefill_first_token_s']:.2f} s |",
-        f"| ratio (goal ≤ 1/3) | {s['ratio']:.3f} |",
-        f"| B's 16 greedy tokens equal the prefilled-again session's | {'yes' if s['same_tokens'] else 'no'} |",
-        f"| blocks B computed again (the partial last one is not carried) | {s['kv_rebuild_blocks']} |",
-        "",
-        "| taken over after kill -9 | |",
-        "|---|---|",
-        f"| streams cut | {k['streams']} sessions of {k['tokens_each']} tokens, "
-        f"{min(k['streamed_before_kill'])}-{max(k['streamed_before_kill'])} tokens streamed each |",
-        f"| taken over by B, seconds after the kill (lease {k['lease_s']:g} s; goal ≤ lease + 5) | "
-        f"{k['takeover_s_min']:.1f}-{k['takeover_s_max']:.1f} s |",
-        f"| tokens a client had that B's log lacks | {k['tokens_lost']} |",
-        f"| B's continuations equal the context's computed again | {k['continuations_identical']} of {k['streams']} |",
-        "",
-        "| the store down under load | requests by outcome | daemon RSS, start / max | caught up by itself "
-        "| sessions lost |",
-        "|---|---|---|---|---|",
-        *[
-            f"| `remote_log = {o['mode']}`: {o['clients']} clients, {o['down_s']:g} s down | "
-            f"{', '.join(f'{k}: {v}' for k, v in sorted(o['outcomes'].items()))} | "
-            f"{o['rss_mb_start']:.0f} / {o['rss_mb_max']:.0f} MiB | {'yes' if o['recovered'] else 'no'} | "
-            f"{o['lost_sessions']} |"
-            for o in r["outages"]
-        ],
-    ])  # fmt: skip
+    ]
+    s, k = r.get("sigterm"), r.get("kill")
+    if s:
+        lines += [
+            "",
+            "| taken over after SIGTERM | |",
+            "|---|---|",
+            f"| the session | {s['tokens']} tokens, appended in {s['append_s']:.2f} s on daemon A |",
+            f"| A's SIGTERM (checkpoint {s.get('checkpoint_s') or 0:.1f} s, then {s['kv_blocks_written']} KV blocks "
+            f"to the store) | {s['sigterm_s']:.2f} s |",
+            f"| the KV written to the store | {_gbps(s.get('kv_bytes_written'), s.get('kv_write_s'))} |",
+            f"| the KV read from the store by daemon B ({s.get('kv_blocks_read')} blocks) | "
+            f"{_gbps(s.get('kv_bytes_read'), s.get('kv_read_s'))} |",
+            f"| daemon B's first token: taken over, its KV read from the store | {s['resume_first_token_s']:.2f} s |",
+            f"| the same context prefilled again (a daemon of its own), to its first token | "
+            f"{s['reprefill_first_token_s']:.2f} s |",
+            f"| ratio (goal ≤ 1/3) | {s['ratio']:.3f} |",
+            f"| B's 16 greedy tokens equal the prefilled-again session's | {'yes' if s['same_tokens'] else 'no'} |",
+            f"| blocks B computed again (the partial last one is not carried) | {s['kv_rebuild_blocks']} |",
+        ]
+    if k:
+        lines += [
+            "",
+            "| taken over after kill -9 | |",
+            "|---|---|",
+            f"| streams cut | {k['streams']} sessions of {k['tokens_each']} tokens, "
+            f"{min(k['streamed_before_kill'])}-{max(k['streamed_before_kill'])} tokens streamed each |",
+            f"| taken over by B, seconds after the kill (lease {k['lease_s']:g} s; goal ≤ lease + 5) | "
+            f"{k['takeover_s_min']:.1f}-{k['takeover_s_max']:.1f} s |",
+            f"| tokens a client had that B's log lacks | {k['tokens_lost']} |",
+            f"| B's continuations equal the context's computed again | {k['continuations_identical']} of "
+            f"{k['streams']} |",
+        ]
+    if r.get("outages"):
+        lines += [
+            "",
+            "| the store down under load | requests by outcome | daemon RSS, start / max | caught up by itself "
+            "| sessions lost |",
+            "|---|---|---|---|---|",
+            *[
+                f"| `remote_log = {o['mode']}`: {o['clients']} clients, {o['down_s']:g} s down | "
+                f"{', '.join(f'{k}: {v}' for k, v in sorted(o['outcomes'].items()))} | "
+                f"{o['rss_mb_start']:.0f} / {o['rss_mb_max']:.0f} MiB | {'yes' if o['recovered'] else 'no'} | "
+                f"{o['lost_sessions']} |"
+                for o in r["outages"]
+            ],
+        ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m h3d.bench.remote", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the model folder the daemons serve")
+    add_shape_args(p)
+    p.add_argument("--phase", action="append", choices=PHASES, help="what to measure (repeatable; default: all)")
     p.add_argument("--tokens", type=int, default=6000, help="the document's tokens (taken over after SIGTERM)")
     p.add_argument("--streams", type=int, default=4, help="streams cut by kill -9")
     p.add_argument("--clients", type=int, default=64, help="clients generating while the store is down")
@@ -273,42 +306,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="the JSON (default bench/results/DATE-cpu-remote.json)")
     p.add_argument("--write", type=Path, default=None, help="update this markdown file's remote section")
     args = p.parse_args(argv)
+    phases = args.phase or list(PHASES)
+    args.model = shaped_model(args.model, args.shape, args.tiny, args.tokenizer)
     from h3d.model.tokenizer import Tokenizer
 
     if args.work.exists():
         shutil.rmtree(args.work)
     store = LocalRedis(args.work / "redis")
+    today = dt.date.today().isoformat()
+    result: dict[str, Any] = {
+        "date": today, "host": host_name(), "model": args.model.name, "argv": sys.argv[1:] if argv is None else argv,
+        "outages": [],
+    }  # fmt: skip
     try:
         tok = Tokenizer(args.model)
         ids = tok.encode(document(tok, args.tokens))
-        log("taken over after SIGTERM ...")
-        sigterm = after_sigterm(args.model, args.work, store.url, ids)
-        log(f"sigterm: {json.dumps(sigterm)}")
-        log("taken over after kill -9 ...")
-        docs = [ids[i * 100 : i * 100 + 1000] for i in range(args.streams)]
-        kill = after_kill(args.model, args.work, store.url, docs)
-        log(f"kill: {json.dumps(kill)}")
-        outages = []
-        for mode in ("async", "sync"):
+        if "sigterm" in phases:
+            log("taken over after SIGTERM ...")
+            result["sigterm"] = after_sigterm(args.model, args.work, store.url, ids)
+            log(f"sigterm: {json.dumps(result['sigterm'])}")
+        if "kill" in phases:
+            log("taken over after kill -9 ...")
+            docs = [ids[i * 100 : i * 100 + 1000] for i in range(args.streams)]
+            result["kill"] = after_kill(args.model, args.work, store.url, docs)
+            log(f"kill: {json.dumps(result['kill'])}")
+        for mode in ("async", "sync") if "outage" in phases else ():
             log(f"the store down for {args.down_s:g} s under {args.clients} clients, remote_log = {mode} ...")
-            outages.append(outage(args.model, args.work, store, mode, args.clients, args.down_s))
-            log(f"outage: {json.dumps(outages[-1])}")
+            result["outages"].append(outage(args.model, args.work, store, mode, args.clients, args.down_s))
+            log(f"outage: {json.dumps(result['outages'][-1])}")
     finally:
         for d in list(Daemon.running):
             d.proc.kill()
         store.stop()
-    today = dt.date.today().isoformat()
-    result = {
-        "date": today, "host": "CPU, 2 cores", "model": args.model.name, "argv": sys.argv[1:] if argv is None else argv,
-        "sigterm": sigterm, "kill": kill, "outages": outages,
-    }  # fmt: skip
-    out = args.out or Path("bench/results") / f"{today}-cpu-remote.json"
+    card = "cpu" if result["host"].startswith("CPU") else "gpu"
+    out = args.out or Path("bench/results") / f"{today}-{card}-remote.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     text = table(result)
     print(text)
     if args.write is not None:
-        write_section(args.write, "## Sessions across daemons through the remote tier (CPU)\n\n" + text, "remote")
+        where = "CPU" if card == "cpu" else result["host"].split(",")[0]
+        title = f"## Sessions across daemons through the remote tier ({where})\n\n"
+        write_section(args.write, title + text, "remote" if card == "cpu" else "remote-gpu")
     return 0
 
 

@@ -75,6 +75,17 @@ def stats_text(stats: Any) -> str:
             if g.remote_degraded
             else f"ok; {g.remote_lag_bytes} bytes of logs behind",
         ),
+        *(
+            [
+                (
+                    "remote_kv_copy",
+                    f"{mib(g.remote_kv_copied_bytes)} MiB copied, {mib(g.remote_kv_copy_queued_bytes)} MiB waiting, "
+                    f"{g.remote_kv_copy_skipped_blocks} blocks skipped",
+                )
+            ]
+            if g.remote_on
+            else []
+        ),
         (
             "occupancy_mib",
             f"HBM {mib(g.hbm_used_bytes)}/{mib(g.hbm_capacity_bytes)}  "

@@ -66,6 +66,7 @@ class DaemonConfig:
     remote_lease_s: float = 15.0
     remote_timeout_s: float = 5.0
     remote_kv_ttl_s: float = 7 * 86400.0  # a KV block's life in the store since it was last written
+    remote_kv_copy_mb: float = 512.0  # KV written behind waiting to be copied to the store, at most (0: none copied)
 
     @property
     def socket_path(self) -> Path:
@@ -125,6 +126,8 @@ class DaemonConfig:
             raise ConfigError("remote_lease_s, remote_timeout_s: must be > 0")
         if not self.remote_kv_ttl_s >= 1:
             raise ConfigError(f"remote_kv_ttl_s: must be >= 1, got {self.remote_kv_ttl_s}")
+        if not self.remote_kv_copy_mb >= 0:
+            raise ConfigError(f"remote_kv_copy_mb: must be >= 0, got {self.remote_kv_copy_mb}")
         if self.remote_timeout_s * 3 > self.remote_lease_s:
             raise ConfigError(
                 f"remote_timeout_s: {self.remote_timeout_s} s is more than a third of remote_lease_s "

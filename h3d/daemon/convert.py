@@ -117,6 +117,7 @@ def remote_session_pb(engine: Engine, sid: SessionId, caller: Caller, with_token
 def tier_stats_pb(engine: Engine) -> pb.TierStats:
     t = engine.tier_stats()
     p50, p99 = engine.hbf_latency_us()
+    copier = engine.copier
     return pb.TierStats(
         hbm_hit_rate=t.hbm_hit_rate,
         hbm_hits=t.hbm_hits,
@@ -154,6 +155,9 @@ def tier_stats_pb(engine: Engine) -> pb.TierStats:
         remote_degraded=engine.remote is not None and engine.remote.degraded is not None,
         remote_degraded_reason=(engine.remote.degraded or "") if engine.remote is not None else "",
         remote_lag_bytes=engine.remote.lag_bytes() if engine.remote is not None else 0,
+        remote_kv_copied_bytes=copier.copied_bytes if copier is not None else 0,
+        remote_kv_copy_queued_bytes=copier.queued_bytes if copier is not None else 0,
+        remote_kv_copy_skipped_blocks=copier.dropped_blocks if copier is not None else 0,
     )
 
 

@@ -106,6 +106,14 @@ class Metrics:
                    int(g.remote_degraded))  # fmt: skip
             metric("h3d_remote_lag_bytes", "gauge", "Bytes of the token logs the remote store does not hold yet.",
                    g.remote_lag_bytes)  # fmt: skip
+            metric("h3d_remote_kv_copied_bytes_total", "counter",
+                   "KV bytes (compressed) write-behind archived and copied to the remote store.",
+                   g.remote_kv_copied_bytes)  # fmt: skip
+            metric("h3d_remote_kv_copy_queued_bytes", "gauge", "KV bytes waiting to be copied to the remote store.",
+                   g.remote_kv_copy_queued_bytes)  # fmt: skip
+            metric("h3d_remote_kv_copy_skipped_blocks_total", "counter",
+                   "KV blocks not copied to the remote store (queue full, store unavailable).",
+                   g.remote_kv_copy_skipped_blocks)  # fmt: skip
         lines += [
             "# HELP h3d_shared_saved_bytes Bytes that sharing blocks saves now, per tier.",
             "# TYPE h3d_shared_saved_bytes gauge",

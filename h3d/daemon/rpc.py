@@ -113,12 +113,13 @@ class State:
         owner = str(parse_log(sid, data).meta.get("owner", "")) or LOCAL
         if owner != caller.owner and not caller.admin:
             return  # (not the caller's: NOT_FOUND, and it stays where it is)
-        data = await asyncio.to_thread(engine.take_over, sid)
-        if data is None:
+        taken = await asyncio.to_thread(engine.take_over, sid)
+        if taken is None:
             return
-        session = await self.worker.call(lambda e: e.adopt(sid, data))
+        session = await self.worker.call(lambda e: e.adopt(sid, taken.data))
         self.owners[sid] = session.owner or LOCAL
-        log.info("session_taken_over", session_id=sid, tokens=len(session.tokens))
+        log.info("session_taken_over", session_id=sid, tokens=len(session.tokens), kv_blocks_read=taken.kv_blocks,
+                 kv_bytes_read=taken.kv_bytes, kv_read_s=round(taken.kv_s, 3))  # fmt: skip
 
     async def stored(self, sid: SessionId) -> None:
         """With the remote tier in `sync` mode: once the store holds `sid`'s log as it is now (a

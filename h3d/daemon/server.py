@@ -176,10 +176,9 @@ class Daemon:
         if remote is not None:  # the sessions' KV for the daemons that take them over, in what is left of the budget
             left = max(0.0, cfg.shutdown_budget_s - (time.perf_counter() - t0))
             t1 = time.perf_counter()
-            exported, kv_blocks = await asyncio.to_thread(engine.export_kv_all, time.monotonic() + left)
-            log.info(
-                "remote_kv_written", sessions=exported, blocks=kv_blocks, seconds=round(time.perf_counter() - t1, 3)
-            )
+            exported, kv_blocks, kv_bytes = await asyncio.to_thread(engine.export_kv_all, time.monotonic() + left)
+            log.info("remote_kv_written", sessions=exported, blocks=kv_blocks, bytes=kv_bytes,
+                     seconds=round(time.perf_counter() - t1, 3))  # fmt: skip
         await asyncio.to_thread(engine.close)  # archive writes in flight become durable
         if remote is not None:  # the logs' last bytes copied, the leases given up: other daemons take over at once
             await asyncio.to_thread(remote.close)
@@ -204,7 +203,7 @@ class Daemon:
         )  # fmt: skip
         remote = RemoteLogs(
             store, lambda session: folder / f"{session}.h3log", sync=cfg.remote_log == "sync",
-            kv_ttl_s=int(cfg.remote_kv_ttl_s),
+            kv_ttl_s=int(cfg.remote_kv_ttl_s), kv_copy_bytes=int(cfg.remote_kv_copy_mb * 2**20),
         )  # fmt: skip
         try:
             checked = await asyncio.to_thread(remote.start)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -73,9 +74,20 @@ from h3d.tiers.identity import ArchiveCorrupt, ArchiveError
 from h3d.tiers.stats import TierStats
 
 if TYPE_CHECKING:
+    from h3d.remote.copyup import KVCopier
     from h3d.remote.logs import RemoteLogs
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class TakenOver:
+    """`Engine.take_over`'s answer: the session's log, and its KV read from the remote store."""
+
+    data: bytes
+    kv_blocks: int = 0
+    kv_bytes: int = 0
+    kv_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -153,6 +165,26 @@ class Engine:
                 self.sessions[session.id] = session
                 self.restored.append(session.id)
             self.swept = sweep_archive(self.kv, set(self.sessions))
+        self.copier: KVCopier | None = None  # write-behind's KV copied to the remote store as well
+        archive = self.kv.archive
+        if remote is not None and archive is not None and remote.kv_copy_bytes > 0 and self.kv.tiers.behind.enabled:
+            from h3d.remote.copyup import KVCopier
+            from h3d.remote.kv import layout
+
+            self.copier = KVCopier(
+                remote, layout(archive.identity), config.block_size, remote.kv_copy_bytes, self._tokens_of
+            )
+            self.kv.tiers.behind.copy_up = self.copier
+
+    def _tokens_of(self, name: str) -> list[int] | None:
+        session = self.sessions.get(SessionId(name))
+        return session.tokens if session is not None else None
+
+    def _forget_chains(self, session_id: SessionId) -> None:
+        """`session_id`'s tokens were cut, or it is gone: its hash chains are taken again when next asked."""
+        self.prefixes.forget(session_id)
+        if self.copier is not None:
+            self.copier.forget(session_id)
 
     def _reconcile(self, remote: RemoteLogs) -> None:
         """At start, the local logs against the store's (`RemoteLogs.reconcile`): a session whose
@@ -165,29 +197,31 @@ class Engine:
             for session in [*self.moved_away, *replaced]:
                 archive.remove(session)
 
-    def take_over(self, session_id: SessionId) -> bytes | None:
+    def take_over(self, session_id: SessionId) -> TakenOver | None:
         """The remote store's part of taking a session over, off the engine thread (it reads only
         the store and writes only the archive, which any thread may): its lease and its log
         (`RemoteLogs.adopt`), then its KV blocks in the store read into the archive under its name
         (what this daemon archived of it before dropped first: maybe of other tokens). Returns the
-        log for `adopt`; None if the store has no such session. Raises Held (another daemon serves
-        it) or RemoteUnavailable."""
+        log for `adopt` and what was read of the KV; None if the store has no such session. Raises
+        Held (another daemon serves it) or RemoteUnavailable."""
         if self.remote is None or self.journal is None:
             return None
         data = self.remote.adopt(session_id)
         if data is None:
             return None
-        archive = self.kv.archive
+        archive, out = self.kv.archive, TakenOver(data)
         if archive is not None and self.kv.writable:
+            t0 = time.perf_counter()
             try:
                 archive.remove(session_id)
                 tokens = parse_log(session_id, data).tokens
-                self._import_kv(session_id, tokens[: max(len(tokens) - 1, 0)])
+                out.kv_blocks, out.kv_bytes = self._import_kv(session_id, tokens[: max(len(tokens) - 1, 0)])
             except (RemoteError, ArchiveError) as e:  # (its KV is computed again instead)
                 log.warning("KV of session %s not read from the remote store: %s", session_id, e)
                 with contextlib.suppress(ArchiveError):
                     archive.remove(session_id)
-        return data
+            out.kv_s = time.perf_counter() - t0
+        return out
 
     def adopt(self, session_id: SessionId, data: bytes) -> Session:
         """On the engine thread, after `take_over`: the session restored from its log `data` (its
@@ -209,9 +243,9 @@ class Engine:
         self.sessions[session.id] = session
         return session
 
-    def _import_kv(self, session_id: SessionId, tokens: list[int]) -> int:
+    def _import_kv(self, session_id: SessionId, tokens: list[int]) -> tuple[int, int]:
         """The KV blocks of `tokens` the remote store holds (`h3d.remote.kv`), archived here under
-        `session_id`: its next request reads them instead of computing them. Returns the blocks."""
+        `session_id`: its next request reads them instead of computing them. -> (blocks, bytes read)."""
         from h3d.remote.kv import incoming, layout, wanted
 
         archive, remote = self.kv.archive, self.remote
@@ -221,39 +255,50 @@ class Engine:
             remote.store.kv_key(layout(archive.identity), layer, d)
             for layer, d in wanted(archive.identity, tokens, layers)
         ]
-        return incoming(archive, session_id, tokens, layers, remote.get_kv(keys)) if keys else 0
+        if not keys:
+            return 0, 0
+        values = remote.get_kv(keys)
+        return incoming(archive, session_id, tokens, layers, values), sum(len(v) for v in values if v is not None)
 
-    def export_kv(self, session_id: SessionId) -> int:
+    def export_kv(self, session_id: SessionId) -> tuple[int, int]:
         """`session_id`'s whole KV blocks, archived here first (`KVCache.snapshot`), written to the
-        remote store for the daemon that takes it over next (`h3d.remote.kv`). Returns the blocks."""
+        remote store for the daemon that takes it over next (`h3d.remote.kv`): those it lacks (copied
+        there by write-behind already, `h3d.remote.copyup`: renewed only). -> (blocks, bytes written)."""
         from h3d.remote.kv import layout, outgoing
 
         session = self.session(session_id)
         archive, remote = self.kv.archive, self.remote
         if archive is None or remote is None or not self.kv.writable:
-            return 0
+            return 0, 0
         self.kv.snapshot(session.seq)
-        out = outgoing(archive, session.id, session.tokens)
-        remote.put_kv(
-            [(remote.store.kv_key(layout(archive.identity), layer, d), v) for layer, d, v in out], remote.kv_ttl_s
-        )
-        return len(out)
+        lay, ttl = layout(archive.identity), remote.kv_ttl_s
 
-    def export_kv_all(self, deadline: float | None = None) -> tuple[int, int]:
+        def lacks(blocks: list[tuple[int, str]]) -> list[bool]:  # (those it has live `ttl` more)
+            return [not had for had in remote.touch_kv([remote.store.kv_key(lay, x, d) for x, d in blocks], ttl)]
+
+        out = outgoing(archive, session.id, session.tokens, lacks)
+        remote.put_kv([(remote.store.kv_key(lay, layer, d), v) for layer, d, v in out], ttl)
+        return len(out), sum(len(v) for _, _, v in out)
+
+    def export_kv_all(self, deadline: float | None = None) -> tuple[int, int, int]:
         """Before a shutdown, after the checkpoint: every session's KV blocks written to the remote
         store (`export_kv`), the most recently used first, none started past `deadline`; a
-        session left out is computed again by the daemon that takes it over. -> (sessions, blocks)."""
-        sessions = blocks = 0
+        session left out is computed again by the daemon that takes it over.
+        -> (sessions, blocks, bytes)."""
+        sessions = blocks = nbytes = 0
+        if self.copier is not None:  # what write-behind copies is in the store first (not written twice)
+            self.copier.drain(max(0.0, deadline - time.monotonic()) if deadline is not None else 60.0)
         for session in sorted(self.sessions.values(), key=lambda s: s.last_used_at, reverse=True):
             if deadline is not None and time.monotonic() >= deadline:
                 break
             try:
-                blocks += self.export_kv(session.id)
+                b, n = self.export_kv(session.id)
+                blocks, nbytes = blocks + b, nbytes + n
             except (SsdDegraded, RemoteError) as e:
                 log.warning("KV of session %s not written to the remote store: %s", session.id, e)
                 continue
             sessions += 1
-        return sessions, blocks
+        return sessions, blocks, nbytes
 
     def hand_over(self, session_id: SessionId) -> None:
         """Give `session_id` up to the other daemons of the remote store: its log's last bytes
@@ -270,7 +315,7 @@ class Engine:
             log.warning("KV of session %s not written to the remote store: %s", session_id, e)
         self.remote.release(session_id)
         purge_kv(self.kv, session.seq)
-        self.prefixes.forget(session_id)
+        self._forget_chains(session_id)
         del self.sessions[session_id]
         self.journal.delete(session_id, mirrored=False)
 
@@ -288,7 +333,7 @@ class Engine:
                 continue
             self._cancel_requests(session)
             purge_kv(self.kv, session.seq)
-            self.prefixes.forget(session.id)
+            self._forget_chains(session.id)
             del self.sessions[session.id]
             self.journal.delete(session.id, mirrored=False)
             gone.append(session.id)
@@ -522,7 +567,7 @@ class Engine:
         if self.journal is not None:
             self.journal.cut(session.id, num_tokens)
         del session.tokens[num_tokens:]
-        self.prefixes.forget(session.id)  # its chain is hashed again from its tokens when next asked
+        self._forget_chains(session.id)  # its chain is hashed again from its tokens when next asked
 
     def close_session(self, session_id: SessionId, purge: bool = False) -> None:
         """End `session_id`'s requests (cancelled) and free its memory. With `purge`, the session
@@ -535,7 +580,7 @@ class Engine:
         kv = self.kv
         if purge:
             purge_kv(kv, session.seq)
-            self.prefixes.forget(session_id)
+            self._forget_chains(session_id)
             del self.sessions[session_id]
             if self.journal is not None:
                 self.journal.delete(session_id)
@@ -574,7 +619,7 @@ class Engine:
             self._ended.append(self._finish(req, FinishReason.CANCELLED))
 
     def _drop_cached(self, session: Session) -> None:
-        self.prefixes.forget(session.id)
+        self._forget_chains(session.id)
         purge_kv(self.kv, session.seq)
 
     def _share_kv(self, donor: Session, session: Session, num_tokens: int) -> int:

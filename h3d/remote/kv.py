@@ -9,8 +9,12 @@ dimension). Two sessions whose contexts begin alike (a fork) have the same keys 
 which the store holds once. A value is the archive's record payload as its codec wrote it (never
 decoded on the way), with its codec, token count and crc32 (`pack`): a value that fails its check
 is not used (the block is computed again). Values expire `ttl_s` after they were last written: the
-store's sweep of the blocks no session needs (a daemon gives a session up, or stops, and writes
-its blocks again, which renews them).
+store's sweep of the blocks no session needs (a daemon gives a session up, or stops, and renews
+the blocks the store has of it, writing only those it lacks).
+
+Blocks reach the store two ways: as write-behind archives them (`h3d.remote.copyup`, so that a
+daemon killed leaves its sessions' archived KV in the store), and when a daemon gives a session up
+or stops (`outgoing`: what the store lacks of it).
 
 What must stay true: a block is read into the archive only under the session whose tokens give
 its key (the chain covers every token before it), and only whole blocks travel.
@@ -21,7 +25,8 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,26 +34,54 @@ from h3d.tiers.archive import Archive
 from h3d.tiers.codecs import CODEC_IDS, CODECS_BY_ID, Codec
 from h3d.tiers.identity import BlockKey, CacheIdentity
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
 MAGIC = b"H3KV"
 _HEAD = struct.Struct("<4sBII")  # magic, codec id, tokens, crc32 of the payload
+
+
+def _next(prev: bytes, ids: Sequence[int]) -> bytes:
+    return hashlib.sha256(prev + np.asarray(ids, dtype="<u4").tobytes()).digest()
 
 
 def digests(tokens: Sequence[int], block_size: int, blocks: int) -> list[str]:
     """The hash chain of the first `blocks` whole blocks of `tokens`."""
     out, prev = [], b""
     for j in range(blocks):
-        ids = np.asarray(tokens[j * block_size : (j + 1) * block_size], dtype="<u4").tobytes()
-        prev = hashlib.sha256(prev + ids).digest()
+        prev = _next(prev, tokens[j * block_size : (j + 1) * block_size])
         out.append(prev.hex()[:32])
     return out
+
+
+class Chains:
+    """Each session's `digests`, extended as its tokens grow (each block hashed once); a session
+    whose tokens were cut (a rewind) or that is gone is `forget`-ten. Owned by one thread."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._chains: dict[str, tuple[bytes, list[str]]] = {}
+
+    def of(self, name: str, tokens: Sequence[int], blocks: int) -> list[str]:
+        """The digests of `name`'s first `blocks` whole blocks (fewer if `tokens` has fewer)."""
+        prev, out = self._chains.get(name, (b"", []))
+        bs = self.block_size
+        for j in range(len(out), min(blocks, len(tokens) // bs)):
+            prev = _next(prev, tokens[j * bs : (j + 1) * bs])
+            out.append(prev.hex()[:32])
+        self._chains[name] = (prev, out)
+        return out[:blocks]
+
+    def forget(self, name: str) -> None:
+        self._chains.pop(name, None)
 
 
 def layout(identity: CacheIdentity) -> str:
     return f"{identity.dtype}.{identity.block_size}.{identity.num_kv_heads}.{identity.head_dim}"
 
 
-def pack(tokens: int, codec: Codec, payload: bytes) -> bytes:
-    return _HEAD.pack(MAGIC, CODEC_IDS[codec], tokens, zlib.crc32(payload)) + payload
+def pack(tokens: int, codec: Codec, payload: Buffer) -> bytes:
+    return b"".join((_HEAD.pack(MAGIC, CODEC_IDS[codec], tokens, zlib.crc32(payload)), payload))
 
 
 def unpack(value: bytes) -> tuple[int, Codec, bytes] | None:
@@ -63,14 +96,22 @@ def unpack(value: bytes) -> tuple[int, Codec, bytes] | None:
     return tokens, codec, payload
 
 
-def outgoing(archive: Archive, name: str, tokens: Sequence[int]) -> list[tuple[int, str, bytes]]:
-    """The whole blocks `name` has in `archive`, as (layer, digest, value) to write to the store."""
+def outgoing(
+    archive: Archive,
+    name: str,
+    tokens: Sequence[int],
+    lacks: Callable[[list[tuple[int, str]]], list[bool]] | None = None,
+) -> list[tuple[int, str, bytes]]:
+    """The whole blocks `name` has in `archive`, as (layer, digest, value) to write to the store;
+    with `lacks` (which of these (layer, digest) the store lacks), only those."""
     bs = archive.identity.block_size
     full = len(tokens) // bs
     held = sorted((layer, j) for (layer, j), n in archive.blocks_of(name).items() if n == bs and j < full)
+    chain = digests(tokens, bs, full)
+    if held and lacks is not None:
+        held = [h for h, lacking in zip(held, lacks([(layer, chain[j]) for layer, j in held]), strict=True) if lacking]
     if not held:
         return []
-    chain = digests(tokens, bs, full)
     records = archive.get_records([BlockKey(name, layer, j) for layer, j in held])
     return [
         (layer, chain[j], pack(n, codec, payload))

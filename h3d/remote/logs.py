@@ -65,10 +65,16 @@ class RemoteLogs:
     `store.timeout_s` (RemoteUnavailable past it)."""
 
     def __init__(
-        self, store: RemoteStore, path_of: Callable[[str], Path], sync: bool = True, kv_ttl_s: int = 7 * 86400
+        self,
+        store: RemoteStore,
+        path_of: Callable[[str], Path],
+        sync: bool = True,
+        kv_ttl_s: int = 7 * 86400,
+        kv_copy_bytes: int = 0,
     ) -> None:
         self.store, self.path_of, self.sync = store, path_of, sync
         self.kv_ttl_s = kv_ttl_s  # a KV block's life in the store since it was last written (`h3d.remote.kv`)
+        self.kv_copy_bytes = kv_copy_bytes  # KV written behind waiting for the store, at most (`h3d.remote.copyup`)
         self.timeout_s = store.timeout_s
         self._logs: dict[str, _Log] = {}
         self._degraded: str | None = None
@@ -131,19 +137,22 @@ class RemoteLogs:
         self.take(session)
 
     def deleted(self, session: str) -> None:
-        """A session was deleted: its log goes from the store too (tried again while the store is down)."""
+        """A session was deleted: its log goes from the store too (tried again while the store is
+        down), then its local file (which holds a CLOSED record: a daemon stopped before the store's
+        log went finds it at its next start, `reconcile`, and deletes that log then)."""
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._delete_until_done(session)))
 
     async def _delete_until_done(self, session: str) -> None:
         while True:
             try:
                 await self._delete(session)
-                return
+                break
             except Fenced:
-                return
+                break
             except RemoteError as e:
                 self._degrade(str(e))
                 await asyncio.sleep(RETRY_S)
+        self.path_of(session).unlink(missing_ok=True)
 
     def adopt(self, session: str) -> bytes | None:
         """A session this daemon does not have: its lease taken (Held if another daemon serves it)
@@ -227,6 +236,14 @@ class RemoteLogs:
     def put_kv(self, items: list[tuple[str, bytes]], ttl_s: int) -> None:
         """Write KV blocks to the store (`RemoteStore.put_kv`); each round trip within the timeout."""
         self._wait(self.store.put_kv(items, ttl_s), grace=_transfer_s(sum(len(v) for _, v in items)))
+
+    def touch_kv(self, keys: list[str], ttl_s: int) -> list[bool]:
+        """Which KV blocks the store has, their expiry renewed (`RemoteStore.touch_kv`)."""
+        return self._wait(self.store.touch_kv(keys, ttl_s), grace=1.0 + len(keys) / 1e5)
+
+    def soon(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` on the store's thread, not waited for (`h3d.remote.copyup`)."""
+        asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def get_kv(self, keys: list[str]) -> list[bytes | None]:
         """Read KV blocks from the store (`RemoteStore.get_kv`); None where it has none."""

@@ -49,6 +49,7 @@ T = TypeVar("T")
 SCHEMES = ("redis", "rediss", "unix")
 KV_PIPELINE_BYTES = 16 << 20  # KV blocks written per round trip (each within the call's timeout)
 KV_MGET_KEYS = 64  # KV blocks read per round trip
+KV_TOUCH_KEYS = 4096  # KV blocks renewed per round trip
 RENEW_BATCH = 512  # leases renewed per round trip
 
 
@@ -322,6 +323,18 @@ class RemoteStore:
                 pipe.set(key, value, ex=ttl_s)
             await self._call(f"writing {end - start} KV blocks", pipe.execute())
             start = end
+
+    async def touch_kv(self, keys: list[str], ttl_s: int) -> list[bool]:
+        """Whether the store has each of `keys`; those it has live `ttl_s` from now (EXPIRE, in
+        pipelines of `KV_TOUCH_KEYS`)."""
+        out: list[bool] = []
+        for i in range(0, len(keys), KV_TOUCH_KEYS):
+            part = keys[i : i + KV_TOUCH_KEYS]
+            pipe = self._redis.pipeline(transaction=False)
+            for key in part:
+                pipe.expire(key, ttl_s)
+            out += [bool(x) for x in await self._call(f"renewing {len(part)} KV blocks", pipe.execute())]
+        return out
 
     async def get_kv(self, keys: list[str]) -> list[bytes | None]:
         """The values of `keys` (None where the store has none), in MGETs of `KV_MGET_KEYS`."""

@@ -322,10 +322,11 @@ class Archive:
 
     def put_blocks(
         self, session: str, layers: np.ndarray, indices: np.ndarray, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
+    ) -> list[tuple[Codec, Buffer]]:
         """Archive whole blocks of one session, encoded in bulk: block i is (`layers[i]`,
         `indices[i]`) with k[:, i], v[:, i] of k, v [Hkv, n, block_size, D] CPU of the identity's
-        dtype. The records are those `put` writes; durable once this returns. Write-behind's path:
+        dtype. The records are those `put` writes; durable once this returns, which gives each
+        one's codec and payload (what `get_records` would, for the remote store). Write-behind's path:
         raw-zstd layers compress in one call outside the GIL (`codecs.encode_raw_many`), and the
         records go to disk without a copy, so that the engine thread beside it keeps the GIL."""
         ident = self.identity
@@ -360,6 +361,7 @@ class Archive:
         raw_bytes = len(keys) * 2 * ident.num_kv_heads * bs * ident.head_dim * self._dtype.itemsize
         lengths = [size + n for n in sizes]
         self._write(_Records(keys, parts, lengths, [bs] * len(keys), codecs, crcs, raw_bytes, sum(sizes), bulk=True))
+        return list(zip(codecs, payloads, strict=True))
 
     def get_records(self, keys: list[BlockKey]) -> list[tuple[int, Codec, bytes]]:
         """`keys`' records as stored, checked but not decoded: (tokens, codec, payload) each, what

@@ -20,12 +20,16 @@ would return; a failed write raises `ArchiveWriteFailed` and leaves what was dur
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
+from h3d.tiers.codecs import Codec
 from h3d.tiers.identity import BlockKey
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 
 class ColdTier(Protocol):
@@ -40,10 +44,10 @@ class ColdTier(Protocol):
 
     def put_blocks(
         self, session: str, layers: np.ndarray, indices: np.ndarray, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
+    ) -> list[tuple[Codec, Buffer]]:
         """`put` of whole blocks of one session in bulk: block i is (`layers[i]`, `indices[i]`),
         k[:, i], v[:, i] of k, v [Hkv, n, block_size, D] (write-behind's path). Durable when it
-        returns; raises `ArchiveWriteFailed`."""
+        returns, which gives the records' codec and payload each; raises `ArchiveWriteFailed`."""
         ...
 
     def get(self, key: BlockKey) -> tuple[torch.Tensor, torch.Tensor]:

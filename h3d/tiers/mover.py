@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ class Transfer:
 
     id: int
     keys: tuple[BlockKey, ...]
-    future: Future[None]
+    future: Future[Any]  # (its result: nothing the mover uses)
 
 
 class Mover:
@@ -127,7 +128,9 @@ class Mover:
             k, v = pool.read(torch.from_numpy(slots).to(pool.k.device))  # [Hkv, n, bs, D]
             layers = np.array([key.layer for key in keys], dtype=np.int64)
             indices = np.array([key.index for key in keys], dtype=np.int64)
-            put = self._writer.submit(self.archive.put_blocks, keys[0].session, layers, indices, k.cpu(), v.cpu())
+            put: Future[Any] = self._writer.submit(
+                self.archive.put_blocks, keys[0].session, layers, indices, k.cpu(), v.cpu()
+            )
         else:
             put = self._writer.submit(self.archive.put, self._items(keys, pool, slots, tokens))
         transfer = Transfer(next(self._ids), tuple(keys), put)

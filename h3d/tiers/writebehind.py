@@ -20,6 +20,10 @@ watermark). While requests run, a step submits at most `WRITE_BEHIND_STEP_MB`; a
 `WRITE_BEHIND_IN_FLIGHT_MB` is in flight. Copies down use DDR only up to `ddr_high_watermark`,
 dropping cheap copies to make room.
 
+With the remote tier on, each batch made durable is also offered to `copy_up` (`CopyUp`:
+`h3d.remote.copyup`), its records as written and its blocks' content digests taken when it was
+submitted.
+
 What must stay true: a block is marked archived only once its `put` returned (durable); a failed
 batch leaves its blocks dirty and degrades the SSD tier (`TierManager.degrade`); a session's KV
 is cut (`cut`) or released only after its batches in flight are done, so that no record of a
@@ -34,7 +38,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -43,6 +47,9 @@ from h3d.kv.blocks import NONE, SeqId
 from h3d.tiers.identity import ArchiveWriteFailed
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from h3d.tiers.codecs import Codec
     from h3d.tiers.manager import TierManager
 
 WRITE_BEHIND_THREADS = max(1, min(4, os.cpu_count() or 1))  # each compresses its own batches
@@ -61,6 +68,18 @@ class _Batch:
     slots: np.ndarray  # their DDR slots, held until the batch is done
     future: Future[None]
     bytes: int
+
+
+class CopyUp(Protocol):
+    """Where write-behind's records go as well, once durable (the remote store's KV)."""
+
+    def digests(self, name: str, blocks: np.ndarray) -> list[str] | None:
+        """On the engine thread, as a batch is submitted: its blocks' content digests (None: skip it)."""
+        ...
+
+    def offer(self, layers: list[int], digests: list[str], records: list[tuple[Codec, Buffer]]) -> None:
+        """On a write-behind thread, once the batch is durable; never raises, never waits."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +106,7 @@ class WriteBehind:
         self.wants_room = 0  # archive bytes it was refused for want of capacity (the upkeep makes room)
         self._over_since: float | None = None
         self.pump_due = False  # dirty KV was left past the budget at the last `pump`
+        self.copy_up: CopyUp | None = None
         self._pool = (
             ThreadPoolExecutor(WRITE_BEHIND_THREADS, thread_name_prefix="h3d-write-behind") if self.enabled else None
         )
@@ -204,7 +224,8 @@ class WriteBehind:
             assert (slots != NONE).all(), "a block written behind without its DDR copy"
             b.ddr_alloc.hold(slots)
             assert self._pool is not None
-            future = self._pool.submit(self._write, ready, name, ly, bl, slots)
+            digests = self.copy_up.digests(name, bl) if self.copy_up is not None else None
+            future = self._pool.submit(self._write, ready, name, ly, bl, slots, digests)
             self.batches.append(_Batch(seq, ly, bl, slots, future, len(bl) * tiers.block_bytes))
         self.cursor[seq] = start + cols
         return len(blocks)
@@ -223,7 +244,13 @@ class WriteBehind:
         return max(0, room())
 
     def _write(
-        self, ready: torch.cuda.Event | None, name: str, layers: np.ndarray, blocks: np.ndarray, slots: np.ndarray
+        self,
+        ready: torch.cuda.Event | None,
+        name: str,
+        layers: np.ndarray,
+        blocks: np.ndarray,
+        slots: np.ndarray,
+        digests: list[str] | None = None,
     ) -> None:
         """A write-behind thread: the blocks' bytes from their held DDR slots into the archive, in
         bulk (`Archive.put_blocks`: a few calls that leave the GIL to the engine thread while they
@@ -234,7 +261,9 @@ class WriteBehind:
         k, v = ddr.read(torch.from_numpy(slots))  # [Hkv, n, bs, D], copies
         archive = self.tiers.archive
         assert archive is not None
-        archive.put_blocks(name, layers, blocks, k, v)
+        records = archive.put_blocks(name, layers, blocks, k, v)
+        if digests is not None and self.copy_up is not None:
+            self.copy_up.offer(layers.tolist(), digests, records)
 
     def poll(self, wait: bool = False, seq: SeqId | None = None) -> None:
         """Apply the finished batches (all of them, or `seq`'s, waited for with `wait`): blocks

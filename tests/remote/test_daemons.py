@@ -91,9 +91,10 @@ def test_a_session_continues_on_another_daemon(
                 a.h3().GetSession(pb.GetSessionRequest(session_id=sid, take_over=True))
             assert gone.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # B serves it now
     # Both stopped (SIGTERM: the KV written to the store, the leases released): a third daemon takes
-    # it over, its KV read from the store rather than computed again.
+    # it over, its KV read from the store rather than computed again. (B's SIGTERM wrote no block:
+    # the store had them all, from A's release, and B's 8 tokens filled none.)
     [written] = b.events("remote_kv_written")
-    assert written["sessions"] == 1 and written["blocks"] > 0
+    assert written["sessions"] == 1 and written["blocks"] == 0
     with running_daemon(ckpt, tmp_path / "c", tcp=False, extra=remote(redis_server)) as c:
         taken = c.h3().GetSession(pb.GetSessionRequest(session_id=sid, take_over=True))
         assert taken.num_tokens == 300 + 16 and taken.cached_tokens == (300 + 16 - 1) // 32 * 32
@@ -108,12 +109,16 @@ def test_a_daemon_killed_during_streams_loses_no_token_it_sent(
 ) -> None:
     """kill -9 while A streams 4 generations: once A's lease expires (within remote_lease_s + 5 s)
     B takes each session over, its log holds every token A's clients received (sync: a token is
-    sent only once the store holds it), and B continues each as an engine that never stopped."""
+    sent only once the store holds it), and B continues each as an engine that never stopped. A
+    writes every whole block behind (write_behind_dirty_mb 0) and copies it to the store, so B
+    reads the prompts' KV from there rather than computing it."""
     ckpt = checkpoint(MODEL)
     prompts = [random_prompt(200, VOCAB_SIZE, seed=60 + i) for i in range(4)]
     with (
         running_daemon(ckpt, tmp_path / "b", tcp=False, extra=remote(redis_server)) as b,
-        running_daemon(ckpt, tmp_path / "a", tcp=False, extra=remote(redis_server), exit_code=-9) as a,
+        running_daemon(
+            ckpt, tmp_path / "a", tcp=False, extra=remote(redis_server, "--write-behind-dirty-mb", "0"), exit_code=-9
+        ) as a,
     ):
         sids = [created(a, p) for p in prompts]
         got: list[list[int]] = [[] for _ in sids]
@@ -149,6 +154,8 @@ def test_a_daemon_killed_during_streams_loses_no_token_it_sent(
             tokens = list(taken.token_ids)
             assert tokens[: len(prompt)] == prompt and tokens[len(prompt) : len(prompt) + len(sent)] == sent
             assert generate(b.h3(), sid, 4) == reference(ckpt, tokens, 4)
+        taken_over = b.events("session_taken_over")
+        assert len(taken_over) == 4 and sum(e["kv_blocks_read"] for e in taken_over) > 0
 
 
 def test_the_sync_mode_refuses_a_store_that_may_lose_writes(
@@ -207,6 +214,7 @@ def test_a_store_gone_ends_a_sync_stream_unavailable_and_comes_back(
         assert not g.remote_degraded and g.remote_lag_bytes == 0
         shown = a.ctl("stats")
         assert "remote_tier" in shown.stdout and "ok; 0 bytes of logs behind" in shown.stdout
+        assert "remote_kv_copy" in shown.stdout and "blocks skipped" in shown.stdout
 
 
 def namespace(d: RunningDaemon) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from h3d.remote.kv import digests, incoming, outgoing, pack, unpack, wanted
+from h3d.remote.kv import Chains, digests, incoming, outgoing, pack, unpack, wanted
 from h3d.tiers.archive import Archive
 from h3d.tiers.codecs import Codec
 from h3d.tiers.identity import BlockKey, CacheIdentity
@@ -21,6 +21,17 @@ def test_the_keys_agree_exactly_where_the_tokens_do() -> None:
     b = digests([*range(10), 99, *range(11, 20)], 4, 5)  # differs in block 2
     assert a[:2] == b[:2] and all(x != y for x, y in zip(a[2:], b[2:], strict=True))
     assert digests(list(range(20)), 4, 3) == a[:3] and len(set(a)) == 5
+
+
+def test_a_sessions_chain_grows_with_it_and_is_taken_again_after_a_cut() -> None:
+    chains, tokens = Chains(4), list(range(9))
+    assert chains.of("s", tokens, 5) == digests(tokens, 4, 2)  # (only whole blocks)
+    tokens += list(range(9, 20))
+    assert chains.of("s", tokens, 5) == digests(tokens, 4, 5) and chains.of("s", tokens, 2) == digests(tokens, 4, 2)
+    del tokens[6:]
+    tokens += [99] * 14  # block 1 on: other tokens
+    chains.forget("s")
+    assert chains.of("s", tokens, 5) == digests(tokens, 4, 5) != digests(list(range(20)), 4, 5)
 
 
 def test_a_value_that_fails_its_check_is_not_used() -> None:
@@ -42,6 +53,15 @@ def test_blocks_travel_between_archives_bit_for_bit(tmp_path: Path) -> None:
             kv[(layer, j)] = (k, v)
     out = outgoing(src, "s", tokens)
     assert sorted((layer, d) for layer, d, _ in out) == sorted(wanted(IDENT, tokens, 3))  # the partial block stays
+    asked: list[tuple[int, str]] = []
+
+    def lacks(blocks: list[tuple[int, str]]) -> list[bool]:  # (a store that has layer 1's)
+        asked.extend(blocks)
+        return [layer != 1 for layer, _ in blocks]
+
+    some = outgoing(src, "s", tokens, lacks)
+    assert sorted(asked) == sorted(wanted(IDENT, tokens, 3))
+    assert sorted((layer, d, v) for layer, d, v in some) == sorted(x for x in out if x[0] != 1)
     store = {f"{layer}:{d}": v for layer, d, v in out}
     dst = Archive(tmp_path / "b", IDENT)
     values = [store.get(f"{layer}:{d}") for layer, d in wanted(IDENT, tokens, 3)]

@@ -129,6 +129,14 @@ export interface TierStats {
   'remoteDegraded'?: (boolean);
   'remoteDegradedReason'?: (string);
   'remoteLagBytes'?: (number | string | Long);
+  /**
+   * KV blocks write-behind archived, copied to the remote store as well (remote_kv_copy_mb): bytes
+   * sent since start (as stored: compressed), bytes waiting to be sent, and blocks skipped (the
+   * queue full or the store unavailable; written when their session is given up).
+   */
+  'remoteKvCopiedBytes'?: (number | string | Long);
+  'remoteKvCopyQueuedBytes'?: (number | string | Long);
+  'remoteKvCopySkippedBlocks'?: (number | string | Long);
 }
 
 /**
@@ -258,4 +266,12 @@ export interface TierStats__Output {
   'remoteDegraded': (boolean);
   'remoteDegradedReason': (string);
   'remoteLagBytes': (number);
+  /**
+   * KV blocks write-behind archived, copied to the remote store as well (remote_kv_copy_mb): bytes
+   * sent since start (as stored: compressed), bytes waiting to be sent, and blocks skipped (the
+   * queue full or the store unavailable; written when their session is given up).
+   */
+  'remoteKvCopiedBytes': (number);
+  'remoteKvCopyQueuedBytes': (number);
+  'remoteKvCopySkippedBlocks': (number);
 }

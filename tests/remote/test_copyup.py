@@ -1,0 +1,126 @@
+"""KV copied to the store as write-behind archives it (`h3d.remote.copyup`), against a real
+redis-server: every whole block the archive holds reaches the store under its content's key, as
+the archive's record; a rewind followed by other tokens never puts a record under another
+content's key; an export at shutdown writes only what the store lacks; a full queue skips blocks,
+which the export writes then."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from helpers import VOCAB_SIZE, random_prompt
+
+from h3d.config import EngineConfig
+from h3d.engine.engine import Engine
+from h3d.engine.sampling import SamplingParams
+from h3d.engine.session import SessionId
+from h3d.remote.kv import digests, layout, unpack
+from h3d.remote.local import LocalRedis
+from h3d.remote.logs import RemoteLogs
+from h3d.remote.store import RemoteStore
+from h3d.tiers.identity import BlockKey
+
+MODEL = "llama_gqa4_tied"  # 3 layers, blocks of 16 tokens
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _engine(ckpt: Path, folder: Path, server: LocalRedis, copy_bytes: int = 64 << 20) -> Engine:
+    store = RemoteStore(server.url, namespace="t", owner="a")
+    remote = RemoteLogs(store, lambda s: folder / "logs" / f"{s}.h3log", kv_copy_bytes=copy_bytes)
+    remote.start()
+    cfg = EngineConfig.build(
+        model=str(ckpt), block_size=16, prefill_chunk_tokens=64, hbm_mb=8.0, ddr_mb=16.0, check_invariants=True,
+        ssd_path=str(folder / "archive"), session_log_path=str(folder / "logs"), write_behind_dirty_mb=0,
+    )  # fmt: skip
+    return Engine(cfg, remote=remote)
+
+
+def _written_behind(engine: Engine) -> None:
+    """Write-behind run until nothing is left, then what it offered sent to the store."""
+    for _ in range(1000):
+        if not engine.write_behind():
+            break
+        time.sleep(0.002)
+    engine.kv.tiers.behind.poll(wait=True)
+    assert engine.copier is not None and engine.copier.drain(30)
+
+
+def _stored(engine: Engine, tokens: list[int]) -> dict[tuple[int, int], bytes]:
+    """The store's values for the content keys of `tokens`' whole blocks, by (layer, block)."""
+    archive, remote = engine.kv.archive, engine.remote
+    assert archive is not None and remote is not None
+    full = len(tokens) // archive.identity.block_size
+    chain = digests(tokens, archive.identity.block_size, full)
+    where = [(layer, j) for layer in range(engine.model.config.num_layers) for j in range(full)]
+    keys = [remote.store.kv_key(layout(archive.identity), layer, chain[j]) for layer, j in where]
+    return {at: v for at, v in zip(where, remote.get_kv(keys), strict=True) if v is not None}
+
+
+def _as_archived(engine: Engine, sid: SessionId, stored: dict[tuple[int, int], bytes]) -> None:
+    archive = engine.kv.archive
+    assert archive is not None
+    for (layer, j), value in stored.items():
+        [record] = archive.get_records([BlockKey(sid, layer, j)])
+        assert unpack(value) == record
+
+
+def test_each_block_written_behind_reaches_the_store_under_its_content(
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis
+) -> None:
+    engine = _engine(checkpoint(MODEL), tmp_path, redis_server)
+    layers = engine.model.config.num_layers
+    sid = engine.create_session()
+    engine.append(sid, token_ids=random_prompt(200, VOCAB_SIZE, seed=1))
+    engine.complete(sid, "", GREEDY)
+    _written_behind(engine)
+    before = list(engine.session(sid).tokens)
+    kv_blocks = (len(before) - 1) // 16  # (the last token is fed by the next request)
+    stored = _stored(engine, before)
+    assert len(stored) == layers * kv_blocks
+    _as_archived(engine, sid, stored)
+    assert engine.copier is not None and engine.copier.dropped_blocks == 0
+    assert engine.copier.copied_blocks == layers * kv_blocks
+
+    # Cut back into block 6, other tokens after: blocks 0-5 keep their keys, the rest are new keys
+    # with the new records; the old content's keys keep the old content's records.
+    engine.rewind(sid, 100)
+    engine.append(sid, token_ids=random_prompt(150, VOCAB_SIZE, seed=2))
+    engine.complete(sid, "", GREEDY)
+    _written_behind(engine)
+    after = list(engine.session(sid).tokens)
+    now = _stored(engine, after)
+    assert len(now) == layers * ((len(after) - 1) // 16)
+    _as_archived(engine, sid, now)
+    assert _stored(engine, before) == stored
+    assert all(now[(layer, j)] == stored[(layer, j)] for layer in range(layers) for j in range(6))
+    assert not any(now[(layer, 6)] == stored[(layer, 6)] for layer in range(layers))
+
+    # The export a shutdown makes writes nothing the store has (it renews it).
+    assert engine.export_kv(sid) == (0, 0)
+    engine.close()
+    assert engine.remote is not None
+    engine.remote.close()
+
+
+def test_a_full_queue_skips_blocks_and_the_export_writes_them(
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis
+) -> None:
+    engine = _engine(checkpoint(MODEL), tmp_path, redis_server, copy_bytes=1)  # (no batch fits)
+    layers = engine.model.config.num_layers
+    sid = engine.create_session()
+    engine.append(sid, token_ids=random_prompt(120, VOCAB_SIZE, seed=3))
+    _written_behind(engine)
+    tokens = list(engine.session(sid).tokens)
+    assert engine.copier is not None and engine.copier.copied_blocks == 0
+    assert engine.copier.dropped_blocks == layers * ((len(tokens) - 1) // 16)
+    assert not _stored(engine, tokens)
+    blocks, nbytes = engine.export_kv(sid)
+    assert blocks == layers * ((len(tokens) - 1) // 16) and nbytes > 0
+    stored = _stored(engine, tokens)
+    assert len(stored) == blocks
+    _as_archived(engine, sid, stored)
+    engine.close()
+    assert engine.remote is not None
+    engine.remote.close()
