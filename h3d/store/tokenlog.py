@@ -63,7 +63,9 @@ SUFFIX = ".h3log"
 class LogMirror(Protocol):
     """A copy of the logs somewhere else, kept up by whoever implements it (the remote tier:
     `h3d.remote.logs.RemoteLogs`): told of each log before it is created (it may refuse: the
-    creation fails), of each write once the file holds it (its new size), and of each deletion."""
+    creation fails), of each write once the file holds it (its new size), and of each deletion
+    (the file, its CLOSED record written, is left for the mirror to delete once its copy is gone:
+    a daemon stopped first finds it at its next start, and deletes the copy then)."""
 
     def creating(self, session_id: str) -> None: ...
 
@@ -225,7 +227,9 @@ class TokenStore:
 
     def delete(self, session_id: str, mirrored: bool = True) -> None:
         """Forget a closed session: a CLOSED record (durable), then the file goes (and the copy,
-        unless not `mirrored`: a session handed to another daemon, whose log lives on there)."""
+        unless not `mirrored`: a session handed to another daemon, whose log lives on there). With
+        a mirror, the file stays until the mirror deleted the copy (`LogMirror.deleted`): a copy
+        the mirror could not delete before the daemon stopped is not forgotten."""
         log = self._logs.pop(session_id, None)
         if log is None:
             return
@@ -235,10 +239,11 @@ class TokenStore:
                 self.files.fsync(log.fd)
         finally:
             os.close(log.fd)
+        if mirrored and self.mirror is not None:
+            self.mirror.deleted(session_id)  # (which deletes the file once the copy is gone)
+            return
         self.files.unlink(self._path(session_id), missing_ok=True)
         self.files.fsync_dir(self.folder)
-        if mirrored and self.mirror is not None:
-            self.mirror.deleted(session_id)
 
     def sync(self, session_id: str | None = None) -> None:
         """fsync one session's log (or every dirty one) now, on this thread; raises what an fsync

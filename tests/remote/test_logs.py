@@ -215,3 +215,40 @@ def test_a_delete_or_a_release_the_store_missed_is_not_forgotten(redis_server: L
     assert remote.holder("kept") is None
     remote.close()
     files.close()
+
+
+def test_a_deletion_the_store_missed_before_a_stop_reaches_it_at_the_next_start(
+    redis_server: LocalRedis, tmp_path: Path
+) -> None:
+    """The local file (its CLOSED record written) stays until the store's log is gone: a daemon
+    that stops first deletes that log at its next start, so a deleted session never comes back."""
+    folder = tmp_path / "a"
+    files, remote = mirrored(redis_server, folder, "daemon-a", timeout_s=0.3, lease_s=30)
+    files.create("gone", {}, [1, 2])
+    wait_stored(remote)
+    redis_server.stop()
+    files.delete("gone")
+    time.sleep(0.3)  # (the store's thread tries, and fails)
+    assert parse_log("gone", (folder / "gone.h3log").read_bytes()).closed  # (kept: the store still has it)
+    remote.close()
+    files.close()
+    redis_server.start()
+    assert parse_log("gone", logs_for(redis_server, folder, "reader").fetch("gone") or b"").tokens == [1, 2]
+    again = logs_for(redis_server, folder, "daemon-a", timeout_s=0.3, lease_s=30)
+    again.start()
+    assert again.reconcile(sorted(folder.glob("*.h3log"))) == ([], [])
+    assert again.fetch("gone") is None and again.holder("gone") is None
+    assert TokenStore(folder, mirror=again).load_all() == [] and not list(folder.glob("*.h3log"))
+    again.close()
+
+    # With the store there, the file goes once the store's log has.
+    files, remote = mirrored(redis_server, folder, "daemon-a")
+    files.create("quick", {}, [3])
+    wait_stored(remote)
+    files.delete("quick")
+    deadline = time.monotonic() + 15
+    while (folder / "quick.h3log").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not (folder / "quick.h3log").exists() and remote.fetch("quick") is None
+    remote.close()
+    files.close()
