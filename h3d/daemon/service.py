@@ -108,8 +108,19 @@ class H3Servicer:
         self, request: pb.ReleaseSessionRequest, context: Any, caller: Caller
     ) -> pb.ReleaseSessionResponse:
         sid = self.s.check_owner(caller, request.session_id)
-        await self.s.worker.call(lambda e: e.hand_over(sid))
-        self.s.owners.pop(sid, None)
+        worker = self.s.worker
+
+        async def hand_over() -> None:  # (the KV's and the log's writes to the store off the engine thread)
+            tokens = await worker.call(lambda e: e.begin_hand_over(sid))
+            try:
+                await asyncio.to_thread(worker.engine.send_hand_over, sid, tokens)
+            except BaseException:
+                await worker.call(lambda e: e.end_hand_over(sid, released=False))
+                raise
+            await worker.call(lambda e: e.end_hand_over(sid, released=True))
+            self.s.owners.pop(sid, None)
+
+        await asyncio.shield(asyncio.ensure_future(hand_over()))  # (a caller gone does not stop it midway)
         log.info("session_released", session_id=sid)
         return pb.ReleaseSessionResponse()
 

@@ -264,19 +264,26 @@ class Engine:
         """`session_id`'s whole KV blocks, archived here first (`KVCache.snapshot`), written to the
         remote store for the daemon that takes it over next (`h3d.remote.kv`): those it lacks (copied
         there by write-behind already, `h3d.remote.copyup`: renewed only). -> (blocks, bytes written)."""
-        from h3d.remote.kv import layout, outgoing
-
         session = self.session(session_id)
-        archive, remote = self.kv.archive, self.remote
-        if archive is None or remote is None or not self.kv.writable:
+        if self.kv.archive is None or self.remote is None or not self.kv.writable:
             return 0, 0
         self.kv.snapshot(session.seq)
+        return self._send_kv(session_id, session.tokens)
+
+    def _send_kv(self, session_id: SessionId, tokens: list[int]) -> tuple[int, int]:
+        """`export_kv` once the session's blocks are archived: the archive's records the store lacks
+        written there (any thread: it reads only the archive and the store)."""
+        from h3d.remote.kv import layout, outgoing
+
+        archive, remote = self.kv.archive, self.remote
+        if archive is None or remote is None:
+            return 0, 0
         lay, ttl = layout(archive.identity), remote.kv_ttl_s
 
         def lacks(blocks: list[tuple[int, str]]) -> list[bool]:  # (those it has live `ttl` more)
             return [not had for had in remote.touch_kv([remote.store.kv_key(lay, x, d) for x, d in blocks], ttl)]
 
-        out = outgoing(archive, session.id, session.tokens, lacks)
+        out = outgoing(archive, session_id, tokens, lacks)
         remote.put_kv([(remote.store.kv_key(lay, layer, d), v) for layer, d, v in out], ttl)
         return len(out), sum(len(v) for _, _, v in out)
 
@@ -301,23 +308,66 @@ class Engine:
         return sessions, blocks, nbytes
 
     def hand_over(self, session_id: SessionId) -> None:
-        """Give `session_id` up to the other daemons of the remote store: its log's last bytes
-        copied there and its lease released (RemoteUnavailable: it stays here), then its requests
-        cancelled and everything of it here forgotten (its KV, its local log); the store keeps it."""
+        """Give `session_id` up to the other daemons of the remote store: its requests cancelled,
+        its KV written to the store, its log's last bytes copied there and its lease released
+        (RemoteUnavailable: it stays here), then everything of it here forgotten (its KV, its local
+        log); the store keeps it. The daemon runs the three steps apart, the middle one off the
+        engine thread: `begin_hand_over`, `send_hand_over`, `end_hand_over`."""
+        tokens = self.begin_hand_over(session_id)
+        try:
+            self.send_hand_over(session_id, tokens)
+        except BaseException:
+            self.end_hand_over(session_id, released=False)
+            raise
+        self.end_hand_over(session_id, released=True)
+
+    def begin_hand_over(self, session_id: SessionId) -> list[int]:
+        """On the engine thread: `session_id`'s requests cancelled, its metadata in its log, its
+        KV archived, and the session marked leaving (busy: no request, fork, rewind or close is
+        taken until `end_hand_over`). Returns its tokens, for `send_hand_over`."""
         session = self.session(session_id)
         if self.remote is None or self.journal is None:
             raise NoRemoteTier("handing a session over needs the remote tier (remote_url), which is off")
+        self._check_not_leaving(session)
         self._save_meta(session)
         self._cancel_requests(session)
+        if self.kv.archive is not None and self.kv.writable:
+            try:
+                self.kv.snapshot(session.seq)
+            except SsdDegraded as e:  # (the next daemon computes what is not archived)
+                log.warning("KV of session %s not archived before its hand-over: %s", session_id, e)
+        session.busy = session.leaving = True
+        return list(session.tokens)
+
+    def send_hand_over(self, session_id: SessionId, tokens: list[int]) -> None:
+        """Off the engine thread (the store's calls and the archive's reads): the KV blocks the
+        store lacks written there, then the log's last bytes and the lease released
+        (RemoteUnavailable: the session stays here)."""
+        assert self.remote is not None
         try:
-            self.export_kv(session_id)
-        except (SsdDegraded, RemoteError, ArchiveError) as e:  # (the next daemon computes the KV again)
+            self._send_kv(session_id, tokens)
+        except (RemoteError, ArchiveError) as e:  # (the next daemon computes the KV again)
             log.warning("KV of session %s not written to the remote store: %s", session_id, e)
         self.remote.release(session_id)
+
+    def end_hand_over(self, session_id: SessionId, released: bool) -> None:
+        """On the engine thread, after `send_hand_over`: a session `released` forgotten here (its
+        KV, its local log; the store keeps it), else taken back (it stays served here)."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            return
+        if not released:
+            session.busy = session.leaving = False
+            return
+        assert self.journal is not None
         purge_kv(self.kv, session.seq)
         self._forget_chains(session_id)
         del self.sessions[session_id]
         self.journal.delete(session_id, mirrored=False)
+
+    def _check_not_leaving(self, session: Session) -> None:
+        if session.leaving:
+            raise SessionBusy(f"session {session.id} is being handed over to another daemon")
 
     def drop_lost(self) -> list[SessionId]:
         """Sessions whose lease another daemon took (this one was cut off from the store too long):
@@ -463,6 +513,7 @@ class Engine:
         by `catch_up` (the daemon's ForkSession waits for it), or by the fork's next request.
         A chat session forks only where no message's tokens are cut."""
         parent = self.session(session_id)
+        self._check_not_leaving(parent)
         if parent.busy:
             raise SessionBusy(f"session {session_id} has a request in flight: fork it once it ends")
         total = len(parent.tokens)
@@ -506,6 +557,7 @@ class Engine:
         """Queue the prefill of the session's tokens whose KV is not computed, but its last (the
         next request feeds it): an append of no new tokens (a fork's tail). None if there is none."""
         session = self.session(session_id)
+        self._check_not_leaving(session)
         if session.busy:
             raise SessionBusy(f"session {session_id} already has a request in flight")
         cached = self.kv.cached_tokens(session.seq)
@@ -554,6 +606,7 @@ class Engine:
         rewind is refused (SsdDegraded) and the tokens stay.
         """
         session = self.session(session_id)
+        self._check_not_leaving(session)
         if session.busy:
             raise InvalidRequest(f"session {session_id} has a request in flight")
         if session.chat is not None:
@@ -576,6 +629,7 @@ class Engine:
         to the archive only (or is forgotten, to be computed again, without a writable archive),
         it stays listed, and its next request reopens it where it stopped."""
         session = self.session(session_id)
+        self._check_not_leaving(session)
         self._cancel_requests(session)
         kv = self.kv
         if purge:
@@ -736,6 +790,7 @@ class Engine:
         chat session an append is a message (`role`, default "user", and `text`) and a generation
         opens the assistant's turn and stops at its end."""
         session = self.session(session_id)
+        self._check_not_leaving(session)
         if session.busy:
             raise SessionBusy(f"session {session_id} already has a request in flight")
         params = (params or session.sampling).validate()

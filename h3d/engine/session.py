@@ -44,6 +44,7 @@ class Session:
     created_at: float = field(default_factory=time.time)
     last_used_at: float = field(default_factory=time.time)
     busy: bool = False
+    leaving: bool = False  # being handed over to another daemon (`Engine.begin_hand_over`): busy until it is gone
     owner: str = ""  # who may use it (the daemon's token hash); kept in the token log
     closed: bool = False  # closed (not purged): its KV is in the archive only; its next request reopens it
     chat: Conversation | None = None  # a chat session: what is appended are messages (h3d.engine.chat)

@@ -2,7 +2,7 @@
 redis-server: every whole block the archive holds reaches the store under its content's key, as
 the archive's record; a rewind followed by other tokens never puts a record under another
 content's key; an export at shutdown writes only what the store lacks; a full queue skips blocks,
-which the export writes then."""
+which the export writes then; a hand-over in its steps, and one the store fails."""
 
 from __future__ import annotations
 
@@ -10,16 +10,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from helpers import VOCAB_SIZE, random_prompt
 
 from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import SessionId
+from h3d.errors import SessionBusy
 from h3d.remote.kv import digests, layout, unpack
 from h3d.remote.local import LocalRedis
 from h3d.remote.logs import RemoteLogs
-from h3d.remote.store import RemoteStore
+from h3d.remote.store import RemoteStore, RemoteUnavailable
 from h3d.tiers.identity import BlockKey
 
 MODEL = "llama_gqa4_tied"  # 3 layers, blocks of 16 tokens
@@ -123,4 +125,37 @@ def test_a_full_queue_skips_blocks_and_the_export_writes_them(
     _as_archived(engine, sid, stored)
     engine.close()
     assert engine.remote is not None
+    engine.remote.close()
+
+
+def test_a_session_being_handed_over_takes_no_request_and_stays_if_the_store_fails(
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis
+) -> None:
+    """The daemon's ReleaseSession in its three steps (the store's writes off the engine thread):
+    while leaving, a request, a fork or a close is refused; a release the store does not take
+    leaves the session here, served as before; one it takes forgets it here."""
+    engine = _engine(checkpoint(MODEL), tmp_path, redis_server)
+    sid = engine.create_session()
+    engine.append(sid, token_ids=random_prompt(80, VOCAB_SIZE, seed=4))
+    tokens = engine.begin_hand_over(sid)
+    assert tokens == engine.session(sid).tokens and engine.session(sid).busy
+    for refused in (
+        lambda: engine.complete(sid, "", GREEDY),
+        lambda: engine.fork_session(sid),
+        lambda: engine.close_session(sid),
+    ):
+        with pytest.raises(SessionBusy, match="handed over"):
+            refused()
+    redis_server.stop()
+    with pytest.raises(RemoteUnavailable):
+        engine.send_hand_over(sid, tokens)
+    engine.end_hand_over(sid, released=False)
+    redis_server.start()
+    assert not engine.session(sid).busy
+    more = engine.complete(sid, "", GREEDY).token_ids
+    assert len(more) == 6
+    engine.hand_over(sid)
+    assert sid not in engine.sessions
+    assert engine.remote is not None and engine.remote.holder(sid) is None  # (free: another daemon takes it)
+    engine.close()
     engine.remote.close()
