@@ -268,3 +268,38 @@ def test_a_full_store_ends_sync_streams_unavailable_until_it_has_room(
                 time.sleep(0.3)
         log = admin.get(f"h3d:{namespace(a)}:{{{sid}}}:log")
         assert log == (a.data_dir / "sessions" / f"{sid}.h3log").read_bytes()
+
+
+def test_a_session_is_taken_over_by_its_owner_only(
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis
+) -> None:
+    """Two daemons with the same client tokens: alice's session, given up by A, is not another
+    client's on B (not found, not taken: its lease stays free, it is not listed), and is alice's."""
+    ckpt = checkpoint(MODEL)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("token-alice\ntoken-bob\n")
+    extra = remote(redis_server, "--auth-token-file", str(tokens))
+    alice, bob = [("authorization", "Bearer token-alice")], [("authorization", "Bearer token-bob")]
+    prompt = random_prompt(60, VOCAB_SIZE, seed=9)
+    with running_daemon(ckpt, tmp_path / "a", tcp=False, extra=extra) as a:
+        h3 = a.h3()
+        sid = h3.CreateSession(pb.CreateSessionRequest(), metadata=alice).session_id
+        for _ in h3.AppendContext(pb.AppendContextRequest(session_id=sid, token_ids=prompt), metadata=alice):
+            pass
+    with running_daemon(ckpt, tmp_path / "b", tcp=False, extra=extra) as b:
+        h3 = b.h3()
+        for call in (
+            lambda: h3.GetSession(pb.GetSessionRequest(session_id=sid, take_over=True), metadata=bob),
+            lambda: list(h3.Generate(pb.GenerateRequest(session_id=sid), metadata=bob)),
+            lambda: h3.GetSession(pb.GetSessionRequest(session_id=sid), metadata=bob),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert not b.events("session_taken_over")
+        assert redis.Redis.from_url(redis_server.url).get(f"h3d:{namespace(b)}:{{{sid}}}:lease") is None
+        assert not h3.ListSessions(pb.ListSessionsRequest(all=True), metadata=bob).sessions
+        listed = h3.ListSessions(pb.ListSessionsRequest(all=True), metadata=alice).sessions
+        assert [s.session_id for s in listed] == [sid]
+        taken = h3.GetSession(pb.GetSessionRequest(session_id=sid, take_over=True), metadata=alice)
+        assert taken.num_tokens == len(prompt) and len(b.events("session_taken_over")) == 1
