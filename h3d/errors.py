@@ -70,6 +70,11 @@ class RemoteUnavailable(RemoteError):
     to UNAVAILABLE)."""
 
 
+class KVNoRoom(RemoteError):
+    """The remote store is too full to take KV blocks (`KV_MAX_FILL` of its maxmemory): its room is
+    kept for the token logs; the KV is computed again by whoever needs it."""
+
+
 class NotDurable(RemoteError):
     """The remote store does not persist every write before acknowledging it (`remote_log = sync` needs it)."""
 

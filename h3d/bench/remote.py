@@ -100,6 +100,7 @@ def after_sigterm(model: Path, work: Path, url: str, ids: list[int]) -> dict[str
     return {
         "tokens": len(ids), "append_s": append_s, "sigterm_s": stop_s, "checkpoint_s": checkpoint.get("seconds"),
         "kv_blocks_written": written.get("blocks"), "kv_bytes_written": written.get("bytes"),
+        "kv_blocks_copied": written.get("copied_blocks"), "kv_bytes_copied": written.get("copied_bytes"),
         "kv_write_s": written.get("seconds"), "kv_blocks_read": read.get("kv_blocks_read"),
         "kv_bytes_read": read.get("kv_bytes_read"), "kv_read_s": read.get("kv_read_s"),
         "resume_first_token_s": resume_s,
@@ -236,7 +237,7 @@ def outage(model: Path, work: Path, store: LocalRedis, mode: str, clients: int, 
 
 def _gbps(nbytes: Any, seconds: Any) -> str:
     if not nbytes or not seconds:
-        return "—"
+        return f"0 GB, {seconds:.1f} s" if seconds else "—"
     return f"{nbytes / 1e9:.2f} GB in {seconds:.1f} s ({nbytes / 1e9 / seconds:.2f} GB/s)"
 
 
@@ -252,9 +253,12 @@ def table(r: dict[str, Any]) -> str:
             "| taken over after SIGTERM | |",
             "|---|---|",
             f"| the session | {s['tokens']} tokens, appended in {s['append_s']:.2f} s on daemon A |",
-            f"| A's SIGTERM (checkpoint {s.get('checkpoint_s') or 0:.1f} s, then {s['kv_blocks_written']} KV blocks "
-            f"to the store) | {s['sigterm_s']:.2f} s |",
-            f"| the KV written to the store | {_gbps(s.get('kv_bytes_written'), s.get('kv_write_s'))} |",
+            f"| A's SIGTERM (checkpoint {s.get('checkpoint_s') or 0:.1f} s, then the KV the store lacks) | "
+            f"{s['sigterm_s']:.2f} s |",
+            f"| the KV copied to the store as write-behind (and the checkpoint's flush) archived it | "
+            f"{s.get('kv_blocks_copied') or 0} blocks, {(s.get('kv_bytes_copied') or 0) / 1e9:.2f} GB |",
+            f"| the KV the store still lacked, written after the checkpoint (the copies' wait included) | "
+            f"{s['kv_blocks_written']} blocks, {_gbps(s.get('kv_bytes_written'), s.get('kv_write_s'))} |",
             f"| the KV read from the store by daemon B ({s.get('kv_blocks_read')} blocks) | "
             f"{_gbps(s.get('kv_bytes_read'), s.get('kv_read_s'))} |",
             f"| daemon B's first token: taken over, its KV read from the store | {s['resume_first_token_s']:.2f} s |",

@@ -177,8 +177,10 @@ class Daemon:
             left = max(0.0, cfg.shutdown_budget_s - (time.perf_counter() - t0))
             t1 = time.perf_counter()
             exported, kv_blocks, kv_bytes = await asyncio.to_thread(engine.export_kv_all, time.monotonic() + left)
+            copier = engine.copier  # (what write-behind copied up since start, the checkpoint's flush included)
             log.info("remote_kv_written", sessions=exported, blocks=kv_blocks, bytes=kv_bytes,
-                     seconds=round(time.perf_counter() - t1, 3))  # fmt: skip
+                     seconds=round(time.perf_counter() - t1, 3), copied_blocks=copier.copied_blocks if copier else 0,
+                     copied_bytes=copier.copied_bytes if copier else 0)  # fmt: skip
         await asyncio.to_thread(engine.close)  # archive writes in flight become durable
         if remote is not None:  # the logs' last bytes copied, the leases given up: other daemons take over at once
             await asyncio.to_thread(remote.close)

@@ -41,7 +41,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from h3d.errors import Fenced, Held, NotDurable, RemoteError, RemoteUnavailable
+from h3d.errors import Fenced, Held, KVNoRoom, NotDurable, RemoteError, RemoteUnavailable
 from h3d.store.tokenlog import Restored, parse_log
 
 T = TypeVar("T")
@@ -50,6 +50,7 @@ SCHEMES = ("redis", "rediss", "unix")
 KV_PIPELINE_BYTES = 16 << 20  # KV blocks written per round trip (each within the call's timeout)
 KV_MGET_KEYS = 64  # KV blocks read per round trip
 KV_TOUCH_KEYS = 4096  # KV blocks renewed per round trip
+KV_MAX_FILL = 0.8  # KV blocks never take a store with a maxmemory past this share of it: the rest is the logs'
 RENEW_BATCH = 512  # leases renewed per round trip
 
 
@@ -311,13 +312,23 @@ class RemoteStore:
 
     async def put_kv(self, items: list[tuple[str, bytes]], ttl_s: int) -> None:
         """Write KV blocks ((key, value) each; a key is its content, so writing one again changes
-        nothing but its expiry, renewed to `ttl_s`), in pipelines of about `KV_PIPELINE_BYTES`."""
+        nothing but its expiry, renewed to `ttl_s`), in pipelines of about `KV_PIPELINE_BYTES`.
+        Raises KVNoRoom (what was written stays) rather than take a store with a `maxmemory` past
+        `KV_MAX_FILL` of it: the KV is a cache, the room left is for the token logs, which are the
+        sessions' truth (a full store ends `sync` streams with UNAVAILABLE)."""
         start = 0
         while start < len(items):
             end, size = start, 0
             while end < len(items) and (end == start or size < KV_PIPELINE_BYTES):
                 size += len(items[end][1])
                 end += 1
+            memory = await self._call("reading the store's memory", self._redis.info("memory"))
+            cap, used = int(memory.get("maxmemory", 0)), int(memory.get("used_memory", 0))
+            if cap and used + size > KV_MAX_FILL * cap:
+                raise KVNoRoom(
+                    f"the remote store holds {used} of its maxmemory {cap} bytes: KV blocks may take "
+                    f"{KV_MAX_FILL:.0%} of it, the rest is kept for the token logs"
+                )
             pipe = self._redis.pipeline(transaction=False)
             for key, value in items[start:end]:
                 pipe.set(key, value, ex=ttl_s)

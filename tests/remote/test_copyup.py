@@ -11,17 +11,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import redis
 from helpers import VOCAB_SIZE, random_prompt
 
 from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import SessionId
-from h3d.errors import SessionBusy
+from h3d.errors import KVNoRoom, SessionBusy
 from h3d.remote.kv import digests, layout, unpack
 from h3d.remote.local import LocalRedis
 from h3d.remote.logs import RemoteLogs
-from h3d.remote.store import RemoteStore, RemoteUnavailable
+from h3d.remote.store import KV_MAX_FILL, RemoteStore, RemoteUnavailable
 from h3d.tiers.identity import BlockKey
 
 MODEL = "llama_gqa4_tied"  # 3 layers, blocks of 16 tokens
@@ -157,5 +158,32 @@ def test_a_session_being_handed_over_takes_no_request_and_stays_if_the_store_fai
     engine.hand_over(sid)
     assert sid not in engine.sessions
     assert engine.remote is not None and engine.remote.holder(sid) is None  # (free: another daemon takes it)
+    engine.close()
+    engine.remote.close()
+
+
+def test_kv_leaves_a_full_stores_last_room_to_the_logs(
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis
+) -> None:
+    """A store with a maxmemory: KV blocks (copied up, or exported) never take it past
+    `KV_MAX_FILL` of it, while the token logs still go there; with room again, the export writes them."""
+    engine = _engine(checkpoint(MODEL), tmp_path, redis_server)
+    admin = redis.Redis.from_url(redis_server.url)
+    used = int(admin.info("memory")["used_memory"])
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", str(int((used + 20_000) / KV_MAX_FILL)))
+    sid = engine.create_session()
+    engine.append(sid, token_ids=random_prompt(120, VOCAB_SIZE, seed=5))
+    _written_behind(engine)
+    tokens = list(engine.session(sid).tokens)
+    assert engine.copier is not None and engine.copier.copied_blocks == 0 and engine.copier.dropped_blocks > 0
+    with pytest.raises(KVNoRoom, match="kept for the token logs"):
+        engine.export_kv(sid)
+    assert not _stored(engine, tokens)
+    assert engine.remote is not None
+    engine.remote.durable(sid, (tmp_path / "logs" / f"{sid}.h3log").stat().st_size).result(10)  # (the log: there)
+    admin.config_set("maxmemory", "0")
+    blocks, _ = engine.export_kv(sid)
+    assert blocks == engine.model.config.num_layers * ((len(tokens) - 1) // 16) == len(_stored(engine, tokens))
     engine.close()
     engine.remote.close()
