@@ -106,7 +106,17 @@ class KVCopier:
             start, self._sending = not self._sending, True
             self._idle.clear()
         if start:
-            self.remote.soon(self._send())
+            sending = self._send()
+            try:
+                self.remote.soon(sending)
+            except Exception as e:  # (the store's thread stopped: a daemon shutting down)
+                sending.close()
+                with self._lock:
+                    self.dropped_blocks += len(self._queue)
+                    self._queue.clear()
+                    self._bytes, self._sending = 0, False
+                    self._idle.set()
+                log.debug("KV blocks not copied to the remote store: %s", e)
 
     async def _send(self) -> None:
         try:
