@@ -88,6 +88,7 @@ class TakenOver:
     kv_blocks: int = 0
     kv_bytes: int = 0
     kv_s: float = 0.0
+    digest_blocks: int = 0  # the blocks its digest snapshot from the store covers (0: none)
 
 
 @dataclass(slots=True)
@@ -196,6 +197,8 @@ class Engine:
         if archive is not None and self.kv.writable:
             for session in [*self.moved_away, *replaced]:
                 archive.remove(session)
+                if self.kv.digest_files is not None:  # (of the same tokens as that KV)
+                    self.kv.digest_files.remove(session)
 
     def take_over(self, session_id: SessionId) -> TakenOver | None:
         """The remote store's part of taking a session over, off the engine thread (it reads only
@@ -212,14 +215,21 @@ class Engine:
         archive, out = self.kv.archive, TakenOver(data)
         if archive is not None and self.kv.writable:
             t0 = time.perf_counter()
+            files = self.kv.digest_files
             try:
                 archive.remove(session_id)
+                if files is not None:
+                    files.remove(session_id)
                 tokens = parse_log(session_id, data).tokens
-                out.kv_blocks, out.kv_bytes = self._import_kv(session_id, tokens[: max(len(tokens) - 1, 0)])
-            except (RemoteError, ArchiveError) as e:  # (its KV is computed again instead)
+                written = tokens[: max(len(tokens) - 1, 0)]  # (the last token: fed by the next request)
+                out.digest_blocks = self._import_digests(session_id, written)
+                out.kv_blocks, out.kv_bytes = self._import_kv(session_id, written)
+            except (RemoteError, ArchiveError, OSError) as e:  # (its KV is computed again instead)
                 log.warning("KV of session %s not read from the remote store: %s", session_id, e)
-                with contextlib.suppress(ArchiveError):
+                with contextlib.suppress(ArchiveError, OSError):
                     archive.remove(session_id)
+                    if files is not None:
+                        files.remove(session_id)
             out.kv_s = time.perf_counter() - t0
         return out
 
@@ -242,6 +252,42 @@ class Engine:
             raise
         self.sessions[session.id] = session
         return session
+
+    def _import_digests(self, session_id: SessionId, tokens: list[int]) -> int:
+        """The digest snapshot the store holds of `session_id`, installed here if it covers blocks of
+        `tokens` (its head names the last block it covers by content: `h3d.remote.kv.digests`), so
+        that the session's first step reads its digests first rather than every block. Returns
+        the blocks it covers (0: none, or not of these tokens)."""
+        from h3d.remote.kv import digests
+
+        files, remote, bs = self.kv.digest_files, self.remote, self.kv.block_size
+        if files is None or remote is None or len(tokens) < bs:
+            return 0
+        got = remote.get_digests(session_id, size_hint=len(tokens) * 2 << 10)
+        if got is None:
+            return 0
+        head, data = got
+        n = int(head.get("blocks", 0))
+        if not 0 < n <= len(tokens) // bs or head.get("last") != digests(tokens, bs, n)[-1]:
+            return 0
+        files.install(session_id, data)
+        return n
+
+    def _send_digests(self, session_id: SessionId, tokens: list[int]) -> int:
+        """`session_id`'s digest snapshot written to the store with its blocks (`_send_kv`), if it
+        has one of `tokens`' blocks. Returns its bytes."""
+        from h3d.remote.kv import digests
+
+        files, remote, bs = self.kv.digest_files, self.remote, self.kv.block_size
+        if files is None or remote is None:
+            return 0
+        meta = files.header(session_id)  # (waits for a write on its way)
+        n = int(meta.get("blocks", 0)) if meta is not None else 0
+        if not 0 < n <= len(tokens) // bs:
+            return 0
+        data = files.path(session_id).read_bytes()
+        remote.put_digests(session_id, {"blocks": n, "last": digests(tokens, bs, n)[-1]}, data, remote.kv_ttl_s)
+        return len(data)
 
     def _import_kv(self, session_id: SessionId, tokens: list[int]) -> tuple[int, int]:
         """The KV blocks of `tokens` the remote store holds (`h3d.remote.kv`), archived here under
@@ -285,6 +331,10 @@ class Engine:
 
         out = outgoing(archive, session_id, tokens, lacks)
         remote.put_kv([(remote.store.kv_key(lay, layer, d), v) for layer, d, v in out], ttl)
+        try:
+            self._send_digests(session_id, tokens)
+        except OSError as e:  # (the next daemon rebuilds them from the keys)
+            log.warning("digests of session %s not written to the remote store: %s", session_id, e)
         return len(out), sum(len(v) for _, _, v in out)
 
     def export_kv_all(self, deadline: float | None = None) -> tuple[int, int, int]:
@@ -334,6 +384,7 @@ class Engine:
         if self.kv.archive is not None and self.kv.writable:
             try:
                 self.kv.snapshot(session.seq)
+                self.kv.save_digests_later(session.seq)  # (written on a thread; `send_hand_over` sends it)
             except SsdDegraded as e:  # (the next daemon computes what is not archived)
                 log.warning("KV of session %s not archived before its hand-over: %s", session_id, e)
         session.busy = session.leaving = True

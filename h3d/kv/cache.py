@@ -463,7 +463,7 @@ class KVCache:
         record = self.sessions[seq]
         lifecycle.park(self.tiers, seq)
         record.pinned_until = None
-        self._save_digests_later(seq)
+        self.save_digests_later(seq)
         self.digests.drop(seq)
         record.stale_digests = record.selection.policy.keeps_digests
 
@@ -580,7 +580,7 @@ class KVCache:
         rows = self.digests.head(seq, full)
         return self.digest_files.write(self.sessions[seq].name, full, self.digests.part_tokens, rows)
 
-    def _save_digests_later(self, seq: SeqId) -> None:
+    def save_digests_later(self, seq: SeqId) -> None:
         """`save_digests` with the write on a thread (`DigestFiles.write_later`): only the copy to
         the host is done here."""
         full = self._unsaved_digests(seq)

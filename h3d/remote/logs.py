@@ -241,6 +241,14 @@ class RemoteLogs:
         """Which KV blocks the store has, their expiry renewed (`RemoteStore.touch_kv`)."""
         return self._wait(self.store.touch_kv(keys, ttl_s), grace=1.0 + len(keys) / 1e5)
 
+    def put_digests(self, session: str, head: dict[str, object], data: bytes, ttl_s: int) -> None:
+        """`RemoteStore.put_digests`, within the timeout and the transfer's allowance."""
+        self._wait(self.store.put_digests(session, head, data, ttl_s), grace=_transfer_s(len(data)))
+
+    def get_digests(self, session: str, size_hint: int) -> tuple[dict[str, Any], bytes] | None:
+        """`RemoteStore.get_digests` (`size_hint`: about how many bytes, for the allowance)."""
+        return self._wait(self.store.get_digests(session), grace=_transfer_s(size_hint))
+
     def soon(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` on the store's thread, not waited for (`h3d.remote.copyup`)."""
         asyncio.run_coroutine_threadsafe(coro, self._loop)

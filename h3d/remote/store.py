@@ -14,7 +14,11 @@ cache the daemons share, so that daemons of other models never meet):
 - `{<session>}:lease`: `<owner> <token>` while a daemon serves it, with a time to live (`lease_s`)
   its holder renews; once it has expired any daemon may take the session;
 - `{<session>}:fence`: the counter its fencing tokens come from (each lease taken gets a larger
-  one than every lease before it).
+  one than every lease before it);
+- `{<session>}:digests` and `{<session>}:digests:<i>`: the digest snapshot its last holder wrote
+  when it gave the session up (`put_digests`: what it covers, named by content, then the pieces).
+
+KV blocks are keyed by content, not by session (`kv:<layout>:<layer>:<digest>`, `h3d.remote.kv`).
 
 What must stay true:
 - a log is changed only by its lease's holder: each write carries the holder's `<owner> <token>`,
@@ -33,6 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import zlib
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,6 +56,7 @@ SCHEMES = ("redis", "rediss", "unix")
 KV_PIPELINE_BYTES = 16 << 20  # KV blocks written per round trip (each within the call's timeout)
 KV_MGET_KEYS = 64  # KV blocks read per round trip
 KV_TOUCH_KEYS = 4096  # KV blocks renewed per round trip
+DIGEST_PIECE_BYTES = 64 << 20  # a digest snapshot is stored in values of at most this
 KV_MAX_FILL = 0.8  # KV blocks never take a store with a maxmemory past this share of it: the rest is the logs'
 RENEW_BATCH = 512  # leases renewed per round trip
 
@@ -334,6 +341,36 @@ class RemoteStore:
                 pipe.set(key, value, ex=ttl_s)
             await self._call(f"writing {end - start} KV blocks", pipe.execute())
             start = end
+
+    async def put_digests(self, session: str, head: dict[str, object], data: bytes, ttl_s: int) -> None:
+        """A session's digest snapshot (`h3d.tiers.digestfile`: its file's bytes), in pieces of
+        `DIGEST_PIECE_BYTES` (a value is at most 512 MB), then `head` (JSON: what it covers) with
+        the pieces' count and crc32: a reader takes it only whole. Lives `ttl_s` like the KV."""
+        what = f"writing session {session}'s digests"
+        n = -(-len(data) // DIGEST_PIECE_BYTES)
+        for i in range(n):
+            piece = data[i * DIGEST_PIECE_BYTES : (i + 1) * DIGEST_PIECE_BYTES]
+            await self._call(what, self._redis.set(self._key(session, f"digests:{i}"), piece, ex=ttl_s))
+        value = json.dumps({**head, "pieces": n, "bytes": len(data), "crc": zlib.crc32(data)})
+        await self._call(what, self._redis.set(self._key(session, "digests"), value, ex=ttl_s))
+
+    async def get_digests(self, session: str) -> tuple[dict[str, Any], bytes] | None:
+        """`put_digests`' head and bytes, or None (none, or not whole: a piece expired or torn)."""
+        what = f"reading session {session}'s digests"
+        raw = await self._call(what, self._redis.get(self._key(session, "digests")))
+        if raw is None:
+            return None
+        head = json.loads(raw)
+        pieces = [
+            await self._call(what, self._redis.get(self._key(session, f"digests:{i}")))
+            for i in range(int(head["pieces"]))
+        ]
+        if any(p is None for p in pieces):
+            return None
+        data = b"".join(p for p in pieces if p is not None)
+        if len(data) != head["bytes"] or zlib.crc32(data) != head["crc"]:
+            return None
+        return dict(head), data
 
     async def touch_kv(self, keys: list[str], ttl_s: int) -> list[bool]:
         """Whether the store has each of `keys`; those it has live `ttl_s` from now (EXPIRE, in

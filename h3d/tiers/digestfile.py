@@ -114,6 +114,26 @@ class DigestFiles:
         self.bytes_written += start + len(raw)
         return start + len(raw)
 
+    def install(self, session: str, data: bytes) -> None:
+        """Make `data` (a snapshot file's bytes, as another daemon wrote it: checked when read)
+        `session`'s snapshot, atomically."""
+        make_dirs(self.folder)
+        final = self.path(session)
+        tmp = final.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+        try:
+            os.fchmod(fd, FILE_MODE)
+            _write_all(fd, data)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        os.close(fd)
+        os.replace(tmp, final)
+        fsync_dir(self.folder)
+
     def write_later(self, session: str, blocks: int, part_tokens: int, rows: torch.Tensor) -> None:
         """`write` on a thread of its own (a closed session's snapshot: `KVCache.park`); `rows` on
         the CPU, no longer written to. Every other call on `session` waits for it first."""

@@ -187,3 +187,34 @@ def test_kv_leaves_a_full_stores_last_room_to_the_logs(
     assert blocks == engine.model.config.num_layers * ((len(tokens) - 1) // 16) == len(_stored(engine, tokens))
     engine.close()
     engine.remote.close()
+
+
+def test_a_sessions_digests_travel_with_it_and_only_to_its_tokens(
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis
+) -> None:
+    """A hand-over writes the session's digest snapshot to the store; the daemon that takes it over
+    installs it (the snapshot names the last block it covers by content) and its first step reads
+    the digests from it rather than rebuilding them from every block, with the tokens of an engine
+    that never gave the session up. A snapshot of other tokens is not taken."""
+    ckpt = checkpoint(MODEL)
+    prompt = random_prompt(200, VOCAB_SIZE, seed=6)
+    ref = _engine(ckpt, tmp_path / "ref", redis_server, copy_bytes=0)
+    rid = ref.create_session()
+    ref.append(rid, token_ids=prompt)
+    want = ref.complete(rid, "", GREEDY).token_ids
+    a = _engine(ckpt, tmp_path / "a", redis_server)
+    sid = a.create_session()
+    a.append(sid, token_ids=prompt)
+    a.hand_over(sid)
+    b = _engine(ckpt, tmp_path / "b", redis_server)
+    assert b._import_digests(sid, [t + 1 for t in prompt[:-1]]) == 0  # (not of these tokens)
+    taken = b.take_over(sid)
+    assert taken is not None and taken.digest_blocks == (len(prompt) - 1) // 16 and taken.kv_blocks > 0
+    b.adopt(sid, taken.data)
+    assert b.complete(sid, "", GREEDY).token_ids == want
+    [restored] = [f for name, f in b.kv.take_notices() if name == "digests_restored"]
+    assert restored["from_snapshot"] == taken.digest_blocks and restored["rebuilt"] <= 1
+    for e in (ref, a, b):
+        e.close()
+        assert e.remote is not None
+        e.remote.close()
