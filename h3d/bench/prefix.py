@@ -120,6 +120,20 @@ def kv_bytes(client: Client) -> tuple[int, int, int]:
     return g.hbm_used_bytes + g.ddr_used_bytes, g.ssd_used_bytes, g.shared_hbm_saved_bytes + g.shared_ddr_saved_bytes
 
 
+def settled(client: Client, timeout: float = 300.0) -> None:
+    """Until write-behind is done with what it will write (nothing in flight, the dirty KV within
+    its budget, unchanged for a second): its DDR copies are then in both measures alike."""
+    budget = float(client.config()["write_behind_dirty_mb"]) * 2**20
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        g = getattr(client.h3.GetStats(client.pb.GetStatsRequest()), "global")
+        now = (g.dirty_bytes, g.ddr_used_bytes)
+        if not g.write_behind_in_flight_bytes and g.dirty_bytes <= budget and now == last:
+            return
+        last = now
+        time.sleep(1.0)
+
+
 def continuation(client: Client, sid: str, n: int) -> list[int]:
     """`n` greedy tokens continuing the session."""
     sampling = client.pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -144,12 +158,14 @@ def forks(client: Client, ids: list[int], n: int, generate: int) -> dict[str, An
     before = kv_bytes(client)
     parent = client.session("attention_entropy")
     append_s = client.append(parent, ids)
+    settled(client)
     one = kv_bytes(client)
     times, made = [], []
     for _ in range(n):
         t0 = time.perf_counter()
         made.append(client.h3.ForkSession(pb.ForkSessionRequest(session_id=parent)).session_id)
         times.append(time.perf_counter() - t0)
+    settled(client)
     after = kv_bytes(client)
     # The goal's allowance: 1.2 x one session's KV, plus each fork's own blocks (those it computed:
     # from PROBE_QUERIES + 1 tokens before its end), at one session's bytes per block.
@@ -158,7 +174,13 @@ def forks(client: Client, ids: list[int], n: int, generate: int) -> dict[str, An
     shared = max(len(ids) - 1 - PROBE_QUERIES, 0) // bs
     own = blocks - shared
     allowance = 1.2 * (one[0] - before[0]) + n * own * (one[0] - before[0]) / blocks
-    same = sum(continuation(client, sid, generate) == want for sid in made)
+    got = [continuation(client, sid, generate) for sid in made]
+    same = sum(g == want for g in got)
+    # Where they differ, why: the forks among themselves (one computation: one answer), the parent
+    # (its KV is what the forks share, its tail from the one-chunk prefill) against the reference,
+    # and the first token that differs.
+    parent_same = continuation(client, parent, generate) == want
+    diverge = sorted(next((i for i, (x, y) in enumerate(zip(g, want, strict=False)) if x != y), len(g)) for g in got)
     for sid in [parent, *made]:
         client.close(sid, purge=False)  # parked: the shared blocks once, each fork's own blocks
     archive_family = kv_bytes(client)[1] - before[1]
@@ -169,7 +191,8 @@ def forks(client: Client, ids: list[int], n: int, generate: int) -> dict[str, An
     times.sort()
     return {
         "document_tokens": len(ids), "forks": n, "append_s": append_s, "fork_s_median": times[len(times) // 2],
-        "fork_s_max": times[-1], "forks_identical": same,
+        "fork_s_max": times[-1], "forks_identical": same, "fork_answers": len({tuple(g) for g in got}),
+        "parent_identical": parent_same, "first_difference_median": diverge[len(diverge) // 2],
         "one_session_mb": (one[0] - before[0]) / 2**20, "with_forks_mb": (after[0] - before[0]) / 2**20,
         "fork_own_blocks": own, "allowance_mb": allowance / 2**20, "shared_saved_mb": after[2] / 2**20,
         "archive_one_closed_mb": archive_one / 2**20, "archive_family_closed_mb": archive_family / 2**20,
@@ -203,7 +226,17 @@ def table(r: dict[str, Any]) -> str:
         f"| document (AppendContext) | {f['document_tokens']} tokens in {f['append_s']:.2f} s |",
         f"| ForkSession, median / max of {f['forks']} | {f['fork_s_median']:.3f} s / {f['fork_s_max']:.3f} s |",
         f"| forks whose greedy tokens equal an unshared session's | {f['forks_identical']} of {f['forks']} |",
-        f"| HBM + DDR used by KV: one session / with its {f['forks']} forks | {f['one_session_mb']:.0f} MiB / "
+        *(
+            [
+                f"| where they differ: distinct answers among the forks; the parent's equal to the unshared one; "
+                f"the first token that differs (median of {f['forks']}) | {f['fork_answers']}; "
+                f"{'yes' if f['parent_identical'] else 'no'}; token {f['first_difference_median']} |"
+            ]
+            if "fork_answers" in f and f["forks_identical"] < f["forks"]
+            else []
+        ),
+        f"| HBM + DDR used by KV (write-behind settled): one session / with its {f['forks']} forks | "
+        f"{f['one_session_mb']:.0f} MiB / "
         f"{f['with_forks_mb']:.0f} MiB ({f['with_forks_mb'] / f['one_session_mb']:.1f} x) |",
         f"| the goal: at most 1.2 x one session + each fork's own {f['fork_own_blocks']} blocks | "
         f"{f['allowance_mb']:.0f} MiB: {'met' if f['with_forks_mb'] <= f['allowance_mb'] else 'missed'} |",
