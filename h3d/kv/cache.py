@@ -317,7 +317,10 @@ class KVCache:
         - Nothing is shared where a sliding-window layer freed a block the child would read
           (`BlockManager.keepable`), or while the parent's long prompt is in flight (`frozen`: its
           table holds blocks not written yet).
-        - The archive writes in flight land first: a spill finishing later would drop a shared copy.
+        - The spills in flight land first: one finishing later would drop a shared copy. Write-behind's
+          batches are not waited for (up to `WRITE_BEHIND_IN_FLIGHT_MB` of them, a second's writes on
+          a GPU host, with every stream stalled): they drop no copy, and the block they mark archived
+          is the same entry for both sessions, its record the writer's (`home`).
         - The shared blocks' digests are the parent's, copied (rebuilt from the keys at the
           child's first step where the parent's are not at hand).
         What it leaves is prefilled again. Returns the tokens shared."""
@@ -331,7 +334,7 @@ class KVCache:
             n = 0
         if not n:
             return 0
-        self.tiers.settle()
+        self.tiers.settle_spills()
         if self.archive_only(parent):  # read back into DDR first, as many as fit
             self.tiers.load(parent, upto=n)
             n = min(n, self.resident_head(parent))

@@ -3,9 +3,9 @@
 - Every full block ends up archived, byte for byte what HBM or DDR holds; a shutdown's checkpoint
   then writes only the partial blocks; the tokens equal an engine without tiers.
 - Property: under slow and failing archive writes, interleaved with appends, generations, idle
-  pumps, closes and rewinds, a block is marked archived only when the archive holds its bytes
-  (checked for every block, not settled first), no block is ever in no tier, and the tokens equal
-  the untiered engine's.
+  pumps, closes, rewinds and forks (which do not wait for the batches in flight), a block is
+  marked archived only when the archive holds its bytes (checked for every block, not settled
+  first), no block is ever in no tier, and the tokens equal the untiered engine's.
 - A rewind waits for its session's writes in flight, so no record of a cut block stands for the
   block that replaces it; the archive's capacity stops write-behind (the blocks stay dirty).
 - A session resumed after a restart reads its archived KV back on several threads.
@@ -33,7 +33,7 @@ from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import SessionId
 from h3d.errors import ConfigError, SsdDegraded
-from h3d.kv.blocks import NONE
+from h3d.kv.blocks import NONE, SeqId
 from h3d.store.files import FileOps
 from h3d.tiers.digestfile import DigestFiles
 from h3d.tiers.identity import BlockKey
@@ -77,7 +77,9 @@ def _check_archived_blocks(engine: Engine) -> int:
         for layer in range(b.num_layers):
             hbm, ddr, arch = t.layer_hbm(layer), t.layer_ddr(layer), t.layer_archived(layer)
             for j in np.flatnonzero(arch[:full]).tolist():
-                k, v = archive.get(BlockKey(name, layer, j))  # raises if the record is missing
+                home = int(b.entries.home[t.ids[layer, j]])  # (a block a fork shares: its writer's record)
+                owner = tiers.sessions[SeqId(home)].name if home in tiers.sessions else name
+                k, v = archive.get(BlockKey(owner, layer, j))  # raises if the record is missing
                 pool, slot = (tiers.hbm, hbm[j]) if hbm[j] != NONE else (tiers.ddr, ddr[j])
                 if slot == NONE:
                     continue  # the archive is its only copy
@@ -177,6 +179,7 @@ ACTIONS = st.lists(
         st.tuples(st.just("full"), st.just(0), st.booleans()),
         st.tuples(st.just("close"), st.integers(0, 2), st.just(0)),
         st.tuples(st.just("rewind"), st.integers(0, 2), st.integers(1, 40)),
+        st.tuples(st.just("fork"), st.integers(0, 2), st.integers(1, 8)),
     ),
     min_size=4,
     max_size=14,
@@ -232,6 +235,13 @@ def test_a_block_is_marked_archived_only_once_durable_whatever_the_disk_does(
                 assert disk.full and len(engine.session(sid).tokens) == len(plain.session(twin).tokens)
             else:
                 plain.rewind(twin, n)
+        elif action == "fork":  # (with the session's batches perhaps in flight: a fork does not wait for them)
+            child, twin_child = engine.fork_session(sid), plain.fork_session(twin)
+            params = SamplingParams(max_tokens=arg, temperature=0.0, ignore_eos=True)
+            assert engine.complete(child, "", params).token_ids == plain.complete(twin_child, "", params).token_ids
+            _check_archived_blocks(engine)
+            engine.close_session(child, purge=True)
+            plain.close_session(twin_child, purge=True)
         _check_archived_blocks(engine)
         engine.runner.blocks.check_invariants()  # no block in no tier
     disk.full, disk.slow = False, 0.0
