@@ -222,7 +222,10 @@ class Engine:
                     files.remove(session_id)
                 tokens = parse_log(session_id, data).tokens
                 written = tokens[: max(len(tokens) - 1, 0)]  # (the last token: fed by the next request)
-                out.digest_blocks = self._import_digests(session_id, written)
+                try:
+                    out.digest_blocks = self._import_digests(session_id, written)
+                except (RemoteError, OSError, ValueError) as e:  # (rebuilt from the keys instead)
+                    log.warning("digests of session %s not read from the remote store: %s", session_id, e)
                 out.kv_blocks, out.kv_bytes = self._import_kv(session_id, written)
             except (RemoteError, ArchiveError, OSError) as e:  # (its KV is computed again instead)
                 log.warning("KV of session %s not read from the remote store: %s", session_id, e)
@@ -263,7 +266,7 @@ class Engine:
         files, remote, bs = self.kv.digest_files, self.remote, self.kv.block_size
         if files is None or remote is None or len(tokens) < bs:
             return 0
-        got = remote.get_digests(session_id, size_hint=len(tokens) * 2 << 10)
+        got = remote.get_digests(session_id)
         if got is None:
             return 0
         head, data = got

@@ -245,9 +245,14 @@ class RemoteLogs:
         """`RemoteStore.put_digests`, within the timeout and the transfer's allowance."""
         self._wait(self.store.put_digests(session, head, data, ttl_s), grace=_transfer_s(len(data)))
 
-    def get_digests(self, session: str, size_hint: int) -> tuple[dict[str, Any], bytes] | None:
-        """`RemoteStore.get_digests` (`size_hint`: about how many bytes, for the allowance)."""
-        return self._wait(self.store.get_digests(session), grace=_transfer_s(size_hint))
+    def get_digests(self, session: str) -> tuple[dict[str, Any], bytes] | None:
+        """`session`'s digest snapshot in the store (`RemoteStore.digests_head`, then its pieces
+        within the transfer's allowance for its size), or None."""
+        head = self._wait(self.store.digests_head(session))
+        if head is None:
+            return None
+        data = self._wait(self.store.get_digests(session, head), grace=_transfer_s(int(head.get("bytes", 0))))
+        return None if data is None else (head, data)
 
     def soon(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` on the store's thread, not waited for (`h3d.remote.copyup`)."""

@@ -354,13 +354,14 @@ class RemoteStore:
         value = json.dumps({**head, "pieces": n, "bytes": len(data), "crc": zlib.crc32(data)})
         await self._call(what, self._redis.set(self._key(session, "digests"), value, ex=ttl_s))
 
-    async def get_digests(self, session: str) -> tuple[dict[str, Any], bytes] | None:
-        """`put_digests`' head and bytes, or None (none, or not whole: a piece expired or torn)."""
+    async def digests_head(self, session: str) -> dict[str, Any] | None:
+        """`put_digests`' head (with the snapshot's `bytes`), or None."""
+        raw = await self._call(f"reading session {session}'s digests", self._redis.get(self._key(session, "digests")))
+        return None if raw is None else dict(json.loads(raw))
+
+    async def get_digests(self, session: str, head: dict[str, Any]) -> bytes | None:
+        """The snapshot `head` (`digests_head`) describes, or None (not whole: a piece expired or torn)."""
         what = f"reading session {session}'s digests"
-        raw = await self._call(what, self._redis.get(self._key(session, "digests")))
-        if raw is None:
-            return None
-        head = json.loads(raw)
         pieces = [
             await self._call(what, self._redis.get(self._key(session, f"digests:{i}")))
             for i in range(int(head["pieces"]))
@@ -370,7 +371,7 @@ class RemoteStore:
         data = b"".join(p for p in pieces if p is not None)
         if len(data) != head["bytes"] or zlib.crc32(data) != head["crc"]:
             return None
-        return dict(head), data
+        return data
 
     async def touch_kv(self, keys: list[str], ttl_s: int) -> list[bool]:
         """Whether the store has each of `keys`; those it has live `ttl_s` from now (EXPIRE, in
