@@ -336,7 +336,7 @@ class Engine:
         remote.put_kv([(remote.store.kv_key(lay, layer, d), v) for layer, d, v in out], ttl)
         try:
             self._send_digests(session_id, tokens)
-        except OSError as e:  # (the next daemon rebuilds them from the keys)
+        except (OSError, RemoteError) as e:  # (the next daemon rebuilds them from the keys)
             log.warning("digests of session %s not written to the remote store: %s", session_id, e)
         return len(out), sum(len(v) for _, _, v in out)
 
