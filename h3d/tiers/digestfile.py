@@ -92,16 +92,22 @@ class DigestFiles:
             "crcs": crcs,
         }).encode()  # fmt: skip
         start = _data_offset(len(header))
+        head = PREFIX.pack(MAGIC, len(header), zlib.crc32(header)) + header
+        self._replace(session, [head + b"\0" * (start - len(head)), *pieces])
+        self.bytes_written += start + len(raw)
+        return start + len(raw)
+
+    def _replace(self, session: str, parts: list[Any]) -> None:
+        """`session`'s snapshot file made of `parts` (buffers), atomically: written under a
+        temporary name, fsynced, renamed over the old one, the folder fsynced."""
         make_dirs(self.folder)
         final = self.path(session)
         tmp = final.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
         try:
             os.fchmod(fd, FILE_MODE)
-            head = PREFIX.pack(MAGIC, len(header), zlib.crc32(header)) + header
-            _write_all(fd, head + b"\0" * (start - len(head)))
-            for piece in pieces:
-                _write_all(fd, piece)
+            for part in parts:
+                _write_all(fd, part)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -111,28 +117,11 @@ class DigestFiles:
         os.close(fd)
         os.replace(tmp, final)
         fsync_dir(self.folder)
-        self.bytes_written += start + len(raw)
-        return start + len(raw)
 
     def install(self, session: str, data: bytes) -> None:
         """Make `data` (a snapshot file's bytes, as another daemon wrote it: checked when read)
         `session`'s snapshot, atomically."""
-        make_dirs(self.folder)
-        final = self.path(session)
-        tmp = final.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
-        try:
-            os.fchmod(fd, FILE_MODE)
-            _write_all(fd, data)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        os.close(fd)
-        os.replace(tmp, final)
-        fsync_dir(self.folder)
+        self._replace(session, [data])
 
     def write_later(self, session: str, blocks: int, part_tokens: int, rows: torch.Tensor) -> None:
         """`write` on a thread of its own (a closed session's snapshot: `KVCache.park`); `rows` on
