@@ -9,7 +9,8 @@ encoded again), and sent to the store by the store's own thread (`RemoteLogs.soo
 pipelines of `KV_PIPELINE_BYTES`.
 
 What is offered while more than `limit_bytes` wait, or while the store is unavailable, is dropped
-and counted (`dropped_blocks`): the local archive keeps it, and the next export writes what the
+and counted (`dropped_blocks`), and so is everything waiting when a send fails (the store down, or
+too full for KV: `KVNoRoom`): the local archive keeps it, and the next export writes what the
 store lacks (`h3d.remote.kv.outgoing`). So what a kill -9 leaves to compute again is the KV not
 archived yet (at most `write_behind_dirty_mb`) and what was dropped here.
 
@@ -147,7 +148,10 @@ class KVCopier:
                 self.copied_blocks += len(items)
                 self.copied_bytes += size
             except RemoteError as e:  # (the archive keeps them: the next export writes what the store lacks)
-                self.dropped_blocks += len(items)
+                with self._lock:  # what waits is dropped too: a store that fails (or is full) would fail it as well
+                    self.dropped_blocks += len(items) + len(self._queue)
+                    self._bytes -= sum(memoryview(payload).nbytes for _, _, payload in self._queue)
+                    self._queue.clear()
                 log.debug("KV blocks not copied to the remote store: %s", e)
             finally:
                 with self._lock:
