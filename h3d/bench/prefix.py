@@ -123,7 +123,10 @@ def kv_bytes(client: Client) -> tuple[int, int, int]:
 def settled(client: Client, timeout: float = 300.0) -> None:
     """Until write-behind is done with what it will write (nothing in flight, the dirty KV within
     its budget, unchanged for a second): its DDR copies are then in both measures alike."""
-    budget = float(client.config()["write_behind_dirty_mb"]) * 2**20
+    config = client.config()
+    if not config.get("write_behind", True):
+        return  # (nothing is written behind: nothing to wait for)
+    budget = float(config["write_behind_dirty_mb"]) * 2**20
     deadline, last = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         g = getattr(client.h3.GetStats(client.pb.GetStatsRequest()), "global")

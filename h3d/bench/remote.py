@@ -103,6 +103,7 @@ def after_sigterm(model: Path, work: Path, url: str, ids: list[int]) -> dict[str
         "kv_blocks_copied": written.get("copied_blocks"), "kv_bytes_copied": written.get("copied_bytes"),
         "kv_write_s": written.get("seconds"), "kv_blocks_read": read.get("kv_blocks_read"),
         "kv_bytes_read": read.get("kv_bytes_read"), "kv_read_s": read.get("kv_read_s"),
+        "digest_blocks_read": read.get("digest_blocks_read"), "digest_read_s": read.get("digest_read_s"),
         "resume_first_token_s": resume_s,
         "reprefill_first_token_s": reprefill_append_s + ref_first_s,
         "ratio": resume_s / (reprefill_append_s + ref_first_s), "same_tokens": taken == again,
@@ -261,6 +262,8 @@ def table(r: dict[str, Any]) -> str:
             f"{s['kv_blocks_written']} blocks, {_gbps(s.get('kv_bytes_written'), s.get('kv_write_s'))} |",
             f"| the KV read from the store by daemon B ({s.get('kv_blocks_read')} blocks) | "
             f"{_gbps(s.get('kv_bytes_read'), s.get('kv_read_s'))} |",
+            f"| its digest snapshot read from the store first (blocks it covers; s) | "
+            f"{s.get('digest_blocks_read')}; {s.get('digest_read_s')} s |",
             f"| daemon B's first token: taken over, its KV read from the store | {s['resume_first_token_s']:.2f} s |",
             f"| the same context prefilled again (a daemon of its own), to its first token | "
             f"{s['reprefill_first_token_s']:.2f} s |",

@@ -120,7 +120,7 @@ class State:
         self.owners[sid] = session.owner or LOCAL
         log.info("session_taken_over", session_id=sid, tokens=len(session.tokens), kv_blocks_read=taken.kv_blocks,
                  kv_bytes_read=taken.kv_bytes, kv_read_s=round(taken.kv_s, 3),
-                 digest_blocks_read=taken.digest_blocks)  # fmt: skip
+                 digest_blocks_read=taken.digest_blocks, digest_read_s=round(taken.digest_s, 3))  # fmt: skip
 
     async def stored(self, sid: SessionId) -> None:
         """With the remote tier in `sync` mode: once the store holds `sid`'s log as it is now (a

@@ -89,6 +89,7 @@ class TakenOver:
     kv_bytes: int = 0
     kv_s: float = 0.0
     digest_blocks: int = 0  # the blocks its digest snapshot from the store covers (0: none)
+    digest_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -214,7 +215,6 @@ class Engine:
             return None
         archive, out = self.kv.archive, TakenOver(data)
         if archive is not None and self.kv.writable:
-            t0 = time.perf_counter()
             files = self.kv.digest_files
             try:
                 archive.remove(session_id)
@@ -222,18 +222,21 @@ class Engine:
                     files.remove(session_id)
                 tokens = parse_log(session_id, data).tokens
                 written = tokens[: max(len(tokens) - 1, 0)]  # (the last token: fed by the next request)
+                t0 = time.perf_counter()
                 try:
                     out.digest_blocks = self._import_digests(session_id, written)
                 except (RemoteError, OSError, ValueError) as e:  # (rebuilt from the keys instead)
                     log.warning("digests of session %s not read from the remote store: %s", session_id, e)
+                t1 = time.perf_counter()
+                out.digest_s = t1 - t0
                 out.kv_blocks, out.kv_bytes = self._import_kv(session_id, written)
+                out.kv_s = time.perf_counter() - t1
             except (RemoteError, ArchiveError, OSError) as e:  # (its KV is computed again instead)
                 log.warning("KV of session %s not read from the remote store: %s", session_id, e)
                 with contextlib.suppress(ArchiveError, OSError):
                     archive.remove(session_id)
                     if files is not None:
                         files.remove(session_id)
-            out.kv_s = time.perf_counter() - t0
         return out
 
     def adopt(self, session_id: SessionId, data: bytes) -> Session:
