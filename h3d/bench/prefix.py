@@ -39,7 +39,6 @@ from typing import Any
 
 from h3d.bench.report import write_section
 from h3d.bench.serve import Client, Daemon, log
-from h3d.hbf.policy import PROBE_QUERIES
 
 DEFAULT_MODEL = Path("data/models/smollm2-135m-instruct")
 SOURCE = Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md"  # real text to read
@@ -170,11 +169,11 @@ def forks(client: Client, ids: list[int], n: int, generate: int) -> dict[str, An
         times.append(time.perf_counter() - t0)
     settled(client)
     after = kv_bytes(client)
-    # The goal's allowance: 1.2 x one session's KV, plus each fork's own blocks (those it computed:
-    # from PROBE_QUERIES + 1 tokens before its end), at one session's bytes per block.
+    # The goal's allowance: 1.2 x one session's KV, plus each fork's own blocks (a whole fork is
+    # its parent's twin: the partial last block, copied), at one session's bytes per block.
     bs = int(client.config()["block_size"])
     blocks = -(-len(ids) // bs)
-    shared = max(len(ids) - 1 - PROBE_QUERIES, 0) // bs
+    shared = (len(ids) - 1) // bs
     own = blocks - shared
     allowance = 1.2 * (one[0] - before[0]) + n * own * (one[0] - before[0]) / blocks
     got = [continuation(client, sid, generate) for sid in made]

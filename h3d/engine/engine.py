@@ -563,11 +563,16 @@ class Engine:
     def fork_session(self, session_id: SessionId, at_tokens: int | None = None, owner: str | None = None) -> SessionId:
         """A new session whose context is the first `at_tokens` tokens of `session_id`'s (all of
         them by default), with its sampling defaults, policy and chat conversation; `owner`: the
-        parent's by default. Its token log is written first (durable before it is known); its KV
-        blocks are the parent's, shared where the parent holds them in HBM or DDR (`KVCache.fork`),
-        whole blocks up to `PROBE_QUERIES` tokens before the last one, so that the prompt probe
-        sees the fork's own last tokens as it would an unshared session's. The rest is prefilled
-        by `catch_up` (the daemon's ForkSession waits for it), or by the fork's next request.
+        parent's by default. Its token log is written first (durable before it is known).
+        - A fork of the whole context is the parent's twin (`KVCache.fork_whole`): every KV block
+          shared, the partial last one copied, the parent's HBF state taken; it continues as the
+          parent would, nothing prefilled again (its last prompt tokens are the parent's, so the
+          parent's prompt probe is its own).
+        - A fork of a prefix (or of a parent whose KV is in the archive only) shares the parent's
+          blocks where the parent holds them in HBM or DDR (`KVCache.fork`), whole blocks up to
+          `PROBE_QUERIES` tokens before the last one, so that the prompt probe sees the fork's own
+          last tokens as it would an unshared session's. The rest is prefilled by `catch_up` (the
+          daemon's ForkSession waits for it), or by the fork's next request.
         A chat session forks only where no message's tokens are cut."""
         parent = self.session(session_id)
         self._check_not_leaving(parent)
@@ -598,7 +603,12 @@ class Engine:
                 if parent.chat is not None:
                     session.chat = replay_chat(self.tokenizer, logged.messages, session.tokens)
                 session.anchors_logged = self.kv.selection(session.seq).anchors_version
-            shared = self._share_kv(parent, session, max(n - 1 - PROBE_QUERIES, 0))
+            shared = 0
+            if n == total and self.kv.cached_tokens(parent.seq) == total - 1:  # the parent's twin
+                shared = self.kv.fork_whole(parent.seq, session.seq)
+                self._save_meta(session)  # (its anchors, the parent's)
+            if not shared:
+                shared = self._share_kv(parent, session, max(n - 1 - PROBE_QUERIES, 0))
         except BaseException:
             if self.journal is not None and session.id in self.journal.open_sessions():
                 self.journal.delete(session.id)

@@ -129,6 +129,17 @@ def state_from_meta(state: SelectionState, meta: dict[str, Any], device: torch.d
     state.anchors_version += 1
 
 
+def take_state(state: SelectionState, source: SelectionState) -> None:
+    """`source`'s HBF state into `state` (a whole fork: the parent's twin selects as it would):
+    the policy, window, step count, entropies and the prompt's anchors, copied."""
+    state.policy, state.window_tokens, state.steps = source.policy, source.window_tokens, source.steps
+    state.entropies[:] = source.entropies  # (floats, or 0-dim tensors never written again)
+    state.current_entropy = source.current_entropy
+    state.anchors = {layer: a.copy() for layer, a in source.anchors.items()}
+    state.head_anchors = {layer: a.clone() for layer, a in source.head_anchors.items()}
+    state.anchors_version += 1
+
+
 def base_blocks(num_blocks: int, cfg: HbfConfig, block_size: int) -> np.ndarray:
     """Sinks and the recent window (which always holds the last, partial block): what every
     policy reads and HBF never evicts from HBM."""

@@ -38,7 +38,7 @@ import torch
 
 from h3d.errors import SsdDegraded
 from h3d.hbf.digests import DigestStore
-from h3d.hbf.policy import HbfConfig, Policy, SelectionState, base_blocks, policy_named
+from h3d.hbf.policy import HbfConfig, Policy, SelectionState, base_blocks, policy_named, take_state
 from h3d.kv.blocks import BlockManager, BlockTable, SeqId
 from h3d.kv.pool import KVPool
 from h3d.tiers import lifecycle
@@ -350,6 +350,62 @@ class KVCache:
             else:
                 record.stale_digests = True  # rebuilt from the keys at its next step
         return n * bs
+
+    @torch.inference_mode()
+    def fork_whole(self, parent: SeqId, child: SeqId) -> int:
+        """A fork of all of `parent`'s KV (`child`: open, empty), the parent's twin: its full
+        blocks shared (as `fork` does), its partial last block copied into a block of the child's
+        own (new tokens are never written into a shared block) and its HBF state taken over
+        (window, entropies, the prompt's anchors): the child selects and computes what the parent
+        would, nothing prefilled again. All or nothing: 0 where some block of the parent is in the
+        archive only (a closed parent: `fork` reads back what it can and the caller prefills the
+        rest), or its long prompt is in flight. Returns the tokens the child holds."""
+        self.flush_lagged()  # (a replayed step's picks, and its entropy, into the parent's state first)
+        b, bs = self.blocks, self.block_size
+        src, record, source = self.sessions[parent].table, self.sessions[child], self.sessions[parent]
+        total, n = src.num_tokens, src.num_tokens // bs
+        if not total or parent in self.frozen or self.archive_only(parent):
+            return 0
+        self.tiers.settle_spills()  # (one finishing later would drop a shared copy)
+        if self.archive_only(parent):
+            return 0
+        tail = total - n * bs
+        if tail:  # room for the child's copy of the partial block, in every layer (may demote the idle)
+            self.tiers.prepare_append(child, bs, [child, parent], {parent: 0, child: 0})
+            if not b.can_append(child, bs) or self.archive_only(parent):
+                return 0
+        b.share(parent, child, n)
+        if tail:
+            at = np.full(tail, n, dtype=np.int64), np.arange(tail, dtype=np.int64)
+            self._copy_tokens(b._rows(src, *at), b.append(child, tail))
+        record.last_used = source.last_used
+        take_state(record.selection, source.selection)
+        if record.selection.policy.keeps_digests:
+            if not source.stale_digests and self.digests.has(parent):
+                self.digests.load(child, self.digests.head(parent, b.blocks_for(total)).clone())
+            else:
+                record.stale_digests = True
+        return total
+
+    def _copy_tokens(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy tokens' K and V from pool rows `src` to `dst` (as `BlockManager.append` gives them:
+        [L, n], >= 0 a row of HBM, else -(row + 1) of DDR)."""
+        src, dst = src.ravel(), dst.ravel()
+        hkv, d = self.hbm.k.shape[0], self.hbm.k.shape[-1]
+        k = torch.empty(len(src), hkv, d, dtype=self.hbm.k.dtype, device=self.device)
+        v = torch.empty_like(k)
+        pools = ((self.hbm, src >= 0, src, dst >= 0, dst), (self.ddr, src < 0, -src - 1, dst < 0, -dst - 1))
+        for pool, at, rows, _, _ in pools:
+            if at.any():
+                i = torch.from_numpy(np.flatnonzero(at)).to(self.device)
+                r = torch.from_numpy(rows[at]).to(pool.k.device)
+                k[i] = pool.k.view(hkv, -1, d)[:, r].transpose(0, 1).to(self.device)
+                v[i] = pool.v.view(hkv, -1, d)[:, r].transpose(0, 1).to(self.device)
+        for pool, _, _, at, rows in pools:
+            if at.any():
+                i = torch.from_numpy(np.flatnonzero(at)).to(self.device)
+                dev = pool.k.device
+                pool.write(torch.from_numpy(rows[at]).to(dev), k[i].to(dev), v[i].to(dev))
 
     def resident_head(self, seq: SeqId) -> int:
         """The leading full blocks of `seq` that HBM or DDR hold in every layer (what a session

@@ -1336,8 +1336,9 @@ def test_fork_session_is_ready_and_continues_as_an_unshared_session(main_daemon:
     )  # fmt: skip
     assert code_of(lambda: h3.ForkSession(pb.ForkSessionRequest(session_id="f" * 32), timeout=T))[0] == Code.NOT_FOUND
     events = [e for e in main_daemon.logs if e.get("event") == "session_forked" and e.get("parent") == sid]
-    copied = [(600 - 1 - 64) // 32 * 32, (300 - 1 - 64) // 32 * 32]  # whole blocks of 32 tokens (the default)
-    assert [e["kv_shared_tokens"] for e in events] == copied
+    # The whole fork holds all the parent's KV (its twin); the other, whole blocks of 32 tokens (the
+    # default) up to 64 before its last token
+    assert [e["kv_shared_tokens"] for e in events] == [599, (300 - 1 - 64) // 32 * 32]
     for s in (whole.session_id, part.session_id):
         h3.CloseSession(pb.CloseSessionRequest(session_id=s, purge=True), timeout=T)
 

@@ -58,10 +58,12 @@ def test_a_fork_continues_as_an_unshared_session_would(
         fork = engine.fork_session(parent, at)
         n = len(tokens) if at is None else at
         assert engine.session(fork).tokens == tokens[:n]
-        # Whole blocks shared, up to PROBE_QUERIES tokens before the last; window layers may refuse.
         reused = engine.cached_tokens(fork)
-        assert reused % BS == 0 and reused <= max(n - 1 - PROBE_QUERIES, 0)
-        if model == "llama_gqa4_tied" or at is None:  # (a window layer freed what a shorter fork would read)
+        if at is None:  # the parent's twin: all its KV (its partial block copied), nothing to prefill
+            assert reused == n - 1
+        else:  # whole blocks shared, up to PROBE_QUERIES tokens before the last; window layers may refuse
+            assert reused % BS == 0 and reused <= max(n - 1 - PROBE_QUERIES, 0)
+        if model == "llama_gqa4_tied" and at is not None:  # (a window layer freed what a shorter fork would read)
             assert reused == max(n - 1 - PROBE_QUERIES, 0) // BS * BS
         rid = engine.catch_up(fork)
         if n > 1 + reused:
@@ -84,10 +86,47 @@ def test_a_fork_continues_as_an_unshared_session_would(
     engine.close()
 
 
+# bf16, and windows shorter than the context: each decode step selects
+TWIN = dict(
+    dtype="bf16", window_tokens=96, window_min_tokens=48, window_max_tokens=128, recent_tokens=32, dense_layers=1
+)
+
+
+def test_a_whole_fork_is_its_parents_twin(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """A fork of the whole context computes nothing again: its KV is the parent's bit for bit (in
+    bf16, where a tail prefilled again in a chunk of its own rounds differently from the parent's
+    prompt), its HBF state is the parent's, and it continues as the parent does, before and after
+    a restart."""
+    engine = _engine(checkpoint, tmp_path, "llama_gqa4_tied", **TWIN)
+    parent = _parent(engine)
+    fork = engine.fork(parent)
+    kv = engine.kv
+    a, b = (engine.session(s).seq for s in (parent, fork))
+    assert kv.cached_tokens(b) == kv.cached_tokens(a) == len(engine.session(parent).tokens) - 1
+    for layer in range(kv.blocks.num_layers):
+        assert torch.equal(kv.tiers.read_keys(a, layer), kv.tiers.read_keys(b, layer)), f"layer {layer}"
+    mine, theirs = kv.selection(b), kv.selection(a)
+    assert (mine.window_tokens, mine.steps, len(mine.entropies)) == (
+        theirs.window_tokens,
+        theirs.steps,
+        len(theirs.entropies),
+    )
+    assert mine.head_anchors.keys() == theirs.head_anchors.keys() and mine.head_anchors
+    assert all(torch.equal(mine.head_anchors[k], theirs.head_anchors[k]) for k in mine.head_anchors)
+    assert engine.complete(fork, "", GREEDY).token_ids == engine.complete(parent, "", GREEDY).token_ids
+    twin = engine.fork(fork)  # (a twin of a twin, whose partial block is its own)
+    engine.close()
+    again = _engine(checkpoint, tmp_path, "llama_gqa4_tied", **TWIN)
+    out = {s: again.complete(s, "", GREEDY).token_ids for s in (parent, fork, twin)}
+    assert out[parent] == out[fork] == out[twin]
+    again.close()
+
+
 @pytest.mark.parametrize("tier", ["ddr", "ssd"])
 def test_a_fork_of_a_parent_below_hbm(checkpoint: Callable[[str], Path], tmp_path: Path, tier: str) -> None:
     """A parent's blocks in DDR are shared where they are; blocks in the archive only are read back
-    into DDR first (as many as fit below the high watermark): the tokens are the same either way."""
+    into DDR first (as many as fit below the high watermark), a prefix's: the tokens are the same
+    either way."""
     engine = _engine(checkpoint, tmp_path, "llama_gqa4_tied")
     parent = _parent(engine)
     tokens = list(engine.session(parent).tokens)
@@ -95,7 +134,10 @@ def test_a_fork_of_a_parent_below_hbm(checkpoint: Callable[[str], Path], tmp_pat
     fork = engine.fork(parent)
     notice = [d for kind, d in engine.kv.take_notices() if kind == "session_forked"][-1]
     assert notice["parent"] == parent and notice["tokens"] == len(tokens)
-    assert notice["kv_shared_tokens"] == (len(tokens) - 1 - PROBE_QUERIES) // BS * BS
+    if tier == "ddr":  # the parent's twin: every block shared where it is, the partial one copied
+        assert notice["kv_shared_tokens"] == len(tokens) - 1
+    else:  # a whole fork takes none from the archive alone: shared as a prefix, the tail prefilled
+        assert notice["kv_shared_tokens"] == (len(tokens) - 1 - PROBE_QUERIES) // BS * BS
     if tier == "ssd":
         assert engine.tier_stats().ssd_read_count == 3 * ((len(tokens) - 1 - PROBE_QUERIES) // BS)  # 3 layers
     assert engine.complete(fork, "", GREEDY).token_ids == _unshared(engine, tokens)
