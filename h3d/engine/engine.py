@@ -385,7 +385,8 @@ class Engine:
         if self.remote is None or self.journal is None:
             raise NoRemoteTier("handing a session over needs the remote tier (remote_url), which is off")
         self._check_not_leaving(session)
-        self._save_meta(session)
+        self.kv.note_hot(session.seq)
+        self._save_meta(session, hot=True)  # (the hot blocks: what the next daemon reads ahead first)
         self._cancel_requests(session)
         if self.kv.archive is not None and self.kv.writable:
             try:
@@ -463,12 +464,14 @@ class Engine:
 
     # ---- durability -----------------------------------------------------------------------
 
-    def _save_meta(self, session: Session) -> None:
+    def _save_meta(self, session: Session, hot: bool = False) -> None:
         """Keep `session`'s metadata in its log (see h3d.engine.journal); its HBF anchors only
-        where they changed since the log last got them."""
+        where they changed since the log last got them; `hot`: the blocks its last steps read most
+        (a checkpoint, a close: what its resume reads ahead first)."""
         if self.journal is not None:
             version = self.kv.selection(session.seq).anchors_version
-            self.journal.set_meta(session.id, session_meta(session, self.kv, anchors=version != session.anchors_logged))
+            meta = session_meta(session, self.kv, anchors=version != session.anchors_logged, hot=hot)
+            self.journal.set_meta(session.id, meta)
             session.anchors_logged = version
 
     def checkpoint(
@@ -503,7 +506,8 @@ class Engine:
                 left = self.kv.to_recompute(session.seq)
             done.blocks_left += left
             done.sessions_left += left > 0
-            self._save_meta(session)
+            self.kv.note_hot(session.seq)
+            self._save_meta(session, hot=True)
             done.sessions_done += 1
             if progress is not None:
                 progress(done)
@@ -710,9 +714,10 @@ class Engine:
             return
         if session.closed:
             return
+        kv.note_hot(session.seq)  # (before its KV goes to the archive)
         park_kv(kv, session.seq)
         session.closed = True
-        self._save_meta(session)
+        self._save_meta(session, hot=True)
         enforce_ssd_capacity(self.kv, self.sessions.values(), self.evictions)
 
     def retire(self, session_id: SessionId) -> None:

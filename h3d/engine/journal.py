@@ -20,32 +20,37 @@ import torch
 from h3d.engine.chat import Conversation
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import Session, SessionId
-from h3d.hbf.policy import POLICIES, anchors_to_meta, policy_named, state_from_meta, state_to_meta
+from h3d.hbf.policy import POLICIES, anchors_to_meta, hot_to_meta, policy_named, state_from_meta, state_to_meta
 from h3d.kv.blocks import SeqId
 from h3d.kv.cache import KVCache
 from h3d.model.tokenizer import Tokenizer
 from h3d.store.tokenlog import Restored, TokenStore
 
 
-def session_meta(session: Session, kv: KVCache, anchors: bool = True) -> dict[str, object]:
+def session_meta(session: Session, kv: KVCache, anchors: bool = True, hot: bool = False) -> dict[str, object]:
     """The metadata `session`'s log keeps (JSON), its KV state asked of `kv`. A log's metadata
     records add up (each one's keys replace the earlier ones': `TokenStore`), so that `anchors`
-    False leaves out the HBF anchors, which keep the value last written."""
+    False leaves out the HBF anchors, which keep the value last written; `hot`: with the blocks
+    its last steps read most, as last noted (`KVCache.note_hot`: a checkpoint, a close)."""
     sampling = asdict(session.sampling)
     sampling["stop"], sampling["stop_token_ids"] = list(sampling["stop"]), list(sampling["stop_token_ids"])
     pin = kv.pinned_until(session.seq)
-    return {
-        "policy": kv.policy(session.seq).name,
-        "owner": session.owner,
-        "closed": session.closed,
-        "created_at": session.created_at,
-        "last_used_at": session.last_used_at,
-        "pinned_until": "forever" if pin == math.inf else pin,
-        "chat": session.chat is not None,
-        "sampling": sampling,
-        "hbf": state_to_meta(kv.selection(session.seq)),
-        "extra": session.extra,
-    } | ({"hbf_anchors": anchors_to_meta(kv.selection(session.seq))} if anchors else {})
+    return (
+        {
+            "policy": kv.policy(session.seq).name,
+            "owner": session.owner,
+            "closed": session.closed,
+            "created_at": session.created_at,
+            "last_used_at": session.last_used_at,
+            "pinned_until": "forever" if pin == math.inf else pin,
+            "chat": session.chat is not None,
+            "sampling": sampling,
+            "hbf": state_to_meta(kv.selection(session.seq)),
+            "extra": session.extra,
+        }
+        | ({"hbf_anchors": anchors_to_meta(kv.selection(session.seq))} if anchors else {})
+        | ({"hbf_hot": hot_to_meta(kv.selection(session.seq))} if hot else {})
+    )
 
 
 def log_piece(store: TokenStore, session_id: SessionId, ids: list[int], message: Mapping[str, object] | None) -> None:
@@ -113,7 +118,8 @@ def restore_session(
     pin = meta.get("pinned_until")
     kv.pin(session.seq, math.inf if pin == "forever" else float(pin) if pin is not None else None)
     selection = kv.selection(session.seq)  # (logs written before "hbf_anchors" keep them in "hbf")
-    state_from_meta(selection, {**(meta.get("hbf") or {}), **(meta.get("hbf_anchors") or {})}, device)
+    hbf = {**(meta.get("hbf") or {}), **(meta.get("hbf_anchors") or {}), **(meta.get("hbf_hot") or {})}
+    state_from_meta(selection, hbf, device)
     session.anchors_logged = selection.anchors_version
     kv.adopt(session.seq, max(len(session.tokens) - 1, 0))  # the last token: fed by the next request
     return session

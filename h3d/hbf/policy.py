@@ -94,6 +94,9 @@ class SelectionState:
     # that it never waits for the step still running on the device
     current_entropy: float | torch.Tensor | None = None
     anchors_version: int = 0  # bumped whenever the anchors change (a captured step copies them then)
+    # layer -> the blocks its last steps read most (`KVCache.note_hot`, at a checkpoint or a close):
+    # read ahead first when the session resumes from the archive (`KVCache._known`), a hint only
+    hot: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 def state_to_meta(state: SelectionState) -> dict[str, Any]:
@@ -127,6 +130,7 @@ def state_from_meta(state: SelectionState, meta: dict[str, Any], device: torch.d
         int(k): torch.tensor(v, dtype=torch.int64, device=device) for k, v in meta.get("head_anchors", {}).items()
     }
     state.anchors_version += 1
+    state.hot = {int(k): np.asarray(v, dtype=np.int64) for k, v in meta.get("hot", {}).items()}
 
 
 def take_state(state: SelectionState, source: SelectionState) -> None:
@@ -137,7 +141,13 @@ def take_state(state: SelectionState, source: SelectionState) -> None:
     state.current_entropy = source.current_entropy
     state.anchors = {layer: a.copy() for layer, a in source.anchors.items()}
     state.head_anchors = {layer: a.clone() for layer, a in source.head_anchors.items()}
+    state.hot = dict(source.hot)  # (never written in place)
     state.anchors_version += 1
+
+
+def hot_to_meta(state: SelectionState) -> dict[str, Any]:
+    """The blocks `state`'s last steps read most (JSON), read back by `state_from_meta`."""
+    return {"hot": {str(layer): a.tolist() for layer, a in state.hot.items()}}
 
 
 def base_blocks(num_blocks: int, cfg: HbfConfig, block_size: int) -> np.ndarray:

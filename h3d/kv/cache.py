@@ -79,6 +79,12 @@ class Residency:
     archived: int
 
 
+# A resumed session's read-ahead starts with the blocks its last steps read most, up to this many
+# times its window's blocks per layer (`KVCache.note_hot`): its KV heads select apart, so a step
+# reads more blocks than one window's
+HOT_WINDOWS = 2
+
+
 class KVCache:
     def __init__(
         self,
@@ -599,7 +605,9 @@ class KVCache:
             }))  # fmt: skip
 
     def _known(self, seq: SeqId) -> np.ndarray:
-        """[L, blocks] what `seq`'s next decode step reads whatever its query (`Policy.known`)."""
+        """[L, blocks] what `seq`'s next decode step reads whatever its query (`Policy.known`),
+        and the blocks its last steps before it was checkpointed or closed read most (`note_hot`),
+        which the next step's selections are likely to read again."""
         record = self.sessions[seq]
         state, nb = record.selection, record.table.num_blocks
         mask = np.zeros((self.blocks.num_layers, nb), dtype=bool)
@@ -609,7 +617,34 @@ class KVCache:
                 mask[layer] = True
             else:
                 mask[layer, known[known < nb]] = True
+                hot = state.hot.get(layer)
+                if hot is not None:
+                    mask[layer, hot[hot < nb]] = True
         return mask
+
+    def note_hot(self, seq: SeqId) -> None:
+        """Note in `seq`'s HBF state (kept in its log: `session_meta`) the blocks its last steps
+        read most in each layer that selects: those with a rank (`Promoter.rank`: recency and
+        hotness), at most HOT_WINDOWS x its window's blocks, the best first. A hint: a resumed
+        session reads them ahead with what it reads for sure (`_known`), so that its first step's
+        selections find most of their blocks read; what it reads is decided as ever."""
+        record = self.sessions[seq]
+        state, nb = record.selection, record.table.num_blocks
+        self.flush_lagged()  # (a replayed step's picks counted first)
+        rank = self.promoter.rank(seq)  # [L, nb]
+        most = HOT_WINDOWS * -(-state.window_tokens // self.block_size)
+        hot: dict[int, np.ndarray] = {}
+        if state.policy.selects:
+            for layer in range(self.blocks.num_layers):
+                if state.policy.known(state, self.hbf, layer, nb, self.block_size) is None:
+                    continue  # read whole
+                r = rank[layer]
+                used = np.flatnonzero(r > 0)
+                if len(used) > most:
+                    used = used[np.argpartition(-r[used], most)[:most]]
+                if len(used):
+                    hot[layer] = np.sort(used)
+        state.hot = hot
 
     @torch.inference_mode()
     def _load_digests(self, seq: SeqId) -> int:

@@ -368,3 +368,45 @@ def test_a_closed_session_is_snapshot_behind_and_reopens_from_it(
     assert out == plain.complete(twin, "", GREEDY).token_ids
     engine.close()
     plain.close()
+
+
+def test_a_resume_reads_ahead_first_the_blocks_its_last_steps_read_most(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint notes in each session's log the blocks its last steps read most in each layer
+    that selects (`KVCache.note_hot`: at most 2 windows' blocks); the resume reads them ahead with
+    what the first step reads for sure, so that the first step's own reads from the archive are
+    fewer than without the note. The tokens are the untiered engine's either way."""
+    import shutil
+
+    from h3d.tiers import readahead
+
+    monkeypatch.setattr(readahead, "READ_AHEAD_IN_FLIGHT_MB", 0)  # its first submission, nothing more
+    folder = tmp_path / "data"
+    sid, plain, twin = _first_run(checkpoint, folder)
+    shutil.copytree(folder, tmp_path / "again")
+    want = plain.complete(twin, "", GREEDY).token_ids
+    own: dict[bool, int] = {}
+    for hot, where in ((True, folder), (False, tmp_path / "again")):
+        engine = _engine(checkpoint(MODEL), where)
+        seq = engine.session(sid).seq
+        kv = engine.runner.kv
+        state = kv.selection(seq)
+        assert set(state.hot) == {1, 2}  # the layers that select (layer 0 is dense)
+        assert all(0 < len(b) <= 2 * 128 // 16 for b in state.hot.values())
+        if not hot:
+            state.hot = {}
+        reads: list[int] = []
+        read = kv.tiers.mover.read
+
+        def spy(keys: list[Any], slots: np.ndarray, reads: list[int] = reads, read: Any = read) -> int:
+            reads.append(len(keys))
+            return read(keys, slots)
+
+        with monkeypatch.context() as m:
+            m.setattr(kv.tiers.mover, "read", spy)
+            assert engine.complete(sid, "", GREEDY).token_ids == want
+        own[hot] = sum(reads)
+        engine.close()
+    assert own[True] < own[False], own
+    plain.close()
