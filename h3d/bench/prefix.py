@@ -202,18 +202,22 @@ def forks(client: Client, ids: list[int], n: int, generate: int) -> dict[str, An
     }  # fmt: skip
 
 
-def second_turn(url: str, model: str, text: str, reply_tokens: int) -> dict[str, Any]:
+def second_turn(url: str, model: str, text: str, reply_tokens: int, daemon: Daemon) -> dict[str, Any]:
     history = [{"role": "user", "content": text + "\n\nIn one sentence: what does this manual describe?"}]
     first = chat(url, model, history, reply_tokens)
     history += [{"role": "assistant", "content": first["text"]},
                 {"role": "user", "content": "And which command shows the tiers?"}]  # fmt: skip
     second = chat(url, model, history, reply_tokens)
+    # Where the daemon's part of its time to first token went (its `generation` event): waiting for
+    # the engine's thread, the prompt's prefill (the part of it not reused), then the first token.
+    inside = [e for e in daemon.events() if e.get("event") == "generation"][-1]
     had = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
     cached = second["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
     return {
         "history_tokens": had, "ttft_first_s": first["ttft_s"], "ttft_second_s": second["ttft_s"],
         "ttft_ratio": second["ttft_s"] / first["ttft_s"], "cached_tokens": cached, "cached_share": cached / had,
         "second_prompt_tokens": second["usage"]["prompt_tokens"],
+        "second_in_daemon_ms": {k: inside[k] for k in ("queued_ms", "prefill_ms", "ttft_ms")},
     }  # fmt: skip
 
 
@@ -256,6 +260,15 @@ def table(r: dict[str, Any]) -> str:
         f"| time to first token: turn 1 / turn 2 | {c['ttft_first_s']:.2f} s / {c['ttft_second_s']:.3f} s "
         f"({c['ttft_ratio']:.3f}) |",
         f"| turn 2's cached_tokens | {c['cached_tokens']} ({100 * c['cached_share']:.1f} % of the history) |",
+        *(
+            [
+                "| turn 2 in the daemon: waiting for the engine / the prompt's prefill / to its first token | "
+                + " / ".join(f"{c['second_in_daemon_ms'][k]:.0f} ms" for k in ("queued_ms", "prefill_ms", "ttft_ms"))
+                + " |"
+            ]
+            if "second_in_daemon_ms" in c
+            else []
+        ),
     ])  # fmt: skip
 
 
@@ -276,14 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     text = document(tokenizer, args.tokens)
     ids = tokenizer.encode(text)
     port = free_port()
-    daemon = Daemon(args.model, args.work, flags=["--http-listen", f"127.0.0.1:{port}"])
+    # (debug: the `generation` events, where a chat turn's time to first token goes)
+    daemon = Daemon(args.model, args.work, flags=["--http-listen", f"127.0.0.1:{port}", "--log-level", "debug"])
     try:
         client = Client(daemon.sock)
         log("forks ...")
         fork_figures = forks(client, ids, args.forks, args.generate)
         log(f"forks: {json.dumps(fork_figures)}")
         log("a chat's second turn ...")
-        chat_figures = second_turn(f"http://127.0.0.1:{port}", args.model.name, text, 32)
+        chat_figures = second_turn(f"http://127.0.0.1:{port}", args.model.name, text, 32, daemon)
     finally:
         daemon.stop()
     result = {

@@ -17,11 +17,15 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable
 
+import structlog
+
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.daemon.rpc import State
 from h3d.daemon.worker import Finished
 from h3d.engine.engine import Engine
 from h3d.engine.session import AppendDone, Event, PrefillProgress, RequestFailed, RequestId, SessionId, TokenDelta
+
+log = structlog.get_logger("h3d.generation")
 
 
 async def stream_generation(
@@ -32,13 +36,16 @@ async def stream_generation(
 ) -> AsyncGenerator[pb.TokenDelta | Finished, None]:
     """The deltas of the generation `submit` starts on `sid` (after `append`, if given), then its
     `Finished` (with `ttft_s` set: from this call, the prompt's prefill included). A failure is
-    raised as its error. Close the iterator (`contextlib.aclosing`) to cancel the generation."""
+    raised as its error. Close the iterator (`contextlib.aclosing`) to cancel the generation.
+    Logs where its time to first token went (`generation`, debug): waiting for a slot and the
+    engine's thread, the prompt's prefill, the rest (the first decode step, the loop)."""
     started = time.perf_counter()
     with state.slot():
         if append is not None:
             rid, events = await state.worker.start_request(append, then=submit)
         else:
             rid, events = await state.worker.start_request(submit)
+        queued, prefill_s = time.perf_counter() - started, 0.0
         finished = False
         first: float | None = None
         last = started
@@ -65,12 +72,18 @@ async def stream_generation(
                 elif isinstance(event, Finished):
                     finished = True
                     event.summary.ttft_s = (first or time.perf_counter()) - started
+                    log.debug(
+                        "generation", session_id=sid, request_id=rid, queued_ms=round(queued * 1e3, 2),
+                        prefill_ms=round(prefill_s * 1e3, 2), ttft_ms=round(event.summary.ttft_s * 1e3, 2),
+                        prompt_tokens=event.summary.prompt_tokens, tokens=event.summary.completion_tokens,
+                    )  # fmt: skip
                     yield event
                     return
                 elif isinstance(event, RequestFailed):
                     finished = True
                     raise event.error
-                # AppendDone: the prompt is in; its generation follows on the same queue
+                elif isinstance(event, AppendDone):  # the prompt is in; its generation follows on the same queue
+                    prefill_s = event.prefill_s
         finally:
             if not finished:
                 state.worker.cancel(rid)
