@@ -572,8 +572,8 @@ class Engine:
           shared, the partial last one copied, the parent's HBF state taken; it continues as the
           parent would, nothing prefilled again (its last prompt tokens are the parent's, so the
           parent's prompt probe is its own).
-        - A fork of a prefix (or of a parent whose KV is in the archive only) shares the parent's
-          blocks where the parent holds them in HBM or DDR (`KVCache.fork`), whole blocks up to
+        - A fork of a prefix (or of a parent whose KV DDR cannot take back from the archive)
+          shares the parent's blocks where the parent holds them in HBM or DDR (`KVCache.fork`), whole blocks up to
           `PROBE_QUERIES` tokens before the last one, so that the prompt probe sees the fork's own
           last tokens as it would an unshared session's. The rest is prefilled by `catch_up` (the
           daemon's ForkSession waits for it), or by the fork's next request.
@@ -611,6 +611,8 @@ class Engine:
             if n == total and self.kv.cached_tokens(parent.seq) == total - 1:  # the parent's twin
                 shared = self.kv.fork_whole(parent.seq, session.seq)
                 self._save_meta(session)  # (its anchors, the parent's)
+                if shared and parent.closed:  # (read back for the fork: to the archive only again, but what it shares)
+                    park_kv(self.kv, parent.seq)
             if not shared:
                 shared = self._share_kv(parent, session, max(n - 1 - PROBE_QUERIES, 0))
         except BaseException:

@@ -363,18 +363,22 @@ class KVCache:
         blocks shared (as `fork` does), its partial last block copied into a block of the child's
         own (new tokens are never written into a shared block) and its HBF state taken over
         (window, entropies, the prompt's anchors): the child selects and computes what the parent
-        would, nothing prefilled again. All or nothing: 0 where some block of the parent is in the
-        archive only (a closed parent: `fork` reads back what it can and the caller prefills the
-        rest), or its long prompt is in flight. Returns the tokens the child holds."""
+        would, nothing prefilled again. The parent's blocks in the archive only (a closed parent, a
+        restart) are read back into DDR first (`TierManager.load`, below the high watermark). All
+        or nothing: 0 where some are left there (`fork` shares what it can and the caller
+        prefills the rest), or the parent's long prompt is in flight. Returns the tokens the
+        child holds."""
         self.flush_lagged()  # (a replayed step's picks, and its entropy, into the parent's state first)
         b, bs = self.blocks, self.block_size
         src, record, source = self.sessions[parent].table, self.sessions[child], self.sessions[parent]
         total, n = src.num_tokens, src.num_tokens // bs
-        if not total or parent in self.frozen or self.archive_only(parent):
+        if not total or parent in self.frozen:
             return 0
         self.tiers.settle_spills()  # (one finishing later would drop a shared copy)
         if self.archive_only(parent):
-            return 0
+            self.tiers.load(parent)
+            if self.archive_only(parent):
+                return 0
         tail = total - n * bs
         if tail:  # room for the child's copy of the partial block, in every layer (may demote the idle)
             self.tiers.prepare_append(child, bs, [child, parent], {parent: 0, child: 0})
