@@ -407,6 +407,17 @@ DAEMON: tuple[Key, ...] = (
         "is given up). 0: KV reaches the store only when a session is given up",
         default="512",
     ),
+    Key(
+        "remote_kv_resume",
+        "how a session taken over from the remote store gets its KV: `store` reads its blocks (and digests) "
+        "from the store; `recompute` leaves them to its next request's prefill; `auto` reads them unless the "
+        "rates this daemon measured say a prefill is faster (its KV's bytes, uncompressed, at the store's read "
+        "rate, against its tokens at the prefill's rate; the prefill's from the warm-up on a GPU and from long "
+        "appends, the store's from its reads of 16 MiB or more, the first take-over's digest snapshot "
+        "included; from the store while either is unmeasured). The tokens are the same either way; "
+        "`session_taken_over` logs the choice (`kv_source`) and both estimates",
+        default="`auto`",
+    ),
 )
 
 KEYS: dict[str, Key] = {k.name: k for k in ENGINE + DAEMON}

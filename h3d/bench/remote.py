@@ -13,7 +13,8 @@ appendfsync always: what `remote_log = sync` asks) and daemons on the same model
 - **Taken over after a SIGTERM.** Daemon A is given a document of `--tokens` tokens of real text
   (AppendContext) and generates one token; A gets SIGTERM (its checkpoint, its KV written to the
   store, its leases released). Daemon B is asked to continue the session: the time to its first
-  token (taking the session over, reading its KV from the store, the first step; the KV's bytes
+  token (taking the session over, reading its KV from the store or leaving it to the prefill, as
+  `remote_kv_resume` chose, the first step; the KV's bytes
   and seconds each way, from the daemons' `remote_kv_written` and `session_taken_over` events) against the same
   context prefilled again on B (a new session, AppendContext of the same tokens, then its first
   token; on a daemon of its own, since on B prefix reuse would share the taken-over session's KV),
@@ -104,6 +105,8 @@ def after_sigterm(model: Path, work: Path, url: str, ids: list[int]) -> dict[str
         "kv_write_s": written.get("seconds"), "kv_blocks_read": read.get("kv_blocks_read"),
         "kv_bytes_read": read.get("kv_bytes_read"), "kv_read_s": read.get("kv_read_s"),
         "digest_blocks_read": read.get("digest_blocks_read"), "digest_read_s": read.get("digest_read_s"),
+        "kv_source": read.get("kv_source"), "read_estimate_s": read.get("read_estimate_s"),
+        "prefill_estimate_s": read.get("prefill_estimate_s"),
         "resume_first_token_s": resume_s,
         "reprefill_first_token_s": reprefill_append_s + ref_first_s,
         "ratio": resume_s / (reprefill_append_s + ref_first_s), "same_tokens": taken == again,
@@ -264,7 +267,17 @@ def table(r: dict[str, Any]) -> str:
             f"{_gbps(s.get('kv_bytes_read'), s.get('kv_read_s'))} |",
             f"| its digest snapshot read from the store first (blocks it covers; s) | "
             f"{s.get('digest_blocks_read')}; {s.get('digest_read_s')} s |",
-            f"| daemon B's first token: taken over, its KV read from the store | {s['resume_first_token_s']:.2f} s |",
+            *(
+                [
+                    f"| B's choice (`remote_kv_resume`): its KV from the store or computed again; the estimates "
+                    f"(s): the store's read / a prefill | {s['kv_source']}; {s.get('read_estimate_s')} / "
+                    f"{s.get('prefill_estimate_s')} |"
+                ]
+                if s.get("kv_source")
+                else []
+            ),
+            f"| daemon B's first token: taken over, its KV from the store or computed | "
+            f"{s['resume_first_token_s']:.2f} s |",
             f"| the same context prefilled again (a daemon of its own), to its first token | "
             f"{s['reprefill_first_token_s']:.2f} s |",
             f"| ratio (goal ≤ 1/3) | {s['ratio']:.3f} |",

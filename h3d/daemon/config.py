@@ -67,6 +67,9 @@ class DaemonConfig:
     remote_timeout_s: float = 5.0
     remote_kv_ttl_s: float = 7 * 86400.0  # a KV block's life in the store since it was last written
     remote_kv_copy_mb: float = 512.0  # KV written behind waiting to be copied to the store, at most (0: none copied)
+    # a session taken over: its KV read from the store, computed again, or whichever the rates measured here say is
+    # faster (h3d.engine.engine.Engine._choose_kv)
+    remote_kv_resume: str = "auto"
 
     @property
     def socket_path(self) -> Path:
@@ -126,6 +129,8 @@ class DaemonConfig:
             raise ConfigError("remote_lease_s, remote_timeout_s: must be > 0")
         if not self.remote_kv_ttl_s >= 1:
             raise ConfigError(f"remote_kv_ttl_s: must be >= 1, got {self.remote_kv_ttl_s}")
+        if self.remote_kv_resume not in ("auto", "store", "recompute"):
+            raise ConfigError(f"remote_kv_resume: {self.remote_kv_resume!r} is not one of auto, store, recompute")
         if not self.remote_kv_copy_mb >= 0:
             raise ConfigError(f"remote_kv_copy_mb: must be >= 0, got {self.remote_kv_copy_mb}")
         if self.remote_timeout_s * 3 > self.remote_lease_s:

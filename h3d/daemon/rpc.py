@@ -118,9 +118,11 @@ class State:
             return
         session = await self.worker.call(lambda e: e.adopt(sid, taken.data))
         self.owners[sid] = session.owner or LOCAL
-        log.info("session_taken_over", session_id=sid, tokens=len(session.tokens), kv_blocks_read=taken.kv_blocks,
-                 kv_bytes_read=taken.kv_bytes, kv_read_s=round(taken.kv_s, 3),
-                 digest_blocks_read=taken.digest_blocks, digest_read_s=round(taken.digest_s, 3))  # fmt: skip
+        pairs = (("read_estimate_s", taken.read_estimate_s), ("prefill_estimate_s", taken.prefill_estimate_s))
+        est = {k: None if v is None else round(v, 3) for k, v in pairs}
+        log.info("session_taken_over", session_id=sid, tokens=len(session.tokens), kv_source=taken.kv_source,
+                 kv_blocks_read=taken.kv_blocks, kv_bytes_read=taken.kv_bytes, kv_read_s=round(taken.kv_s, 3),
+                 digest_blocks_read=taken.digest_blocks, digest_read_s=round(taken.digest_s, 3), **est)  # fmt: skip
 
     async def stored(self, sid: SessionId) -> None:
         """With the remote tier in `sync` mode: once the store holds `sid`'s log as it is now (a

@@ -206,6 +206,7 @@ class Daemon:
         remote = RemoteLogs(
             store, lambda session: folder / f"{session}.h3log", sync=cfg.remote_log == "sync",
             kv_ttl_s=int(cfg.remote_kv_ttl_s), kv_copy_bytes=int(cfg.remote_kv_copy_mb * 2**20),
+            kv_resume=cfg.remote_kv_resume,
         )  # fmt: skip
         try:
             checked = await asyncio.to_thread(remote.start)

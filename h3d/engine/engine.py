@@ -79,10 +79,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+PREFILL_RATE_MIN_TOKENS = 2048  # an append this long counts in the prefill rate (`Engine._choose_kv`)
+
 
 @dataclasses.dataclass(slots=True)
 class TakenOver:
-    """`Engine.take_over`'s answer: the session's log, and its KV read from the remote store."""
+    """`Engine.take_over`'s answer: the session's log, and its KV read from the remote store (or
+    left to compute again: `kv_source`, with the estimates it was chosen by)."""
 
     data: bytes
     kv_blocks: int = 0
@@ -90,6 +93,9 @@ class TakenOver:
     kv_s: float = 0.0
     digest_blocks: int = 0  # the blocks its digest snapshot from the store covers (0: none)
     digest_s: float = 0.0
+    kv_source: str = "store"  # store | recompute
+    read_estimate_s: float | None = None  # its KV from the store, at the store's rate measured here
+    prefill_estimate_s: float | None = None  # its KV computed again, at the prefill rate measured here
 
 
 @dataclass(slots=True)
@@ -122,6 +128,9 @@ class Engine:
         # The remote tier's copies of the token logs (the daemon's `remote_url`): the store's log is
         # each session's truth, and a session another daemon served is taken over from it (`adopt`).
         self.remote = remote
+        # The prefill's tokens/s as measured here (the warm-up's second scratch prompt on a GPU,
+        # then long appends); None: not measured yet (`_choose_kv`)
+        self.prefill_tokens_per_s: float | None = None
         self.model = load_model(config.model, config.resolved_dtype, config.resolved_device)
         self.tokenizer = Tokenizer(config.model)
         self.max_context = config.max_context_tokens or self.model.config.max_position_embeddings
@@ -222,15 +231,23 @@ class Engine:
                     files.remove(session_id)
                 tokens = parse_log(session_id, data).tokens
                 written = tokens[: max(len(tokens) - 1, 0)]  # (the last token: fed by the next request)
-                t0 = time.perf_counter()
-                try:
-                    out.digest_blocks = self._import_digests(session_id, written)
-                except (RemoteError, OSError, ValueError) as e:  # (rebuilt from the keys instead)
-                    log.warning("digests of session %s not read from the remote store: %s", session_id, e)
-                t1 = time.perf_counter()
-                out.digest_s = t1 - t0
-                out.kv_blocks, out.kv_bytes = self._import_kv(session_id, written)
-                out.kv_s = time.perf_counter() - t1
+                if self._choose_kv(out, written):  # (rates measured before: chosen before reading anything)
+                    t0 = time.perf_counter()
+                    nbytes = 0
+                    try:
+                        out.digest_blocks, nbytes = self._import_digests(session_id, written)
+                    except (RemoteError, OSError, ValueError) as e:  # (rebuilt from the keys instead)
+                        log.warning("digests of session %s not read from the remote store: %s", session_id, e)
+                    t1 = time.perf_counter()
+                    out.digest_s = t1 - t0
+                    self.remote.note_read(nbytes, out.digest_s)
+                    if self._choose_kv(out, written):  # (the digests' read measured the store's rate)
+                        out.kv_blocks, out.kv_bytes = self._import_kv(session_id, written)
+                        out.kv_s = time.perf_counter() - t1
+                        self.remote.note_read(out.kv_bytes, out.kv_s)
+                if out.kv_source == "recompute" and files is not None:
+                    files.remove(session_id)  # (the digests of KV computed again: rebuilt from its keys)
+                    out.digest_blocks = 0
             except (RemoteError, ArchiveError, OSError) as e:  # (its KV is computed again instead)
                 log.warning("KV of session %s not read from the remote store: %s", session_id, e)
                 with contextlib.suppress(ArchiveError, OSError):
@@ -259,25 +276,41 @@ class Engine:
         self.sessions[session.id] = session
         return session
 
-    def _import_digests(self, session_id: SessionId, tokens: list[int]) -> int:
+    def _choose_kv(self, out: TakenOver, tokens: list[int]) -> bool:
+        """Whether a session taken over reads the KV of `tokens` from the remote store
+        (`remote_kv_resume`: `store`, `recompute`, or `auto`: from the store unless the rates
+        measured here say computing it again is faster: its bytes, uncompressed, at the store's
+        read rate against its tokens at the prefill's; from the store while either is unknown).
+        Notes the choice and its estimates in `out`."""
+        assert self.remote is not None
+        mode, read_rate, rate = self.remote.kv_resume, self.remote.read_bytes_per_s, self.prefill_tokens_per_s
+        nbytes = len(tokens) // self.kv.block_size * self.model.config.num_layers * self.kv.tiers.block_bytes
+        read_s = out.read_estimate_s = nbytes / read_rate if read_rate else None
+        prefill_s = out.prefill_estimate_s = len(tokens) / rate if rate else None
+        auto = read_s is None or prefill_s is None or read_s < prefill_s
+        store = auto if mode == "auto" else mode == "store"
+        out.kv_source = "store" if store else "recompute"
+        return store
+
+    def _import_digests(self, session_id: SessionId, tokens: list[int]) -> tuple[int, int]:
         """The digest snapshot the store holds of `session_id`, installed here if it covers blocks of
         `tokens` (its head names the last block it covers by content: `h3d.remote.kv.digests`), so
         that the session's first step reads its digests first rather than every block. Returns
-        the blocks it covers (0: none, or not of these tokens)."""
+        the blocks it covers (0: none, or not of these tokens) and the bytes read."""
         from h3d.remote.kv import digests
 
         files, remote, bs = self.kv.digest_files, self.remote, self.kv.block_size
         if files is None or remote is None or len(tokens) < bs:
-            return 0
+            return 0, 0
         got = remote.get_digests(session_id)
         if got is None:
-            return 0
+            return 0, 0
         head, data = got
         n = int(head.get("blocks", 0))
         if not 0 < n <= len(tokens) // bs or head.get("last") != digests(tokens, bs, n)[-1]:
-            return 0
+            return 0, len(data)
         files.install(session_id, data)
-        return n
+        return n, len(data)
 
     def _send_digests(self, session_id: SessionId, tokens: list[int]) -> int:
         """`session_id`'s digest snapshot written to the store with its blocks (`_send_kv`), if it
@@ -1197,7 +1230,12 @@ class Engine:
         self._touch(req.session)
         req.session.busy = False
         self._requests.pop(req.id, None)
-        return AppendDone(req.id, req.session.id, req.tokens_added, time.perf_counter() - req.submitted_at)
+        took = time.perf_counter() - req.submitted_at
+        if req.prefill_total >= PREFILL_RATE_MIN_TOKENS:  # (a long prompt's rate: `_choose_kv`)
+            rate = req.prefill_total / max(took, 1e-6)
+            last = self.prefill_tokens_per_s
+            self.prefill_tokens_per_s = rate if last is None else (last + rate) / 2
+        return AppendDone(req.id, req.session.id, req.tokens_added, took)
 
     # ---- synchronous helpers (CLI, tests, benchmarks) ---------------------------------------
 

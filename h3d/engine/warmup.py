@@ -41,6 +41,7 @@ class Warmup:
 
     prompt_tokens: int
     kernels_s: float
+    prefill_tokens_per_s: float  # the scratch prompt's second prefill (0: none run)
     graphs: int
     batches: tuple[int, ...]
     widths: tuple[int, int]  # the narrowest and widest table width (blocks), (0, 0) when none
@@ -55,6 +56,7 @@ class Warmup:
             "graph_batches": list(self.batches),
             "graph_widths": list(self.widths),
             "graphs_s": round(self.graphs_s, 3),
+            "prefill_tokens_per_s": round(self.prefill_tokens_per_s),
         }
 
 
@@ -75,6 +77,7 @@ def warm_up(engine: Engine, kernels: bool | None = None) -> Warmup:
     return Warmup(
         prompt_tokens=prompt,
         kernels_s=t1 - t0,
+        prefill_tokens_per_s=engine.prefill_tokens_per_s or 0.0,
         graphs=made,
         batches=tuple(sorted({k.batch for k in keys})),
         widths=(widths[0], widths[-1]) if widths else (0, 0),
@@ -98,6 +101,21 @@ def _scratch(engine: Engine) -> int:
         runner.step([Chunk(seq, ids, 0, want_logits=True)])
         for i in range(DECODE_STEPS):
             runner.step([Chunk(seq, (ids[i],), n + i, want_logits=True)])
+    finally:
+        kv.release(seq, purge_archive=True)
+    # The same prompt again, compiled by now: the engine's prefill rate, for what is cheaper than
+    # computing KV again (a take-over's KV from the remote store, `Engine.kv_from_store`).
+    seq = SeqId(next(engine._seq_ids))
+    kv.open(seq, None, policy_named(engine.config.policy))
+    cuda = runner.device.type == "cuda"
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.step([Chunk(seq, ids, 0, want_logits=True)])
+        if cuda:
+            torch.cuda.synchronize()
+        engine.prefill_tokens_per_s = n / max(time.perf_counter() - t0, 1e-6)
     finally:
         kv.release(seq, purge_archive=True)
     _batches(engine, ids)

@@ -43,6 +43,8 @@ T = TypeVar("T")
 
 APPEND_MAX_BYTES = 4 << 20  # the most one append sends (a long log catching up goes in pieces)
 RETRY_S = 1.0  # a failed append or renewal is tried again after this long
+KV_RESUME = ("auto", "store", "recompute")  # `remote_kv_resume`
+RATE_MIN_BYTES = 16 << 20  # a read of the store this large measures its rate (`RemoteLogs.note_read`)
 
 
 @dataclass
@@ -71,10 +73,15 @@ class RemoteLogs:
         sync: bool = True,
         kv_ttl_s: int = 7 * 86400,
         kv_copy_bytes: int = 0,
+        kv_resume: str = "auto",
     ) -> None:
         self.store, self.path_of, self.sync = store, path_of, sync
         self.kv_ttl_s = kv_ttl_s  # a KV block's life in the store since it was last written (`h3d.remote.kv`)
         self.kv_copy_bytes = kv_copy_bytes  # KV written behind waiting for the store, at most (`h3d.remote.copyup`)
+        if kv_resume not in KV_RESUME:
+            raise ValueError(f"kv_resume: {kv_resume!r} is not one of {', '.join(KV_RESUME)}")
+        self.kv_resume = kv_resume  # a session taken over: its KV from the store or computed (`Engine._choose_kv`)
+        self.read_bytes_per_s: float | None = None  # the store's reads as measured here (`note_read`)
         self.timeout_s = store.timeout_s
         self._logs: dict[str, _Log] = {}
         self._degraded: str | None = None
@@ -88,6 +95,14 @@ class RemoteLogs:
         self._wake_due = False  # the store's thread is to take them
 
     # ---- the calling threads' side ------------------------------------------------------------
+
+    def note_read(self, nbytes: int, seconds: float) -> None:
+        """A read of `nbytes` from the store took `seconds` (one of at least `RATE_MIN_BYTES`
+        counts): the store's read rate, a running mean of the last ones."""
+        if nbytes < RATE_MIN_BYTES or seconds <= 0:
+            return
+        rate, last = nbytes / seconds, self.read_bytes_per_s
+        self.read_bytes_per_s = rate if last is None else (last + rate) / 2
 
     def _wait(self, coro: Coroutine[Any, Any, T], grace: float = 1.0) -> T:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)

@@ -207,13 +207,56 @@ def test_a_sessions_digests_travel_with_it_and_only_to_its_tokens(
     a.append(sid, token_ids=prompt)
     a.hand_over(sid)
     b = _engine(ckpt, tmp_path / "b", redis_server)
-    assert b._import_digests(sid, [t + 1 for t in prompt[:-1]]) == 0  # (not of these tokens)
+    assert b._import_digests(sid, [t + 1 for t in prompt[:-1]])[0] == 0  # (not of these tokens)
     taken = b.take_over(sid)
     assert taken is not None and taken.digest_blocks == (len(prompt) - 1) // 16 and taken.kv_blocks > 0
     b.adopt(sid, taken.data)
     assert b.complete(sid, "", GREEDY).token_ids == want
     [restored] = [f for name, f in b.kv.take_notices() if name == "digests_restored"]
     assert restored["from_snapshot"] == taken.digest_blocks and restored["rebuilt"] <= 1
+    for e in (ref, a, b):
+        e.close()
+        assert e.remote is not None
+        e.remote.close()
+
+
+@pytest.mark.parametrize("mode", ["auto, the store slower", "auto, unmeasured", "recompute", "store"])
+def test_a_session_taken_over_reads_its_kv_or_computes_it_by_the_rates_measured(
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis, mode: str
+) -> None:
+    """`remote_kv_resume`: a session taken over reads its KV (and digests) from the store, or leaves
+    it to its next request's prefill; `auto` computes it where the store's read rate and the
+    prefill's, as measured by this daemon, say a prefill is faster, and reads it while either is
+    unmeasured. The tokens are an engine's that never gave the session up either way."""
+    ckpt = checkpoint(MODEL)
+    prompt = random_prompt(200, VOCAB_SIZE, seed=8)
+    ref = _engine(ckpt, tmp_path / "ref", redis_server, copy_bytes=0)
+    rid = ref.create_session()
+    ref.append(rid, token_ids=prompt)
+    want = ref.complete(rid, "", GREEDY).token_ids
+    a = _engine(ckpt, tmp_path / "a", redis_server)
+    sid = a.create_session()
+    a.append(sid, token_ids=prompt)
+    a.hand_over(sid)
+    b = _engine(ckpt, tmp_path / "b", redis_server)
+    assert b.remote is not None
+    b.remote.kv_resume = mode.split(",")[0]
+    if mode == "auto, the store slower":  # (as measured: 1 MB/s against a million tokens/s)
+        b.remote.read_bytes_per_s, b.prefill_tokens_per_s = 1e6, 1e6
+    taken = b.take_over(sid)
+    assert taken is not None
+    computed = mode in ("auto, the store slower", "recompute")
+    assert taken.kv_source == ("recompute" if computed else "store")
+    if computed:
+        assert taken.kv_blocks == taken.digest_blocks == 0 and not b.kv.archive.blocks_of(sid)  # type: ignore[union-attr]
+        if mode.startswith("auto"):
+            assert taken.read_estimate_s is not None and taken.prefill_estimate_s is not None
+            assert taken.read_estimate_s > taken.prefill_estimate_s
+    else:
+        assert taken.kv_blocks > 0 and taken.digest_blocks > 0
+    b.adopt(sid, taken.data)
+    assert b.cached_tokens(sid) == (0 if computed else (len(prompt) - 1) // 16 * 16)  # (whole blocks travel)
+    assert b.complete(sid, "", GREEDY).token_ids == want
     for e in (ref, a, b):
         e.close()
         assert e.remote is not None
