@@ -413,8 +413,8 @@ DAEMON: tuple[Key, ...] = (
         "from the store; `recompute` leaves them to its next request's prefill; `auto` reads them unless the "
         "rates this daemon measured say a prefill is faster (its KV's bytes, uncompressed, at the store's read "
         "rate, against its tokens at the prefill's rate; the prefill's from the warm-up on a GPU and from long "
-        "appends, the store's from its reads of 16 MiB or more, the first take-over's digest snapshot "
-        "included; from the store while either is unmeasured). The tokens are the same either way; "
+        "appends, the store's from its reads of 16 MiB or more, the first of them the first piece of the "
+        "session's digest snapshot; from the store while either is unmeasured). The tokens are the same either way; "
         "`session_taken_over` logs the choice (`kv_source`) and both estimates",
         default="`auto`",
     ),

@@ -232,16 +232,20 @@ class Engine:
                 tokens = parse_log(session_id, data).tokens
                 written = tokens[: max(len(tokens) - 1, 0)]  # (the last token: fed by the next request)
                 if self._choose_kv(out, written):  # (rates measured before: chosen before reading anything)
+                    remote = self.remote
+
+                    def measured(nbytes: int, seconds: float) -> bool:  # the snapshot's first piece: go on?
+                        remote.note_read(nbytes, seconds)
+                        return self._choose_kv(out, written)
+
                     t0 = time.perf_counter()
-                    nbytes = 0
                     try:
-                        out.digest_blocks, nbytes = self._import_digests(session_id, written)
+                        out.digest_blocks = self._import_digests(session_id, written, measured)
                     except (RemoteError, OSError, ValueError) as e:  # (rebuilt from the keys instead)
                         log.warning("digests of session %s not read from the remote store: %s", session_id, e)
                     t1 = time.perf_counter()
                     out.digest_s = t1 - t0
-                    self.remote.note_read(nbytes, out.digest_s)
-                    if self._choose_kv(out, written):  # (the digests' read measured the store's rate)
+                    if self._choose_kv(out, written):  # (the digests' first piece measured the store's rate)
                         out.kv_blocks, out.kv_bytes = self._import_kv(session_id, written)
                         out.kv_s = time.perf_counter() - t1
                         self.remote.note_read(out.kv_bytes, out.kv_s)
@@ -292,25 +296,28 @@ class Engine:
         out.kv_source = "store" if store else "recompute"
         return store
 
-    def _import_digests(self, session_id: SessionId, tokens: list[int]) -> tuple[int, int]:
+    def _import_digests(
+        self, session_id: SessionId, tokens: list[int], go_on: Callable[[int, float], bool] | None = None
+    ) -> int:
         """The digest snapshot the store holds of `session_id`, installed here if it covers blocks of
         `tokens` (its head names the last block it covers by content: `h3d.remote.kv.digests`), so
-        that the session's first step reads its digests first rather than every block. Returns
-        the blocks it covers (0: none, or not of these tokens) and the bytes read."""
+        that the session's first step reads its digests first rather than every block; `go_on`:
+        told how long its first piece took, may stop the read (`RemoteLogs.get_digests`). Returns
+        the blocks it covers (0: none, not of these tokens, or not read whole)."""
         from h3d.remote.kv import digests
 
         files, remote, bs = self.kv.digest_files, self.remote, self.kv.block_size
         if files is None or remote is None or len(tokens) < bs:
-            return 0, 0
-        got = remote.get_digests(session_id)
+            return 0
+        got = remote.get_digests(session_id, go_on)
         if got is None:
-            return 0, 0
+            return 0
         head, data = got
         n = int(head.get("blocks", 0))
         if not 0 < n <= len(tokens) // bs or head.get("last") != digests(tokens, bs, n)[-1]:
-            return 0, len(data)
+            return 0
         files.install(session_id, data)
-        return n, len(data)
+        return n
 
     def _send_digests(self, session_id: SessionId, tokens: list[int]) -> int:
         """`session_id`'s digest snapshot written to the store with its blocks (`_send_kv`), if it

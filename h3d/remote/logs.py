@@ -33,7 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from h3d.remote.store import Fenced, Held, Lease, RemoteError, RemoteStore, RemoteUnavailable
+from h3d.remote.store import (
+    DIGEST_PIECE_BYTES,
+    Fenced,
+    Held,
+    Lease,
+    RemoteError,
+    RemoteStore,
+    RemoteUnavailable,
+    digests_whole,
+)
 from h3d.store.files import replace_file
 from h3d.store.tokenlog import parse_log
 
@@ -260,13 +269,25 @@ class RemoteLogs:
         """`RemoteStore.put_digests`, within the timeout and the transfer's allowance."""
         self._wait(self.store.put_digests(session, head, data, ttl_s), grace=_transfer_s(len(data)))
 
-    def get_digests(self, session: str) -> tuple[dict[str, Any], bytes] | None:
-        """`session`'s digest snapshot in the store (`RemoteStore.digests_head`, then its pieces
-        within the transfer's allowance for its size), or None."""
+    def get_digests(
+        self, session: str, go_on: Callable[[int, float], bool] | None = None
+    ) -> tuple[dict[str, Any], bytes] | None:
+        """`session`'s digest snapshot in the store (`RemoteStore.digests_head`, then its pieces,
+        each within the transfer's allowance for its size), or None. `go_on(bytes, seconds)` is
+        told how long the first piece took and may stop the read there (None)."""
         head = self._wait(self.store.digests_head(session))
         if head is None:
             return None
-        data = self._wait(self.store.get_digests(session, head), grace=_transfer_s(int(head.get("bytes", 0))))
+        pieces: list[bytes | None] = []
+        for i in range(int(head.get("pieces", 0))):
+            t0 = time.perf_counter()
+            piece = self._wait(self.store.get_digest_piece(session, i), grace=_transfer_s(DIGEST_PIECE_BYTES))
+            if piece is None:
+                return None
+            pieces.append(piece)
+            if i == 0 and go_on is not None and not go_on(len(piece), time.perf_counter() - t0):
+                return None
+        data = digests_whole(head, pieces)
         return None if data is None else (head, data)
 
     def soon(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -361,17 +361,13 @@ class RemoteStore:
 
     async def get_digests(self, session: str, head: dict[str, Any]) -> bytes | None:
         """The snapshot `head` (`digests_head`) describes, or None (not whole: a piece expired or torn)."""
+        pieces = [await self.get_digest_piece(session, i) for i in range(int(head["pieces"]))]
+        return digests_whole(head, pieces)
+
+    async def get_digest_piece(self, session: str, index: int) -> bytes | None:
+        """Piece `index` of `session`'s digest snapshot (`DIGEST_PIECE_BYTES` at most), or None."""
         what = f"reading session {session}'s digests"
-        pieces = [
-            await self._call(what, self._redis.get(self._key(session, f"digests:{i}")))
-            for i in range(int(head["pieces"]))
-        ]
-        if any(p is None for p in pieces):
-            return None
-        data = b"".join(p for p in pieces if p is not None)
-        if len(data) != head["bytes"] or zlib.crc32(data) != head["crc"]:
-            return None
-        return data
+        return await self._call(what, self._redis.get(self._key(session, f"digests:{index}")))
 
     async def touch_kv(self, keys: list[str], ttl_s: int) -> list[bool]:
         """Whether the store has each of `keys`; those it has live `ttl_s` from now (EXPIRE, in
@@ -405,3 +401,13 @@ class RemoteStore:
             return out
 
         return await self._call("listing the sessions", scan())
+
+
+def digests_whole(head: dict[str, Any], pieces: list[bytes | None]) -> bytes | None:
+    """A digest snapshot from its `pieces` if they make the one `head` describes, else None."""
+    if any(p is None for p in pieces):
+        return None
+    data = b"".join(p for p in pieces if p is not None)
+    if len(data) != head["bytes"] or zlib.crc32(data) != head["crc"]:
+        return None
+    return data

@@ -6,6 +6,7 @@ which the export writes then; a hand-over in its steps, and one the store fails.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -207,7 +208,7 @@ def test_a_sessions_digests_travel_with_it_and_only_to_its_tokens(
     a.append(sid, token_ids=prompt)
     a.hand_over(sid)
     b = _engine(ckpt, tmp_path / "b", redis_server)
-    assert b._import_digests(sid, [t + 1 for t in prompt[:-1]])[0] == 0  # (not of these tokens)
+    assert b._import_digests(sid, [t + 1 for t in prompt[:-1]]) == 0  # (not of these tokens)
     taken = b.take_over(sid)
     assert taken is not None and taken.digest_blocks == (len(prompt) - 1) // 16 and taken.kv_blocks > 0
     b.adopt(sid, taken.data)
@@ -220,14 +221,20 @@ def test_a_sessions_digests_travel_with_it_and_only_to_its_tokens(
         e.remote.close()
 
 
-@pytest.mark.parametrize("mode", ["auto, the store slower", "auto, unmeasured", "recompute", "store"])
+@pytest.mark.parametrize(
+    "mode", ["auto, the store slower", "auto, measured on the digests' first piece", "auto, unmeasured", "recompute",
+             "store"],
+)  # fmt: skip
 def test_a_session_taken_over_reads_its_kv_or_computes_it_by_the_rates_measured(
-    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis, mode: str
-) -> None:
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis, mode: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """`remote_kv_resume`: a session taken over reads its KV (and digests) from the store, or leaves
     it to its next request's prefill; `auto` computes it where the store's read rate and the
     prefill's, as measured by this daemon, say a prefill is faster, and reads it while either is
-    unmeasured. The tokens are an engine's that never gave the session up either way."""
+    unmeasured; a store not measured yet is measured on the digest snapshot's first piece, and
+    the rest is not read if computing wins. The tokens are an engine's that never gave the session
+    up either way."""
     ckpt = checkpoint(MODEL)
     prompt = random_prompt(200, VOCAB_SIZE, seed=8)
     ref = _engine(ckpt, tmp_path / "ref", redis_server, copy_bytes=0)
@@ -237,15 +244,36 @@ def test_a_session_taken_over_reads_its_kv_or_computes_it_by_the_rates_measured(
     a = _engine(ckpt, tmp_path / "a", redis_server)
     sid = a.create_session()
     a.append(sid, token_ids=prompt)
+    if mode.startswith("auto, measured"):  # (a snapshot of several pieces)
+        from h3d.remote import store as store_module
+
+        monkeypatch.setattr(store_module, "DIGEST_PIECE_BYTES", 4096)
     a.hand_over(sid)
     b = _engine(ckpt, tmp_path / "b", redis_server)
     assert b.remote is not None
     b.remote.kv_resume = mode.split(",")[0]
     if mode == "auto, the store slower":  # (as measured: 1 MB/s against a million tokens/s)
         b.remote.read_bytes_per_s, b.prefill_tokens_per_s = 1e6, 1e6
+    pieces: list[int] = []
+    if mode.startswith("auto, measured"):  # (a prefill as good as instant; any read counts)
+        from h3d.remote import logs
+
+        b.prefill_tokens_per_s = 1e15
+        monkeypatch.setattr(logs, "RATE_MIN_BYTES", 0)
+        piece = b.remote.store.get_digest_piece
+
+        async def counted(session: str, index: int) -> bytes | None:
+            pieces.append(index)
+            return await piece(session, index)
+
+        monkeypatch.setattr(b.remote.store, "get_digest_piece", counted)
     taken = b.take_over(sid)
     assert taken is not None
-    computed = mode in ("auto, the store slower", "recompute")
+    computed = mode != "auto, unmeasured" and mode != "store"
+    if mode.startswith("auto, measured"):
+        head = redis.Redis.from_url(redis_server.url).get(b.remote.store._key(sid, "digests"))
+        assert head is not None and json.loads(head)["pieces"] > 1
+        assert pieces == [0] and b.remote.read_bytes_per_s is not None  # (the first piece only)
     assert taken.kv_source == ("recompute" if computed else "store")
     if computed:
         assert taken.kv_blocks == taken.digest_blocks == 0 and not b.kv.archive.blocks_of(sid)  # type: ignore[union-attr]
