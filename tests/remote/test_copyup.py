@@ -190,6 +190,22 @@ def test_kv_leaves_a_full_stores_last_room_to_the_logs(
     engine.remote.close()
 
 
+def _handed_over(
+    ckpt: Path, tmp_path: Path, server: LocalRedis, prompt: list[int]
+) -> tuple[Engine, tuple[int, ...], Engine, SessionId]:
+    """A reference engine's greedy continuation of `prompt` (it never gives its session up), and
+    a session of `prompt` that engine "a" handed over to the store."""
+    ref = _engine(ckpt, tmp_path / "ref", server, copy_bytes=0)
+    rid = ref.create_session()
+    ref.append(rid, token_ids=prompt)
+    want = ref.complete(rid, "", GREEDY).token_ids
+    a = _engine(ckpt, tmp_path / "a", server)
+    sid = a.create_session()
+    a.append(sid, token_ids=prompt)
+    a.hand_over(sid)
+    return ref, want, a, sid
+
+
 def test_a_sessions_digests_travel_with_it_and_only_to_its_tokens(
     checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis
 ) -> None:
@@ -199,14 +215,7 @@ def test_a_sessions_digests_travel_with_it_and_only_to_its_tokens(
     that never gave the session up. A snapshot of other tokens is not taken."""
     ckpt = checkpoint(MODEL)
     prompt = random_prompt(200, VOCAB_SIZE, seed=6)
-    ref = _engine(ckpt, tmp_path / "ref", redis_server, copy_bytes=0)
-    rid = ref.create_session()
-    ref.append(rid, token_ids=prompt)
-    want = ref.complete(rid, "", GREEDY).token_ids
-    a = _engine(ckpt, tmp_path / "a", redis_server)
-    sid = a.create_session()
-    a.append(sid, token_ids=prompt)
-    a.hand_over(sid)
+    ref, want, a, sid = _handed_over(ckpt, tmp_path, redis_server, prompt)
     b = _engine(ckpt, tmp_path / "b", redis_server)
     assert b._import_digests(sid, [t + 1 for t in prompt[:-1]]) == 0  # (not of these tokens)
     taken = b.take_over(sid)
@@ -237,18 +246,11 @@ def test_a_session_taken_over_reads_its_kv_or_computes_it_by_the_rates_measured(
     up either way."""
     ckpt = checkpoint(MODEL)
     prompt = random_prompt(200, VOCAB_SIZE, seed=8)
-    ref = _engine(ckpt, tmp_path / "ref", redis_server, copy_bytes=0)
-    rid = ref.create_session()
-    ref.append(rid, token_ids=prompt)
-    want = ref.complete(rid, "", GREEDY).token_ids
-    a = _engine(ckpt, tmp_path / "a", redis_server)
-    sid = a.create_session()
-    a.append(sid, token_ids=prompt)
     if mode.startswith("auto, measured"):  # (a snapshot of several pieces)
         from h3d.remote import store as store_module
 
         monkeypatch.setattr(store_module, "DIGEST_PIECE_BYTES", 4096)
-    a.hand_over(sid)
+    ref, want, a, sid = _handed_over(ckpt, tmp_path, redis_server, prompt)
     b = _engine(ckpt, tmp_path / "b", redis_server)
     assert b.remote is not None
     b.remote.kv_resume = mode.split(",")[0]
