@@ -289,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     text = document(tokenizer, args.tokens)
     ids = tokenizer.encode(text)
     port = free_port()
-    # (debug: the `generation` events, where a chat turn's time to first token goes)
-    daemon = Daemon(args.model, args.work, flags=["--http-listen", f"127.0.0.1:{port}", "--log-level", "debug"])
+    daemon = Daemon(args.model, args.work, flags=["--http-listen", f"127.0.0.1:{port}"])
     try:
         client = Client(daemon.sock)
         log("forks ...")

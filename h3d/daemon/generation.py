@@ -37,7 +37,7 @@ async def stream_generation(
     """The deltas of the generation `submit` starts on `sid` (after `append`, if given), then its
     `Finished` (with `ttft_s` set: from this call, the prompt's prefill included). A failure is
     raised as its error. Close the iterator (`contextlib.aclosing`) to cancel the generation.
-    Logs where its time to first token went (`generation`, debug): waiting for a slot and the
+    Logs where its time to first token went (`generation`): waiting for a slot and the
     engine's thread, the prompt's prefill, the rest (the first decode step, the loop)."""
     started = time.perf_counter()
     with state.slot():
@@ -72,7 +72,7 @@ async def stream_generation(
                 elif isinstance(event, Finished):
                     finished = True
                     event.summary.ttft_s = (first or time.perf_counter()) - started
-                    log.debug(
+                    log.info(
                         "generation", session_id=sid, request_id=rid, queued_ms=round(queued * 1e3, 2),
                         prefill_ms=round(prefill_s * 1e3, 2), ttft_ms=round(event.summary.ttft_s * 1e3, 2),
                         prompt_tokens=event.summary.prompt_tokens, tokens=event.summary.completion_tokens,

@@ -245,13 +245,10 @@ class Engine:
                         log.warning("digests of session %s not read from the remote store: %s", session_id, e)
                     t1 = time.perf_counter()
                     out.digest_s = t1 - t0
-                    if self._choose_kv(out, written):  # (the digests' first piece measured the store's rate)
+                    if out.kv_source == "store":  # (as `measured` chose: no snapshot installed otherwise)
                         out.kv_blocks, out.kv_bytes = self._import_kv(session_id, written)
                         out.kv_s = time.perf_counter() - t1
-                        self.remote.note_read(out.kv_bytes, out.kv_s)
-                if out.kv_source == "recompute" and files is not None:
-                    files.remove(session_id)  # (the digests of KV computed again: rebuilt from its keys)
-                    out.digest_blocks = 0
+                        self.remote.note_read(out.kv_bytes, out.kv_s)  # (the store's path: its archive writes too)
             except (RemoteError, ArchiveError, OSError) as e:  # (its KV is computed again instead)
                 log.warning("KV of session %s not read from the remote store: %s", session_id, e)
                 with contextlib.suppress(ArchiveError, OSError):

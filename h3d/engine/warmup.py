@@ -104,7 +104,7 @@ def _scratch(engine: Engine) -> int:
     finally:
         kv.release(seq, purge_archive=True)
     # The same prompt again, compiled by now: the engine's prefill rate, for what is cheaper than
-    # computing KV again (a take-over's KV from the remote store, `Engine.kv_from_store`).
+    # computing KV again (a take-over's KV from the remote store, `Engine._choose_kv`).
     seq = SeqId(next(engine._seq_ids))
     kv.open(seq, None, policy_named(engine.config.policy))
     cuda = runner.device.type == "cuda"

@@ -359,11 +359,6 @@ class RemoteStore:
         raw = await self._call(f"reading session {session}'s digests", self._redis.get(self._key(session, "digests")))
         return None if raw is None else dict(json.loads(raw))
 
-    async def get_digests(self, session: str, head: dict[str, Any]) -> bytes | None:
-        """The snapshot `head` (`digests_head`) describes, or None (not whole: a piece expired or torn)."""
-        pieces = [await self.get_digest_piece(session, i) for i in range(int(head["pieces"]))]
-        return digests_whole(head, pieces)
-
     async def get_digest_piece(self, session: str, index: int) -> bytes | None:
         """Piece `index` of `session`'s digest snapshot (`DIGEST_PIECE_BYTES` at most), or None."""
         what = f"reading session {session}'s digests"
@@ -404,7 +399,8 @@ class RemoteStore:
 
 
 def digests_whole(head: dict[str, Any], pieces: list[bytes | None]) -> bytes | None:
-    """A digest snapshot from its `pieces` if they make the one `head` describes, else None."""
+    """A digest snapshot from its `pieces` (`RemoteStore.get_digest_piece`) if they make the one
+    `head` (`RemoteStore.digests_head`) describes, else None (a piece expired or torn)."""
     if any(p is None for p in pieces):
         return None
     data = b"".join(p for p in pieces if p is not None)

@@ -1265,7 +1265,7 @@ def test_metrics_and_log_events(main_daemon: RunningDaemon) -> None:
     assert _metric(text, 'h3d_rpc_total{api="grpc",method="Generate",code="OK"}') >= 1
     assert _metric(text, "h3d_sessions") >= 1
     assert _metric(text, "h3d_ttft_seconds_count") >= 1
-    # Where the generation's time to first token went (debug): its parts within the whole
+    # Where the generation's time to first token went: its parts within the whole
     done = wait_for(lambda: [e for e in d.events("generation") if e.get("session_id") == sid], what="generation")[-1]
     assert done["tokens"] == 8 and done["prompt_tokens"] == stream.done.prompt_tokens
     assert 0 <= done["queued_ms"] <= done["ttft_ms"] and done["prefill_ms"] == 0  # (no prompt with it)
