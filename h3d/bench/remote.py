@@ -282,7 +282,7 @@ def table(r: dict[str, Any]) -> str:
             f"{s['reprefill_first_token_s']:.2f} s |",
             f"| ratio (goal ≤ 1/3) | {s['ratio']:.3f} |",
             f"| B's 16 greedy tokens equal the prefilled-again session's | {'yes' if s['same_tokens'] else 'no'} |",
-            f"| blocks B computed again (the partial last one is not carried) | {s['kv_rebuild_blocks']} |",
+            f"| blocks B computed again | {s['kv_rebuild_blocks']} |",
         ]
     if k:
         lines += [

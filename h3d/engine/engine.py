@@ -351,12 +351,13 @@ class Engine:
 
     def export_kv(self, session_id: SessionId) -> tuple[int, int]:
         """`session_id`'s whole KV blocks, archived here first (`KVCache.snapshot`), written to the
-        remote store for the daemon that takes it over next (`h3d.remote.kv`): those it lacks (copied
-        there by write-behind already, `h3d.remote.copyup`: renewed only). -> (blocks, bytes written)."""
+        remote store for the daemon that takes it over next (`h3d.remote.kv`), the partial last one
+        too: those it lacks (copied there by write-behind already, `h3d.remote.copyup`: renewed
+        only). -> (blocks, bytes written)."""
         session = self.session(session_id)
         if self.kv.archive is None or self.remote is None or not self.kv.writable:
             return 0, 0
-        self.kv.snapshot(session.seq)
+        self.kv.snapshot(session.seq, partial=True)  # (its partial last block travels too)
         return self._send_kv(session_id, session.tokens)
 
     def _send_kv(self, session_id: SessionId, tokens: list[int]) -> tuple[int, int]:
@@ -427,7 +428,7 @@ class Engine:
         self._cancel_requests(session)
         if self.kv.archive is not None and self.kv.writable:
             try:
-                self.kv.snapshot(session.seq)
+                self.kv.snapshot(session.seq, partial=True)  # (its partial last block travels too)
                 self.kv.save_digests_later(session.seq)  # (written on a thread; `send_hand_over` sends it)
             except SsdDegraded as e:  # (the next daemon computes what is not archived)
                 log.warning("KV of session %s not archived before its hand-over: %s", session_id, e)

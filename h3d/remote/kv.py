@@ -16,8 +16,17 @@ Blocks reach the store two ways: as write-behind archives them (`h3d.remote.copy
 daemon killed leaves its sessions' archived KV in the store), and when a daemon gives a session up
 or stops (`outgoing`: what the store lacks of it).
 
+A session handed over (or a daemon stopping) also writes its partial last block: the KV of the
+tokens past its last whole block, but for the last token (which the next request feeds), keyed
+by the chain of its whole blocks and then those tokens (`tail_digest`), so that the daemon that
+takes it over holds every token's KV its giver held and its first request is a decode step that
+reads its selection, not a prompt's exact prefill of those tokens over every block (on a GPU
+that read a 32K session's 4.3 GB back from the archive: docs/BENCHMARKS.md). Write-behind copies
+whole blocks only (a partial block changes with every token).
+
 What must stay true: a block is read into the archive only under the session whose tokens give
-its key (the chain covers every token before it), and only whole blocks travel.
+its key (the chain covers every token before it, a partial block's key its own tokens too), and
+only blocks of the tokens taken over travel.
 """
 
 from __future__ import annotations
@@ -45,13 +54,28 @@ def _next(prev: bytes, ids: Sequence[int]) -> bytes:
     return hashlib.sha256(prev + np.asarray(ids, dtype="<u4").tobytes()).digest()
 
 
-def digests(tokens: Sequence[int], block_size: int, blocks: int) -> list[str]:
-    """The hash chain of the first `blocks` whole blocks of `tokens`."""
+def _chain(tokens: Sequence[int], block_size: int, blocks: int) -> tuple[bytes, list[str]]:
     out, prev = [], b""
     for j in range(blocks):
         prev = _next(prev, tokens[j * block_size : (j + 1) * block_size])
         out.append(prev.hex()[:32])
-    return out
+    return prev, out
+
+
+def digests(tokens: Sequence[int], block_size: int, blocks: int) -> list[str]:
+    """The hash chain of the first `blocks` whole blocks of `tokens`."""
+    return _chain(tokens, block_size, blocks)[1]
+
+
+def tail_digest(tokens: Sequence[int], block_size: int) -> str | None:
+    """The key of the partial block `tokens` end with (None: they end on a whole block): the chain
+    of their whole blocks, then the partial block's tokens, marked apart from a whole block's."""
+    full = len(tokens) // block_size
+    if len(tokens) == full * block_size:
+        return None
+    prev, _ = _chain(tokens, block_size, full)
+    rest = np.asarray(tokens[full * block_size :], dtype="<u4").tobytes()
+    return hashlib.sha256(b"tail" + prev + rest).hexdigest()[:32]
 
 
 class Chains:
@@ -102,20 +126,25 @@ def outgoing(
     tokens: Sequence[int],
     lacks: Callable[[list[tuple[int, str]]], list[bool]] | None = None,
 ) -> list[tuple[int, str, bytes]]:
-    """The whole blocks `name` has in `archive`, as (layer, digest, value) to write to the store;
-    with `lacks` (which of these (layer, digest) the store lacks), only those."""
+    """The blocks `name` has in `archive` of `tokens` but their last (which the next request
+    feeds), whole and the partial last one, as (layer, digest, value) to write to the store; with
+    `lacks` (which of these (layer, digest) the store lacks), only those."""
     bs = archive.identity.block_size
-    full = len(tokens) // bs
-    held = sorted((layer, j) for (layer, j), n in archive.blocks_of(name).items() if n == bs and j < full)
-    chain = digests(tokens, bs, full)
+    kv = tokens[: max(len(tokens) - 1, 0)]
+    full = len(kv) // bs
+    chain, tail = digests(kv, bs, full), tail_digest(kv, bs)
+    key = {j: d for j, d in enumerate(chain)}
+    if tail is not None:
+        key[full] = tail
+    want = {j: bs for j in range(full)} | ({full: len(kv) - full * bs} if tail is not None else {})
+    held = sorted((layer, j) for (layer, j), n in archive.blocks_of(name).items() if want.get(j) == n)
     if held and lacks is not None:
-        held = [h for h, lacking in zip(held, lacks([(layer, chain[j]) for layer, j in held]), strict=True) if lacking]
+        held = [h for h, lacking in zip(held, lacks([(layer, key[j]) for layer, j in held]), strict=True) if lacking]
     if not held:
         return []
     records = archive.get_records([BlockKey(name, layer, j) for layer, j in held])
     return [
-        (layer, chain[j], pack(n, codec, payload))
-        for (layer, j), (n, codec, payload) in zip(held, records, strict=True)
+        (layer, key[j], pack(n, codec, payload)) for (layer, j), (n, codec, payload) in zip(held, records, strict=True)
     ]
 
 
@@ -123,23 +152,32 @@ def incoming(archive: Archive, name: str, tokens: Sequence[int], layers: int, va
     """Archive under `name` the blocks the store gave (`values`: one per (layer, block) of
     `wanted(...)`'s order, None where it had none). Returns the blocks archived."""
     bs = archive.identity.block_size
-    full = len(tokens) // bs
+    sizes = _sizes(tokens, bs)
     items = []
     for i, value in enumerate(values):
         got = unpack(value) if value is not None else None
-        if got is None or got[0] != bs:
+        layer, j = divmod(i, len(sizes))
+        if got is None or got[0] != sizes[j]:
             continue
-        layer, j = divmod(i, full)
         if not (got[1] is archive.codec_for(layer) or got[1].lossless):
             continue
-        items.append((BlockKey(name, layer, j), bs, got[1], got[2]))
+        items.append((BlockKey(name, layer, j), got[0], got[1], got[2]))
     if items:
         archive.put_records(items)
     return len(items)
 
 
+def _sizes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """The token count of each block of `tokens`, the partial last one's included."""
+    full, rest = divmod(len(tokens), block_size)
+    return [block_size] * full + ([rest] if rest else [])
+
+
 def wanted(identity: CacheIdentity, tokens: Sequence[int], layers: int) -> list[tuple[int, str]]:
-    """(layer, digest) of every whole block of `tokens` in every layer, layer-major."""
+    """(layer, digest) of every block of `tokens` (the KV taken over: the partial last one's too)
+    in every layer, layer-major."""
     bs = identity.block_size
     chain = digests(tokens, bs, len(tokens) // bs)
-    return [(layer, d) for layer in range(layers) for d in chain]
+    tail = tail_digest(tokens, bs)
+    keys = chain + ([tail] if tail is not None else [])
+    return [(layer, d) for layer in range(layers) for d in keys]
