@@ -22,7 +22,12 @@ started with `--http-listen` and nothing else):
   it): turn 1 is the document as a user message and a question; turn 2 sends the whole
   conversation again (the first reply as the assistant's message) with a new question. Time to
   first token of each, and `usage.prompt_tokens_details.cached_tokens` of turn 2 against turn 1's
-  history (its prompt and reply).
+  history (its prompt and reply). Turn 2 comes as soon as turn 1 ended, while write-behind
+  archives turn 1's KV; then, once that settled, the same history with another question (turn 2
+  as a reader who took a few seconds would send it). Each with where the daemon's time went (its
+  `generation` event).
+
+`--phase forks` or `--phase chat` runs one of them (default: both).
 """
 
 from __future__ import annotations
@@ -202,7 +207,7 @@ def forks(client: Client, ids: list[int], n: int, generate: int) -> dict[str, An
     }  # fmt: skip
 
 
-def second_turn(url: str, model: str, text: str, reply_tokens: int, daemon: Daemon) -> dict[str, Any]:
+def second_turn(url: str, model: str, text: str, reply_tokens: int, daemon: Daemon, client: Client) -> dict[str, Any]:
     history = [{"role": "user", "content": text + "\n\nIn one sentence: what does this manual describe?"}]
     first = chat(url, model, history, reply_tokens)
     history += [{"role": "assistant", "content": first["text"]},
@@ -211,22 +216,38 @@ def second_turn(url: str, model: str, text: str, reply_tokens: int, daemon: Daem
     # Where the daemon's part of its time to first token went (its `generation` event): waiting for
     # the engine's thread, the prompt's prefill (the part of it not reused), then the first token.
     inside = [e for e in daemon.events() if e.get("event") == "generation"][-1]
+    # The same history once write-behind settled, with another question.
+    settled(client)
+    history[-1] = {"role": "user", "content": "And where do sessions live after a restart?"}
+    later = chat(url, model, history, reply_tokens)
+    inside_later = [e for e in daemon.events() if e.get("event") == "generation"][-1]
     had = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
     cached = second["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    keys = ("queued_ms", "prefill_ms", "ttft_ms")
     return {
         "history_tokens": had, "ttft_first_s": first["ttft_s"], "ttft_second_s": second["ttft_s"],
         "ttft_ratio": second["ttft_s"] / first["ttft_s"], "cached_tokens": cached, "cached_share": cached / had,
         "second_prompt_tokens": second["usage"]["prompt_tokens"],
-        "second_in_daemon_ms": {k: inside[k] for k in ("queued_ms", "prefill_ms", "ttft_ms")},
+        "second_in_daemon_ms": {k: inside[k] for k in keys},
+        "ttft_settled_s": later["ttft_s"], "settled_in_daemon_ms": {k: inside_later[k] for k in keys},
+        "settled_cached_tokens": later["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0),
     }  # fmt: skip
 
 
 def table(r: dict[str, Any]) -> str:
-    f, c = r["forks"], r["chat"]
-    return "\n".join([
-        f"`python -m h3d.bench.prefix {' '.join(r['argv'])}` ({r['date']}, {r['host']}, {r['model']}; "
-        "`h3d serve` defaults, `--http-listen`)",
-        "",
+    f, c = r.get("forks"), r.get("chat")
+    return "\n".join(
+        [
+            f"`python -m h3d.bench.prefix {' '.join(r['argv'])}` ({r['date']}, {r['host']}, {r['model']}; "
+            "`h3d serve` defaults, `--http-listen`)",
+            *(["", *_forks_table(f)] if f else []),
+            *(["", *_chat_table(c)] if c else []),
+        ]
+    )
+
+
+def _forks_table(f: dict[str, Any]) -> list[str]:
+    return [
         "| forks of one document | |",
         "|---|---|",
         f"| document (AppendContext) | {f['document_tokens']} tokens in {f['append_s']:.2f} s |",
@@ -253,23 +274,26 @@ def table(r: dict[str, Any]) -> str:
         f"| the same rule: 1.2 x one session + each fork's own {f['fork_own_blocks_closed']} blocks | "
         f"{f['archive_allowance_mb']:.0f} MiB: "
         f"{'met' if f['archive_family_closed_mb'] <= f['archive_allowance_mb'] else 'missed'} |",
-        "",
+    ]  # fmt: skip
+
+
+def _chat_table(c: dict[str, Any]) -> list[str]:
+    def inside(ms: dict[str, float]) -> str:
+        return " / ".join(f"{ms[k]:.0f} ms" for k in ("queued_ms", "prefill_ms", "ttft_ms"))
+
+    return [
         "| a chat's second turn (`/v1/chat/completions`, stateless) | |",
         "|---|---|",
         f"| history (turn 1's prompt and reply) | {c['history_tokens']} tokens |",
         f"| time to first token: turn 1 / turn 2 | {c['ttft_first_s']:.2f} s / {c['ttft_second_s']:.3f} s "
         f"({c['ttft_ratio']:.3f}) |",
         f"| turn 2's cached_tokens | {c['cached_tokens']} ({100 * c['cached_share']:.1f} % of the history) |",
-        *(
-            [
-                "| turn 2 in the daemon: waiting for the engine / the prompt's prefill / to its first token | "
-                + " / ".join(f"{c['second_in_daemon_ms'][k]:.0f} ms" for k in ("queued_ms", "prefill_ms", "ttft_ms"))
-                + " |"
-            ]
-            if "second_in_daemon_ms" in c
-            else []
-        ),
-    ])  # fmt: skip
+        "| turn 2 in the daemon: waiting for the engine / the prompt's prefill / to its first token | "
+        f"{inside(c['second_in_daemon_ms'])} |",
+        f"| turn 2 again once write-behind settled (another question): time to first token | "
+        f"{c['ttft_settled_s']:.3f} s ({c['ttft_settled_s'] / c['ttft_first_s']:.3f}) |",
+        f"| the same in the daemon | {inside(c['settled_in_daemon_ms'])} |",
+    ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path(".bench/prefix"), help="the daemon's data folder")
     p.add_argument("--out", type=Path, default=None, help="the JSON (default bench/results/DATE-cpu-prefix.json)")
     p.add_argument("--write", type=Path, default=None, help="update this markdown file's prefix section")
+    p.add_argument("--phase", choices=("forks", "chat"), default=None, help="run one measurement (default: both)")
     args = p.parse_args(argv)
     args.model = shaped_model(args.model, args.shape, args.tiny, args.tokenizer)
     from h3d.model.tokenizer import Tokenizer
@@ -292,11 +317,15 @@ def main(argv: list[str] | None = None) -> int:
     daemon = Daemon(args.model, args.work, flags=["--http-listen", f"127.0.0.1:{port}"])
     try:
         client = Client(daemon.sock)
-        log("forks ...")
-        fork_figures = forks(client, ids, args.forks, args.generate)
-        log(f"forks: {json.dumps(fork_figures)}")
-        log("a chat's second turn ...")
-        chat_figures = second_turn(f"http://127.0.0.1:{port}", args.model.name, text, 32, daemon)
+        fork_figures = chat_figures = None
+        if args.phase in (None, "forks"):
+            log("forks ...")
+            fork_figures = forks(client, ids, args.forks, args.generate)
+            log(f"forks: {json.dumps(fork_figures)}")
+        if args.phase in (None, "chat"):
+            log("a chat's second turn ...")
+            chat_figures = second_turn(f"http://127.0.0.1:{port}", args.model.name, text, 32, daemon, client)
+            log(f"chat: {json.dumps(chat_figures)}")
     finally:
         daemon.stop()
     result = {
