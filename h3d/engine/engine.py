@@ -565,6 +565,7 @@ class Engine:
     ) -> SessionId:
         """A new session. `chat`: what is appended are messages rendered through the model's chat
         template (`system_prompt` is its system message; see h3d.engine.chat)."""
+        self.kv.tiers.behind.hold_back()  # (a request for it comes next, most likely)
         chosen = policy_named(policy or self.config.policy)
         if chat and self.tokenizer.chat_template is None:
             raise NoChatTemplate("this model has no chat template: create a plain session (chat off)")
@@ -976,6 +977,8 @@ class Engine:
         `RequestFailed` event; the others go on. Anything else is a bug and propagates."""
         events: list[Event] = []
         held = self.interleave
+        if any(r.first_token_at is None for r in self._requests.values()):
+            self.kv.tiers.behind.hold_back()  # a prompt waits for its first token: write-behind makes way
         for req in list(self._requests.values()):
             if req.cancelled:
                 events.append(self._finish(req, FinishReason.CANCELLED))

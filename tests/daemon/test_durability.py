@@ -206,6 +206,13 @@ def test_kill_9_during_streams_loses_no_streamed_token(
             t.start()
         for e in started:
             assert e.wait(120)
+        # (write-behind makes way for prompts while they wait for their first tokens: kill once it
+        # has written some of the streams' KV, within half a second of them)
+        deadline = time.monotonic() + 30
+        while write_behind and time.monotonic() < deadline:
+            if getattr(h3.GetStats(pb.GetStatsRequest()), "global").write_behind_bytes:
+                break
+            time.sleep(0.02)
         d.proc.send_signal(signal.SIGKILL)
         for t in threads:
             t.join(60)

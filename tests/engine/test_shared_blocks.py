@@ -274,7 +274,9 @@ def test_shared_blocks_are_written_behind_once(checkpoint: Callable[[str], Path]
     engine.kv.tiers.behind.dirty_limit = 0  # (as write_behind_dirty_mb = 0: everything written behind)
     for f in forks:
         engine.complete(f, "", SamplingParams(max_tokens=4, ignore_eos=True))
-    engine.kv.tiers.settle()
+    engine.kv.tiers.behind.release()  # (the hold it made way for the prompts with: over)
+    while engine.write_behind():  # (as the daemon's engine thread does once requests are done)
+        engine.kv.tiers.settle()
     b, e = engine.kv.blocks, engine.kv.blocks.entries
     seqs = {engine.session(s).seq for s in (parent, *forks)}
     ids = b.table(engine.session(parent).seq).ids[:, : (300 - 1) // BS]

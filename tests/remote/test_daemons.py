@@ -138,6 +138,11 @@ def test_a_daemon_killed_during_streams_loses_no_token_it_sent(
         deadline = time.monotonic() + 120
         while min(len(g) for g in got) < 5 and time.monotonic() < deadline:
             time.sleep(0.01)
+        # (write-behind makes way for prompts while they wait for their first tokens: kill once A
+        # has copied some of their KV to the store, within half a second of them)
+        store = redis.Redis.from_url(redis_server.url)
+        while not next(store.scan_iter(match="h3d:*:kv:*", count=1000), None) and time.monotonic() < deadline:
+            time.sleep(0.02)
         a.proc.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         for t in threads:

@@ -9,6 +9,8 @@
 - A rewind waits for its session's writes in flight, so no record of a cut block stands for the
   block that replaces it; the archive's capacity stops write-behind (the blocks stay dirty).
 - A session resumed after a restart reads its archived KV back on several threads.
+- Write-behind makes way for a prompt: while a request waits for its first token nothing is
+  submitted and the batches not started wait, for at most `WRITE_BEHIND_HOLD_S` in a row.
 
 kill -9 during write-behind is in tests/daemon/test_durability.py.
 """
@@ -275,6 +277,8 @@ def test_a_rewind_waits_for_its_writes_in_flight(checkpoint: Callable[[str], Pat
     ids = random_prompt(200, VOCAB_SIZE, seed=5)
     sid, twin = engine.create_session(), plain.create_session()
     engine.append(sid, token_ids=ids)
+    tiers.behind.release()  # (the hold it made way for the prompt with: over)
+    engine.write_behind()
     assert tiers.behind.batches  # in flight, held by the disk
     threading.Timer(0.2, gate.set).start()
     t0 = time.monotonic()
@@ -368,6 +372,7 @@ def test_a_checkpoint_writes_dirty_blocks_on_the_write_behind_threads(
     ids = random_prompt(300, VOCAB_SIZE, seed=41)
     sid = engine.create_session()
     engine.append(sid, token_ids=ids)
+    engine.kv.tiers.behind.release()  # (the hold it made way for the prompt with: over)
     assert not engine.write_behind() and engine.tier_stats().write_behind_bytes == 0
     t = engine.runner.blocks.table(engine.session(sid).seq)
     full, partial = t.num_tokens // 16, int(t.num_tokens % 16 > 0)
@@ -376,3 +381,54 @@ def test_a_checkpoint_writes_dirty_blocks_on_the_write_behind_threads(
     assert engine.tier_stats().write_behind_bytes == full * 3 * SLOT_BYTES  # the full ones, on its threads
     assert t.archived[:, :full].all() and engine.tier_stats().dirty_bytes == 0  # the partial one stays unmarked
     engine.close()
+
+
+def test_write_behind_makes_way_for_a_prompt_for_a_bounded_time(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a request waits for its first token (and just after a session is made), write-behind
+    submits nothing and a batch not started waits; the hold ends a margin after the last request
+    that asked for it, lasts at most WRITE_BEHIND_HOLD_S in a row, and the next begins only as
+    long after it; a step that waits for a batch ends the hold. The tokens are the untiered
+    engine's throughout."""
+    from h3d.tiers import writebehind
+
+    monkeypatch.setattr(writebehind, "WRITE_BEHIND_HOLD_S", 30.0)  # (first: never reached)
+    monkeypatch.setattr(writebehind, "HOLD_MARGIN_S", 0.3)
+    engine = _engine(checkpoint(MODEL), tmp_path)
+    plain = make_engine(checkpoint(MODEL))
+    behind = engine.runner.tiers.behind
+    ids = random_prompt(200, VOCAB_SIZE, seed=71)
+    sid, twin = engine.create_session(), plain.create_session()
+    assert behind.held and behind.holds == 1  # (a session made: its request comes next)
+    engine.append(sid, token_ids=ids)
+    assert behind.held and behind.written_blocks == 0 and not behind.batches  # every step made way
+    assert engine.write_behind() and not behind.batches  # (idle: still held, call again soon)
+    # A thread about to start a batch waits for the hold's end.
+    t0 = time.monotonic()
+    waited = threading.Thread(target=behind._wait_turn)
+    waited.start()
+    waited.join(5)
+    assert 0.05 <= time.monotonic() - t0 <= 1.0 and not behind.held
+    _drain(engine)
+    assert behind.written_blocks > 0 and _all_full_blocks_archived(engine)
+    # At most WRITE_BEHIND_HOLD_S in a row, however often asked; then none as long again.
+    monkeypatch.setattr(writebehind, "WRITE_BEHIND_HOLD_S", 0.3)
+    monkeypatch.setattr(writebehind, "HOLD_MARGIN_S", 0.1)
+    time.sleep(0.7)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.5:
+        behind.hold_back()
+        time.sleep(0.01)
+    assert not behind.held and behind.holds == 2
+    behind.hold_back()
+    assert not behind.held  # (too soon after a whole hold)
+    time.sleep(0.15)
+    behind.hold_back()
+    assert behind.held and behind.holds == 3
+    behind.poll(wait=True)  # a wait for the batches ends it
+    assert not behind.held
+    plain.append(twin, token_ids=ids)
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    engine.close()
+    plain.close()
