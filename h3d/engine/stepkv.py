@@ -27,7 +27,7 @@ import torch
 from h3d.engine.step import Reads, StepPlan, StepReport
 from h3d.hbf.policy import probe_anchors
 from h3d.kernels.copies import paged_write
-from h3d.kv.attention import LayerKV, gather_blocks, window_lists
+from h3d.kv.attention import LayerKV, head_major, window_lists
 from h3d.kv.blocks import SeqId, first_blocks, runs_of
 
 if TYPE_CHECKING:
@@ -221,11 +221,11 @@ class HostStepKV(_Writes):
         gathered from their blocks."""
         r = self.runner
         seq, start, n, off = self.seqs[i], self.starts[i], self.query_lens[i], self.offsets[i]
-        k = self._fresh[1][off : off + n]  # [n, Hkv, D]
+        k = self._fresh[1][off : off + n].transpose(0, 1)  # [Hkv, n, D]
         if start:
             loc = r.blocks.table(seq).locations(index)[: -(-start // r.blocks.block_size)]
-            prior = gather_blocks(self.pools.k, torch.from_numpy(loc).to(r.device))[:start]  # [start, Hkv, D]
-            k = torch.cat([prior.to(k.dtype), k])
+            prior = head_major(self.pools.k, loc, start)  # [Hkv, start, D] (a view where it can)
+            k = torch.cat([prior.to(k.dtype), k], dim=1)
         probe_anchors(r.kv.selection(seq), r.hbf, index, q[off : off + n], k, r.blocks.block_size, scale)
 
     def resolve(self) -> None:

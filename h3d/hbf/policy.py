@@ -46,6 +46,7 @@ from h3d.errors import InvalidRequest, clip
 from h3d.hbf.digests import block_scores
 
 PROBE_QUERIES = 64
+PROBE_SCORES_BYTES = 256 << 20  # `probe_anchors`: fp32 scores at once, at most (32K keys of an 8B model: every head)
 
 Selection = np.ndarray | torch.Tensor | None
 
@@ -237,29 +238,32 @@ def probe_anchors(
 ) -> None:
     """Record `layer`'s anchors from the chunk that ends a prompt (`layerwise`, `attention_entropy`).
 
-    q: [n, H, D], the chunk's queries (its last tokens of the sequence); k: [T, Hkv, D], every key
-    of the layer so far (the chunk's included), in any dtype (scored in fp32, a KV head at a
-    time). The mass each block draws from the last queries ranks the blocks, outside sinks and the
-    recent window. Summed over heads and queries, the best ones that fill the token budget are
-    `layerwise`'s `state.anchors`; per KV head (its group's queries), the best ones that could fill
-    the largest window, best first, are `attention_entropy`'s `state.head_anchors` (both kept, so
-    that a session may switch). A later prompt's anchors replace these.
+    q: [n, H, D], the chunk's queries (its last tokens of the sequence); k: [Hkv, T, D], every key
+    of the layer so far per KV head (the chunk's included), in any dtype (scored in fp32, as many
+    KV heads at once as `PROBE_SCORES_BYTES` of scores hold). The mass each block draws from the
+    last queries ranks the blocks, outside sinks and the recent window. Summed over heads and
+    queries, the best ones that fill the token budget are `layerwise`'s `state.anchors`; per KV
+    head (its group's queries), the best ones that could fill the largest window, best first, are
+    `attention_entropy`'s `state.head_anchors` (both kept, so that a session may switch). A later
+    prompt's anchors replace these.
     """
     if not state.policy.probes_prompt or layer < cfg.dense_layers:
         return
     m = min(PROBE_QUERIES, q.shape[0])
-    t, hkv, d = k.shape
-    qm = q[-m:].float().view(m, hkv, -1, d) * scale  # [m, Hkv, G, D]
+    hkv, t, d = k.shape
+    qm = (q[-m:].float() * scale).view(m, hkv, -1, d)  # [m, Hkv, G, D]
     g = qm.shape[2]
+    qh = qm.permute(1, 0, 2, 3).reshape(hkv, m * g, d)  # [Hkv, m * G, D], rows (query, head)
     last = torch.arange(m, device=q.device)
     late = (last[None, :] > last[:, None]).repeat_interleave(g, dim=0)  # [m * G, m]: the last m keys after each query
     nb = -(-t // block_size)
-    per_block = torch.zeros(hkv, nb * block_size, device=q.device)
-    for h in range(hkv):  # a KV head at a time: [m * G, T] scores (a long prompt's would be large)
-        scores = qm[:, h].reshape(m * g, d) @ k[:, h].float().T  # [m * G, T], rows (query, head)
-        scores[:, t - m :].masked_fill_(late, float("-inf"))  # causal: only the last m keys can be later
-        per_block[h, :t] = torch.softmax(scores, dim=-1).sum(dim=0)  # mass per key
-    per_block = per_block.view(hkv, nb, block_size).sum(-1)  # [Hkv, nb]
+    per_key = torch.zeros(hkv, nb * block_size, device=q.device)
+    heads = max(1, PROBE_SCORES_BYTES // (m * g * t * 4))  # KV heads scored at once
+    for h in range(0, hkv, heads):
+        scores = torch.bmm(qh[h : h + heads], k[h : h + heads].float().transpose(1, 2))  # [h, m * G, T]
+        scores[:, :, t - m :].masked_fill_(late, float("-inf"))  # causal: only the last m keys can be later
+        per_key[h : h + heads, :t] = torch.softmax(scores, dim=-1).sum(dim=1)  # mass per key
+    per_block = per_key.view(hkv, nb, block_size).sum(-1)  # [Hkv, nb]
     base = base_blocks(nb, cfg, block_size)
     per_block[:, torch.from_numpy(base).to(per_block.device)] = float("-inf")
     most = max(0, cfg.window_max_tokens // block_size - len(base))

@@ -128,6 +128,24 @@ def gather_blocks(pools: tuple[torch.Tensor, ...], loc: torch.Tensor) -> torch.T
     return g.float().reshape(hbm.shape[0], *loc.shape[:-1], -1, hbm.shape[-1]).movedim(0, -2)
 
 
+def head_major(pools: tuple[torch.Tensor, ...], loc: np.ndarray, tokens: int) -> torch.Tensor:
+    """The first `tokens` rows of the blocks at `loc` (HBM slots >= 0, DDR ones < 0, in order),
+    per KV head: [Hkv, tokens, D] in the pools' dtype. A view of the HBM pool where the blocks are
+    one run of its slots (a session's blocks mostly are), else gathered (DDR's read on the host);
+    no host sync either way."""
+    hbm, ddr = pools
+    hkv, _, bs, d = hbm.shape
+    n = len(loc)
+    if n and loc[0] >= 0 and int(loc[-1]) - int(loc[0]) == n - 1 and (np.diff(loc) == 1).all():
+        return hbm[:, int(loc[0]) : int(loc[0]) + n].reshape(hkv, n * bs, d)[:, :tokens]
+    g = hbm[:, torch.from_numpy(np.maximum(loc, 0)).to(hbm.device)]  # [Hkv, n, bs, D]
+    below = np.flatnonzero(loc < 0)
+    if len(below):
+        rows = torch.from_numpy(-loc[below] - 1).to(ddr.device)
+        g[:, torch.from_numpy(below).to(hbm.device)] = ddr[:, rows].to(hbm.device)
+    return g.reshape(hkv, n * bs, d)[:, :tokens]
+
+
 def decode_attention(
     q: torch.Tensor, pools: Pools, tables: torch.Tensor, kv_lens: torch.Tensor, scale: float, window: int | None = None
 ) -> torch.Tensor:

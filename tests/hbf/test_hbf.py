@@ -260,6 +260,50 @@ def test_known_blocks_are_read_by_every_selection(policy: str, num_blocks: int, 
             assert len(known) <= 1 + 1 + 2 * 5 + 6
 
 
+def _probe_oracle(q: torch.Tensor, k: torch.Tensor, m: int, block_size: int, scale: float) -> torch.Tensor:
+    """The prompt probe's ranking, plainly: each KV head's group of the last m queries, a softmax
+    over every key it may see (causal among the last m), the mass summed per block. q: [n, H, D],
+    k: [Hkv, T, D] -> [Hkv, blocks]."""
+    hkv, t, _ = k.shape
+    g = q.shape[1] // hkv
+    nb = -(-t // block_size)
+    out = torch.zeros(hkv, nb, dtype=torch.float64)
+    for h in range(hkv):
+        for i in range(m):
+            pos = t - m + i  # this query's position: it sees keys 0..pos
+            for j in range(g):
+                w = torch.softmax((k[h, : pos + 1].double() @ q[-m + i, h * g + j].double()) * scale, dim=0)
+                for b in range(nb):
+                    out[h, b] += w[b * block_size : (b + 1) * block_size].sum()
+    return out
+
+
+@pytest.mark.parametrize("scores_bytes", [256 << 20, 1])
+def test_the_prompt_probe_ranks_blocks_by_the_attention_they_draw(
+    scores_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`probe_anchors` against a plain softmax per query and head (all KV heads scored at once, or
+    one at a time): each head's anchors are its best blocks by the mass they draw, best first,
+    outside sinks and the recent window; the summed ranking gives layerwise's."""
+    from h3d.hbf import policy as policy_module
+
+    monkeypatch.setattr(policy_module, "PROBE_SCORES_BYTES", scores_bytes)
+    g = torch.Generator().manual_seed(3)
+    hkv, heads, d, t, m = 2, 4, 16, 13 * BS + 5, policy_module.PROBE_QUERIES  # (the chunk's last m queries)
+    q, k = torch.randn(m + 3, heads, d, generator=g), torch.randn(hkv, t, d, generator=g)
+    cfg = replace(EngineConfig(), window_tokens=5 * BS, window_max_tokens=8 * BS, sink_blocks=1,
+                  recent_tokens=BS, dense_layers=0).hbf  # fmt: skip
+    state = SelectionState(POLICIES["attention_entropy"], cfg.window_tokens)
+    policy_module.probe_anchors(state, cfg, 0, q, k, BS, 0.25)
+    want = _probe_oracle(q, k, m, BS, 0.25)
+    base = [0, 13]  # the sink and the recent (partial) block
+    want[:, base] = -1.0
+    best = torch.argsort(want, dim=1, descending=True)[:, : 8 - 2]
+    assert state.head_anchors[0].tolist() == best.tolist()
+    summed = torch.argsort(want.sum(0), descending=True)[: 5 - 2]
+    assert state.anchors[0].tolist() == sorted(summed.tolist())
+
+
 def test_prompt_anchors_are_probed_at_the_prompts_last_chunk(
     checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -29,6 +29,7 @@ most 2^-8 p_t on each probability, i.e. 2^-8 Σ_t p_t |v_t| on the output. The b
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -335,6 +336,25 @@ def test_run_attention_reads_runs_across_pools(n: int) -> None:
     q = 2.0 * torch.randn(n, h, HEAD_DIM, generator=g)
     got = A.run_attention(q, p.pools, runs, kv_len, SCALE)
     assert_close_to_oracle(got, oracle(q, p, table, kv_len, SCALE))
+
+
+@pytest.mark.parametrize(
+    "table", [[5, 6, 7, 8], [5, 6, 9, 8], [5, -(10 + 1), -(11 + 1), 40], [-(3 + 1), -(4 + 1)]],
+    ids=["one HBM run", "HBM, scattered", "HBM and DDR", "DDR only"],
+)  # fmt: skip
+def test_head_major_keys_are_each_tokens_own(table: list[int]) -> None:
+    """`head_major` (the prompt probe's keys: a view of the HBM pool where the blocks are one run,
+    else gathered, DDR's too): token t of KV head h is the key written for it."""
+    bs, hkv = 16, 2
+    g = torch.Generator().manual_seed(len(table))
+    p = TwoPools(bs, hkv, torch.float32, g)
+    tokens = len(table) * bs - 5
+    p.fill([table], [tokens])
+    got = A.head_major(p.pools.k, np.asarray(table, dtype=np.int64), tokens)
+    assert got.shape == (hkv, tokens, HEAD_DIM)
+    want = torch.stack([p.token(table, t)[0] for t in range(tokens)]).transpose(0, 1)  # [Hkv, T, D]
+    assert torch.equal(got, want)
+    assert (got.data_ptr() == p.pool[HBM].k[:, 5].data_ptr()) == (table == [5, 6, 7, 8])  # (a view of one run)
 
 
 @pytest.mark.parametrize(("n", "t", "heads"), [(1, 40, (4, 4)), (16, 16, (8, 2)), (24, 100, (6, 2)), (64, 300, (4, 1))])
