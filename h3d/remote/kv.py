@@ -131,13 +131,8 @@ def outgoing(
     `lacks` (which of these (layer, digest) the store lacks), only those."""
     bs = archive.identity.block_size
     kv = tokens[: max(len(tokens) - 1, 0)]
-    full = len(kv) // bs
-    chain, tail = digests(kv, bs, full), tail_digest(kv, bs)
-    key = {j: d for j, d in enumerate(chain)}
-    if tail is not None:
-        key[full] = tail
-    want = {j: bs for j in range(full)} | ({full: len(kv) - full * bs} if tail is not None else {})
-    held = sorted((layer, j) for (layer, j), n in archive.blocks_of(name).items() if want.get(j) == n)
+    key, sizes = _keys(kv, bs), _sizes(kv, bs)
+    held = sorted((layer, j) for (layer, j), n in archive.blocks_of(name).items() if j < len(sizes) and sizes[j] == n)
     if held and lacks is not None:
         held = [h for h, lacking in zip(held, lacks([(layer, key[j]) for layer, j in held]), strict=True) if lacking]
     if not held:
@@ -176,8 +171,11 @@ def _sizes(tokens: Sequence[int], block_size: int) -> list[int]:
 def wanted(identity: CacheIdentity, tokens: Sequence[int], layers: int) -> list[tuple[int, str]]:
     """(layer, digest) of every block of `tokens` (the KV taken over: the partial last one's too)
     in every layer, layer-major."""
-    bs = identity.block_size
-    chain = digests(tokens, bs, len(tokens) // bs)
-    tail = tail_digest(tokens, bs)
-    keys = chain + ([tail] if tail is not None else [])
+    keys = _keys(tokens, identity.block_size)
     return [(layer, d) for layer in range(layers) for d in keys]
+
+
+def _keys(tokens: Sequence[int], block_size: int) -> list[str]:
+    """The key of each block of `tokens`: the whole ones' chain, then the partial last one's."""
+    tail = tail_digest(tokens, block_size)
+    return digests(tokens, block_size, len(tokens) // block_size) + ([tail] if tail is not None else [])

@@ -123,7 +123,7 @@ class WriteBehind:
             ThreadPoolExecutor(WRITE_BEHIND_THREADS, thread_name_prefix="h3d-write-behind") if self.enabled else None
         )
         # `hold_back`: until when batches wait (time.monotonic(); read by the threads), when the
-        # hold in force began, and how many holds there were (metrics, tests).
+        # hold in force began, and how many holds there were (tests).
         self._held_until = 0.0
         self._hold_began = -math.inf
         self.holds = 0
