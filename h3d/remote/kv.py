@@ -73,9 +73,11 @@ def tail_digest(tokens: Sequence[int], block_size: int) -> str | None:
     full = len(tokens) // block_size
     if len(tokens) == full * block_size:
         return None
-    prev, _ = _chain(tokens, block_size, full)
-    rest = np.asarray(tokens[full * block_size :], dtype="<u4").tobytes()
-    return hashlib.sha256(b"tail" + prev + rest).hexdigest()[:32]
+    return _tail(_chain(tokens, block_size, full)[0], tokens[full * block_size :])
+
+
+def _tail(prev: bytes, rest: Sequence[int]) -> str:
+    return hashlib.sha256(b"tail" + prev + np.asarray(rest, dtype="<u4").tobytes()).hexdigest()[:32]
 
 
 class Chains:
@@ -177,5 +179,6 @@ def wanted(identity: CacheIdentity, tokens: Sequence[int], layers: int) -> list[
 
 def _keys(tokens: Sequence[int], block_size: int) -> list[str]:
     """The key of each block of `tokens`: the whole ones' chain, then the partial last one's."""
-    tail = tail_digest(tokens, block_size)
-    return digests(tokens, block_size, len(tokens) // block_size) + ([tail] if tail is not None else [])
+    full = len(tokens) // block_size
+    prev, chain = _chain(tokens, block_size, full)  # (once: the tail's key goes on from it)
+    return chain + ([_tail(prev, tokens[full * block_size :])] if len(tokens) > full * block_size else [])
