@@ -1,58 +1,44 @@
-"""Where pinning DDR's time goes: host memory registered with CUDA (`cudaHostRegister`) in 4 GiB
-pieces, on one thread or several, its pages fresh or first zeroed on torch's CPU threads (what
-`h3d.kv.pool` does for a pinned slab).
+"""Where pinning DDR's time goes: a pool's K and V slabs registered with CUDA by `h3d.kv.pool.Pinning`
+(pages zeroed then `cudaHostRegister`ed in pieces, lowest slots first, on several threads), timed
+to the first slots usable (what a start waits for) and to all of them (what goes on after ready).
 
-    python -m h3d.bench.pinning [--gib 16]      # a CUDA host
+    python -m h3d.bench.pinning [--gib 16] [--threads 8 16]      # a CUDA host
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from h3d.kv.pool import PAGE, PIN_PIECE
+from h3d.kv.pool import Pinning
 
-
-def register(t: torch.Tensor, threads: int) -> float:
-    """Seconds to register `t` in pieces on `threads` threads (then unregistered)."""
-    base, size = t.data_ptr(), t.numel() * t.element_size()
-    cuts = [base, *((base + at) & ~(PAGE - 1) for at in range(PIN_PIECE, size, PIN_PIECE)), base + size]
-    pieces = list(itertools.pairwise(cuts))
-    cudart = torch.cuda.cudart()
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        errors = list(pool.map(lambda p: int(cudart.cudaHostRegister(p[0], p[1] - p[0], 3)), pieces))
-    took = time.perf_counter() - t0
-    for ptr, _ in pieces:
-        cudart.cudaHostUnregister(ptr)
-    if any(errors):
-        raise SystemExit(f"cudaHostRegister failed: {errors}")
-    return took
+HEADS, BLOCK, DIM = 8, 32, 128  # Llama-3-8B's KV heads and head size, h3d's default block
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m h3d.bench.pinning", description=__doc__.split("\n\n")[0])
-    p.add_argument("--gib", type=int, default=16, help="GiB of host memory registered each time")
+    p.add_argument("--gib", type=int, default=16, help="GiB of host memory (K and V together)")
+    p.add_argument("--threads", type=int, nargs="+", default=[8], help="registering threads, one run each")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("h3d.bench.pinning: needs a CUDA device")
     torch.cuda.init()
-    for label, touch, threads in (("fresh, 1 thread", False, 1), ("fresh, 8 threads", False, 8),
-                                  ("touched, 8 threads", True, 8)):  # fmt: skip
-        t = torch.empty(args.gib << 30, dtype=torch.uint8)
-        touched = 0.0
-        if touch:
-            t0 = time.perf_counter()
-            t.zero_()
-            touched = time.perf_counter() - t0
-        took = register(t, threads)
-        print(f"{label}: {args.gib} GiB registered in {took:.2f} s (touch {touched:.2f} s, "
-              f"torch threads {torch.get_num_threads()})", flush=True)  # fmt: skip
-        del t
+    slots = (args.gib << 30) // (2 * HEADS * BLOCK * DIM * 2)
+    for threads in args.threads:
+        t0 = time.perf_counter()
+        k = torch.empty(HEADS, slots, BLOCK, DIM, dtype=torch.bfloat16)
+        v = torch.empty_like(k)
+        pinning = Pinning([k, v], threads=threads)
+        first, usable = time.perf_counter() - t0, pinning.usable
+        pinning.wait(slots)
+        took = time.perf_counter() - t0
+        print(f"{args.gib} GiB on {threads} threads: {usable / slots:.1%} of the slots usable after {first:.2f} s, "
+              f"all after {took:.2f} s ({args.gib / took:.1f} GiB/s){'; ' + pinning.error if pinning.error else ''}",
+              flush=True)  # fmt: skip
+        pinning.close()
+        del k, v
     return 0
 
 

@@ -48,6 +48,7 @@ from h3d.store.files import make_dirs
 if TYPE_CHECKING:
     from h3d.engine.engine import Checkpoint, Engine
     from h3d.engine.session import SessionId
+    from h3d.kv.pool import Pinning
     from h3d.remote.logs import RemoteLogs
 
 log = structlog.get_logger("h3d.server")
@@ -93,12 +94,16 @@ class Daemon:
             raise
         if engine.moved_away:
             log.info("sessions_moved_away", sessions=len(engine.moved_away))  # served by other daemons now
-        log.info("model_loaded", seconds=round(time.perf_counter() - t0, 3), layers=engine.model.config.num_layers)
+        log.info(
+            "model_loaded", seconds=round(time.perf_counter() - t0, 3), layers=engine.model.config.num_layers,
+            **engine.start_s,
+        )  # fmt: skip
         sized = engine.budgets
         blocks = engine.kv.blocks
         log.info(
             "tiers_sized", hbm_mb=sized.hbm_mb, ddr_mb=sized.ddr_mb, prefill_chunk_tokens=sized.prefill_chunk_tokens,
-            auto=list(sized.resolved), hbm_slots=blocks.hbm_capacity, ddr_slots=blocks.ddr_alloc.capacity,
+            auto=list(sized.resolved), hbm_slots=blocks.hbm_capacity, ddr_slots=blocks.ddr_alloc.size,
+            ddr_slots_pinned=blocks.ddr_alloc.capacity,
         )  # fmt: skip
         warm = await asyncio.to_thread(engine.warm)  # before ready: kernels compiled, graphs captured
         log.info("warmed", **warm.fields())
@@ -149,6 +154,8 @@ class Daemon:
             self._tasks.append(asyncio.create_task(self._lost_loop(remote.store.lease_s / 3)))
         if self.notifier.watchdog_s:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(self.notifier.watchdog_s / 2)))
+        if engine.kv.ddr.pinning is not None:
+            self._tasks.append(asyncio.create_task(self._pinned(engine.kv.ddr.pinning, engine.kv.ddr.slot_bytes)))
         self.worker.collector.start()  # what exists now is frozen; GC runs between steps from here on
         log.info("listening", **addresses, ready_s=round(time.perf_counter() - started, 3))
         self.notifier.send(READY="1", STATUS="serving", MAINPID=str(os.getpid()))
@@ -347,6 +354,14 @@ class Daemon:
     async def _scrape(self) -> str:
         stats = await self.worker.call(lambda e: stats_pb(self.state, e, []))
         return self.metrics.render(stats, self.state.in_flight)
+
+    async def _pinned(self, pinning: Pinning, slot_bytes: int) -> None:
+        """Log when the DDR pool registered after the start is all usable (or stopped short)."""
+        usable = await asyncio.to_thread(pinning.wait, pinning.num_slots)
+        if pinning.error is not None:
+            log.error("ddr_pinning_failed", reason=pinning.error, usable_gb=round(usable * slot_bytes / 1e9, 1))
+        else:
+            log.info("ddr_pinned", gb=round(usable * slot_bytes / 1e9, 1), seconds=round(pinning.done_s or 0.0, 3))
 
     async def _stats_loop(self) -> None:
         while True:

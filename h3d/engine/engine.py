@@ -131,11 +131,15 @@ class Engine:
         # The prefill's tokens/s as measured here (the warm-up's second scratch prompt on a GPU,
         # then long appends); None: not measured yet (`_choose_kv`)
         self.prefill_tokens_per_s: float | None = None
+        t0 = time.perf_counter()
         self.model = load_model(config.model, config.resolved_dtype, config.resolved_device)
         self.tokenizer = Tokenizer(config.model)
         self.max_context = config.max_context_tokens or self.model.config.max_position_embeddings
         self.budgets = budgets(config, self.model, self.max_context)  # `auto` keys resolved
+        t1 = time.perf_counter()
         self.runner = build_runner(config, self.model, self.budgets, self.max_context)
+        # Where the start's time went (the daemon's `model_loaded` event): the model, then the pools
+        self.start_s = {"model_s": round(t1 - t0, 3), "pools_s": round(time.perf_counter() - t1, 3)}
         self.kv = self.runner.kv  # every session's KV state: asked and changed there
         self.eos_ids = frozenset(self.model.config.eos_token_ids)
         self.sessions: dict[SessionId, Session] = {}
@@ -176,6 +180,7 @@ class Engine:
                 self.sessions[session.id] = session
                 self.restored.append(session.id)
             self.swept = sweep_archive(self.kv, set(self.sessions))
+            self.start_s["sessions_s"] = round(max(0.0, time.perf_counter() - t0 - sum(self.start_s.values())), 3)
         self.copier: KVCopier | None = None  # write-behind's KV copied to the remote store as well
         archive = self.kv.archive
         if remote is not None and archive is not None and remote.kv_copy_bytes > 0 and self.kv.tiers.behind.enabled:

@@ -18,7 +18,7 @@ A first request should not pay for compiling kernels or capturing graphs. `warm_
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 DECODE_STEPS = 3
 BATCHES = (2, 16)  # decode batches the scratch sequences run (`_batches`)
+PREFILLED = 2  # of each batch, the prompts computed; the others are forks
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,7 @@ class Warmup:
     batches: tuple[int, ...]
     widths: tuple[int, int]  # the narrowest and widest table width (blocks), (0, 0) when none
     graphs_s: float
+    parts: dict[str, float] = field(default_factory=dict)  # kernels_s by part (`_scratch`'s)
 
     def fields(self) -> dict[str, object]:
         """For the `warmed` log event."""
@@ -57,6 +59,7 @@ class Warmup:
             "graph_widths": list(self.widths),
             "graphs_s": round(self.graphs_s, 3),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s),
+            **{k: round(v, 3) for k, v in self.parts.items()},
         }
 
 
@@ -66,8 +69,9 @@ def warm_up(engine: Engine, kernels: bool | None = None) -> Warmup:
     runner = engine.runner
     t0 = time.perf_counter()
     prompt = 0
+    parts: dict[str, float] = {}
     if kernels if kernels is not None else runner.device.type == "cuda":
-        prompt = _scratch(engine)
+        prompt = _scratch(engine, parts)
     t1 = time.perf_counter()
     keys = runner.graphs.warm_set(engine.max_context)
     made = runner.graphs.warm(keys)
@@ -82,13 +86,15 @@ def warm_up(engine: Engine, kernels: bool | None = None) -> Warmup:
         batches=tuple(sorted({k.batch for k in keys})),
         widths=(widths[0], widths[-1]) if widths else (0, 0),
         graphs_s=time.perf_counter() - t1,
+        parts=parts,
     )
 
 
 @torch.inference_mode()
-def _scratch(engine: Engine) -> int:
+def _scratch(engine: Engine, parts: dict[str, float]) -> int:
     """A scratch sequence's prefill and a few decode steps (released after). Returns its prompt's
-    length."""
+    length; `parts` gets the seconds of each part (`scratch_s`, `prefill_s`, `batches_s`)."""
+    began = time.perf_counter()
     runner, kv = engine.runner, engine.kv
     bs = kv.block_size
     rows = runner.model.slice_rows(runner.model.lm_head.weight_t.element_size())
@@ -103,6 +109,7 @@ def _scratch(engine: Engine) -> int:
             runner.step([Chunk(seq, (ids[i],), n + i, want_logits=True)])
     finally:
         kv.release(seq, purge_archive=True)
+    parts["scratch_s"] = time.perf_counter() - began
     # The same prompt again, compiled by now: the engine's prefill rate, for what is cheaper than
     # computing KV again (a take-over's KV from the remote store, `Engine._choose_kv`).
     seq = SeqId(next(engine._seq_ids))
@@ -118,7 +125,10 @@ def _scratch(engine: Engine) -> int:
         engine.prefill_tokens_per_s = n / max(time.perf_counter() - t0, 1e-6)
     finally:
         kv.release(seq, purge_archive=True)
+    t1 = time.perf_counter()
+    parts["prefill_s"] = t1 - began - parts["scratch_s"]
     _batches(engine, ids)
+    parts["batches_s"] = time.perf_counter() - t1
     return n
 
 
@@ -141,7 +151,13 @@ def _batches(engine: Engine, ids: tuple[int, ...]) -> None:
             try:
                 for seq in seqs:
                     kv.open(seq, None, policy_named(name))
-                runner.step([Chunk(seq, prompt, 0, want_logits=True) for seq in seqs])
+                # Two prompts in one step (a batch's prefill), the others their twins (`fork_whole`:
+                # shared blocks, nothing computed): the same decode steps as 16 prompts, at 1/8 of
+                # their prefill (a GPU host's 16 x 4.6K tokens were seconds of a start).
+                runner.step([Chunk(seq, prompt, 0, want_logits=True) for seq in seqs[:PREFILLED]])
+                for seq in seqs[PREFILLED:]:
+                    if kv.fork_whole(seqs[0], seq) != n:
+                        runner.step([Chunk(seq, prompt, 0, want_logits=True)])
                 for i in range(2 * DECODE_STEPS):  # through a graph where one applies, then eagerly
                     runner.graphs.enabled = graphs and i < DECODE_STEPS
                     runner.step([Chunk(seq, (prompt[i],), n + i, want_logits=True) for seq in seqs])

@@ -805,7 +805,9 @@ class BlockManager:
             held = int((owner == HELD).sum())  # released while an archive write reads them
             free = np.concatenate([a.free_slots() for a in allocs])
             assert owner[NULL_SLOT] == FREE, f"{name}: the null slot was handed out"
-            assert used + held + len(free) == len(owner) - 1, f"{name}: free + held + used != capacity"
+            later = self.ddr_alloc.size - self.ddr_alloc.capacity if name == "DDR" else 0  # not usable yet
+            assert (owner[len(owner) - later :] == FREE).all(), f"{name}: a slot not usable yet was handed out"
+            assert used + held + len(free) + later == len(owner) - 1, f"{name}: free + held + used != capacity"
             assert np.bincount(free, minlength=len(owner)).max(initial=0) <= 1, f"{name}: a slot is free twice"
             assert not (owner[free] != FREE).any(), f"{name}: a free slot has an owner"
             for a in allocs:

@@ -40,7 +40,8 @@ from h3d.errors import SsdDegraded
 from h3d.hbf.digests import DigestStore
 from h3d.hbf.policy import HbfConfig, Policy, SelectionState, base_blocks, policy_named, take_state
 from h3d.kv.blocks import BlockManager, BlockTable, SeqId
-from h3d.kv.pool import KVPool
+from h3d.kv.pool import KVPool, Registrar
+from h3d.kv.slots import SlotAllocator
 from h3d.tiers import lifecycle
 from h3d.tiers.archive import Archive, ArchiveWriteFailed
 from h3d.tiers.digestfile import DigestFiles, host_copy
@@ -107,17 +108,24 @@ class KVCache:
         ssd_retry_interval_s: float = 10.0,
         write_behind_dirty_mb: float | None = None,
         ssd_capacity: int | None = None,
+        ddr_register: tuple[Registrar, Callable[[int], None]] | None = None,
     ) -> None:
         """`hbm_regions`: every layer's HBM region in blocks, or one size per layer; `windows`: each
         layer's sliding window, None for full attention (`ModelConfig.windows`; all full by default),
         whose blocks are freed `window_keep_tokens` past it (`BlockManager`);
-        `write_behind_dirty_mb`, `ssd_capacity`: see `TierManager`."""
+        `write_behind_dirty_mb`, `ssd_capacity`: see `TierManager`; `ddr_register`: see `KVPool`."""
         self.sessions: dict[SeqId, SessionKV] = {}
         self._archive = archive
         self.blocks = BlockManager(hbm_regions, ddr_slots, num_layers, block_size, windows, window_keep_tokens)
         shape = (block_size, num_kv_heads, head_dim, dtype)
         self.hbm = KVPool(self.blocks.num_slots, *shape, device)
-        self.ddr = KVPool(len(self.blocks.ddr_owner), *shape, torch.device("cpu"), pin_memory=device.type == "cuda")
+        self.ddr = KVPool(
+            len(self.blocks.ddr_owner), *shape, torch.device("cpu"), pin_memory=device.type == "cuda",
+            register=ddr_register,
+        )  # fmt: skip
+        if self.ddr.usable < self.ddr.num_slots:  # the rest is registered in the background (`TierManager.grow_ddr`)
+            a = self.blocks.ddr_alloc
+            self.blocks.ddr_alloc = SlotAllocator(a.first, a.size, a.owner, usable=self.ddr.usable - 1)
         self.tiers = TierManager(
             self.blocks, self.hbm, self.ddr, archive, high_watermark, self.sessions, self.cut, ssd_retry_interval_s,
             write_behind_dirty_mb, ssd_capacity,
@@ -722,3 +730,4 @@ class KVCache:
         self.tiers.close()
         if self.tiers.archive is not None:
             self.tiers.archive.close()
+        self.ddr.close()

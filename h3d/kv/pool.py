@@ -6,68 +6,165 @@ module only stores and moves bytes. Slot 0 (`NULL_SLOT`) is never written and st
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from h3d.kv.blocks import NULL_SLOT
 
-PIN_PIECE = 4 << 30  # a pinned slab larger than this is host memory registered with CUDA piece by piece
+PIN_PIECE = 256 << 20  # a pinned slab is registered with CUDA in pieces of about this many bytes
 PIN_THREADS = 8  # pieces registered at once
+PIN_FIRST = 4 << 30  # bytes of the lowest slots registered before the pool is handed out; the rest after
 PAGE = 4096
 
+Registrar = Callable[[int, int], int]  # (address, bytes) -> 0, or the error of registering them
 
-class _Registered:
-    """Pageable host memory page-locked for the GPU by `cudaHostRegister`, in pieces of PIN_PIECE
-    bytes: one `cudaHostAlloc` of ~100 GB can fail (docs/BENCHMARKS.md, "GPU: h3d against
-    transformers on the H200", Many sessions), while the same memory registered piece by piece is
-    one contiguous range the kernels read in place (under unified addressing a registered page's
-    device address is its host address). Unregistered when the tensor that holds this object goes."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        base = tensor.data_ptr()
-        size = tensor.numel() * tensor.element_size()
-        self.pieces: list[int] = []
-        # Cut at page boundaries (the allocation itself need not start on one): no page is in two pieces.
-        cuts = [base, *((base + at) & ~(PAGE - 1) for at in range(PIN_PIECE, size, PIN_PIECE)), base + size]
-        # Registering pages already faulted in is about 5x faster than fresh ones, and faulting them
-        # in (writing zeros) runs on torch's CPU threads: on the H200 host, 16 GiB took 7.9 s fresh on
-        # one thread, 1.4 s to zero and 1.0 s to register on PIN_THREADS (docs/BENCHMARKS.md).
-        tensor.view(-1).view(torch.uint8).zero_()
-        cudart = torch.cuda.cudart()
+def _cuda_register(ptr: int, size: int) -> int:
+    # flags: portable (every context) | mapped (device-addressable)
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, size, 3))
 
-        def register(piece: tuple[int, int]) -> int:
-            # flags: portable (every context) | mapped (device-addressable)
-            return int(cudart.cudaHostRegister(piece[0], piece[1] - piece[0], 3))
 
-        pieces = list(itertools.pairwise(cuts))
-        with ThreadPoolExecutor(min(PIN_THREADS, len(pieces))) as pool:
-            errors = list(pool.map(register, pieces))
-        self.pieces = [ptr for (ptr, _), err in zip(pieces, errors, strict=True) if err == 0]
-        failed = next((err for err in errors if err != 0), 0)
-        if failed:
+def _cuda_unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class Pinning:
+    """Pageable host memory page-locked for the GPU by `cudaHostRegister`, in pieces, lowest slots
+    first, so that a pool can be used before all of it is registered.
+
+    One `cudaHostAlloc` of ~100 GB can fail (docs/BENCHMARKS.md, "GPU: h3d against transformers on
+    the H200", Many sessions), while the same memory registered piece by piece is one contiguous
+    range the kernels read in place (under unified addressing a registered page's device address is
+    its host address). And registering 100 GB takes tens of seconds (pages faulted in, then
+    locked), which a start should not wait for: the pieces holding the lowest `PIN_FIRST` bytes'
+    slots are registered at once, the rest on `PIN_THREADS` background threads, in slot order.
+    `usable` is how many slots (from 0) are registered in every slab: all bytes of every head of a
+    slot below it are; `BlockManager` hands out only those (`SlotAllocator.grow`).
+
+    `slabs`: [heads, slots, ...] contiguous host tensors of one pool (its K and V). The slabs are
+    cut at page boundaries (no page is in two pieces), at every head's start and every
+    `PIN_PIECE` within a head. Unregistered at `close` (or when the pool goes)."""
+
+    def __init__(
+        self,
+        slabs: Sequence[torch.Tensor],
+        register: Registrar = _cuda_register,
+        unregister: Callable[[int], None] = _cuda_unregister,
+        first_bytes: int | None = None,
+        piece_bytes: int | None = None,
+        threads: int | None = None,
+    ) -> None:
+        first_bytes = PIN_FIRST if first_bytes is None else first_bytes
+        piece_bytes = PIN_PIECE if piece_bytes is None else piece_bytes
+        threads = PIN_THREADS if threads is None else threads
+        self.num_slots = int(slabs[0].shape[1])
+        self._register, self._unregister = register, unregister
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._closing = False
+        self.t0 = time.perf_counter()
+        self.done_s: float | None = None  # seconds from the start until every piece was registered
+        self.registered: list[int] = []  # addresses of the pieces registered (unregistered at close)
+        self.error: str | None = None  # why registering stopped short (the pool stays at `usable`)
+        pieces = [p for slab in slabs for p in self._pieces(slab, piece_bytes)]
+        pieces.sort(key=lambda p: p[2])
+        self._pending = [p[2] for p in pieces]  # the unregistered pieces' lowest slots, sorted (a multiset)
+        self.usable = 0
+        self._update()
+        slot_bytes = sum(slab[0, 0].numel() * slab.element_size() * slab.shape[0] for slab in slabs)
+        first_slot = max(1, first_bytes // max(slot_bytes, 1))
+        now = [p for p in pieces if p[2] < first_slot]
+        later = pieces[len(now) :]
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="h3d-pin")
+        for _ in self._pool.map(self._one, now):
+            pass
+        if self.error is not None:
             self.close()
-            raise RuntimeError(f"cudaHostRegister of {size / 1e9:.1f} GB of host memory failed (error {failed})")
+            raise RuntimeError(self.error)
+        self._later = [self._pool.submit(self._one, p) for p in later]
+        self._pool.shutdown(wait=False)
+
+    @staticmethod
+    def _pieces(slab: torch.Tensor, piece_bytes: int) -> list[tuple[int, int, int]]:
+        """(address, end, lowest slot of any of its bytes) of every piece of `slab`."""
+        base = slab.data_ptr()
+        size = slab.numel() * slab.element_size()
+        heads, slots = int(slab.shape[0]), int(slab.shape[1])
+        head_bytes = size // heads
+        slot_bytes = head_bytes // slots
+        per_piece = max(1, piece_bytes // slot_bytes) * slot_bytes
+        cuts = {base, base + size}
+        for h in range(heads):
+            cuts.update((base + h * head_bytes + at) & ~(PAGE - 1) for at in range(0, head_bytes, per_piece))
+        edges = sorted(c for c in cuts if base <= c <= base + size)
+        out = []
+        for a, b in itertools.pairwise(edges):
+            first, last = (a - base) // head_bytes, (b - 1 - base) // head_bytes
+            # A piece that holds a head's first bytes holds slot 0; else its first byte's slot is its lowest.
+            low = 0 if first != last else ((a - base) % head_bytes) // slot_bytes
+            out.append((a, b, low))
+        return out
+
+    def _one(self, piece: tuple[int, int, int]) -> None:
+        a, b, low = piece
+        with self._lock:
+            if self._closing or self.error is not None:
+                return
+        # Registering pages already faulted in is about 5x faster than fresh ones: on the H200
+        # host, 16 GiB took 7.9 s fresh on one thread, 1.4 s to zero and 1.0 s to register on
+        # PIN_THREADS (docs/BENCHMARKS.md). memset releases the GIL (ctypes).
+        ctypes.memset(a, 0, b - a)
+        err = self._register(a, b - a)
+        with self._lock:
+            if err != 0:
+                self.error = f"cudaHostRegister of {(b - a) / 1e6:.0f} MB of host memory failed (error {err})"
+                self._changed.notify_all()
+                return
+            self.registered.append(a)
+            self._pending.remove(low)
+            self._update()
+            if not self._pending:
+                self.done_s = time.perf_counter() - self.t0
+            self._changed.notify_all()
+
+    def _update(self) -> None:
+        self.usable = self._pending[0] if self._pending else self.num_slots
+
+    def wait(self, slots: int, timeout: float | None = None) -> int:
+        """Block until at least `slots` slots are usable (or registering failed, or `timeout`);
+        returns `usable`."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.usable >= slots or self.error is not None, timeout)
+            return self.usable
 
     def close(self) -> None:
-        cudart = torch.cuda.cudart()
-        for ptr in self.pieces:
-            cudart.cudaHostUnregister(ptr)
-        self.pieces = []
+        """Stop registering, wait for the pieces under way, and unregister every piece."""
+        with self._lock:
+            self._closing = True
+        for f in getattr(self, "_later", ()):
+            f.cancel()
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            registered, self.registered = self.registered, []
+        for ptr in registered:
+            self._unregister(ptr)
 
     def __del__(self) -> None:
         self.close()
 
 
 def _host_slab(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A host tensor; pinned when `pin` (registered in pieces when large, `_Registered`)."""
+    """A host tensor; pinned when `pin` and small (a large one is registered by `Pinning`)."""
     size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if not pin or size <= PIN_PIECE:
-        return torch.empty(shape, dtype=dtype, pin_memory=pin)
-    t = torch.empty(shape, dtype=dtype)
-    t._h3d_registered = _Registered(t)  # type: ignore[attr-defined]  # lives (and unregisters) with t
-    return t
+    return torch.empty(shape, dtype=dtype, pin_memory=pin and size <= PIN_PIECE)
 
 
 class KVPool:
@@ -86,15 +183,22 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         pin_memory: bool = False,
+        register: tuple[Registrar, Callable[[int], None]] | None = None,
     ) -> None:
+        """`pin_memory`: a host pool the GPU reads; a large one registered in the background
+        (`Pinning`, `usable`). `register`: (register, unregister) instead of CUDA's (tests: a host
+        pool registered the same way on a CPU)."""
         shape = (num_kv_heads, num_slots, block_size, head_dim)
         # empty, not zeros: a multi-GiB pool would be written in full at start (except a pinned slab
         # registered in pieces, whose pages are faulted in by zeroing: `_Registered`). Attention
         # never uses bytes past a sequence's length (it slices them off or zeroes them), and the
         # null slot, which pads tables, is zeroed here.
         # pin_memory: the DDR pool of a CUDA host, which the GPU reads and copies from directly.
+        self.pinning: Pinning | None = None
         if device.type == "cpu":
             self.k, self.v = _host_slab(shape, dtype, pin_memory), _host_slab(shape, dtype, pin_memory)
+            if (pin_memory and not self.k.is_pinned()) or register is not None:
+                self.pinning = Pinning([self.k, self.v], *(register or ()))
         else:
             self.k = torch.empty(shape, dtype=dtype, device=device)
             self.v = torch.empty(shape, dtype=dtype, device=device)
@@ -102,6 +206,15 @@ class KVPool:
         self.v[:, NULL_SLOT] = 0
         self.num_slots = num_slots
         self.block_size = block_size
+
+    @property
+    def usable(self) -> int:
+        """Slots (from 0) that may be handed out: all of them, or those registered so far."""
+        return self.num_slots if self.pinning is None else self.pinning.usable
+
+    def close(self) -> None:
+        if self.pinning is not None:
+            self.pinning.close()
 
     @staticmethod
     def slots_for_budget(mb: float, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -30,18 +30,35 @@ class SlotAllocator:
     `owner` is shared by every allocator of a pool (indexed by slot id).
     """
 
-    def __init__(self, first: int, capacity: int, owner: np.ndarray) -> None:
+    def __init__(self, first: int, capacity: int, owner: np.ndarray, usable: int | None = None) -> None:
+        """Slots [first, first + capacity); of them only the first `usable` (all: None) until
+        `grow` (a pool still being registered, `h3d.kv.pool.Pinning`)."""
         self.first = first
-        self.capacity = capacity
+        self.size = capacity  # every slot it will hand out
+        self.capacity = capacity if usable is None else max(0, min(usable, capacity))  # those it may now
         # A stack of free slots, lowest on top: a lone session gets ascending, contiguous slots.
-        self._stack = np.arange(first + capacity - 1, first - 1, -1, dtype=np.int64)
-        self._top = capacity
+        self._stack = np.empty(capacity, dtype=np.int64)
+        self._stack[: self.capacity] = np.arange(first + self.capacity - 1, first - 1, -1, dtype=np.int64)
+        self._top = self.capacity
         self.owner = owner
         self._holds = np.zeros(len(owner), dtype=np.int32)  # readers of each slot (`hold`)
 
     @property
     def num_free(self) -> int:
         return self._top
+
+    def grow(self, capacity: int) -> int:
+        """Slots up to `capacity` (at most `size`) may be handed out now; they go under the free
+        ones (handed out last, highest last). Returns how many came."""
+        n = min(capacity, self.size) - self.capacity
+        if n <= 0:
+            return 0
+        self._stack[n : n + self._top] = self._stack[: self._top].copy()
+        end = self.first + self.capacity + n
+        self._stack[:n] = np.arange(end - 1, end - n - 1, -1, dtype=np.int64)
+        self.capacity += n
+        self._top += n
+        return n
 
     @property
     def num_held(self) -> int:

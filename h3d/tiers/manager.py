@@ -135,6 +135,8 @@ class TierManager:
         table = b.table(seq)
         per_layer = b.blocks_for(table.num_tokens + n_tokens)
         if per_layer > b.slots_per_layer + b.ddr_alloc.capacity:
+            self.grow_ddr(per_layer - b.slots_per_layer)
+        if per_layer > b.slots_per_layer + b.ddr_alloc.capacity:
             raise OutOfBlocks(
                 f"a session of {table.num_tokens + n_tokens} tokens needs {per_layer} blocks per layer readable at "
                 f"once; HBM ({b.slots_per_layer} in its smallest layer region) and DDR ({b.ddr_alloc.capacity}) "
@@ -145,6 +147,9 @@ class TierManager:
             used = b.entries.num_used  # (a block several sessions share counts once)
             capacity = b.hbm_capacity + b.ddr_alloc.capacity
             new = (per_layer - table.num_blocks) * b.num_layers
+            if used + new > capacity:
+                self.grow_ddr(used + new - b.hbm_capacity)
+                capacity = b.hbm_capacity + b.ddr_alloc.capacity
             if used + new > capacity:
                 raise OutOfBlocks(
                     f"HBM and DDR are full ({used} of {capacity} blocks used, {new} more needed) and no "
@@ -367,10 +372,22 @@ class TierManager:
         mine.hbm_hits += total - below
         mine.hbm_misses += below
 
+    def grow_ddr(self, wait_for: int = 0) -> None:
+        """Hand out the DDR slots registered since the last call (a large pinned pool is
+        registered in the background after the start: `h3d.kv.pool.Pinning`); with `wait_for`,
+        first wait until that many are (a request that needs them)."""
+        a, pinning = self.blocks.ddr_alloc, self.ddr.pinning
+        if pinning is None or a.capacity == a.size:
+            return
+        if wait_for > a.capacity:
+            pinning.wait(min(wait_for, a.size) + 1)  # + the null slot
+        a.grow(pinning.usable - 1)
+
     def end_step(self, batch: list[SeqId], protect: dict[SeqId, int] | None = None) -> None:
         """Spill DDR past the high watermark (asynchronously), never `protect`'s blocks; write
         dirty blocks behind (`WriteBehind.pump`); track peak HBM."""
         b = self.blocks
+        self.grow_ddr()
         used_hbm = (b.hbm_capacity - int(b.hbm_alloc.free.sum())) * self.block_bytes
         self.counters.peak_hbm_bytes = max(self.counters.peak_hbm_bytes, used_hbm)
         cap = b.ddr_alloc.capacity

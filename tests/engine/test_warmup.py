@@ -52,10 +52,25 @@ def test_the_warm_set_is_one_session_at_every_width_exact_and_selecting(checkpoi
 def test_warm_captures_the_set_keeps_it_and_leaves_no_trace_of_its_scratch_sequence(
     checkpoint: Callable[[str], FsPath], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(warmup, "BATCHES", (2,))  # one scratch batch: the path, at a CPU's cost
+    monkeypatch.setattr(warmup, "BATCHES", (3,))  # one scratch batch: the path, at a CPU's cost
     engine = _engine(checkpoint, graphs=True, context=1024, prefill_chunk_tokens=128)  # 64 blocks: 18 graphs
     g = engine.runner.graphs
+    forks: list[int] = []
+    fork_whole = engine.kv.fork_whole
+    monkeypatch.setattr(
+        engine.kv, "fork_whole", lambda parent, child: forks.append(fork_whole(parent, child)) or forks[-1]
+    )
+    prompts: list[int] = []  # tokens of every prompt the warm-up computed
+    step = engine.runner.step
+    monkeypatch.setattr(
+        engine.runner,
+        "step",
+        lambda chunks: prompts.extend(len(c.token_ids) for c in chunks if len(c.token_ids) > 1) or step(chunks),
+    )
     warm = engine.warm(kernels=True)
+    # the batch's third sequence is a twin of the first (its prompt shared, not computed), per policy
+    assert forks == [128, 128]
+    assert prompts == [128, 128] + [128, 128] * 2  # the scratch prompt twice, then 2 of 3 per policy
     keys = g.warm_set(engine.max_context)
     assert warm.prompt_tokens == 128  # the scratch prompt, within the prefill chunk
     assert warm.graphs == len(keys) and g.warm_keys == frozenset(keys)
@@ -67,6 +82,7 @@ def test_warm_captures_the_set_keeps_it_and_leaves_no_trace_of_its_scratch_seque
     assert not engine.kv.sessions and stats.hbm_used_bytes == stats.ddr_used_bytes == 0  # the scratch sequence is gone
     fields = warm.fields()
     assert fields["graphs"] == len(keys) == 18 and fields["graph_widths"] == [16, 64]
+    assert all(fields[k] >= 0 for k in ("scratch_s", "prefill_s", "batches_s"))
     engine.close()
 
 
