@@ -875,8 +875,10 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------
 
     def _tokenize(self, session: Session, text: str) -> list[int]:
-        # Special tokens only where the tokenizer adds them to a session's first piece.
-        return self.tokenizer.encode(text, add_special_tokens=session.pieces == 0)
+        # Special tokens only where the tokenizer adds them to a session's first piece. A text sent
+        # again, longer (a stateless chat's next turn), is encoded only past what its owner sent
+        # before (`EncodeMemo`).
+        return self.tokenizer.encode(text, add_special_tokens=session.pieces == 0, scope=session.owner or "")
 
     def _check_tokens(self, session: Session, ids: list[int]) -> None:
         if len(session.tokens) + len(ids) > self.max_context:

@@ -29,7 +29,7 @@ def _engine(checkpoint: Callable[[str], FsPath], graphs: bool, context: int = 10
     engine = make_engine(checkpoint(MODEL), policy="attention_entropy", max_context_tokens=context, **HBF, **kw)
     if graphs:
         engine.model.use_attention(kernel_attention)
-        engine.runner.graphs.enabled = True
+    engine.runner.graphs.enabled = graphs  # (on a GPU, H3D_TEST_DEVICE=cuda, they are on by default)
     return engine
 
 
