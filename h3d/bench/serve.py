@@ -915,6 +915,7 @@ def phase_restart(run: Run) -> None:
             out["resume_128k_read_ahead_gb"] = round((g1.read_ahead_bytes - g0.read_ahead_bytes) / 1e9, 2)
     out["resume_first_token_s"] = firsts
     out["resume_first_token_s_128k"] = firsts[0]
+    log(f"restart, first tokens: {out}")  # (the figures so far, should the run be cut short)
     # The long session's next tokens, while the rest of its KV is read back (`h3d.tiers.readahead`).
     cont = itl(client.generate(sids[0], None, 33).gaps_ms())
     out["after_resume_itl_ms_p50"], out["after_resume_itl_ms_p99"] = cont["itl_ms_p50"], cont["itl_ms_p99"]

@@ -149,7 +149,7 @@ def test_graphs_made_from_padding_replay_real_steps_as_the_eager_path_does(
     assert built == len(_engine_keys(checkpoint))  # none made beyond the warm set
     assert tokens == e_tokens
     for x, y in zip(logits, e_logits, strict=True):
-        np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(x.cpu().numpy(), y.cpu().numpy(), rtol=2e-4, atol=2e-4)
 
 
 def _engine_keys(checkpoint: Callable[[str], FsPath]) -> list[GraphKey]:
