@@ -108,8 +108,10 @@ ENGINE: tuple[Key, ...] = (
     Key(
         "ddr_mb",
         "DDR tier: standby pool in MiB (pinned host memory on CUDA), shared by all layers; allocated lazily by "
-        "the OS. `auto`: on CUDA 40 % of the host's memory, at most 80 % of what is available at start; on a "
-        "CPU 4096",
+        "the OS. On CUDA at least its first 4 GiB are registered before ready and the rest in the background, in "
+        "slot order (the `ddr_pinned` event says when it is done; until then the tiers use what is registered, "
+        "and a request that needs more waits for it). `auto`: on CUDA 40 % of the host's memory, at most 80 % of "
+        "what is available at start; on a CPU 4096",
         help="DDR tier: standby pool in MiB (pinned host memory on CUDA); auto: 40 % of the host's memory on "
         "CUDA (at most 80 % of what is available), 4096 on a CPU",
     ),

@@ -181,6 +181,8 @@ class ModelRunner:
             elif self.device.type == "cuda" or self.plan_on_device:
                 plan.path, plan.locations = Path.DEVICE, self._locations(seqs)
                 self.device_planned_steps += 1
+        if plan.path is not Path.HOST:  # (the host path copies a layer's digests in as it selects there)
+            kv.digests.settle()
         return plan
 
     def _locations(self, seqs: list[SeqId]) -> np.ndarray:
@@ -331,6 +333,7 @@ class ModelRunner:
         promoted (`Promoter.promote`: they count the selections' reads), each selecting session's
         window updated, DDR-only blocks back into free HBM, DDR spilled past the watermark."""
         kv, plan = self.kv, report.plan
+        kv.digests.settle()  # digests still arriving (a resumed session's: `load_later`), all in now
         for r in report.reads:
             self.tiers.count_reads(r.seq, r.total, r.below, staged=r.staged)
         if report.earlier is not None:

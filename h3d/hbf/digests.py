@@ -42,6 +42,13 @@ DIGEST_TOKENS = 8  # tokens per digest by default: a block of block_size tokens 
 
 
 @dataclass(slots=True)
+class _Incoming:
+    layer: Callable[[int], torch.Tensor]  # i -> layer i's rows, once they came
+    rows: int
+    left: set[int]  # the layers not copied in yet
+
+
+@dataclass(slots=True)
 class _Extent:
     """A session's rows of the arena: [start, start + rows), of which the first `used` hold (or
     were asked for) its parts; the rest is slack for growth, which a full arena takes back."""
@@ -82,6 +89,11 @@ class DigestStore:
         self._top = self.parts  # rows past here are free (holes below it are reclaimed by `_compact`)
         self.generation = 0  # bumped whenever `_arena` is replaced (captured steps read it by address)
         self.compactions = 0  # extents packed (`_compact`): each copies the extents above a hole
+        # Sessions whose first rows still arrive (`load_later`): their source and the layers left
+        self._incoming: dict[SeqId, _Incoming] = {}
+        self.failed: list[tuple[SeqId, int]] = []  # (session, layer) whose rows could not come
+        self.rebuild: Callable[[SeqId, int], None] | None = None  # makes them (the KV cache's)
+        self.layers_rebuilt = 0  # by `rebuild`, since start
 
     def _empty(self, rows: int) -> torch.Tensor:
         d = torch.empty((*self.shape, rows, 2, self.head_dim), dtype=self.dtype, device=self.device)
@@ -217,10 +229,48 @@ class DigestStore:
         and no copy of the old digests beside the new ones, later)."""
         self.ensure(seq, num_blocks * self.parts)
 
+    # ---- rows that arrive later ----------------------------------------------------------------
+
+    def load_later(self, seq: SeqId, num_rows: int, layer: Callable[[int], torch.Tensor]) -> None:
+        """`load` of rows that arrive one layer at a time: `layer(i)` waits for layer i's rows
+        ([Hkv, num_rows, 2, D]) and returns them, or raises ValueError (they cannot come). Each
+        layer is copied in when first read (`get`: a resumed session's first step selects in a
+        layer while the next layers' rows are still read), every layer before anything else
+        touches the session's rows (`settle`). `rebuild(seq, layer)` (`failed`) makes a layer's
+        rows where they cannot come."""
+        self.drop(seq)
+        self.ensure(seq, num_rows)
+        self._incoming[seq] = _Incoming(layer, num_rows, set(range(self.shape[0])))
+
+    def settle(self, seq: SeqId | None = None, layer: int | None = None) -> None:
+        """Copy in the rows still to arrive (`load_later`): `seq`'s (everyone's: None), one layer
+        or all of them."""
+        for s in [seq] if seq is not None else list(self._incoming):
+            incoming = self._incoming.get(s)
+            if incoming is None:
+                continue
+            for i in sorted(incoming.left) if layer is None else [layer] if layer in incoming.left else []:
+                incoming.left.discard(i)
+                try:
+                    rows = incoming.layer(i)
+                except ValueError:
+                    self.failed.append((s, i))  # (its rows keep the empty sentinels: rebuilt by the owner)
+                    continue
+                self.layer(s, i)[:, : incoming.rows].copy_(rows)
+            if not incoming.left:
+                del self._incoming[s]
+        if self.failed and self.rebuild is not None:
+            failed, self.failed = self.failed, []
+            for s, i in failed:
+                self.rebuild(s, i)
+                self.layers_rebuilt += 1
+
     # ---- reading and writing a session's digests -------------------------------------------------
 
     def get(self, seq: SeqId, layer: int, num_blocks: int) -> torch.Tensor:
         """[Hkv, num_blocks, parts, 2, D]: (min, max) of the keys of each part of each block."""
+        if self._incoming:
+            self.settle(seq, layer)
         start = self._extents[seq].start
         d = self._arena[layer, :, start : start + num_blocks * self.parts]
         return d.view(d.shape[0], num_blocks, self.parts, 2, self.head_dim)
@@ -233,6 +283,9 @@ class DigestStore:
         n = k.shape[0]
         if not n:
             return
+        incoming = self._incoming.get(seq)
+        if incoming is not None and start // self.part_tokens < incoming.rows:  # (past them: no need to wait)
+            self.settle(seq, layer)
         pt = self.part_tokens
         last = (start + n - 1) // self.block_size + 1
         d = self.ensure(seq, last * self.parts)[layer]  # [Hkv, cap, 2, D]
@@ -254,12 +307,15 @@ class DigestStore:
     def head(self, seq: SeqId, num_blocks: int) -> torch.Tensor:
         """All layers' digests of `seq`'s first `num_blocks` blocks: [L, Hkv, num_blocks * parts, 2, D]
         (a view of the arena: a snapshot copies it, `h3d.tiers.digestfile`)."""
+        if self._incoming:
+            self.settle(seq)
         start = self._extents[seq].start
         return self._arena[:, :, start : start + num_blocks * self.parts]
 
     def load(self, seq: SeqId, rows: torch.Tensor) -> None:
         """Take `rows` ([L, Hkv, blocks * parts, 2, D], as `head` gives them) as the digests of
         `seq`'s first blocks; the parts past them keep the empty sentinels."""
+        self._incoming.pop(seq, None)
         n = rows.shape[2]
         d = self.ensure(seq, n)
         for layer in range(rows.shape[0]):  # a layer at a time: a copy's staging is a layer's size
@@ -286,6 +342,8 @@ class DigestStore:
         is folded again from `tail(layer, start)`, its kept keys ([n, Hkv, D] from position start)."""
         if seq not in self._extents:
             return
+        if self._incoming:
+            self.settle(seq)
         first = num_tokens // self.part_tokens  # the first part that held a cut key
         ext = self._extents[seq]
         if first < ext.rows:
@@ -298,6 +356,7 @@ class DigestStore:
     def drop(self, seq: SeqId) -> None:
         """Forget `seq`'s digests; its rows are reclaimed by the next compaction, and the arena
         shrinks once a quarter of it is in use."""
+        self._incoming.pop(seq, None)
         ext = self._extents.pop(seq, None)
         if ext is None:
             return

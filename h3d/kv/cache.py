@@ -149,6 +149,7 @@ class KVCache:
             num_layers, num_kv_heads, head_dim, block_size, dtype, device, hbf.digest_tokens, blocks=per_layer,
             layers=self.blocks.full_layers.tolist(),
         )  # fmt: skip
+        self.digests.rebuild = self._rebuild_layer
         # Digest snapshots beside the archive (`h3d.tiers.digestfile`): a resumed session's
         # digests read first, not rebuilt from every key.
         self.digest_files = (
@@ -660,21 +661,29 @@ class KVCache:
 
     @torch.inference_mode()
     def _load_digests(self, seq: SeqId) -> int:
-        """`seq`'s digests from its snapshot into the arena; returns the blocks it covered (0:
-        none, or one that does not match)."""
+        """`seq`'s digests from its snapshot into the arena, a layer at a time as they are read
+        (`DigestStore.load_later`: its first step selects in a layer while the next ones' are still
+        read); returns the blocks it covers (0: none, or one that does not match). A layer whose
+        rows fail their checksum is rebuilt from its keys when it is first read (`_rebuild_layer`)."""
         record = self.sessions[seq]
         if self.digest_files is None:
             return 0
         d = self.digests
-        got = self.digest_files.read(
+        got = self.digest_files.read_later(
             record.name, (*d.shape, 2, d.head_dim), d.dtype, d.part_tokens, record.table.num_tokens // self.block_size
         )
         if got is None:
             return 0
-        blocks, rows = got
-        d.drop(seq)
-        d.load(seq, rows)
+        blocks, rows, layer = got
+        d.load_later(seq, rows.shape[2], layer)
         return blocks
+
+    @torch.inference_mode()
+    def _rebuild_layer(self, seq: SeqId, layer: int) -> None:
+        """One layer's digests of `seq`'s written blocks from their keys (its snapshot failed there)."""
+        if seq in self.sessions and self.digests.has(seq) and self.sessions[seq].table.num_tokens:
+            k = self.tiers.read_keys(seq, layer, 0)  # [Hkv, num_tokens, D]
+            self.digests.update(seq, layer, 0, k.transpose(0, 1).to(self.device))
 
     def save_digests(self, seq: SeqId) -> int:
         """Snapshot `seq`'s digests of its full blocks (a shutdown's checkpoint) unless its snapshot

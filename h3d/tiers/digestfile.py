@@ -35,7 +35,9 @@ import logging
 import os
 import re
 import struct
+import threading
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,7 @@ class DigestFiles:
         self.bytes_read = 0
         self.bytes_written = 0
         self._writer: ThreadPoolExecutor | None = None  # `write_later`'s one thread
+        self._reader: ThreadPoolExecutor | None = None  # `read_later`'s THREADS threads
         self._pending: dict[str, Future[int]] = {}  # session -> its write under way
 
     def path(self, session: str) -> Path:
@@ -147,6 +150,8 @@ class DigestFiles:
         self.settle()
         if self._writer is not None:
             self._writer.shutdown(wait=True)
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -180,6 +185,24 @@ class DigestFiles:
         there is one that matches this cache (`shape` is [L, Hkv, 2, D]) and covers at most
         `max_blocks` blocks (the session's full blocks now); None otherwise (a warning says why,
         except where there is simply none)."""
+        got = self.read_later(session, shape, dtype, part_tokens, max_blocks)
+        if got is None:
+            return None
+        blocks, out, layer = got
+        try:
+            for i in range(out.shape[0]):
+                layer(i)
+        except ValueError:
+            return None
+        return blocks, out
+
+    def read_later(
+        self, session: str, shape: tuple[int, ...], dtype: torch.dtype, part_tokens: int, max_blocks: int
+    ) -> tuple[int, torch.Tensor, Callable[[int], torch.Tensor]] | None:
+        """`read`, its pieces read in the background in the file's order (a layer after another):
+        (blocks, rows, `layer`), where `layer(i)` waits for layer i's rows and returns them, or
+        raises ValueError if a piece holding them failed (the snapshot is then ignored and deleted).
+        None where `read` gives None for its header."""
         meta = self.header(session)
         if meta is None:
             return None
@@ -211,23 +234,50 @@ class DigestFiles:
             start = _data_offset(PREFIX.unpack(os.pread(fd, PREFIX.size, 0))[1])
             if os.fstat(fd).st_size != start + len(raw) or len(crcs) != -(-len(raw) // piece):
                 raise ValueError("its length does not match its header")
-
-            def one(i: int) -> bool:
-                view = raw[i * piece : (i + 1) * piece].data
-                n = os.preadv(fd, [view], start + i * piece)
-                return n == len(view) and zlib.crc32(view) == crcs[i]
-
-            with ThreadPoolExecutor(THREADS) as pool:
-                good = all(pool.map(one, range(len(crcs))))
-            if not good:
-                raise ValueError("a piece fails its checksum")
         except (OSError, ValueError) as e:
             os.close(fd)
             self._ignore(session, str(e))
             return None
-        os.close(fd)
-        self.bytes_read += len(raw)
-        return int(meta["blocks"]), out
+
+        def one(i: int) -> bool:
+            view = raw[i * piece : (i + 1) * piece].data
+            try:
+                n = os.preadv(fd, [view], start + i * piece)
+            except OSError:
+                return False
+            good = n == len(view) and zlib.crc32(view) == crcs[i]
+            if good:
+                with lock:
+                    self.bytes_read += n
+            return good
+
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(THREADS, thread_name_prefix="h3d-digest-read")
+        lock = threading.Lock()
+        pieces = [self._reader.submit(one, i) for i in range(len(crcs))]
+        left = [len(pieces)]
+
+        def done(_: Future[bool]) -> None:
+            with lock:
+                left[0] -= 1
+                if not left[0]:
+                    os.close(fd)
+
+        for f in pieces:
+            f.add_done_callback(done)
+        per_layer = len(raw) // max(1, int(got[0]))
+        failed: list[str] = []
+
+        def layer(i: int) -> torch.Tensor:
+            first, last = i * per_layer // piece, ((i + 1) * per_layer - 1) // piece
+            if failed or not all(pieces[j].result() for j in range(first, min(last + 1, len(pieces)))):
+                if not failed:
+                    failed.append("a piece fails its checksum")
+                    self._ignore(session, failed[0])
+                raise ValueError(failed[0])
+            return out[i]
+
+        return int(meta["blocks"]), out, layer
 
     def _ignore(self, session: str, why: str) -> None:
         """A snapshot that cannot be used: deleted (the next checkpoint writes a good one)."""

@@ -160,7 +160,9 @@ def test_a_snapshot_that_does_not_match_is_ignored_and_one_that_covers_less_give
     path.write_bytes(bytes(bad))
     engine = _engine(checkpoint(MODEL), folder)
     engine.complete(sid, "", ONE)
-    assert _files(engine).bytes_read == 0 and not path.exists()  # ignored, deleted
+    assert not path.exists()  # ignored, deleted
+    # its one piece holds every layer: each rebuilt from its keys when the first step read it
+    assert engine.kv.digests.layers_rebuilt == 3
     assert torch.equal(_digests(engine, sid, blocks), want)
     engine.checkpoint()
     engine.close()
@@ -409,4 +411,51 @@ def test_a_resume_reads_ahead_first_the_blocks_its_last_steps_read_most(
         own[hot] = sum(reads)
         engine.close()
     assert own[True] < own[False], own
+    plain.close()
+
+
+def test_a_resumed_step_selects_in_a_layer_while_the_next_layers_digests_are_still_read(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot is read a piece after another in the background (`DigestFiles.read_later`) and
+    each layer's rows are copied in when the step first reads them (`DigestStore.load_later`): the
+    first step selects in layer 1 while the last layer's pieces are still being read, none is
+    rebuilt, and the tokens are the untiered engine's."""
+    import os
+    import time
+
+    from h3d.tiers import digestfile
+
+    monkeypatch.setattr(digestfile, "PIECE_BYTES", 4096)  # 19 KB of rows a layer: 5 pieces each
+    folder = tmp_path / "data"
+    sid, plain, twin = _first_run(checkpoint, folder)
+    events: list[tuple[str, int, float]] = []
+    preadv = os.preadv
+
+    def slow(fd: int, buffers: Any, offset: int) -> int:
+        time.sleep(0.03)
+        n = preadv(fd, buffers, offset)
+        events.append(("piece", offset, time.perf_counter()))
+        return n
+
+    select = HostStepKV._select
+
+    def spy_select(self: HostStepKV, i: int, index: int, q: torch.Tensor, scale: float) -> np.ndarray | None:
+        events.append(("select", index, time.perf_counter()))
+        return select(self, i, index, q, scale)
+
+    engine = _engine(checkpoint(MODEL), folder)
+    monkeypatch.setattr(digestfile.os, "preadv", slow)
+    monkeypatch.setattr(HostStepKV, "_select", spy_select)
+    out = engine.complete(sid, "", ONE).token_ids
+    monkeypatch.undo()
+    first = min(t for kind, _, t in events if kind == "select")
+    pieces = [t for kind, _, t in events if kind == "piece"]
+    assert len(pieces) == 14  # 57 KB of rows
+    assert max(pieces) > first, "every piece was read before the step selected"
+    assert engine.kv.digests.layers_rebuilt == 0 and not engine.kv.digests._incoming
+    assert out + engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", ONE).token_ids + (
+        plain.complete(twin, "", GREEDY).token_ids
+    )
+    engine.close()
     plain.close()
