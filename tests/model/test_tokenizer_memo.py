@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,26 @@ def test_a_tokenizer_whose_special_tokens_strip_whitespace_is_encoded_whole(tmp_
     assert not tok.memo.enabled
     text = "a" * MEMO_MIN_CHARS + "<|im_start|>user\n hi"
     assert tok.encode(text, False, scope="a") == tok.encode(text, False) and tok.memo.hits == 0
+
+
+def test_the_engine_encodes_an_owner_s_longer_text_past_what_it_sent_before(checkpoint: Callable[[str], Path]) -> None:
+    """Through `Engine.append`: a session's text that begins with one its owner sent before reuses
+    its ids (the tokenizer's memo, scoped by owner) and holds the ids of a whole encoding; another
+    owner's does not reuse them."""
+    from helpers import make_engine
+
+    engine = make_engine(checkpoint("llama_mha_untied"), max_context_tokens=8192)
+    tok = engine.tokenizer
+    rng = random.Random(4)
+    first = words(rng, 1500) + "<|eos|>"
+    second = first + " " + words(rng, 20)
+    a1 = engine.create_session(owner="a")
+    engine.append(a1, text=first)
+    a2 = engine.create_session(owner="a")
+    engine.append(a2, text=second)
+    assert tok.memo.hits == 1
+    assert engine.session(a2).tokens == tok.encode(second)
+    b = engine.create_session(owner="b")
+    engine.append(b, text=second)
+    assert tok.memo.hits == 1 and engine.session(b).tokens == tok.encode(second)
+    engine.close()
