@@ -67,6 +67,7 @@ from h3d.tiers.codecs import (
     decode,
     decode_int8_many,
     decompress_raw,
+    decompress_raw_many,
     encode,
     encode_int8_many,
     encode_raw_many,
@@ -575,7 +576,7 @@ class Archive:
         except ValueError as e:
             raise ArchiveCorrupt(f"{describe(key)} in {where} does not decode: {e}", key) from e
 
-    def get_bytes(self, keys: list[BlockKey]) -> list[tuple[int, bytes | memoryview]]:
+    def get_bytes(self, keys: list[BlockKey]) -> list[tuple[int, Buffer]]:
         """A bulk read: for each key (n, K then V, each [Hkv, n, D] of the identity's dtype, in the
         host's byte order) without making tensors per record (the mover copies them into place).
         Lossless records come back as put; int8 ones decoded, those of one token count together
@@ -583,16 +584,22 @@ class Archive:
         ident = self.identity
         hkv, d, itemsize = ident.num_kv_heads, ident.head_dim, self._dtype.itemsize
         records = self._records(keys)
-        out: list[tuple[int, bytes | memoryview] | None] = [None] * len(keys)
+        out: list[tuple[int, Buffer] | None] = [None] * len(keys)
         lossy: dict[int, list[int]] = {}  # token count -> positions of int8 records
-        for i, (key, (codec, payload, loc, where)) in enumerate(zip(keys, records, strict=True)):
-            if codec is not Codec.RAW_ZSTD:
-                lossy.setdefault(loc.num_tokens, []).append(i)
-                continue
-            try:
-                out[i] = (loc.num_tokens, decompress_raw(payload, 2 * hkv * loc.num_tokens * d * itemsize))
-            except ValueError as e:
-                raise ArchiveCorrupt(f"{describe(key)} in {where} does not decode: {e}", key) from e
+        raw: list[int] = []  # positions of raw-zstd records
+        for i, (codec, _, loc, _) in enumerate(records):
+            (raw if codec is Codec.RAW_ZSTD else lossy.setdefault(loc.num_tokens, [])).append(i)
+        sizes = [2 * hkv * records[i][2].num_tokens * d * itemsize for i in raw]
+        try:  # all at once, outside the GIL
+            for i, data in zip(raw, decompress_raw_many([records[i][1] for i in raw], sizes), strict=True):
+                out[i] = (records[i][2].num_tokens, data)
+        except ValueError:  # name the record: one by one until one fails
+            for i, n in zip(raw, sizes, strict=True):
+                _, payload, loc, where = records[i]
+                try:
+                    out[i] = (loc.num_tokens, decompress_raw(payload, n))
+                except ValueError as e:
+                    raise ArchiveCorrupt(f"{describe(keys[i])} in {where} does not decode: {e}", keys[i]) from e
         for n, at in lossy.items():
             try:
                 x = decode_int8_many([records[i][1] for i in at], self._dtype, hkv, n, d)

@@ -55,7 +55,7 @@ class ColdTier(Protocol):
         record."""
         ...
 
-    def get_bytes(self, keys: list[BlockKey]) -> list[tuple[int, bytes | memoryview]]:
+    def get_bytes(self, keys: list[BlockKey]) -> list[tuple[int, Buffer]]:
         """The blocks' bytes (tokens, K then V of the tier's dtype), lossy records decoded, as
         `get` would give them; many at once. Raises `ArchiveCorrupt` or KeyError like `get`."""
         ...

@@ -205,6 +205,30 @@ def decompress_raw(payload: bytes | memoryview, expected: int) -> bytes:
     return raw
 
 
+def decompress_raw_many(payloads: list[bytes | memoryview], expected: list[int]) -> list[Buffer]:
+    """raw-zstd payloads decompressed, each exactly its `expected` bytes, in one call outside the
+    GIL (zstandard's `multi_decompress_to_buffer`; one `decompress_raw` each where the backend
+    lacks it), so that a thread reading records back holds the GIL for microseconds, not for a
+    Python call per record. ValueError if any does not decompress to its size (which one:
+    `decompress_raw` says)."""
+    if not payloads:
+        return []
+    d = getattr(_local, "dctx", None)
+    if d is None:
+        d = _local.dctx = _zstd().ZstdDecompressor()
+    if not hasattr(d, "multi_decompress_to_buffer"):
+        return [decompress_raw(p, n) for p, n in zip(payloads, expected, strict=True)]
+    sizes = np.asarray(expected, dtype=np.uint64)
+    try:
+        out = d.multi_decompress_to_buffer(payloads, decompressed_sizes=sizes.tobytes(), threads=0)
+    except _zstd().ZstdError as e:
+        raise ValueError(f"zstd payloads do not decompress: {e}") from e
+    got = [out[i] for i in range(len(payloads))]
+    if any(len(b) != n for b, n in zip(got, expected, strict=True)):
+        raise ValueError("a payload decompresses to another size than its block's")
+    return cast("list[Buffer]", got)
+
+
 def _decompress(payload: bytes | memoryview, expected: int) -> bytearray:
     """Decompress into a fresh writable buffer of exactly `expected` bytes, or raise ValueError."""
     return bytearray(decompress_raw(payload, expected))

@@ -186,7 +186,7 @@ class Mover:
         hkv, d = k.shape[0], k.shape[-1]
         for i, (n, raw) in zip(piece, self.archive.get_bytes([keys[i] for i in piece]), strict=True):
             slot = slots[i]
-            kv = np.frombuffer(raw, dtype=k.dtype).reshape(2, hkv, n, d)
+            kv = np.frombuffer(memoryview(raw), dtype=k.dtype).reshape(2, hkv, n, d)
             k[:, slot, :n], v[:, slot, :n] = kv[0], kv[1]
             if n < self.ddr.block_size:
                 k[:, slot, n:] = 0

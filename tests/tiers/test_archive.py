@@ -941,3 +941,43 @@ def test_a_damaged_linked_record_is_named_by_the_block_asked_for(tmp_path: Path)
         assert_holds(a, BlockKey("fork", 2, 4), kv)
         with pytest.raises(ArchiveCorrupt):
             a.get(BlockKey("doc", 2, 4))
+
+
+def test_raw_payloads_decompressed_together_equal_each_decompressed_alone() -> None:
+    """`decompress_raw_many` (one call for many records, outside the GIL) gives each payload's
+    `decompress_raw` bytes, blocks of several sizes mixed; a payload that is not zstd, or of
+    another size than its block's, is a ValueError."""
+    blocks = [block(seed, n) for seed, n in enumerate([32, 7, 32, 1, 19])]
+    payloads = [encode(Codec.RAW_ZSTD, k, v) for k, v in blocks]
+    sizes = [2 * k.numel() * 4 for k, _ in blocks]
+    together = codecs.decompress_raw_many(payloads, sizes)
+    assert [bytes(b) for b in together] == [codecs.decompress_raw(p, n) for p, n in zip(payloads, sizes, strict=True)]
+    assert codecs.decompress_raw_many([], []) == []
+    with pytest.raises(ValueError):
+        codecs.decompress_raw_many([payloads[0], b"not zstd"], sizes[:2])
+    with pytest.raises(ValueError):
+        codecs.decompress_raw_many(payloads[:2], [sizes[0], sizes[1] + 4])
+
+
+def test_a_bulk_read_whose_raw_records_cannot_decode_together_names_the_bad_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the joint decompression fails, the records are decompressed one by one: the read gives
+    each block's bytes if they all decode alone, else an ArchiveCorrupt naming the one that does not."""
+    from h3d.tiers import archive as archive_mod
+
+    def broken(*args: object) -> list[bytes]:
+        raise ValueError("broken")
+
+    with Archive(tmp_path, IDENT) as a:
+        held = [put(a, BlockKey("s", 2, i), i + 5) for i in range(3)]
+        keys = [BlockKey("s", 2, i) for i in range(3)]
+        want = [bytes(raw) for _, raw in a.get_bytes(keys)]
+        assert want == [torch.cat([k.reshape(-1), v.reshape(-1)]).numpy().tobytes() for k, v in held]
+        monkeypatch.setattr(archive_mod, "decompress_raw_many", broken)
+        assert [bytes(raw) for _, raw in a.get_bytes(keys)] == want
+        real = archive_mod.decompress_raw
+        monkeypatch.setattr(archive_mod, "decompress_raw", lambda p, n: real(p, n + 4) if n else b"")
+        with pytest.raises(ArchiveCorrupt, match="does not decode") as err:
+            a.get_bytes(keys)
+        assert err.value.key == keys[0]
