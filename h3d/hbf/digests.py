@@ -253,8 +253,9 @@ class DigestStore:
                 incoming.left.discard(i)
                 try:
                     rows = incoming.layer(i)
-                except ValueError:
-                    self.failed.append((s, i))  # (its rows keep the empty sentinels: rebuilt by the owner)
+                except ValueError:  # its rows keep the empty sentinels: rebuilt by the owner, if kept
+                    if i in self.layers:
+                        self.failed.append((s, i))
                     continue
                 self.layer(s, i)[:, : incoming.rows].copy_(rows)
             if not incoming.left:
