@@ -357,11 +357,11 @@ class Daemon:
 
     async def _pinned(self, pinning: Pinning, slot_bytes: int) -> None:
         """Log when the DDR pool registered after the start is all usable (or stopped short)."""
-        usable = await asyncio.to_thread(pinning.wait, pinning.num_slots)
+        usable = await asyncio.to_thread(pinning.wait, pinning.num_slots)  # (returns at the engine's close too)
         if pinning.error is not None:
             log.error("ddr_pinning_failed", reason=pinning.error, usable_gb=round(usable * slot_bytes / 1e9, 1))
-        else:
-            log.info("ddr_pinned", gb=round(usable * slot_bytes / 1e9, 1), seconds=round(pinning.done_s or 0.0, 3))
+        elif pinning.done_s is not None:
+            log.info("ddr_pinned", gb=round(usable * slot_bytes / 1e9, 1), seconds=round(pinning.done_s, 3))
 
     async def _stats_loop(self) -> None:
         while True:

@@ -249,7 +249,8 @@ class DigestStore:
             incoming = self._incoming.get(s)
             if incoming is None:
                 continue
-            for i in sorted(incoming.left) if layer is None else [layer] if layer in incoming.left else []:
+            layers = sorted(incoming.left) if layer is None else [layer] if layer in incoming.left else []
+            for i in layers:
                 incoming.left.discard(i)
                 try:
                     rows = incoming.layer(i)

@@ -137,16 +137,17 @@ class Pinning:
         self.usable = self._pending[0] if self._pending else self.num_slots
 
     def wait(self, slots: int, timeout: float | None = None) -> int:
-        """Block until at least `slots` slots are usable (or registering failed, or `timeout`);
-        returns `usable`."""
+        """Block until at least `slots` slots are usable (or registering failed or was stopped by
+        `close`, or `timeout`); returns `usable`."""
         with self._changed:
-            self._changed.wait_for(lambda: self.usable >= slots or self.error is not None, timeout)
+            self._changed.wait_for(lambda: self.usable >= slots or self.error is not None or self._closing, timeout)
             return self.usable
 
     def close(self) -> None:
         """Stop registering, wait for the pieces under way, and unregister every piece."""
         with self._lock:
             self._closing = True
+            self._changed.notify_all()  # (a `wait` returns: what it waits for will not come)
         for f in getattr(self, "_later", ()):
             f.cancel()
         pool = getattr(self, "_pool", None)

@@ -99,7 +99,7 @@ MEMO_KEY_CHARS = 64  # a cut's key: the characters before it (the whole prefix i
 class _Encoded:
     text: str
     ids: np.ndarray  # int64
-    cuts: list[tuple[int, int]]  # (character offset just past a special token, ids before it)
+    cuts: dict[int, int]  # character offset just past a special token -> the ids before it
     scope: str
     add: bool  # add_special_tokens
 
@@ -165,7 +165,9 @@ class EncodeMemo:
         # A cut is kept only where the id before it is a special token's (the offsets agree).
         good = [(c, n) for c, n in zip(cuts, before, strict=True) if 0 < n <= len(ids)]
         ends = np.isin(ids[[n - 1 for _, n in good]], self._special_ids) if good else np.zeros(0, bool)
-        self._keep(_Encoded(text, ids, [g for g, ok in zip(good, ends, strict=True) if ok], scope, add_special_tokens))
+        self._keep(
+            _Encoded(text, ids, {c: n for (c, n), ok in zip(good, ends, strict=True) if ok}, scope, add_special_tokens)
+        )
         return ids.tolist()
 
     def _find(self, text: str, cuts: list[int], add: bool, scope: str) -> tuple[int, np.ndarray, dict[int, int]] | None:
@@ -182,18 +184,18 @@ class EncodeMemo:
                 if earlier is None or not text.startswith(earlier.text[:cut]):
                     continue
                 self._texts.move_to_end(hit[0])
-                return cut, earlier.ids[: hit[1]], dict(earlier.cuts)
+                return cut, earlier.ids[: hit[1]], earlier.cuts
         return None
 
     def _keep(self, e: _Encoded) -> None:
         with self._lock:
             self._ids += 1
             self._texts[self._ids] = e
-            for cut, before in e.cuts:
+            for cut, before in e.cuts.items():
                 self._cuts[(e.scope, e.add, cut, e.text[max(0, cut - MEMO_KEY_CHARS) : cut])] = (self._ids, before)
             while len(self._texts) > MEMO_TEXTS:
                 gone_id, gone = self._texts.popitem(last=False)
-                for cut, _ in gone.cuts:
+                for cut in gone.cuts:
                     key = (gone.scope, gone.add, cut, gone.text[max(0, cut - MEMO_KEY_CHARS) : cut])
                     if self._cuts.get(key, (0,))[0] == gone_id:
                         del self._cuts[key]

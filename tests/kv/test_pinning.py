@@ -189,3 +189,20 @@ def test_a_session_decodes_the_same_while_ddr_is_still_registering(
         return list(done.token_ids)
 
     assert run(True) == run(False)
+
+
+def test_a_wait_returns_when_the_pool_is_closed() -> None:
+    """`close` while the rest is still registering: a `wait` for all of it returns (a daemon that
+    stops before its DDR is all registered exits, its waiter no longer blocked), the pieces under
+    way finish, and every piece registered is unregistered."""
+    k = torch.zeros(2, 256, 16, 64, dtype=torch.bfloat16)
+    cuda = FakeCuda(delay=0.02)
+    p = Pinning([k], cuda.register, cuda.unregister, first_bytes=PAGE, piece_bytes=2 * PAGE, threads=1)
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(p.wait(256)))
+    waiter.start()
+    time.sleep(0.05)
+    p.close()
+    waiter.join(timeout=5)
+    assert not waiter.is_alive() and got and got[0] < 256 and p.done_s is None
+    assert cuda.ranges == {}
