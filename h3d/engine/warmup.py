@@ -153,7 +153,7 @@ def _batches(engine: Engine, ids: tuple[int, ...]) -> None:
                     kv.open(seq, None, policy_named(name))
                 # Two prompts in one step (a batch's prefill), the others their twins (`fork_whole`:
                 # shared blocks, nothing computed): the same decode steps as 16 prompts, at 1/8 of
-                # their prefill (a GPU host's 16 x 4.6K tokens were seconds of a start).
+                # their prefill.
                 runner.step([Chunk(seq, prompt, 0, want_logits=True) for seq in seqs[:PREFILLED]])
                 for seq in seqs[PREFILLED:]:
                     if kv.fork_whole(seqs[0], seq) != n:
