@@ -53,9 +53,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import datetime as dt
 import json
 import os
+import pstats
 import shutil
 import signal
 import subprocess
@@ -476,11 +478,16 @@ class Local:
             self.engine.append(sid, token_ids=[first])
         rids = {self.engine.submit(sid, generate=True, params=self.params(tokens)): i for i, sid in enumerate(sids)}
         streams = [Stream(time.perf_counter(), []) for _ in sids]
-        while self.engine.has_work:
-            self.engine.upkeep()
-            for event in self.engine.step():
-                if isinstance(event, TokenDelta) and event.request_id in rids:
-                    streams[rids[event.request_id]].arrivals.append(time.perf_counter())
+        current = dict.fromkeys(STEP_PHASES + COMMIT_PARTS, 0.0)
+        self.phases = []  # per step, as `generate` keeps them per token
+        with timed_phases(self.engine, current):
+            while self.engine.has_work:
+                self.engine.upkeep()
+                for event in self.engine.step():
+                    if isinstance(event, TokenDelta) and event.request_id in rids:
+                        streams[rids[event.request_id]].arrivals.append(time.perf_counter())
+                self.phases.append([round(current[p] * 1e3, 3) for p in STEP_PHASES + COMMIT_PARTS])
+                current.update(dict.fromkeys(STEP_PHASES + COMMIT_PARTS, 0.0))
         return streams
 
     def close(self, sid: Any) -> None:
@@ -716,11 +723,25 @@ def phase_many(run: Run) -> None:
     lsids = [local.session("attention_entropy") for _ in range(n)]
     for i, sid in enumerate(lsids):
         local.append(sid, prompt(run.vocab(), ctx, 1000 + i))
+    profiler = cProfile.Profile() if run.args.profile else None
     t0 = time.perf_counter()
-    lstreams = local.generate_many(lsids, [100 + i for i in range(n)], steps + 1)
+    with profiler or contextlib.nullcontext():
+        lstreams = local.generate_many(lsids, [100 + i for i in range(n)], steps + 1)
     lwall = time.perf_counter() - t0
+    if profiler is not None:
+        with open(run.args.profile, "w") as f:
+            stats = pstats.Stats(profiler, stream=f).strip_dirs()
+            stats.sort_stats("cumulative").print_stats(80)
+            stats.sort_stats("tottime").print_stats(60)
     out["engine_tokens_per_s"] = round(sum(len(s.arrivals) for s in lstreams) / lwall, 2)
     out["engine_itl_ms_p50"] = itl([g for s in lstreams for g in s.gaps_ms()])["itl_ms_p50"]
+    # Where a step's time went, in process: each phase's median over the steps after the first
+    # few (the batch's eager steps and its graph's capture), and every step's phases.
+    names = STEP_PHASES + COMMIT_PARTS
+    steady = local.phases[4:] or local.phases
+    out["engine_phases_ms_p50"] = {p: round(float(np.median([x[i] for x in steady])), 2) for i, p in enumerate(names)}
+    out["engine_steps_phases_ms"] = local.phases
+    log(f"engine many, step phases p50 (ms): {out['engine_phases_ms_p50']}")
     local.shutdown()
     bw = bandwidths(run.device)
     element = torch.finfo(shape.dtype).bits // 8
@@ -1013,6 +1034,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a flag for the daemons (repeatable; e.g. --daemon-flag=--no-write-behind): not the "
                    "defaults, so not the product's figures; the in-process engine takes the daemon's "
                    "configuration")  # fmt: skip
+    p.add_argument("--profile", type=Path, default=None,
+                   help="the many phase's in-process decode under cProfile: its statistics written here "
+                   "(slows the engine: its figures are then not comparable)")  # fmt: skip
     p.add_argument("--write", type=Path, default=None, help="update this markdown file's serve section")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
