@@ -349,9 +349,16 @@ def test_a_resumed_session_is_read_back_on_several_threads_and_continues_the_sam
     assert tiers.blocks.table(seq).archive_only().all()
     threads: set[str] = set()
     read_piece = tiers.mover._read_piece
+    another = threading.Event()  # a second thread took a piece
 
     def spy(*args: Any) -> None:
-        threads.add(threading.current_thread().name)
+        name = threading.current_thread().name
+        if threads and name not in threads:
+            another.set()
+        first = not threads
+        threads.add(name)
+        if first:  # the first piece waits (a while) for another thread to take one: not a race on a busy host
+            another.wait(5.0)
         read_piece(*args)
 
     monkeypatch.setattr(tiers.mover, "_read_piece", spy)
