@@ -117,11 +117,15 @@ def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) 
     return {"ttft_s": (first or time.perf_counter()) - t0, "text": "".join(texts), "usage": used}
 
 
-def kv_bytes(client: Client) -> tuple[int, int, int]:
+def kv_bytes(client: Client) -> tuple[int, int, int, int]:
     """The tiers' used bytes: HBM + DDR (each copy of a block counted once, whatever the sessions
-    pointing at it), the archive's, and what sharing saves in HBM and DDR."""
+    pointing at it), the archive's, what sharing saves in HBM and DDR, and the block digests'
+    (rows shared with a block's other sessions counted once)."""
     g = getattr(client.h3.GetStats(client.pb.GetStatsRequest()), "global")
-    return g.hbm_used_bytes + g.ddr_used_bytes, g.ssd_used_bytes, g.shared_hbm_saved_bytes + g.shared_ddr_saved_bytes
+    return (
+        g.hbm_used_bytes + g.ddr_used_bytes, g.ssd_used_bytes, g.shared_hbm_saved_bytes + g.shared_ddr_saved_bytes,
+        g.digest_bytes,
+    )  # fmt: skip
 
 
 def settled(client: Client, timeout: float = 300.0) -> None:
@@ -201,6 +205,7 @@ def forks(client: Client, ids: list[int], n: int, generate: int) -> dict[str, An
         "fork_s_max": times[-1], "forks_identical": same, "fork_answers": len({tuple(g) for g in got}),
         "parent_identical": parent_same, "first_difference_median": diverge[len(diverge) // 2],
         "one_session_mb": (one[0] - before[0]) / 2**20, "with_forks_mb": (after[0] - before[0]) / 2**20,
+        "digests_one_session_mb": (one[3] - before[3]) / 2**20, "digests_with_forks_mb": (after[3] - before[3]) / 2**20,
         "fork_own_blocks": own, "allowance_mb": allowance / 2**20, "shared_saved_mb": after[2] / 2**20,
         "archive_one_closed_mb": archive_one / 2**20, "archive_family_closed_mb": archive_family / 2**20,
         "archive_allowance_mb": archive_allowance / 2**20, "fork_own_blocks_closed": blocks_after - shared,
@@ -268,6 +273,14 @@ def _forks_table(f: dict[str, Any]) -> list[str]:
         f"| the goal: at most 1.2 x one session + each fork's own {f['fork_own_blocks']} blocks | "
         f"{f['allowance_mb']:.0f} MiB: {'met' if f['with_forks_mb'] <= f['allowance_mb'] else 'missed'} |",
         f"| HBM + DDR that sharing saves (GetStats) | {f['shared_saved_mb']:.0f} MiB |",
+        *(
+            [
+                f"| block digests (GetStats `digest_bytes`): one session / with its {f['forks']} forks | "
+                f"{f['digests_one_session_mb']:.1f} MiB / {f['digests_with_forks_mb']:.1f} MiB |"
+            ]
+            if "digests_one_session_mb" in f
+            else []
+        ),
         f"| archive once closed: one session / the document and its {f['forks']} forks | "
         f"{f['archive_one_closed_mb']:.0f} MiB / {f['archive_family_closed_mb']:.0f} MiB "
         f"({f['archive_family_closed_mb'] / f['archive_one_closed_mb']:.1f} x) |",

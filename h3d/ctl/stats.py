@@ -64,8 +64,9 @@ def stats_text(stats: Any) -> str:
         (
             "shared_blocks",
             f"{g.shared_blocks}; saving HBM {mib(g.shared_hbm_saved_bytes)} MiB, "
-            f"DDR {mib(g.shared_ddr_saved_bytes)} MiB",
+            f"DDR {mib(g.shared_ddr_saved_bytes)} MiB, digests {mib(g.digest_shared_saved_bytes)} MiB",
         ),
+        ("digests_mib", f"{mib(g.digest_bytes)}"),
         ("hbf_latency_us", f"p50 {g.hbf_latency_us_p50:.1f}  p99 {g.hbf_latency_us_p99:.1f}"),
         (
             "remote_tier",

@@ -151,6 +151,8 @@ def tier_stats_pb(engine: Engine) -> pb.TierStats:
         shared_blocks=t.shared_blocks,
         shared_hbm_saved_bytes=t.shared_hbm_saved_bytes,
         shared_ddr_saved_bytes=t.shared_ddr_saved_bytes,
+        digest_bytes=t.digest_bytes,
+        digest_shared_saved_bytes=t.digest_shared_saved_bytes,
         remote_on=engine.remote is not None,
         remote_degraded=engine.remote is not None and engine.remote.degraded is not None,
         remote_degraded_reason=(engine.remote.degraded or "") if engine.remote is not None else "",

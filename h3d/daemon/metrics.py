@@ -115,11 +115,14 @@ class Metrics:
                    "KV blocks not copied to the remote store (queue full, store unavailable).",
                    g.remote_kv_copy_skipped_blocks)  # fmt: skip
         lines += [
-            "# HELP h3d_shared_saved_bytes Bytes that sharing blocks saves now, per tier.",
+            "# HELP h3d_shared_saved_bytes Bytes that sharing blocks saves now, per tier (and in the digests).",
             "# TYPE h3d_shared_saved_bytes gauge",
             f'h3d_shared_saved_bytes{{tier="hbm"}} {g.shared_hbm_saved_bytes}',
             f'h3d_shared_saved_bytes{{tier="ddr"}} {g.shared_ddr_saved_bytes}',
+            f'h3d_shared_saved_bytes{{tier="digests"}} {g.digest_shared_saved_bytes}',
         ]
+        metric("h3d_digest_bytes", "gauge", "Bytes of the sessions' block digests (HBF's selection reads them).",
+               g.digest_bytes)  # fmt: skip
         # Stats carries microseconds (hbf_latency_us_p50/p99); Prometheus wants base units, and a quantile
         # label only on a summary. Quantiles over a window of recent steps are what a summary is; Stats
         # has no sum or count of the steps' planning time, so the summary has no _sum and _count lines.

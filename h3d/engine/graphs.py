@@ -103,7 +103,10 @@ MAX_GRAPHS = 32  # least recently used graphs beyond the warm set and this many 
 # of a large batch costs more than its graph's capture (H200, 32 sessions of 32K under
 # attention_entropy: eager steps of 1.0-1.9 s, captures of 0.4-0.5 s; docs/BENCHMARKS.md).
 DEFER_STEPS = 2
-SLOT_INPUTS = ("nblocks", "tail", "token", "pos", "ends", "room", "take", "parts_live", "dig_base", "dig_row")
+SLOT_INPUTS = (
+    "nblocks", "tail", "token", "pos", "ends", "room", "take", "parts_live",
+    "dig_base", "dig_row", "dig_src", "dig_shared",
+)  # fmt: skip
 
 
 def _pad(x: dict[str, np.ndarray], b: int) -> None:
@@ -113,7 +116,7 @@ def _pad(x: dict[str, np.ndarray], b: int) -> None:
     x["rows"][:, b:] = 0
     for name, pad in (("nblocks", 1), ("tail", 1), ("token", 0), ("pos", 0), ("ends", 1)):
         x[name][b:] = pad
-    for name in ("room", "take", "parts_live", "dig_base", "dig_row"):
+    for name in ("room", "take", "parts_live", "dig_base", "dig_row", "dig_src", "dig_shared"):
         x[name][:] = 0
 
 
@@ -286,7 +289,7 @@ class _GraphKV:
         raw = torch.empty_like(masked) if index == r.hbf.entropy_at else None
         select.scores(
             masked, q, r.digests.arena(index), r.digests.parts, x["dig_base"], x["nblocks"], x["parts_live"],
-            x["take"], hb.anchors[index - dense], sinks, recent, raw,
+            x["take"], hb.anchors[index - dense], sinks, recent, raw, (x["dig_src"], x["dig_shared"]),
         )  # fmt: skip
         if raw is not None:
             self._entropy(raw.amax(dim=1), scale)
@@ -319,7 +322,8 @@ class _GraphKV:
         whole = torch.zeros((b, nw), dtype=table.dtype, device=table.device)
         whole[:, : min(w, nw)] = table[:, :nw]
         for i in range(b):
-            rows = (x["dig_base"][i] + span).clamp(max=arena.shape[1] - 1)
+            rows = torch.where(span < x["dig_shared"][i], x["dig_src"][i] + span, x["dig_base"][i] + span)
+            rows = rows.clamp(0, arena.shape[1] - 1)
             digests = arena.index_select(1, rows).view(self.hkv, w, parts, 2, -1)
             blocks = select_static(
                 r.hbf, q[i], digests, x["nblocks"][i], x["room"][i], x["take"][i], hb.anchors[index - dense, i],
@@ -658,6 +662,7 @@ class DecodeGraphs:
             base, pos = r.digests.base(seq), t.num_tokens - 1
             x["room"][i], x["take"][i] = room, min(int((budget - sinks - recent) * r.hbf.anchor_share), width)
             x["parts_live"][i], x["dig_base"][i], x["dig_row"][i] = pos // pt + 1, base, base + pos // pt
+            x["dig_src"][i], x["dig_shared"][i] = r.digests.source(seq)  # (a fork's first parts: its parent's rows)
             if hb.anchored[i] == (seq, state.anchors_version):
                 continue
             hb.anchored[i] = (seq, state.anchors_version)

@@ -20,6 +20,18 @@ session folds its key there. Cost: 2 * head_dim * element size per part and KV h
 6 KiB per 32-token block of all heads, 184 MiB for a 32K-token session of the embedded model
 (30 layers); 1/16 with `digest_tokens = 16`.
 
+A block shared by several sessions (a fork, a prefix reused: `KVCache.fork`) shares its digests
+too: a session's first `shared` parts may be another session's (its *source*) first rows, read
+where they lie, and its own extent holds its parts from `shared` on (`share`). Its rows are then
+two runs: the source's [0, shared) and its own; `base(seq)` is virtual (its own start less
+`shared`, so that part p >= shared lies at base + p) and `source(seq)` gives the source's start
+and `shared` (the selection kernels read part p < shared at the source's start + p). A source is a
+session whose rows are all its own (a fork of a fork shares the first one's source, or copies
+where it shares past it). Shared parts are of whole blocks: no key is ever folded into them again
+but the same ones (a repair, a rebuild). Before a source's shared parts change (dropped, cut,
+loaded again) its readers take their own copies of them (`_own`), as does a reader before it
+writes or cuts below `shared`.
+
 Owner: `DigestStore`, updated by the model runner as K rows are written (the partial last block's
 digest is kept current token by token). What must stay true: extents never overlap, and a
 session's rows past its written keys hold the empty sentinels (+max as the min, -max as the max);
@@ -56,6 +68,8 @@ class _Extent:
     start: int
     rows: int
     used: int = 0
+    src: SeqId | None = None  # parts [0, shared) are this session's first rows (`share`)
+    shared: int = 0  # parts read from `src`: the rows above hold parts shared, shared + 1, ...
 
 
 class DigestStore:
@@ -84,6 +98,7 @@ class DigestStore:
         self.dtype = dtype
         self.device = device
         self._extents: dict[SeqId, _Extent] = {}
+        self._readers: dict[SeqId, set[SeqId]] = {}  # a source -> the sessions sharing its first rows
         self._reserved = self.parts * (1 + blocks)  # the arena never shrinks below this
         self._arena = self._empty(self._reserved)  # [L, Hkv, rows, 2, D]: the null extent first
         self._top = self.parts  # rows past here are free (holes below it are reclaimed by `_compact`)
@@ -112,9 +127,12 @@ class DigestStore:
         return self._arena.shape[2]
 
     def ensure(self, seq: SeqId, num_parts: int) -> torch.Tensor:
-        """Room for `num_parts` parts of `seq`: its rows [L, Hkv, capacity, 2, D]. May move
-        extents (between steps only: a captured step reads each slot's base as an input)."""
+        """Room for `num_parts` parts of `seq`: its own rows [L, Hkv, capacity, 2, D] (from part
+        `shared` on, where it shares its first parts: `share`). May move extents (between steps
+        only: a captured step reads each slot's base as an input)."""
         ext = self._extents.get(seq)
+        if ext is not None:
+            num_parts = max(1, num_parts - ext.shared)
         if ext is not None and ext.rows >= num_parts:
             ext.used = max(ext.used, num_parts)
             return self._arena[:, :, ext.start : ext.start + ext.rows]
@@ -146,7 +164,8 @@ class DigestStore:
             self._clear(view[:, :, old:])
             if saved is not None:
                 view[:, :, :old] = saved
-            self._extents[seq] = _Extent(start, rows, num_parts)
+            src, shared = (ext.src, ext.shared) if ext is not None else (None, 0)
+            self._extents[seq] = _Extent(start, rows, num_parts, src, shared)
         ext = self._extents[seq]
         return self._arena[:, :, ext.start : ext.start + ext.rows]
 
@@ -217,8 +236,91 @@ class DigestStore:
         return seq in self._extents
 
     def base(self, seq: SeqId) -> int:
-        """The arena row of `seq`'s first part (it moves only in `ensure` and `drop`)."""
-        return self._extents[seq].start
+        """The arena row of `seq`'s first part (it moves only in `ensure` and `drop`); where its
+        first `shared` parts are another session's (`source`), the row its part p >= shared lies
+        at is base + p."""
+        ext = self._extents[seq]
+        return ext.start - ext.shared
+
+    def source(self, seq: SeqId) -> tuple[int, int]:
+        """(the arena row of the source's first part, the parts shared): (0, 0) where `seq`'s
+        rows are all its own."""
+        ext = self._extents[seq]
+        if ext.src is None:
+            return 0, 0
+        return self._extents[ext.src].start, ext.shared
+
+    def shared_parts(self) -> int:
+        """The parts read from another session's rows, over all sessions (the rows sharing saves)."""
+        return sum(e.shared for e in self._extents.values())
+
+    # ---- shared rows ---------------------------------------------------------------------------
+
+    def share(self, seq: SeqId, parent: SeqId, num_blocks: int, copied: int = 0) -> None:
+        """`seq`'s digests of its first `num_blocks` blocks (whole blocks of `parent`'s: the same
+        keys) are read from `parent`'s rows, or from its source's where `parent` shares them too;
+        the next `copied` blocks' (a partial block copied on write) are copied into `seq`'s own
+        rows, empty past them. Where `parent` shares fewer blocks than that, all are copied
+        (one source per session)."""
+        with torch.inference_mode(self._arena.is_inference()):  # (an arena made in it is changed only in it)
+            self._share(seq, parent, num_blocks, copied)
+
+    def _share(self, seq: SeqId, parent: SeqId, num_blocks: int, copied: int) -> None:
+        self.drop(seq)
+        if self._incoming:
+            self.settle(parent)
+        pext, parts = self._extents[parent], self.parts
+        shared = num_blocks * parts
+        if pext.src is not None and shared > pext.shared:
+            self.load(seq, self.head(parent, num_blocks + copied).clone())  # (a view: `load` may move it)
+            return
+        root = pext.src if pext.src is not None else parent
+        rows = max(1, copied) * parts
+        start = self._claim(rows)
+        view = self._arena[:, :, start : start + rows]
+        self._clear(view)
+        if copied:
+            view[:, :, : copied * parts] = self._rows(parent, self._arena, shared + copied * parts)[:, :, shared:]
+        self._extents[seq] = _Extent(start, rows, copied * parts, root, shared)
+        self._readers.setdefault(root, set()).add(seq)
+
+    def _own(self, seq: SeqId) -> None:
+        """`seq`'s shared parts copied into rows of its own (before they may change, or it writes
+        below them): its rows one run again."""
+        if self._extents[seq].src is not None:
+            with torch.inference_mode(self._arena.is_inference()):
+                self._copy_shared(seq)
+
+    def _copy_shared(self, seq: SeqId) -> None:
+        ext = self._extents[seq]
+        assert ext.src is not None
+        src, shared = self._extents[ext.src], ext.shared
+        head = self._arena[:, :, src.start : src.start + shared].clone()
+        mine = self._arena[:, :, ext.start : ext.start + ext.rows].clone()
+        self._unlink(seq)
+        del self._extents[seq]
+        if ext.start + ext.rows == self._top:
+            self._top = ext.start
+        rows = shared + ext.rows
+        start = self._claim(rows)
+        self._arena[:, :, start : start + shared] = head
+        self._arena[:, :, start + shared : start + rows] = mine
+        self._extents[seq] = _Extent(start, rows, shared + ext.used)
+
+    def _unlink(self, seq: SeqId) -> None:
+        ext = self._extents[seq]
+        if ext.src is not None:
+            readers = self._readers[ext.src]
+            readers.discard(seq)
+            if not readers:
+                del self._readers[ext.src]
+            ext.src, ext.shared = None, 0
+
+    def _free_readers(self, seq: SeqId, first: int = 0) -> None:
+        """The sessions sharing `seq`'s parts from `first` on take their own copies (`seq`'s rows
+        there are about to change)."""
+        for reader in [r for r in self._readers.get(seq, ()) if self._extents[r].shared > first]:
+            self._own(reader)
 
     def arena(self, layer: int) -> torch.Tensor:
         """One layer of the arena: [Hkv, rows, 2, D] (min, max); a session's parts from its base."""
@@ -270,12 +372,24 @@ class DigestStore:
     # ---- reading and writing a session's digests -------------------------------------------------
 
     def get(self, seq: SeqId, layer: int, num_blocks: int) -> torch.Tensor:
-        """[Hkv, num_blocks, parts, 2, D]: (min, max) of the keys of each part of each block."""
+        """[Hkv, num_blocks, parts, 2, D]: (min, max) of the keys of each part of each block (a
+        view of the arena; a copy where `seq` shares its first parts)."""
         if self._incoming:
             self.settle(seq, layer)
-        start = self._extents[seq].start
-        d = self._arena[layer, :, start : start + num_blocks * self.parts]
+        d = self._rows(seq, self._arena[layer], num_blocks * self.parts)
         return d.view(d.shape[0], num_blocks, self.parts, 2, self.head_dim)
+
+    def _rows(self, seq: SeqId, arena: torch.Tensor, n: int) -> torch.Tensor:
+        """`seq`'s first n parts of `arena` (the whole arena, or one layer's: parts are its
+        second-to-last dimension but two)."""
+        ext = self._extents[seq]
+        if ext.src is None:
+            return arena[..., ext.start : ext.start + n, :, :]
+        src = self._extents[ext.src].start
+        if n <= ext.shared:
+            return arena[..., src : src + n, :, :]
+        head = arena[..., src : src + ext.shared, :, :]
+        return torch.cat([head, arena[..., ext.start : ext.start + n - ext.shared, :, :]], dim=-3)
 
     def update(self, seq: SeqId, layer: int, start: int, k: torch.Tensor) -> None:
         """Fold the keys of positions start, start + 1, ... into their parts' digests. k: [n, Hkv, D].
@@ -289,8 +403,13 @@ class DigestStore:
         if incoming is not None and start // self.part_tokens < incoming.rows:  # (past them: no need to wait)
             self.settle(seq, layer)
         pt = self.part_tokens
+        ext = self._extents.get(seq)
+        if ext is not None and start // pt < ext.shared:  # (keys written again below its shared parts)
+            self._own(seq)
         last = (start + n - 1) // self.block_size + 1
         d = self.ensure(seq, last * self.parts)[layer]  # [Hkv, cap, 2, D]
+        shift = self._extents[seq].shared  # its own rows begin at that part
+        start -= shift * pt
         kt = k.transpose(0, 1).to(self.dtype)  # [Hkv, n, D]
         a = min(n, -start % pt)  # keys before the first part boundary
         b = a + (n - a) // pt * pt  # the end of the whole parts
@@ -308,23 +427,28 @@ class DigestStore:
 
     def head(self, seq: SeqId, num_blocks: int) -> torch.Tensor:
         """All layers' digests of `seq`'s first `num_blocks` blocks: [L, Hkv, num_blocks * parts, 2, D]
-        (a view of the arena: a snapshot copies it, `h3d.tiers.digestfile`)."""
+        (a view of the arena, or a copy where it shares its first parts: a snapshot copies it,
+        `h3d.tiers.digestfile`)."""
         if self._incoming:
             self.settle(seq)
-        start = self._extents[seq].start
-        return self._arena[:, :, start : start + num_blocks * self.parts]
+        return self._rows(seq, self._arena, num_blocks * self.parts)
 
     def load(self, seq: SeqId, rows: torch.Tensor) -> None:
         """Take `rows` ([L, Hkv, blocks * parts, 2, D], as `head` gives them) as the digests of
         `seq`'s first blocks; the parts past them keep the empty sentinels."""
         self._incoming.pop(seq, None)
+        if seq in self._extents:
+            self._free_readers(seq)
+            if self._extents[seq].src is not None:
+                self.drop(seq)
         n = rows.shape[2]
         d = self.ensure(seq, n)
         for layer in range(rows.shape[0]):  # a layer at a time: a copy's staging is a layer's size
             d[layer, :, :n].copy_(rows[layer])
 
     def layer(self, seq: SeqId, layer: int) -> torch.Tensor:
-        """One layer of the session's rows: [Hkv, capacity * parts, 2, D] (min, max)."""
+        """One layer of the session's own rows: [Hkv, capacity * parts, 2, D] (min, max), from part
+        `shared` on where it shares its first parts."""
         ext = self._extents[seq]
         return self._arena[layer, :, ext.start : ext.start + ext.rows]
 
@@ -347,9 +471,12 @@ class DigestStore:
         if self._incoming:
             self.settle(seq)
         first = num_tokens // self.part_tokens  # the first part that held a cut key
+        self._free_readers(seq, first)
+        if first < self._extents[seq].shared:
+            self._own(seq)
         ext = self._extents[seq]
-        if first < ext.rows:
-            self._clear(self._arena[:, :, ext.start + first : ext.start + ext.rows])
+        if first - ext.shared < ext.rows:
+            self._clear(self._arena[:, :, ext.start + first - ext.shared : ext.start + ext.rows])
         if num_tokens % self.part_tokens:
             start = first * self.part_tokens
             for layer in self.layers:
@@ -359,19 +486,25 @@ class DigestStore:
         """Forget `seq`'s digests; its rows are reclaimed by the next compaction, and the arena
         shrinks once a quarter of it is in use."""
         self._incoming.pop(seq, None)
-        ext = self._extents.pop(seq, None)
-        if ext is None:
+        if seq not in self._extents:
             return
+        self._free_readers(seq)
+        self._unlink(seq)
+        ext = self._extents.pop(seq)
         if ext.start + ext.rows == self._top:
             self._top = ext.start
         live = sum(e.rows for e in self._extents.values())
         if self.rows > max(self._reserved, 4 * (live + self.parts), 64 * self.parts):
             self._resize(max(self._reserved, 5 * (live + self.parts) // 4))
 
+    @property
+    def row_bytes(self) -> int:
+        """The bytes of one part's digests, every layer and KV head."""
+        return self.shape[0] * self.shape[1] * 2 * self.head_dim * self._arena.element_size()
+
     def nbytes(self) -> int:
-        """The bytes the sessions' extents hold (the arena may hold more)."""
-        row = self.shape[0] * self.shape[1] * 2 * self.head_dim * self._arena.element_size()
-        return row * sum(e.rows for e in self._extents.values())
+        """The bytes the sessions' extents hold (the arena may hold more; rows shared count once)."""
+        return self.row_bytes * sum(e.rows for e in self._extents.values())
 
 
 def block_scores(q: torch.Tensor, digests: torch.Tensor, per_head: bool = False) -> torch.Tensor:

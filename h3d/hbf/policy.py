@@ -208,7 +208,9 @@ def select_static(
         bonus = torch.where(rank < take, float("inf"), float("-inf")).expand(hkv, -1)
         masked.scatter_reduce_(1, torch.minimum(anchors, nb - 1), bonus, reduce="amax")
     masked.masked_fill_((j < sinks) | (j >= nb - recent), float("-inf"))  # the base, and past the end
-    top = torch.topk(masked, k, dim=-1).indices  # [Hkv, k], best first
+    top = torch.topk(masked, min(k, w), dim=-1).indices  # [Hkv, k], best first
+    if w < k:  # a table narrower than the capacity (its room is smaller still): padding past it
+        top = torch.cat([top, top.new_zeros(hkv, k - w)], dim=1)
     base = torch.arange(sinks + recent, device=dev)
     base = torch.where(base < sinks, base, nb - recent - sinks + base)  # [sinks + recent]
     listed = torch.cat([base[:sinks].expand(hkv, -1), top, base[sinks:].expand(hkv, -1)], dim=1)

@@ -71,6 +71,7 @@ def scores(
     sinks: int,
     recent: int,
     raw: torch.Tensor | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Masked digest bounds of every slot of a batch into `out` [B, Hkv, W] fp32 (see the module
     docstring), one launch. q: [B, H, D]; arena: one layer of the digest arena [Hkv, rows, 2, D]
@@ -79,15 +80,18 @@ def scores(
     `raw` [B, Hkv, W] fp32, when given, receives the bounds before the masks (past nb: -inf). A
     part with no key yet (the partial block's last ones) bounds nothing (-inf), as its empty
     digest gives `block_scores`; a slot with no live part (parts_live 0: no selection) reads no
-    digest and scores -inf."""
+    digest and scores -inf. `shared` (src, parts) [B] int64: a slot's first `parts` parts lie at
+    row src + p instead of base + p (a fork reading its parent's rows, `DigestStore.share`);
+    None: none shared."""
     k = _kernels()
+    src, shared_parts = shared if shared is not None else (base, torch.zeros_like(base))
     b, hkv, w = out.shape
     d = arena.shape[-1]
     h = q.shape[1]
     g = h // hkv
     a = anchors.shape[2]
     k.scores[(b, hkv, triton.cdiv(w, TILE))](
-        q, arena, base, anchors, nb, parts_live, take, out, raw if raw is not None else out,
+        q, arena, base, src, shared_parts, anchors, nb, parts_live, take, out, raw if raw is not None else out,
         q.stride(0), q.stride(1), arena.stride(0), arena.stride(1), anchors.stride(0), anchors.stride(1),
         out.stride(0), w, a,
         SINKS=sinks, RECENT=recent, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, P=parts, TILE=TILE,
@@ -159,7 +163,7 @@ def fold(arena: torch.Tensor, rows: torch.Tensor, k: torch.Tensor) -> None:
 
 
 def _scores_kernel(  # type: ignore[no-untyped-def]
-    q, dig, base_ptr, anchors, nb_ptr, parts_ptr, take_ptr, out, raw,
+    q, dig, base_ptr, src_ptr, shared_ptr, anchors, nb_ptr, parts_ptr, take_ptr, out, raw,
     q_stride_b, q_stride_h, dig_stride_h, dig_stride_part, anchors_stride_b, anchors_stride_h, out_stride_b, W, A,
     SINKS: tl.constexpr, RECENT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     P: tl.constexpr, TILE: tl.constexpr, A_PAD: tl.constexpr, RAW: tl.constexpr,
@@ -171,6 +175,8 @@ def _scores_kernel(  # type: ignore[no-untyped-def]
     inside = j < W
     nb = tl.load(nb_ptr + b)
     base = tl.load(base_ptr + b)
+    src = tl.load(src_ptr + b)  # parts below `shared` are read from the source's rows
+    shared = tl.load(shared_ptr + b)
     parts_live = tl.load(parts_ptr + b)  # parts past it hold their empty digests' sentinels (+-max): not loaded
     d = tl.arange(0, D)
     g = tl.arange(0, G_PAD)
@@ -182,7 +188,8 @@ def _scores_kernel(  # type: ignore[no-untyped-def]
     for p in tl.static_range(P):
         part = j * P + p
         live = part < parts_live
-        at = kh * dig_stride_h + (base + part) * dig_stride_part  # [TILE]: part p's (min, max) rows
+        drow = tl.where(part < shared, src, base) + part
+        at = kh * dig_stride_h + drow * dig_stride_part  # [TILE]: part p's (min, max) rows
         lo = tl.load(dig + at[:, None] + d[None, :], mask=live[:, None], other=0.0).to(DOT)
         hi = tl.load(dig + at[:, None] + D + d[None, :], mask=live[:, None], other=0.0).to(DOT)
         s = tl.dot(hi, qpos, input_precision=PRECISION) + tl.dot(lo, qneg, input_precision=PRECISION)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -203,8 +203,11 @@ class KVCache:
         return self.sessions[seq].selection.window_tokens
 
     def stats(self) -> TierStats:
-        """The tiers' counters and occupancy (`h3d.tiers.stats`)."""
-        return self.tiers.stats()
+        """The tiers' counters and occupancy (`h3d.tiers.stats`), and the digests'."""
+        d = self.digests
+        return replace(
+            self.tiers.stats(), digest_bytes=d.nbytes(), digest_shared_saved_bytes=d.shared_parts() * d.row_bytes
+        )
 
     def hbf_latency_us(self) -> tuple[float, float]:
         """p50 and p99 of the host-side HBF planning per step (`Promoter.latency_us`)."""
@@ -360,8 +363,8 @@ class KVCache:
         record, source = self.sessions[child], self.sessions[parent]
         record.last_used = source.last_used
         if record.selection.policy.keeps_digests:
-            if not source.stale_digests and self.digests.has(parent):  # the same keys: the same digests
-                self.digests.load(child, self.digests.head(parent, n).clone())  # (a view: `load` may move it)
+            if not source.stale_digests and self.digests.has(parent):  # the same keys: the same digests, shared
+                self.digests.share(child, parent, n)
             else:
                 record.stale_digests = True  # rebuilt from the keys at its next step
         return n * bs
@@ -400,8 +403,8 @@ class KVCache:
         record.last_used = source.last_used
         take_state(record.selection, source.selection)
         if record.selection.policy.keeps_digests:
-            if not source.stale_digests and self.digests.has(parent):
-                self.digests.load(child, self.digests.head(parent, b.blocks_for(total)).clone())
+            if not source.stale_digests and self.digests.has(parent):  # shared, the partial block's copied
+                self.digests.share(child, parent, n, b.blocks_for(total) - n)
             else:
                 record.stale_digests = True
         return total

@@ -91,6 +91,8 @@ class TierStats:
     shared_blocks: int = 0  # blocks (one layer's block each) several sessions point to now
     shared_hbm_saved_bytes: int = 0  # HBM the shared blocks would take again if each session had its own
     shared_ddr_saved_bytes: int = 0  # DDR likewise
+    digest_bytes: int = 0  # the sessions' block digests (h3d.hbf.digests), on the compute device
+    digest_shared_saved_bytes: int = 0  # what digests shared with their blocks would take again in copies
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

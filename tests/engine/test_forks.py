@@ -129,6 +129,47 @@ def test_a_whole_fork_is_its_parents_twin(checkpoint: Callable[[str], Path], tmp
     again.close()
 
 
+def test_forks_share_their_parents_digests(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """Forks read their whole blocks' digests where the parent's lie (`DigestStore.share`): four
+    forks and a fork of a fork add rows only for their own blocks, their digests equal a session's
+    that computed the same keys, and each continues as the parent would (every decode step
+    selects: windows shorter than the context), also after the parent was cut below what they
+    share and closed for good (they take copies first)."""
+    engine = _engine(checkpoint, tmp_path, "llama_gqa4_tied", **TWIN)
+    parent = _parent(engine)
+    kv, d = engine.kv, engine.kv.digests
+    tokens = engine.session(parent).tokens
+    a = engine.session(parent).seq
+    before = d.nbytes()
+    forks = [engine.fork(parent) for _ in range(4)]
+    forks.append(engine.fork(forks[0]))
+    full = (len(tokens) - 1) // BS
+    for fork in forks:
+        assert d.source(engine.session(fork).seq) == (d.base(a), full * d.parts)
+    row = d.nbytes() // sum(d.layer(engine.session(s).seq, 0).shape[1] for s in [parent, *forks])
+    assert d.nbytes() - before <= 5 * row * 2 * d.parts  # a partial block's rows each (with slack), not a copy
+    assert d.shared_parts() == 5 * full * d.parts
+    for fork in (parent, forks[0], forks[4]):  # each part's min and max of the fork's own keys
+        seq = engine.session(fork).seq
+        got = d.head(seq, full + 1)
+        for layer in d.layers:
+            k = kv.tiers.read_keys(seq, layer)  # [Hkv, n, D]
+            for j in range(0, k.shape[1], d.part_tokens):
+                part = k[:, j : j + d.part_tokens]
+                lo, hi = got[layer, :, j // d.part_tokens].unbind(1)  # [Hkv, D] each
+                assert torch.equal(lo, part.amin(dim=1)) and torch.equal(hi, part.amax(dim=1)), (fork, layer, j)
+    want = engine.complete(parent, "", GREEDY).token_ids
+    assert engine.complete(forks[0], "", GREEDY).token_ids == want
+    engine.rewind(parent, 40)  # below what the forks share: they take their own copies first
+    assert d.source(engine.session(forks[1]).seq) == (0, 0)
+    assert engine.complete(forks[1], "", GREEDY).token_ids == want
+    engine.close_session(parent, purge=True)
+    for fork in forks[2:]:
+        assert engine.complete(fork, "", GREEDY).token_ids == want, f"fork {fork}"
+    assert d.shared_parts() == 0
+    engine.close()
+
+
 @pytest.mark.parametrize("tier", ["ddr", "ssd", "ssd, DDR short"])
 def test_a_fork_of_a_parent_below_hbm(checkpoint: Callable[[str], Path], tmp_path: Path, tier: str) -> None:
     """A parent's blocks in DDR are shared where they are; blocks in the archive only are read back

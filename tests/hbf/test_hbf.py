@@ -172,6 +172,131 @@ def test_digest_arena_keeps_each_sessions_digests_through_moves(ops: list[tuple[
             assert torch.equal(store.get(seq, layer, nb).reshape(2, -1, 2, 8), got[:, : nb * store.parts])
 
 
+@settings(max_examples=120, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["grow", "fork", "fork", "cut", "drop", "rewrite"]),
+            st.integers(0, 2),
+            st.integers(0, 2),
+            st.integers(0, 50),
+        ),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_shared_digest_rows_read_as_each_sessions_own(ops: list[tuple[str, int, int, int]]) -> None:
+    """Sessions forked from others at whole blocks share their first rows (`DigestStore.share`),
+    then grow, fork again, are cut, dropped and their blocks' keys folded in again, in any order,
+    as extents move and the arena is packed and resized: every session's digests (`get`, `head`,
+    and the rows a selection kernel reads: `source` below `shared`, `base` above) stay each part's
+    min and max of its own keys; a source exists for every reader, its rows are all its own, and
+    the rows shared are those saved."""
+    g = torch.Generator().manual_seed(len(ops))
+    store = DigestStore(2, 2, 8, BS, torch.float32, torch.device("cpu"), 8)
+    keys: dict[SeqId, torch.Tensor] = {}
+    for seq in map(SeqId, range(2)):  # two sessions of 3 blocks and some to start with
+        keys[seq] = torch.randn(3 * BS + 5, 2, 8, generator=g)
+        for layer in range(2):
+            store.update(seq, layer, 0, keys[seq] + layer)
+    for op, who, other, n in ops:
+        seq, peer = SeqId(who), SeqId(other)
+        have = keys.get(seq, torch.empty(0, 2, 8))
+        if op == "fork" and peer in keys and peer != seq and len(keys[peer]) >= BS:
+            blocks = 1 + n % (len(keys[peer]) // BS)
+            tail = len(keys[peer]) - blocks * BS if n % 2 else 0  # (a whole fork copies the partial block)
+            if tail >= BS:
+                tail = 0
+            store.share(seq, peer, blocks, 1 if tail else 0)
+            keys[seq] = keys[peer][: blocks * BS + tail].clone()
+        elif op == "drop" and seq in keys:
+            store.drop(seq)
+            del keys[seq]
+        elif op == "cut" and len(have):
+            kept = n % len(have)
+            if kept == 0:
+                store.drop(seq)
+                del keys[seq]
+                continue
+            keep = have[:kept]
+            store.truncate(seq, kept, lambda layer, start, keep=keep: keep[start:] + layer)
+            keys[seq] = keep
+        elif op == "rewrite" and len(have):  # a block's keys folded in again (a repair): the same keys
+            first = (n % len(have)) // BS * BS
+            for layer in range(2):
+                store.update(seq, layer, first, have[first : first + BS] + layer)
+        elif op == "grow" and n:
+            new = torch.randn(n, 2, 8, generator=g)
+            for layer in range(2):
+                store.update(seq, layer, len(have), new + layer)
+            keys[seq] = torch.cat([have, new])
+    assert set(keys) <= {s for s in map(SeqId, range(4)) if store.has(s)}
+    saved = 0
+    for seq, k in keys.items():
+        src, shared = store.source(seq)
+        saved += shared
+        if shared:
+            root = store._extents[seq].src
+            assert root in keys and store.source(root) == (0, 0) and len(keys[root]) >= shared * 8
+        nb = -(-len(k) // BS)
+        parts = -(-len(k) // 8)
+        for layer in range(2):
+            got = store.get(seq, layer, nb).reshape(2, -1, 2, 8)
+            arena = store.arena(layer)
+            rows = [src + j if j < shared else store.base(seq) + j for j in range(parts)]
+            assert torch.equal(arena[:, rows], got[:, :parts])  # what the kernels read
+            for j in range(parts):
+                part = (k[j * 8 : (j + 1) * 8] + layer).transpose(0, 1)
+                assert torch.equal(got[:, j, 0], part.amin(dim=1)) and torch.equal(got[:, j, 1], part.amax(dim=1))
+            assert (got[:, parts:, 0] == torch.finfo(torch.float32).max).all()  # empty past its keys
+        assert torch.equal(store.head(seq, nb)[1].reshape(2, -1, 2, 8), store.get(seq, 1, nb).reshape(2, -1, 2, 8))
+    assert store.shared_parts() == saved
+
+
+def test_a_sources_changes_leave_its_readers_digests_as_they_were() -> None:
+    """A fork reads its parent's rows until they would change: the parent cut below what the fork
+    shares, or dropped, or the fork's own keys folded in below it; a fork of the fork shares the
+    first parent's rows, and one past them copies. Each session's digests stay its keys'."""
+    g = torch.Generator().manual_seed(3)
+    store = DigestStore(1, 2, 8, BS, torch.float32, torch.device("cpu"), 8)
+    keys = {SeqId(0): torch.randn(5 * BS + 3, 2, 8, generator=g)}
+    store.update(SeqId(0), 0, 0, keys[SeqId(0)])
+
+    def exact(seq: SeqId) -> bool:
+        k = keys[seq]
+        got = store.get(seq, 0, -(-len(k) // BS)).reshape(2, -1, 2, 8)
+        want = [k[j : j + 8].transpose(0, 1) for j in range(0, len(k), 8)]
+        return all(torch.equal(got[:, j, 0], w.amin(dim=1)) and torch.equal(got[:, j, 1], w.amax(dim=1))
+                   for j, w in enumerate(want))  # fmt: skip
+
+    def fork(child: int, parent: int, blocks: int) -> None:
+        store.share(SeqId(child), SeqId(parent), blocks)
+        keys[SeqId(child)] = keys[SeqId(parent)][: blocks * BS].clone()
+
+    fork(1, 0, 4)
+    fork(2, 1, 2)  # within what 1 shares: 0's rows
+    assert store.source(SeqId(2)) == (store.source(SeqId(1))[0], 2 * store.parts) == (store.base(SeqId(0)), 4)
+    more = torch.randn(BS, 2, 8, generator=g)
+    store.update(SeqId(1), 0, 4 * BS, more)  # 1 grows past what it shares
+    keys[SeqId(1)] = torch.cat([keys[SeqId(1)], more])
+    fork(3, 1, 5)  # past what 1 shares: copied
+    assert store.source(SeqId(3)) == (0, 0) and store.shared_parts() == (4 + 2) * store.parts
+    assert all(exact(s) for s in keys)
+    store.truncate(
+        SeqId(0), 3 * BS + 5, lambda layer, start: keys[SeqId(0)][start : 3 * BS + 5]
+    )  # below 1's four blocks
+    keys[SeqId(0)] = keys[SeqId(0)][: 3 * BS + 5]
+    assert store.source(SeqId(1)) == (0, 0) and store.source(SeqId(2))[1] == 4  # (2 shares below the cut)
+    assert all(exact(s) for s in keys)
+    store.update(SeqId(2), 0, BS, keys[SeqId(2)][BS : 2 * BS])  # a block's keys folded in again, below what it shares
+    assert store.source(SeqId(2)) == (0, 0) and exact(SeqId(2))
+    fork(4, 0, 3)
+    store.drop(SeqId(0))
+    del keys[SeqId(0)]
+    assert store.source(SeqId(4)) == (0, 0) and store.shared_parts() == 0
+    assert all(exact(s) for s in keys)
+
+
 @pytest.mark.parametrize("policy", ["fixed", "attention_entropy", "layerwise"])
 @pytest.mark.parametrize("num_blocks", [5, 40, 130])
 def test_selection_keeps_sinks_and_recent_window(policy: str, num_blocks: int) -> None:

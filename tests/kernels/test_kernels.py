@@ -322,6 +322,50 @@ def test_sliding_window_decode_through_the_kernel_equals_the_reference(
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("path", ["host", "device", "graphs", "graphs, the torch twin"])
+def test_a_fork_selects_through_its_parents_digests_on_every_decode_path(
+    checkpoint: Callable[[str], Path], path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole fork reads its shared blocks' digests where its parent's lie (`DigestStore.share`)
+    on each of the GPU's decode paths (planned on the host, on the device, and the graphs' static
+    buffers and selection kernels, run eagerly here), selecting every step: it decodes what its
+    parent decoded, token for token, and so do two forks batched together."""
+    from helpers import VOCAB_SIZE, make_engine, random_prompt
+
+    from h3d.engine.sampling import SamplingParams
+    from h3d.engine.session import TokenDelta
+    from h3d.kernels import select
+    from h3d.kv.attention import kernel_attention
+
+    if path == "graphs, the torch twin":
+        monkeypatch.setattr(select, "available", lambda device: False)
+    hbf = {"policy": "attention_entropy", "window_tokens": 48, "window_min_tokens": 48, "recent_tokens": 16}
+    engine = make_engine(checkpoint("llama_gqa4_tied"), dense_layers=0, **hbf)
+    engine.model.use_attention(kernel_attention)
+    engine.runner.plan_on_device = path == "device"
+    engine.runner.graphs.enabled = path.startswith("graphs")
+    engine.runner.graphs.lag = False
+    parent = engine.create_session()
+    engine.append(parent, token_ids=random_prompt(200, VOCAB_SIZE, seed=8))
+    forks = [engine.fork(parent) for _ in range(3)]
+    d = engine.kv.digests
+    assert all(d.source(engine.session(f).seq)[1] == 199 // 16 * d.parts for f in forks)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = engine.complete(parent, "", greedy).token_ids
+    assert engine.complete(forks[0], "", greedy).token_ids == want
+    rids = {engine.submit(f, generate=True, params=greedy): i for i, f in enumerate(forks[1:])}
+    outs: list[list[int]] = [[], []]
+    while engine.has_work:  # (batched: both in each step)
+        engine.upkeep()
+        for event in engine.step():
+            if isinstance(event, TokenDelta) and event.request_id in rids:
+                outs[rids[event.request_id]].append(event.token_id)
+    assert outs == [list(want)] * 2, outs
+    if path.startswith("graphs"):
+        assert engine.runner.graphs.replays > 8
+    engine.close()
+
+
 def test_decode_graph_buckets_equal_the_eager_path(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
     """`exact` decode steps through `DecodeGraphs` (the CUDA graph path's static buffers, padding
     and table caching, run eagerly on the CPU) give the reference's logits and counters: three
@@ -550,6 +594,37 @@ def test_hbf_selection_kernels_pick_what_the_twin_picks(seed: int, hkv: int, gro
     bound = block_scores(q, digests[:, : int(nb)], per_head=True)
     torch.testing.assert_close(raw[2, :, : int(nb)], bound, rtol=1e-5, atol=1e-5)
     assert torch.isinf(raw[2, :, int(nb) :]).all()
+
+
+@pytest.mark.parametrize("shared_blocks", [0, 3, 40])
+def test_selection_scores_read_a_forks_first_parts_from_its_source(shared_blocks: int) -> None:
+    """A slot whose first parts are another session's rows (`DigestStore.share`: `src` below
+    `shared`, its own rows from base + shared on) scores what the same digests in one run score,
+    in the kernel and in the graphs' torch twin's row rule."""
+    from h3d.hbf.digests import block_scores
+    from h3d.kernels import select
+
+    g = torch.Generator().manual_seed(shared_blocks)
+    hkv, group, parts, d, w = 2, 4, 2, 16, 44
+    digests = torch.randn(hkv, w * parts, 2, d, generator=g).sort(dim=2).values
+    shared = shared_blocks * parts
+    src, own = 3 * parts, 60 * parts  # the source's rows, then unrelated ones, then the slot's own
+    arena = torch.randn(hkv, own + w * parts, 2, d, generator=g).sort(dim=2).values
+    arena[:, src : src + shared] = digests[:, :shared]
+    arena[:, own : own + w * parts - shared] = digests[:, shared:]
+    base = own - shared  # (virtual: part p >= shared lies at base + p)
+    q = torch.randn(1, hkv * group, d, generator=g)
+    masked, raw = torch.empty(1, hkv, w), torch.empty(1, hkv, w)
+    one = torch.ones(1, dtype=torch.int64)
+    select.scores(
+        masked, q, arena, parts, one * base, one * w, one * w * parts, one * 0,
+        torch.zeros(1, hkv, 0, dtype=torch.int64), 1, 1, raw, (one * src, one * shared),
+    )  # fmt: skip
+    want = block_scores(q[0], digests.view(hkv, w, parts, 2, d), per_head=True)
+    torch.testing.assert_close(raw[0], want, rtol=1e-5, atol=1e-5)
+    span = torch.arange(w * parts)
+    rows = torch.where(span < shared, src + span, base + span)  # the twin's rule (`_select_torch`)
+    assert torch.equal(arena[:, rows], digests)
 
 
 @pytest.mark.parametrize("seed", range(6))

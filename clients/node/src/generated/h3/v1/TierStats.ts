@@ -137,6 +137,13 @@ export interface TierStats {
   'remoteKvCopiedBytes'?: (number | string | Long);
   'remoteKvCopyQueuedBytes'?: (number | string | Long);
   'remoteKvCopySkippedBlocks'?: (number | string | Long);
+  /**
+   * Bytes of the sessions' block digests (h3d.hbf.digests: what HBF's selection reads each step,
+   * on the compute device, about 1/8 of the KV in bf16), and what the digests shared with their
+   * blocks (forks, reused prefixes) save: the bytes those sessions would hold again in copies.
+   */
+  'digestBytes'?: (number | string | Long);
+  'digestSharedSavedBytes'?: (number | string | Long);
 }
 
 /**
@@ -274,4 +281,11 @@ export interface TierStats__Output {
   'remoteKvCopiedBytes': (number);
   'remoteKvCopyQueuedBytes': (number);
   'remoteKvCopySkippedBlocks': (number);
+  /**
+   * Bytes of the sessions' block digests (h3d.hbf.digests: what HBF's selection reads each step,
+   * on the compute device, about 1/8 of the KV in bf16), and what the digests shared with their
+   * blocks (forks, reused prefixes) save: the bytes those sessions would hold again in copies.
+   */
+  'digestBytes': (number);
+  'digestSharedSavedBytes': (number);
 }
