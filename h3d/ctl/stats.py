@@ -108,7 +108,7 @@ def stats_text(stats: Any) -> str:
             "graphs",
             f"{stats.graphs.captures_total} captured ({stats.graphs.warm_graphs} warm in {stats.graphs.warm_s:.1f}s, "
             f"{stats.graphs.captures_after_ready} after ready, {stats.graphs.deferred} waiting); "
-            f"{stats.graphs.replays_total} steps replayed, {stats.graphs.eager_steps_total} eager while waiting",
+            f"{stats.graphs.replays_total} steps replayed, {stats.graphs.eager_steps_total} uncaptured while waiting",
         ),
     ]
     width = max(len(k) for k, _ in rows)

@@ -164,7 +164,7 @@ class Metrics:
                "Decode graphs captured after ready (between steps; their steps ran eagerly meanwhile).",
                gr.captures_after_ready)  # fmt: skip
         metric("h3d_graph_replays_total", "counter", "Decode steps replayed through a graph.", gr.replays_total)
-        metric("h3d_graph_eager_steps_total", "counter", "Decode steps run eagerly while their graph waited.",
+        metric("h3d_graph_eager_steps_total", "counter", "Decode steps run uncaptured while their graph waited.",
                gr.eager_steps_total)  # fmt: skip
         lines += [
             "# HELP h3d_rpc_total Calls answered, by API (grpc, http), method and status code.",

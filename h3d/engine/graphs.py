@@ -55,10 +55,13 @@ rows reserved for the tiers' blocks) is captured again.
 Warm before ready (`warm_set`, `warm`): before the daemon says it is ready it captures one
 session's graphs at every width up to the longest context (batch 1: exact at every width,
 selecting at every width past the narrowest window), each from padding inputs. From then on
-(`deferring`) a step whose graph is not captured runs eagerly (`Path.DEVICE`) and its key waits in
+(`deferring`) a step whose graph is not captured runs that graph's forward uncaptured (its static
+buffers and the batch's selection kernels, each launched: what a CPU runs) and its key waits in
 `deferred`; the engine captures waiting graphs between steps (`capture_deferred`: when it idles,
-or one per step once a key has run `DEFER_STEPS` (2) steps eagerly), counted in
-`captures_after_ready` (`h3d_graph_captures_total` counts all).
+or one per step once a key has run `DEFER_STEPS` (2) steps uncaptured), counted in
+`captures_after_ready` (`h3d_graph_captures_total` counts all). An uncaptured step costs the
+launches a replay saves (milliseconds); the eager path it replaced planned each session's
+selection on its own, 1.0-1.9 s a step for 32 sessions of 32K on the H200 (docs/BENCHMARKS.md).
 
 Padding slots feed token 0 at position 0, write into the null slot (row 0, never read: lists mask
 it) and attend to that one token; their outputs are dropped.
@@ -99,9 +102,9 @@ if TYPE_CHECKING:
 
 MAX_BATCH = 256
 MAX_GRAPHS = 32  # least recently used graphs beyond the warm set and this many are dropped
-# Eager steps after which a busy engine captures a waiting graph between steps. Low: an eager step
-# of a large batch costs more than its graph's capture (H200, 32 sessions of 32K under
-# attention_entropy: eager steps of 1.0-1.9 s, captures of 0.4-0.5 s; docs/BENCHMARKS.md).
+# Uncaptured steps after which a busy engine captures a waiting graph between steps: each pays
+# the launches a replay saves, and a capture costs one stall (0.4-0.5 s for 32 sessions of 32K on
+# the H200, docs/BENCHMARKS.md; those sessions' steps ran eagerly then, at 1.0-1.9 s each).
 DEFER_STEPS = 2
 SLOT_INPUTS = (
     "nblocks", "tail", "token", "pos", "ends", "room", "take", "parts_live",
@@ -379,7 +382,7 @@ class DecodeGraphs:
         # (eager steps so far) to be captured between steps (`capture_deferred`).
         self.deferring = False
         self.deferred: OrderedDict[GraphKey, int] = OrderedDict()
-        self.eager_steps = 0  # steps run eagerly while their graph waited
+        self.eager_steps = 0  # steps run uncaptured while their graph waited to be captured
         self.captures_after_ready = 0
         self.capture_s: dict[GraphKey, float] = {}  # how long each graph's last capture took
 
@@ -411,8 +414,9 @@ class DecodeGraphs:
         return GraphKey(batch, width, k, mixed=len(selecting) < len(seqs))
 
     def applies(self, seqs: list[SeqId]) -> GraphKey | None:
-        """The graph a decode step of these sessions replays, or None where it runs eagerly. The
-        planner asks only for decode steps with nothing to stage from the archive."""
+        """The graph a decode step of these sessions runs (replayed; uncaptured while it waits in
+        `deferred`), or None where it runs eagerly. The planner asks only for decode steps with
+        nothing to stage from the archive."""
         r = self.runner
         if not self.enabled or len(seqs) > MAX_BATCH:
             return None
@@ -431,8 +435,7 @@ class DecodeGraphs:
         key = self._key(seqs, tables)
         if self.deferring and not self._current(key):
             self.deferred[key] = self.deferred.get(key, 0) + 1
-            self.eager_steps += 1
-            return None  # captured between steps (`capture_deferred`), not on this step's path
+            self.eager_steps += 1  # its forward runs uncaptured (`run`), captured between steps (`capture_deferred`)
         return key
 
     def _current(self, key: GraphKey) -> bool:
@@ -558,13 +561,15 @@ class DecodeGraphs:
         if self.capture:
             g.copied = torch.cuda.Event()
             g.copied.record()
-        if g.graph is None and self.capture:
+        waits = key in self.deferred  # captured between steps, never on a step's path: uncaptured now
+        if g.graph is None and self.capture and not waits:
             self._capture(g)
-        if g.graph is not None:
+        if g.graph is not None and not waits:
             g.graph.replay()
         else:
             g.hidden = self._forward(g)
-        self.replays += 1
+        if not waits:
+            self.replays += 1
         report.reads += self._reads(g, tables)
         report.replay = g
         assert g.hidden is not None

@@ -1,7 +1,7 @@
 """Warm before ready (h3d.engine.warmup, DecodeGraphs.warm_set / warm / capture_deferred) on the
 CPU twin: the named set "captured" (made, its forward run from padding inputs), counted, kept;
-a step outside it runs eagerly and its graph is captured between steps; and graphs made from
-padding replay real steps as the eager path computes them."""
+a step outside it runs its graph's forward uncaptured and its graph is captured between steps; and
+graphs made from padding replay real steps as the eager path computes them."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_warm_captures_the_set_keeps_it_and_leaves_no_trace_of_its_scratch_seque
     engine.close()
 
 
-def test_after_warm_a_step_outside_the_set_runs_eagerly_and_its_graph_is_captured_between_steps(
+def test_after_warm_a_step_outside_the_set_runs_uncaptured_and_its_graph_is_captured_between_steps(
     checkpoint: Callable[[str], FsPath],
 ) -> None:
     engine = _engine(checkpoint, graphs=True)
@@ -98,9 +98,9 @@ def test_after_warm_a_step_outside_the_set_runs_eagerly_and_its_graph_is_capture
         engine.append(sid, token_ids=random_prompt(300, VOCAB_SIZE, seed=seed))
         engine.submit(sid, generate=True, params=engine.with_sampling(max_tokens=3, ignore_eos=True))
     two = engine.schedule().chunks
-    plan = runner.plan(two)  # batch 2: outside the warm set
-    assert plan.path is not Path.GRAPH
+    plan = runner.plan(two)  # batch 2: outside the warm set: its graph's forward, uncaptured
     key = GraphKey(2, width_bucket(300 // BS + 1))
+    assert plan.path is Path.GRAPH and plan.graph == key
     assert dict(g.deferred) == {key: 1} and g.eager_steps == 1
     runner._undo(plan.chunks)
     plan = runner.plan(two[:1])  # batch 1: in the set
@@ -115,6 +115,44 @@ def test_after_warm_a_step_outside_the_set_runs_eagerly_and_its_graph_is_capture
     assert plan.path is Path.GRAPH and plan.graph == key
     runner._undo(plan.chunks)
     engine.close()
+
+
+def test_a_batch_whose_graph_waits_decodes_through_it_uncaptured_as_the_eager_path_does(
+    checkpoint: Callable[[str], FsPath], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After warm, two sessions decoding together (batch 2: outside the warm set) run their graph's
+    forward uncaptured while it waits to be captured (here it never is: nothing idles, and the
+    CPU's "capture" is withheld): counted as such, not as replays, their greedy tokens an engine's
+    without graphs, every step selecting past the 192-token window."""
+    prompts = [random_prompt(300, VOCAB_SIZE, seed=s) for s in (1, 2)]
+    out = []
+    for graphs in (True, False):
+        engine = _engine(checkpoint, graphs=graphs)
+        g = engine.runner.graphs
+        if graphs:
+            engine.warm(kernels=False)
+            monkeypatch.setattr(g, "_current", lambda key, g=g: key in g.warm_keys)  # (a CPU "captures" as it makes)
+        sids = [engine.create_session() for _ in prompts]
+        for sid, ids in zip(sids, prompts, strict=True):
+            engine.append(sid, token_ids=ids)
+        params = engine.with_sampling(max_tokens=8, ignore_eos=True)
+        rids = {engine.submit(sid, generate=True, params=params): i for i, sid in enumerate(sids)}
+        tokens: list[list[int]] = [[], []]
+        paths: list[Path] = []
+        plan = engine.runner.plan
+        monkeypatch.setattr(
+            engine.runner, "plan", lambda chunks, plan=plan, paths=paths: paths.append((p := plan(chunks)).path) or p
+        )
+        while engine.has_work:  # (no upkeep: nothing captured between steps)
+            for event in engine.step():
+                if isinstance(event, TokenDelta) and event.request_id in rids:
+                    tokens[rids[event.request_id]].append(event.token_id)
+        out.append((tokens, g.replays, g.eager_steps, dict(g.deferred), paths))
+        engine.close()
+    (tokens, replays, waited, deferred, paths), (e_tokens, *_) = out
+    assert tokens == e_tokens and all(len(t) == 8 for t in tokens)
+    assert replays == 0 and waited >= 7 and paths.count(Path.GRAPH) == waited  # every batched step, uncaptured
+    assert list(deferred) == [GraphKey(2, width_bucket(300 // BS + 1), 16)] and deferred[next(iter(deferred))] == waited
 
 
 @pytest.mark.parametrize("policy", ["exact", "attention_entropy"])

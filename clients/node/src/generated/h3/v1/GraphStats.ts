@@ -21,7 +21,8 @@ export interface GraphStats {
    */
   'replaysTotal'?: (number | string | Long);
   /**
-   * Decode steps run eagerly while their graph waited to be captured.
+   * Decode steps run uncaptured (their graph's forward, each kernel launched) while their graph
+   * waited to be captured.
    */
   'eagerStepsTotal'?: (number | string | Long);
   /**
@@ -54,7 +55,8 @@ export interface GraphStats__Output {
    */
   'replaysTotal': (number);
   /**
-   * Decode steps run eagerly while their graph waited to be captured.
+   * Decode steps run uncaptured (their graph's forward, each kernel launched) while their graph
+   * waited to be captured.
    */
   'eagerStepsTotal': (number);
   /**
