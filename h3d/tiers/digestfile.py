@@ -69,6 +69,10 @@ class DigestFiles:
         self._writer: ThreadPoolExecutor | None = None  # `write_later`'s one thread
         self._reader: ThreadPoolExecutor | None = None  # `read_later`'s THREADS threads
         self._pending: dict[str, Future[int]] = {}  # session -> its write under way
+        # session -> (blocks, part_tokens, rows) of its write under way, until it is done: a read
+        # then takes the rows (a session closed and reopened at once waits for no write)
+        self._staged: dict[str, tuple[int, int, torch.Tensor]] = {}
+        self._staged_lock = threading.Lock()
 
     def path(self, session: str) -> Path:
         name = session if _SAFE_NAME.fullmatch(session) else hashlib.sha256(session.encode()).hexdigest()
@@ -132,7 +136,18 @@ class DigestFiles:
         self.settle(session)
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="h3d-digest-write")
-        self._pending[session] = self._writer.submit(self.write, session, blocks, part_tokens, rows)
+        staged = (blocks, part_tokens, rows)
+        with self._staged_lock:
+            self._staged[session] = staged
+        future = self._writer.submit(self.write, session, blocks, part_tokens, rows)
+        self._pending[session] = future
+
+        def done(_: Future[int]) -> None:
+            with self._staged_lock:
+                if self._staged.get(session) is staged:
+                    del self._staged[session]
+
+        future.add_done_callback(done)
 
     def settle(self, session: str | None = None) -> None:
         """Wait for `write_later`'s writes (of `session`, or all): one that failed is logged and
@@ -156,7 +171,11 @@ class DigestFiles:
     # ---- reading ---------------------------------------------------------------------------
 
     def header(self, session: str) -> dict[str, Any] | None:
-        """The snapshot's header, or None if there is none (or it is unreadable)."""
+        """The snapshot's header, or None if there is none (or it is unreadable); that of a write
+        under way (`write_later`) without waiting for it."""
+        staged = self._staged_meta(session)
+        if staged is not None:
+            return staged[0]
         self.settle(session)
         path = self.path(session)
         try:
@@ -202,8 +221,10 @@ class DigestFiles:
         """`read`, its pieces read in the background in the file's order (a layer after another):
         (blocks, rows, `layer`), where `layer(i)` waits for layer i's rows and returns them, or
         raises ValueError if a piece holding them failed (the snapshot is then ignored and deleted).
-        None where `read` gives None for its header."""
-        meta = self.header(session)
+        None where `read` gives None for its header. A snapshot whose write is under way
+        (`write_later`) is taken from the rows being written, none read."""
+        staged = self._staged_meta(session)
+        meta = staged[0] if staged is not None else self.header(session)
         if meta is None:
             return None
         path = self.path(session)
@@ -222,6 +243,9 @@ class DigestFiles:
         if problem is not None:
             self._ignore(session, problem)
             return None
+        if staged is not None:
+            rows = staged[1]
+            return int(meta["blocks"]), rows, rows.__getitem__
         out = torch.empty(got, dtype=dtype)
         raw = out.view(torch.uint8).numpy().reshape(-1)
         piece, crcs = int(meta["piece_bytes"]), list(meta["crcs"])
@@ -278,6 +302,19 @@ class DigestFiles:
             return out[i]
 
         return int(meta["blocks"]), out, layer
+
+    def _staged_meta(self, session: str) -> tuple[dict[str, Any], torch.Tensor] | None:
+        """The header a write under way will write, and its rows (None: no write under way)."""
+        with self._staged_lock:
+            staged = self._staged.get(session)
+        if staged is None:
+            return None
+        blocks, part_tokens, rows = staged
+        meta = {
+            "version": VERSION, "fingerprint": self.fingerprint, "dtype": str(rows.dtype).removeprefix("torch."),
+            "shape": list(rows.shape), "part_tokens": part_tokens, "blocks": blocks,
+        }  # fmt: skip
+        return meta, rows
 
     def _ignore(self, session: str, why: str) -> None:
         """A snapshot that cannot be used: deleted (the next checkpoint writes a good one)."""

@@ -340,8 +340,9 @@ def test_a_closed_session_is_snapshot_behind_and_reopens_from_it(
     checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Closing a session (its KV parked in the archive) writes its digest snapshot on a thread of
-    its own; reopening it while that write is under way waits for it, then reads the digests from
-    it rather than from every key. The tokens equal the untiered engine's."""
+    its own; reopening it while that write is under way takes the digests from the rows being
+    written, without waiting for the write nor reading the file, rather than from every key; once
+    written, a reopening reads the file. The tokens equal the untiered engine's."""
     import threading
 
     engine = _engine(checkpoint(MODEL), tmp_path / "data")
@@ -361,13 +362,22 @@ def test_a_closed_session_is_snapshot_behind_and_reopens_from_it(
         return write(*args)
 
     monkeypatch.setattr(files, "write", slow)
+    kv = engine.runner.kv
+    rebuild, rebuilt_from = kv._rebuild_digests, []
+    monkeypatch.setattr(kv, "_rebuild_digests", lambda seq, first=0: rebuilt_from.append(first) or rebuild(seq, first))
     engine.close_session(sid)
     assert not files.path(sid).exists()  # under way, held
-    threading.Timer(0.3, gate.set).start()
-    out = engine.complete(sid, "", GREEDY).token_ids  # reopened: waits for the write, then reads it
-    assert files.path(sid).exists() and files.bytes_read > 0
-    assert threads and all(name.startswith("h3d-digest-write") for name in threads)
+    out = engine.complete(sid, "", GREEDY).token_ids  # reopened: the rows being written, no wait
+    assert not files.path(sid).exists() and files.bytes_read == 0  # (still held: not waited for, not read)
+    assert rebuilt_from == [(PROMPT + 6) // 16]  # only the partial block's digests from its keys
     assert out == plain.complete(twin, "", GREEDY).token_ids
+    gate.set()
+    engine.close_session(sid)
+    files.settle()
+    assert files.path(sid).exists()
+    assert threads and all(name.startswith("h3d-digest-write") for name in threads)
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    assert files.bytes_read > 0  # reopened once the write was done: read from the file
     engine.close()
     plain.close()
 
