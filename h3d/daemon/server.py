@@ -492,7 +492,7 @@ def _close_idle(engine: Engine, *, ttl_s: float) -> list[SessionId]:
         if not s.busy and not s.closed and engine.kv.pinned_until(s.seq) is None and now - s.last_used_at >= ttl_s
     ]
     for sid in idle:
-        engine.close_session(sid)
+        engine.close_session(sid, later=True)
     return idle
 
 

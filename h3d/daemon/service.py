@@ -166,8 +166,8 @@ class H3Servicer:
         else:
             # Answered once queued, not after the step in flight: commands run in order, so every
             # later call finds the session closed (its token log is already durable; its KV goes
-            # to the archive on the engine thread).
-            self.s.worker.post(lambda e: e.close_session(sid))
+            # to the archive once write-behind has written it, off the engine thread).
+            self.s.worker.post(lambda e: e.close_session(sid, later=True))
         return pb.CloseSessionResponse()
 
     async def AppendContext(

@@ -500,6 +500,8 @@ class Engine:
         their archived blocks."""
         while self.prefix_cache:
             self._drop_cached(self.prefix_cache.popitem(last=False)[1])
+        for seq in list(self.kv.parking):  # closed sessions still being archived: parked now
+            park_kv(self.kv, seq)
         self.save_touched()
         if self.journal is not None:
             self.journal.close()
@@ -739,12 +741,14 @@ class Engine:
         del session.tokens[num_tokens:]
         self._forget_chains(session.id)  # its chain is hashed again from its tokens when next asked
 
-    def close_session(self, session_id: SessionId, purge: bool = False) -> None:
+    def close_session(self, session_id: SessionId, purge: bool = False, later: bool = False) -> None:
         """End `session_id`'s requests (cancelled) and free its memory. With `purge`, the session
         is deleted: its token log and archived KV go, their disk space given back by a compaction
         on the archive's own thread (`Archive.compact_later`). Without, it is closed: its KV goes
         to the archive only (or is forgotten, to be computed again, without a writable archive),
-        it stays listed, and its next request reopens it where it stopped."""
+        it stays listed, and its next request reopens it where it stopped. With `later` (the
+        daemon's), its KV goes once write-behind has archived it (`KVCache.park_later`, finished
+        between steps: `upkeep`, `write_behind`); a request before then finds it where it was."""
         session = self.session(session_id)
         self._check_not_leaving(session)
         self._cancel_requests(session)
@@ -761,7 +765,9 @@ class Engine:
         if session.closed:
             return
         kv.note_hot(session.seq)  # (before its KV goes to the archive)
-        park_kv(kv, session.seq)
+        kv.pin(session.seq, None)
+        if not (later and kv.park_later(session.seq)):
+            park_kv(kv, session.seq)
         session.closed = True
         self._save_meta(session, hot=True)
         enforce_ssd_capacity(self.kv, self.sessions.values(), self.evictions)
@@ -853,7 +859,15 @@ class Engine:
 
     def _reopen(self, session: Session) -> None:
         session.closed = False
+        self.kv.unpark(session.seq)  # (closed a moment ago: its KV is still where it was)
         self._save_meta(session)
+
+    def _park_ready(self) -> bool:
+        """Park the closed sessions whose KV write-behind has archived (`KVCache.park_later`);
+        returns whether some are still being archived."""
+        for seq in self.kv.parked():
+            park_kv(self.kv, seq)
+        return bool(self.kv.parking)
 
     def set_policy(self, session_id: SessionId, policy: str) -> None:
         """Switch the HBF policy a session's decode steps use (takes effect at the next step)."""
@@ -1056,6 +1070,8 @@ class Engine:
         archive kept within `ssd_capacity_mb` (closed sessions' KV evicted, coldest first). The
         daemon's engine thread and `run` call it."""
         self.save_touched()
+        if self.kv.parking:
+            self._park_ready()
         if self._requests:  # HBM toward the fair shares of the sessions with a request in flight
             self.kv.rebalance([r.session.seq for r in self._requests.values()])
         graphs = self.runner.graphs
@@ -1076,7 +1092,8 @@ class Engine:
         if not behind.enabled:
             return False
         behind.pump([], self.kv.frozen, busy=False)
-        return bool(behind.batches) or behind.pump_due
+        parking = self._park_ready() if self.kv.parking else False
+        return bool(behind.batches) or behind.pump_due or parking
 
     def read_ahead(self) -> bool:
         """While no request runs: resumed sessions' archived KV read back into DDR, without the

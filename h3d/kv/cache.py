@@ -50,6 +50,8 @@ from h3d.tiers.promotion import Promoter
 from h3d.tiers.shares import HbmShares
 from h3d.tiers.stats import SessionCounters, TierStats
 
+PARK_WAIT_S = 30.0  # the longest a closed session waits for write-behind before it is parked on the engine thread
+
 
 @dataclass(slots=True)
 class SessionKV:
@@ -133,6 +135,9 @@ class KVCache:
         self.promoter = Promoter(self.tiers, promote_bytes_per_step)
         self.hbf = hbf
         self.frozen: dict[SeqId, int] = {}  # seq -> its first block no step may move (ModelRunner.begin)
+        # Closed sessions whose full blocks write-behind archives before they are parked (`park_later`),
+        # and since when (time.monotonic())
+        self.parking: dict[SeqId, float] = {}
         self.tiers.frozen = self.frozen  # (never cut to make room)
         self.shares = HbmShares(self.tiers, self.promoter, self.demand)  # fair HBM between active sessions
         self.promoter.room = self.shares.room
@@ -536,11 +541,46 @@ class KVCache:
         self.count_rebuilt(dropped)
         return dropped
 
+    def park_later(self, seq: SeqId) -> bool:
+        """`park` a closed session once write-behind has archived its full blocks, whatever its
+        dirty budget, on its own threads (`WriteBehind.urgent`): the engine thread then writes only
+        its partial last block (`parked`); until then its copies stay, and a request reopens it
+        as it was (`unpark`). False where write-behind is off or the archive takes no writes (the
+        caller parks it now)."""
+        behind = self.tiers.behind
+        if not behind.enabled or not self.writable:
+            return False
+        self.parking.setdefault(seq, time.monotonic())
+        behind.urgent.add(seq)
+        return True
+
+    def unpark(self, seq: SeqId) -> None:
+        """A session being parked (`park_later`) used again: its KV stays where it is."""
+        self.parking.pop(seq, None)
+        self.tiers.behind.urgent.discard(seq)
+
+    def parked(self) -> list[SeqId]:
+        """The sessions being parked whose full blocks are all archived now (or that will not be
+        soon: the archive takes no writes, refused them for its capacity, or `PARK_WAIT_S` passed):
+        `park` them."""
+        behind = self.tiers.behind
+        b = self.blocks
+        ready = []
+        now = time.monotonic()
+        for seq, since in self.parking.items():
+            t = b.table(seq)
+            ids = t.ids[b.full_layers, : t.num_tokens // b.block_size]
+            stuck = not self.writable or behind.wants_room > 0 or now - since > PARK_WAIT_S
+            if stuck or (b.entries.archived[ids].all() and not any(x.seq == seq for x in behind.batches)):
+                ready.append(seq)
+        return ready
+
     def park(self, seq: SeqId) -> None:
         """A closed session: its KV to the archive only (`h3d.tiers.lifecycle.park`), unpinned, its
         digests snapshot (written on a thread of its own) and dropped: read back from the snapshot
         if it is reopened."""
         self.flush_lagged()
+        self.unpark(seq)
         record = self.sessions[seq]
         lifecycle.park(self.tiers, seq)
         record.pinned_until = None
@@ -552,6 +592,7 @@ class KVCache:
         """Forget all of `seq`'s KV, its archived records too: computed again from its tokens when
         it is used next. Returns the block copies dropped."""
         self.flush_lagged()
+        self.unpark(seq)
         if self.digest_files is not None:
             self.digest_files.remove(self.sessions[seq].name)
         return lifecycle.forget(self.tiers, seq)
@@ -573,6 +614,7 @@ class KVCache:
         """Forget `seq` entirely: its table and slots, digests, HBF state, tier bookkeeping, and
         (with `purge_archive`) its archived records."""
         self.flush_lagged()
+        self.unpark(seq)
         record = self.sessions.get(seq)
         try:
             self.tiers.release(seq, purge_archive and record is not None)

@@ -20,6 +20,11 @@ watermark). While requests run, a step submits at most `WRITE_BEHIND_STEP_MB`; a
 `WRITE_BEHIND_IN_FLIGHT_MB` is in flight. Copies down use DDR only up to `ddr_high_watermark`,
 dropping cheap copies to make room.
 
+A closed session is parked once its full blocks are archived (`KVCache.park_later`): its dirty
+blocks are written first and whatever the budget (`urgent`), so that closing a long session costs
+the engine thread its partial block's write, not its dirty KV's (on an H100, a closed 128K
+session's park held the engine thread for 1.8 s).
+
 Write-behind makes way for a prompt (`hold_back`): while a request waits for its first token (a
 chat's next turn is a short prefill over a long cached context), the batches not started yet wait
 and no new one is submitted, so that the threads' compression, fsyncs and GIL turns stay off the
@@ -118,6 +123,7 @@ class WriteBehind:
         self.wants_room = 0  # archive bytes it was refused for want of capacity (the upkeep makes room)
         self._over_since: float | None = None
         self.pump_due = False  # dirty KV was left past the budget at the last `pump`
+        self.urgent: set[SeqId] = set()  # closed sessions being parked: all their dirty blocks, first
         self.copy_up: CopyUp | None = None
         self._pool = (
             ThreadPoolExecutor(WRITE_BEHIND_THREADS, thread_name_prefix="h3d-write-behind") if self.enabled else None
@@ -179,30 +185,34 @@ class WriteBehind:
             return 0
         b = tiers.blocks
         bs, L = b.block_size, len(b.full_layers)
-        todo: list[tuple[int, SeqId, int, int]] = []  # (last use, seq, first block, end)
+        todo: list[tuple[bool, float, SeqId, int, int]] = []  # (not urgent, last use, seq, first block, end)
         dirty = 0.0
+        urgent = 0  # blocks of the sessions being parked: written whatever the budget
         sharing = b.sharing and L > 0
         for seq, t in b.tables().items():
             full = t.num_tokens // bs
             end = min(full, protect.get(seq, full))
             start = min(self.cursor.get(seq, 0), end)
             if start < end:
-                todo.append((tiers.sessions[seq].last_used, seq, start, end))
+                todo.append((seq not in self.urgent, tiers.sessions[seq].last_used, seq, start, end))
+                if seq in self.urgent:
+                    urgent += (end - start) * L
                 if sharing:  # a block n sessions share counts 1/n in each: once in all (by its first layer's)
                     refs = b.entries.refs[t.ids[b.full_layers[0], start:end]]
                     dirty += L * float((1.0 / np.maximum(refs, 1)).sum())
                 else:
                     dirty += (end - start) * L
-        over = int(np.ceil(dirty)) - self.dirty_limit
-        now = time.monotonic()
-        if over <= 0:
+        past = int(np.ceil(dirty)) - self.dirty_limit
+        if past <= 0:
             self._over_since = None
+        elif self._over_since is None:
+            self._over_since = time.monotonic()
+        over = max(past, urgent)
+        if over <= 0:
             return 0
-        if self._over_since is None:
-            self._over_since = now
         room = min(over, self.max_in_flight - self.in_flight, self.per_step if busy else self.max_in_flight)
         sent = 0
-        for _, seq, start, end in sorted(todo):
+        for _, _, seq, start, end in sorted(todo):
             if sent >= room:
                 break
             got = self._submit(seq, start, end, room - sent, batch, protect)
@@ -392,6 +402,7 @@ class WriteBehind:
         """`seq` is about to be released: its batches in flight done first (applied)."""
         self.wait(seq)
         self.cursor.pop(seq, None)
+        self.urgent.discard(seq)
 
     def stats(self) -> WriteBehindStats:
         b = self.tiers.blocks

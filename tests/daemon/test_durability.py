@@ -276,9 +276,10 @@ def test_idle_sessions_expire_after_session_ttl_s(checkpoint: Callable[[str], Pa
 def test_a_close_answered_once_queued_is_seen_by_the_next_call(
     checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    """CloseSession without purge is answered before its KV has moved (the engine does that
-    between steps); the very next call already finds the session closed with its KV in the
-    archive only, and the next Generate reopens it and continues exactly."""
+    """CloseSession without purge is answered before its KV has moved (write-behind writes it,
+    and the engine parks it between steps); the very next call already finds the session closed,
+    its KV leaves HBM and DDR for the archive once written, and the next Generate reopens it and
+    continues exactly."""
     ckpt = checkpoint(MODEL)
     prompt = random_prompt(200, VOCAB_SIZE, seed=91)
     [want] = _uninterrupted(ckpt, [prompt], generations=2)
@@ -294,6 +295,10 @@ def test_a_close_answered_once_queued_is_seen_by_the_next_call(
         h3.CloseSession(pb.CloseSessionRequest(session_id=sid))
         closed = h3.GetSession(pb.GetSessionRequest(session_id=sid))
         assert closed.closed
+        deadline = time.monotonic() + 60
+        while closed.residency.hbm_blocks + closed.residency.ddr_blocks and time.monotonic() < deadline:
+            time.sleep(0.05)
+            closed = h3.GetSession(pb.GetSessionRequest(session_id=sid))
         assert closed.residency.hbm_blocks == closed.residency.ddr_blocks == 0 < closed.residency.ssd_blocks
         assert _generate(h3, sid) == want[1]
         stream.cancel()

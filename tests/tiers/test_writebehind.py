@@ -3,7 +3,8 @@
 - Every full block ends up archived, byte for byte what HBM or DDR holds; a shutdown's checkpoint
   then writes only the partial blocks; the tokens equal an engine without tiers.
 - Property: under slow and failing archive writes, interleaved with appends, generations, idle
-  pumps, closes, rewinds and forks (which do not wait for the batches in flight), a block is
+  pumps, closes (parked now, or once written behind), rewinds and forks (which do not wait for
+  the batches in flight), a block is
   marked archived only when the archive holds its bytes (checked for every block, not settled
   first), no block is ever in no tier, and the tokens equal the untiered engine's.
 - A rewind waits for its session's writes in flight, so no record of a cut block stands for the
@@ -179,7 +180,7 @@ ACTIONS = st.lists(
         st.tuples(st.just("idle"), st.just(0), st.just(0)),
         st.tuples(st.just("slow"), st.just(0), st.sampled_from([0, 1, 5])),
         st.tuples(st.just("full"), st.just(0), st.booleans()),
-        st.tuples(st.just("close"), st.integers(0, 2), st.just(0)),
+        st.tuples(st.just("close"), st.integers(0, 2), st.booleans()),
         st.tuples(st.just("rewind"), st.integers(0, 2), st.integers(1, 40)),
         st.tuples(st.just("fork"), st.integers(0, 2), st.integers(1, 8)),
     ),
@@ -222,13 +223,13 @@ def test_a_block_is_marked_archived_only_once_durable_whatever_the_disk_does(
             params = SamplingParams(max_tokens=arg, temperature=0.0, ignore_eos=True)
             assert engine.complete(sid, "", params).token_ids == plain.complete(twin, "", params).token_ids
         elif action == "idle":
-            engine.write_behind()
+            engine.write_behind()  # (and the sessions closed `later` whose blocks are written: parked)
         elif action == "slow":
             disk.slow = arg / 1000
         elif action == "full":
             disk.full = arg
-        elif action == "close":
-            engine.close_session(sid)  # reopened by its next request
+        elif action == "close":  # reopened by its next request; `later`: parked once written behind
+            engine.close_session(sid, later=arg)
         elif action == "rewind":
             n = max(1, len(engine.session(sid).tokens) - arg)
             try:
@@ -439,4 +440,64 @@ def test_write_behind_makes_way_for_a_prompt_for_a_bounded_time(
     plain.append(twin, token_ids=ids)
     assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
     engine.close()
+    plain.close()
+
+
+def test_a_session_closed_later_is_parked_once_its_blocks_are_written_behind(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`close_session(later=True)` (the daemon's CloseSession and idle closes): the engine thread
+    writes none of the session's dirty full blocks; write-behind writes them, past its budget, and
+    the session is parked between steps once they are durable (the engine thread then writes its
+    partial blocks only). Reopened before that, it finds its KV where it was (nothing read back);
+    reopened after, it reads it back. Tokens equal the untiered engine's throughout, and a
+    session still being parked when the engine closes is parked then (a restart reads it back)."""
+    from h3d.tiers import lifecycle
+
+    folder = tmp_path / "data"
+    engine = _engine(checkpoint(MODEL), folder, write_behind_dirty_mb=64, session_log_path=str(folder / "logs"))
+    plain = make_engine(checkpoint(MODEL))
+    kv, tiers = engine.kv, engine.kv.tiers
+    written: list[int] = []  # full blocks the engine thread writes (a snapshot's), per call
+    snapshot = lifecycle._snapshot
+
+    def spy(tiers_: Any, seq: SeqId, partial: bool) -> int:
+        t = tiers_.blocks.table(seq)
+        full = t.num_tokens // tiers_.blocks.block_size
+        before = int(tiers_.blocks.entries.archived[t.ids[:, :full]].sum())
+        n = snapshot(tiers_, seq, partial)
+        written.append(int(tiers_.blocks.entries.archived[t.ids[:, :full]].sum()) - before)
+        return n
+
+    monkeypatch.setattr(lifecycle, "_snapshot", spy)
+    ids = random_prompt(300, VOCAB_SIZE, seed=51)
+    sid, twin = engine.create_session(), plain.create_session()
+    engine.append(sid, token_ids=ids)
+    plain.append(twin, token_ids=ids)
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    seq = engine.session(sid).seq
+    table = tiers.blocks.table(seq)
+    assert not table.archived[:, : table.num_tokens // 16].any()  # all dirty: within the 64 MiB budget
+
+    engine.close_session(sid, later=True)  # reopened at once: its KV where it was
+    assert set(kv.parking) == {seq} and not written
+    reads = tiers.counters.ssd_read_count
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    assert not kv.parking and tiers.counters.ssd_read_count == reads
+
+    engine.close_session(sid, later=True)  # left alone: written behind, then parked
+    _drain(engine)
+    engine.upkeep()
+    assert not kv.parking and table.archive_only().all()
+    assert written == [0]  # the engine thread wrote no full block: write-behind had
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    assert tiers.counters.ssd_read_count > reads  # read back
+
+    engine.close_session(sid, later=True)
+    assert set(kv.parking) == {seq}
+    engine.close()  # parked now
+    again = _engine(checkpoint(MODEL), folder, write_behind_dirty_mb=64, session_log_path=str(folder / "logs"))
+    assert again.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    assert again.tier_stats().kv_rebuild_blocks == 0
+    again.close()
     plain.close()
