@@ -50,7 +50,10 @@ import torch
 
 from h3d.kv.blocks import SeqId
 
-DIGEST_TOKENS = 8  # tokens per digest by default: a block of block_size tokens has block_size / 8 parts
+DIGEST_TOKENS = 8  # tokens per digest by default: a block of block_size / 8 parts
+# A session's digests of its first blocks, [Hkv, nb, parts, 2, D]: one view of the arena, or two
+# (its source's rows, then its own: `DigestStore.share`), read as one by `block_scores`
+Digests = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -371,13 +374,22 @@ class DigestStore:
 
     # ---- reading and writing a session's digests -------------------------------------------------
 
-    def get(self, seq: SeqId, layer: int, num_blocks: int) -> torch.Tensor:
-        """[Hkv, num_blocks, parts, 2, D]: (min, max) of the keys of each part of each block (a
-        view of the arena; a copy where `seq` shares its first parts)."""
+    def get(self, seq: SeqId, layer: int, num_blocks: int) -> Digests:
+        """[Hkv, num_blocks, parts, 2, D]: (min, max) of the keys of each part of each block, a view
+        of the arena; where `seq` reads its first blocks' from its source's rows and has own ones
+        past them, two views (those blocks', then the rest), nothing copied (`block_scores` reads
+        them as one; `joined` makes one tensor of them)."""
         if self._incoming:
             self.settle(seq, layer)
-        d = self._rows(seq, self._arena[layer], num_blocks * self.parts)
-        return d.view(d.shape[0], num_blocks, self.parts, 2, self.head_dim)
+        ext, arena, p = self._extents[seq], self._arena[layer], self.parts
+        hkv, d = arena.shape[0], self.head_dim
+        n = num_blocks * p
+        if ext.src is None or n <= ext.shared:
+            start = ext.start if ext.src is None else self._extents[ext.src].start
+            return arena[:, start : start + n].view(hkv, num_blocks, p, 2, d)
+        src = self._extents[ext.src].start
+        head = arena[:, src : src + ext.shared].view(hkv, ext.shared // p, p, 2, d)
+        return head, arena[:, ext.start : ext.start + n - ext.shared].view(hkv, num_blocks - ext.shared // p, p, 2, d)
 
     def _rows(self, seq: SeqId, arena: torch.Tensor, n: int) -> torch.Tensor:
         """`seq`'s first n parts of `arena` (the whole arena, or one layer's: parts are its
@@ -507,13 +519,22 @@ class DigestStore:
         return self.row_bytes * sum(e.rows for e in self._extents.values())
 
 
-def block_scores(q: torch.Tensor, digests: torch.Tensor, per_head: bool = False) -> torch.Tensor:
+def joined(digests: Digests) -> torch.Tensor:
+    """`DigestStore.get`'s digests as one tensor (a copy where they are two views)."""
+    return torch.cat(digests, dim=1) if isinstance(digests, tuple) else digests
+
+
+def block_scores(q: torch.Tensor, digests: Digests, per_head: bool = False) -> torch.Tensor:
     """Quest upper bound per block, max over all query heads (or over each KV head's group).
 
     q: [H, D] (one token's queries); digests: [Hkv, nb, 2, D], or [Hkv, nb, parts, 2, D] (a block's
-    bound is its parts' largest) -> [nb] fp32 ([Hkv, nb] `per_head`). Each query head is scored
-    against its KV head's digest (GQA groups of H / Hkv heads).
+    bound is its parts' largest), or two such of consecutive blocks (`DigestStore.get`) -> [nb]
+    fp32 ([Hkv, nb] `per_head`). Each query head is scored against its KV head's digest (GQA groups
+    of H / Hkv heads).
     """
+    if isinstance(digests, tuple):
+        scores = torch.cat([block_scores(q, run, per_head=True) for run in digests], dim=1)
+        return scores if per_head else scores.amax(dim=0)
     if digests.dim() == 5:
         hkv, nb, parts = digests.shape[:3]
         flat = block_scores(q, digests.reshape(hkv, nb * parts, 2, -1), per_head=True)  # [Hkv, nb * parts]

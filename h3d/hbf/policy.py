@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from h3d.errors import InvalidRequest, clip
-from h3d.hbf.digests import block_scores
+from h3d.hbf.digests import Digests, block_scores
 
 PROBE_QUERIES = 64
 PROBE_SCORES_BYTES = 256 << 20  # `probe_anchors`: fp32 scores at once, at most (32K keys of an 8B model: every head)
@@ -283,7 +283,7 @@ class Window:
 
     layer: int
     q: torch.Tensor  # [H, D] the decode token's queries
-    digests: torch.Tensor  # [Hkv, nb, parts, 2, D]
+    digests: Digests  # [Hkv, nb, parts, 2, D] (`DigestStore.get`)
     num_blocks: int
     scale: float
     base: np.ndarray  # sinks and the recent window (`base_blocks`)
@@ -310,7 +310,7 @@ class Policy:
         cfg: HbfConfig,
         layer: int,
         q: torch.Tensor,
-        digests: torch.Tensor,
+        digests: Digests,
         num_blocks: int,
         block_size: int,
         scale: float,

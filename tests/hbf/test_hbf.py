@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from h3d.config import EngineConfig
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
-from h3d.hbf.digests import DigestStore, block_scores
+from h3d.hbf.digests import DigestStore, block_scores, joined
 from h3d.hbf.policy import POLICIES, SelectionState
 from h3d.kv.blocks import NONE, SeqId
 from tests.helpers import make_engine, random_prompt
@@ -241,7 +241,11 @@ def test_shared_digest_rows_read_as_each_sessions_own(ops: list[tuple[str, int, 
         nb = -(-len(k) // BS)
         parts = -(-len(k) // 8)
         for layer in range(2):
-            got = store.get(seq, layer, nb).reshape(2, -1, 2, 8)
+            runs = store.get(seq, layer, nb)  # two views where it shares: scored as one
+            got = joined(runs).reshape(2, -1, 2, 8)
+            q = torch.randn(4, 8, generator=g)
+            want = block_scores(q, joined(runs), per_head=True)
+            torch.testing.assert_close(block_scores(q, runs, per_head=True), want, rtol=1e-6, atol=1e-6)
             arena = store.arena(layer)
             rows = [src + j if j < shared else store.base(seq) + j for j in range(parts)]
             assert torch.equal(arena[:, rows], got[:, :parts])  # what the kernels read
@@ -249,7 +253,9 @@ def test_shared_digest_rows_read_as_each_sessions_own(ops: list[tuple[str, int, 
                 part = (k[j * 8 : (j + 1) * 8] + layer).transpose(0, 1)
                 assert torch.equal(got[:, j, 0], part.amin(dim=1)) and torch.equal(got[:, j, 1], part.amax(dim=1))
             assert (got[:, parts:, 0] == torch.finfo(torch.float32).max).all()  # empty past its keys
-        assert torch.equal(store.head(seq, nb)[1].reshape(2, -1, 2, 8), store.get(seq, 1, nb).reshape(2, -1, 2, 8))
+        assert torch.equal(
+            store.head(seq, nb)[1].reshape(2, -1, 2, 8), joined(store.get(seq, 1, nb)).reshape(2, -1, 2, 8)
+        )
     assert store.shared_parts() == saved
 
 
@@ -264,7 +270,7 @@ def test_a_sources_changes_leave_its_readers_digests_as_they_were() -> None:
 
     def exact(seq: SeqId) -> bool:
         k = keys[seq]
-        got = store.get(seq, 0, -(-len(k) // BS)).reshape(2, -1, 2, 8)
+        got = joined(store.get(seq, 0, -(-len(k) // BS))).reshape(2, -1, 2, 8)
         want = [k[j : j + 8].transpose(0, 1) for j in range(0, len(k), 8)]
         return all(torch.equal(got[:, j, 0], w.amin(dim=1)) and torch.equal(got[:, j, 1], w.amax(dim=1))
                    for j, w in enumerate(want))  # fmt: skip
