@@ -220,7 +220,7 @@ class EngineWorker:
                 t = self.engine.timing
                 log.warning("slow_step", ms=round(took * 1e3, 1), upkeep_ms=round(upkeep_s * 1e3, 1),
                             chunks=t.chunks, batch_ms=round(t.batch_s * 1e3, 1), long_pieces=t.pieces,
-                            long_ms=round(t.long_s * 1e3, 1))  # fmt: skip
+                            long_ms=round(t.long_s * 1e3, 1), **(t.host.fields() if t.host else {}))  # fmt: skip
             self.collector.due()  # between steps, never during one
 
     def _run_commands(self) -> None:

@@ -48,7 +48,7 @@ from h3d.engine.session import (
     SessionId,
     TokenDelta,
 )
-from h3d.engine.step import Chunk, SchedulerOutput, StepReport, StepTiming
+from h3d.engine.step import Chunk, HostTimes, SchedulerOutput, StepReport, StepTiming
 from h3d.engine.stops import generation_done, stop_reason, visible_text
 from h3d.engine.upkeep import BlockRepair, enforce_ssd_capacity, park_kv, purge_kv, sweep_archive
 from h3d.engine.warmup import Warmup, warm_up
@@ -1009,6 +1009,7 @@ class Engine:
         events += self._ended
         self._ended = []
         t0 = time.perf_counter()
+        host = self.runner.host_times = HostTimes()
         if out.chunks:
             events += self._run(out)
         t1 = time.perf_counter()
@@ -1017,7 +1018,13 @@ class Engine:
             events += self._run(SchedulerOutput((out.long[1],), (out.long[0],)), begin=True)
         if held.current is not None:
             events += self._advance_long()
-        self.timing = StepTiming(len(out.chunks), t1 - t0, held.pieces_total - pieces, time.perf_counter() - t1)
+        self.timing = StepTiming(
+            len(out.chunks),
+            t1 - t0,
+            held.pieces_total - pieces,
+            time.perf_counter() - t1,
+            host if host.layers else None,
+        )
         return events
 
     def _run(self, out: SchedulerOutput, begin: bool = False) -> list[Event]:

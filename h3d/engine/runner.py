@@ -21,7 +21,7 @@ import torch
 
 from h3d.config import EngineConfig
 from h3d.engine.graphs import DecodeGraphs
-from h3d.engine.step import Chunk, Path, StepPlan, StepReport
+from h3d.engine.step import Chunk, HostTimes, Path, StepPlan, StepReport
 from h3d.engine.stepkv import DeviceStepKV, HostStepKV, RewriteKV
 from h3d.errors import OutOfBlocks
 from h3d.hbf.policy import Exact, HbfConfig
@@ -106,6 +106,7 @@ class ModelRunner:
         # written in one launch, `paged_write`).
         self.plan_on_device = False
         self.device_planned_steps = 0  # steps on `Path.DEVICE`, for tests
+        self.host_times = HostTimes()  # the host-planned forwards' since `Engine.step` reset it
         self.graphs = DecodeGraphs(self)  # exact decode steps as CUDA graphs (tests: `.enabled` on the CPU)
         self.kv.lagged = self.graphs.take_lagged
         # Prefill's KV writes trail its compute here (CUDA; on the CPU they are written in place).

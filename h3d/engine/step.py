@@ -130,3 +130,23 @@ class StepTiming:
     batch_s: float = 0.0
     pieces: int = 0
     long_s: float = 0.0
+    host: HostTimes | None = None  # of the batch's forward, where the host planned it layer by layer
+
+
+@dataclass(slots=True)
+class HostTimes:
+    """Inside a forward planned layer by layer by the host (`Path.HOST`: a resumed session's first
+    steps stage what they select from the archive), summed over its layers: waiting for the
+    digests (a resumed session's snapshot still being read), selecting (on a GPU: waiting for the
+    layer's queries), and staging blocks from the archive (waiting for read-ahead pieces in flight
+    included), with the blocks staged."""
+
+    digests_s: float = 0.0
+    select_s: float = 0.0
+    stage_s: float = 0.0
+    staged_blocks: int = 0
+    layers: int = 0
+
+    def fields(self) -> dict[str, float]:
+        return {"digests_ms": round(self.digests_s * 1e3, 1), "select_ms": round(self.select_s * 1e3, 1),
+                "stage_ms": round(self.stage_s * 1e3, 1), "staged_blocks": self.staged_blocks}  # fmt: skip

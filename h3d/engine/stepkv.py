@@ -19,6 +19,7 @@ path's staging of archived blocks (`TierManager.stage`), just before the layer t
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -120,15 +121,21 @@ class HostStepKV(_Writes):
         self.picked: dict[SeqId, list[np.ndarray]] = {}  # what selections read, as (layer, block) keys
 
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
-        r, plan = self.runner, self.plan
+        r, plan, times = self.runner, self.plan, self.runner.host_times
         window = r.windows[index]
+        t0 = time.perf_counter()
         if window is None:
             chosen = [self._select(i, index, q, scale) if plan.selects[i] else None for i in range(len(self.seqs))]
         else:  # a sliding-window layer: a decode token reads its window's blocks, whatever the policy
             chosen = [self._window(i, window) for i in range(len(self.seqs))]
+        times.select_s += time.perf_counter() - t0
+        times.layers += 1
         if plan.staging:  # from the archive, only what the selections read (a resumed session's first steps)
             only = {seq: np.unique(sel) for seq, sel in zip(self.seqs, chosen, strict=True) if sel is not None}
+            t0, before = time.perf_counter(), r.tiers.counters.ssd_read_count
             r.tiers.stage(index, self.seqs, plan.protect, only=only)
+            times.stage_s += time.perf_counter() - t0
+            times.staged_blocks += r.tiers.counters.ssd_read_count - before
         runs: list = []
         kv_lens: list[int] = []
         locs: list[np.ndarray | None] = []
@@ -209,7 +216,9 @@ class HostStepKV(_Writes):
         r, seq = self.runner, self.seqs[i]
         t = r.blocks.table(seq)
         state = r.kv.selection(seq)
-        digests = r.digests.get(seq, index, t.num_blocks)
+        t0 = time.perf_counter()
+        digests = r.digests.get(seq, index, t.num_blocks)  # (a resumed session's: perhaps still being read)
+        r.host_times.digests_s += time.perf_counter() - t0
         sel = state.policy.select(
             state, r.hbf, index, q[self.offsets[i]], digests, t.num_blocks, r.blocks.block_size, scale
         )

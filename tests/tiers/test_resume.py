@@ -110,8 +110,14 @@ def test_a_resumed_session_reads_its_digests_then_only_the_blocks_its_first_step
 
     monkeypatch.setattr(HostStepKV, "_select", spy_select)
     monkeypatch.setattr(tiers.mover, "read", spy_read)
+    timings = []  # where each step's time went (the daemon logs a slow one: `slow_step`)
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (step(), timings.append(engine.timing))[0])
     out = engine.complete(sid, "", ONE).token_ids
     monkeypatch.undo()
+    [host] = [t.host for t in timings if t.host is not None]  # the resumed step, planned layer by layer
+    assert host.layers == 3 and 0 < host.staged_blocks <= tiers.counters.ssd_read_count and host.stage_s > 0
+    assert set(host.fields()) == {"digests_ms", "select_ms", "stage_ms", "staged_blocks"}
 
     assert _files(engine).bytes_read > 0  # the digests came from the snapshot
     assert set(selected) == {1, 2}  # the dense layer 0 selects nothing
