@@ -50,7 +50,7 @@ import torch
 
 from h3d.kv.blocks import SeqId
 
-DIGEST_TOKENS = 8  # tokens per digest by default: a block of block_size / 8 parts
+DIGEST_TOKENS = 8  # tokens per digest by default: a block of block_size tokens has block_size / 8 parts
 # A session's digests of its first blocks, [Hkv, nb, parts, 2, D]: one view of the arena, or two
 # (its source's rows, then its own: `DigestStore.share`), read as one by `block_scores`
 Digests = torch.Tensor | tuple[torch.Tensor, torch.Tensor]

@@ -22,8 +22,8 @@ dropping cheap copies to make room.
 
 A closed session is parked once its full blocks are archived (`KVCache.park_later`): its dirty
 blocks are written first and whatever the budget (`urgent`), so that closing a long session costs
-the engine thread its partial block's write, not its dirty KV's (on an H100, a closed 128K
-session's park held the engine thread for 1.8 s).
+the engine thread its partial block's write, not its dirty KV's (on an H100, a request right
+after a 128K session's close waited 1.8 s for the engine thread, which was parking it).
 
 Write-behind makes way for a prompt (`hold_back`): while a request waits for its first token (a
 chat's next turn is a short prefill over a long cached context), the batches not started yet wait
