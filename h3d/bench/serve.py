@@ -37,7 +37,7 @@ them):
   ratio), SIGTERM with no stream in flight (its time,
   the blocks left to recompute), the archive's pages dropped from the page cache, a restart on the
   same data folder: start to ready, tokens lost, the first token of each session (the 128K one
-  first: cold), the share of blocks the archive gave back, the 128K session closed and reopened
+  first: cold), the share of blocks the archive gave back, the 128K session closed, parked and reopened
   (warm), and a fresh 128K session's prefill and first token (recompute).
 
 The floor of a step: (weight bytes + the KV bytes it read from HBM) / the HBM copy bandwidth +
@@ -359,6 +359,17 @@ class Client:
 
     def tokens(self, sid: str) -> list[int]:
         return list(self.h3.GetSession(self.pb.GetSessionRequest(session_id=sid, with_tokens=True)).token_ids)
+
+    def parked(self, sid: str, timeout_s: float = 300.0) -> float:
+        """Wait until a closed session's KV is in the archive only (the daemon parks it once
+        write-behind wrote it); returns the seconds waited."""
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout_s:
+            r = self.h3.GetSession(self.pb.GetSessionRequest(session_id=sid)).residency
+            if not r.hbm_blocks and not r.ddr_blocks:
+                break
+            time.sleep(0.05)
+        return time.perf_counter() - t0
 
 
 def parallel(fn: Any, items: list[Any]) -> list[Any]:
@@ -946,9 +957,10 @@ def phase_restart(run: Run) -> None:
     out["archive_resume_share"] = round(1 - rebuilt / blocks, 4) if blocks else None
     out["kv_rebuild_blocks"] = rebuilt
     out["ssd_read_count"] = getattr(client.stats(), "global").ssd_read_count
-    client.close(
-        sids[0], purge=False
-    )  # its KV to the archive only (its pages now cached): reopened by the next Generate
+    # Closed: its KV to the archive only once written (its pages now cached), reopened by the next
+    # Generate (reopened before it is parked, it would find its KV where it was).
+    client.close(sids[0], purge=False)
+    out["park_s_128k"] = round(client.parked(sids[0]), 3)
     out["resume_warm_s_128k"] = round(client.generate(sids[0], None, 1).ttft_s, 3)
     # A question on it: the prompt token and the last one generated, an exact prefill over the 128K
     # context (its KV in the archive or read back into DDR so far).

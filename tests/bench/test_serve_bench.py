@@ -59,6 +59,7 @@ def test_tiny_gemma_shape_runs_through_the_daemon(checkpoint: Callable[[str], Pa
 RESTART = {
     "sigterm_s", "blocks_left_to_recompute", "ready_s", "resume_first_token_s_128k", "resume_warm_s_128k",
     "reprefill_s_128k", "archive_resume_share", "tokens_lost", "ddr_pinned_gb", "write_behind_itl_p99_ratio",
+    "park_s_128k",
 }  # fmt: skip
 
 
