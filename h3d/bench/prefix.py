@@ -164,6 +164,7 @@ def forks(client: Client, ids: list[int], n: int, generate: int) -> dict[str, An
     client.append(reference, ids)
     want = continuation(client, reference, generate)
     client.close(reference, purge=False)
+    settled(client)  # (the daemon parks a closed session once write-behind wrote it)
     archive_one = kv_bytes(client)[1] - start[1]
     client.close(reference)  # deleted: its records go
     before = kv_bytes(client)
@@ -194,6 +195,7 @@ def forks(client: Client, ids: list[int], n: int, generate: int) -> dict[str, An
     diverge = sorted(next((i for i, (x, y) in enumerate(zip(g, want, strict=False)) if x != y), len(g)) for g in got)
     for sid in [parent, *made]:
         client.close(sid, purge=False)  # parked: the shared blocks once, each fork's own blocks
+    settled(client)
     archive_family = kv_bytes(client)[1] - before[1]
     blocks_after = -(-(len(ids) + generate) // bs)  # (each fork's, and the reference's, after generating)
     archive_allowance = archive_one * (1.2 + n * (blocks_after - shared) / blocks_after)

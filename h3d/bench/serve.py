@@ -362,7 +362,8 @@ class Client:
 
     def parked(self, sid: str, timeout_s: float = 300.0) -> float:
         """Wait until a closed session's KV is in the archive only (the daemon parks it once
-        write-behind wrote it); returns the seconds waited."""
+        write-behind wrote it; blocks shared with other sessions stay where they are: for a
+        session that shares none); returns the seconds waited."""
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < timeout_s:
             r = self.h3.GetSession(self.pb.GetSessionRequest(session_id=sid)).residency

@@ -85,6 +85,7 @@ class _Batch:
     slots: np.ndarray  # their DDR slots, held until the batch is done
     future: Future[None]
     bytes: int
+    ids: np.ndarray  # their entries (a shared block is in flight for every session that points to it)
 
 
 class CopyUp(Protocol):
@@ -249,6 +250,8 @@ class WriteBehind:
         cols = min(end - start, max(1, room // L))
         ids = t.ids[full_layers, start : start + cols]  # [L, cols]
         todo = ~e.archived[ids]  # (a block shared with other sessions: written once, its record this session's)
+        if self.batches:  # nor again while another session's batch writes it
+            todo &= ~np.isin(ids, np.concatenate([x.ids for x in self.batches]))
         # DDR room for the copies down: what lies below the watermark, cheap copies dropped for it
         # (perhaps of these blocks too: which need a copy down is read after the drops)
         free = self._ddr_room(int((todo & (e.ddr[ids] == NONE)).sum()), batch, protect)
@@ -286,7 +289,7 @@ class WriteBehind:
             assert self._pool is not None
             digests = self.copy_up.digests(name, bl) if self.copy_up is not None else None
             future = self._pool.submit(self._write, ready, name, ly, bl, slots, digests)
-            self.batches.append(_Batch(seq, ly, bl, slots, future, len(bl) * tiers.block_bytes))
+            self.batches.append(_Batch(seq, ly, bl, slots, future, len(bl) * tiers.block_bytes, t.ids[ly, bl]))
         self.cursor[seq] = start + cols
         return len(blocks)
 

@@ -501,3 +501,30 @@ def test_a_session_closed_later_is_parked_once_its_blocks_are_written_behind(
     assert again.tier_stats().kv_rebuild_blocks == 0
     again.close()
     plain.close()
+
+
+def test_forks_closed_later_write_their_shared_blocks_once(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """A parent and its forks closed together (`later`): write-behind writes each shared block
+    once, whichever session's batch takes it (another session's batch in flight is not written
+    again), and each session is parked with links to those records; all continue exactly."""
+    folder = tmp_path / "data"
+    engine = _engine(checkpoint(MODEL), folder, write_behind_dirty_mb=64)
+    plain = make_engine(checkpoint(MODEL))
+    ids = random_prompt(300, VOCAB_SIZE, seed=53)
+    parent, twin = engine.create_session(), plain.create_session()
+    engine.append(parent, token_ids=ids)
+    plain.append(twin, token_ids=ids)
+    forks = [engine.fork(parent) for _ in range(3)]
+    behind, blocks = engine.kv.tiers.behind, engine.kv.blocks
+    full = len(ids) // 16
+    for sid in [parent, *forks]:
+        engine.close_session(sid, later=True)
+    _drain(engine)
+    engine.upkeep()
+    assert not engine.kv.parking
+    assert behind.written_blocks == full * len(blocks.full_layers)  # the shared blocks once
+    want = plain.complete(twin, "", GREEDY).token_ids
+    for sid in [parent, *forks]:
+        assert engine.complete(sid, "", GREEDY).token_ids == want
+    engine.close()
+    plain.close()
