@@ -121,6 +121,18 @@ def test_sessions_decoding_side_by_side_in_a_full_arena_compact_it_rarely() -> N
             assert torch.equal(got[:, j, 0], chunk.amin(dim=1)) and torch.equal(got[:, j, 1], chunk.amax(dim=1))
 
 
+def _cut(store: DigestStore, keys: dict[SeqId, torch.Tensor], seq: SeqId, n: int) -> None:
+    """`seq` cut back to n % its keys (dropped at 0), in the store and in `keys` (layer l's keys + l)."""
+    kept = n % len(keys[seq])
+    if kept == 0:
+        store.drop(seq)
+        del keys[seq]
+        return
+    keep = keys[seq][:kept]
+    store.truncate(seq, kept, lambda layer, start: keep[start:] + layer)
+    keys[seq] = keep
+
+
 @settings(max_examples=30, deadline=None)
 @given(ops=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40), st.booleans()), min_size=1, max_size=40))
 def test_digest_arena_keeps_each_sessions_digests_through_moves(ops: list[tuple[int, int, bool]]) -> None:
@@ -140,14 +152,7 @@ def test_digest_arena_keeps_each_sessions_digests_through_moves(ops: list[tuple[
             continue
         have = keys.get(seq, torch.empty(0, 2, 8))
         if drop and len(have):  # cut back to n % len keys
-            kept = n % len(have)
-            if kept == 0:
-                store.drop(seq)
-                del keys[seq]
-                continue
-            keep = have[:kept]
-            store.truncate(seq, kept, lambda layer, start, keep=keep: keep[start:] + layer)
-            keys[seq] = keep
+            _cut(store, keys, seq, n)
             continue
         if not n:
             continue
@@ -213,14 +218,7 @@ def test_shared_digest_rows_read_as_each_sessions_own(ops: list[tuple[str, int, 
             store.drop(seq)
             del keys[seq]
         elif op == "cut" and len(have):
-            kept = n % len(have)
-            if kept == 0:
-                store.drop(seq)
-                del keys[seq]
-                continue
-            keep = have[:kept]
-            store.truncate(seq, kept, lambda layer, start, keep=keep: keep[start:] + layer)
-            keys[seq] = keep
+            _cut(store, keys, seq, n)
         elif op == "rewrite" and len(have):  # a block's keys folded in again (a repair): the same keys
             first = (n % len(have)) // BS * BS
             for layer in range(2):
