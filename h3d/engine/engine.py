@@ -765,7 +765,6 @@ class Engine:
         if session.closed:
             return
         kv.note_hot(session.seq)  # (before its KV goes to the archive)
-        kv.pin(session.seq, None)
         if not (later and kv.park_later(session.seq)):
             park_kv(kv, session.seq)
         session.closed = True

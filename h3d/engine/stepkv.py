@@ -123,12 +123,12 @@ class HostStepKV(_Writes):
     def layer(self, index: int, q: torch.Tensor, scale: float) -> LayerKV:
         r, plan, times = self.runner, self.plan, self.runner.host_times
         window = r.windows[index]
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), times.digests_s
         if window is None:
             chosen = [self._select(i, index, q, scale) if plan.selects[i] else None for i in range(len(self.seqs))]
         else:  # a sliding-window layer: a decode token reads its window's blocks, whatever the policy
             chosen = [self._window(i, window) for i in range(len(self.seqs))]
-        times.select_s += time.perf_counter() - t0
+        times.select_s += time.perf_counter() - t0 - (times.digests_s - waited)  # (the digests' wait apart)
         times.layers += 1
         if plan.staging:  # from the archive, only what the selections read (a resumed session's first steps)
             only = {seq: np.unique(sel) for seq, sel in zip(self.seqs, chosen, strict=True) if sel is not None}

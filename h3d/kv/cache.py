@@ -550,6 +550,7 @@ class KVCache:
         behind = self.tiers.behind
         if not behind.enabled or not self.writable:
             return False
+        self.pin(seq, None)  # (as `park` leaves it)
         self.parking.setdefault(seq, time.monotonic())
         behind.urgent.add(seq)
         return True
