@@ -249,22 +249,29 @@ class Promoter:
         e, width = b.entries, t.capacity
         ids = t.ids[rows, :limit]  # [R, limit]
         slots = e.hbm.take(ids)  # [R, limit] slot or NONE
-        ok = (slots != NONE) & (e.refs.take(ids) <= 1)  # a block shared with other sessions stays put
-        ok[:, keep[keep < limit]] = False
+        # The candidates: the blocks in HBM (a few of the session's, where HBM is short), looked at
+        # further only among them.
+        r, c_blocks = np.nonzero(slots != NONE)  # grouped by layer
+        ids, cand = ids[r, c_blocks], slots[r, c_blocks]
+        ok = e.refs.take(ids) <= 1  # a block shared with other sessions stays put
+        kept = keep[keep < limit]
+        if len(kept):
+            col = np.zeros(limit, dtype=bool)
+            col[kept] = True
+            ok &= ~col.take(c_blocks)
         if len(sel_slots):
             # The selection's blocks (those in HBM: their slots) are never victims.
             mask = self._slot_mask(len(b.hbm_block))
             mask[sel_slots] = True
-            ok &= ~mask.take(slots)
+            ok &= ~mask.take(cand)
             mask[sel_slots] = False
         # Only blocks worth less than their layer's promotion (so that a selection larger than HBM
         # does not churn it).
-        value = e.hotness.take(ids)  # [R, limit]
-        ok &= value <= worth.take(rows)[:, None]
-        r, c_blocks = np.nonzero(ok)  # grouped by layer
-        if not len(r):
+        value = e.hotness.take(ids)
+        ok &= value <= worth.take(rows).take(r)
+        if not ok.any():
             return none, none, none, 0.0
-        c_layers, cand, value = rows.take(r), slots[r, c_blocks], value[r, c_blocks]
+        c_layers, c_blocks, cand, value = rows.take(r[ok]), c_blocks[ok], cand[ok], value[ok]
         # Within each layer the lowest values first (lexsort is stable: ties keep the lower slot),
         # at most count[l] of them.
         order = np.lexsort((cand, value, c_layers))  # per layer the lowest values, ties: the lowest slot
