@@ -251,8 +251,10 @@ class Promoter:
         slots = e.hbm.take(ids)  # [R, limit] slot or NONE
         # The candidates: the blocks in HBM (a few of the session's, where HBM is short), looked at
         # further only among them.
-        r, c_blocks = np.nonzero(slots != NONE)  # grouped by layer
-        ids, cand = ids[r, c_blocks], slots[r, c_blocks]
+        flat = np.flatnonzero(slots != NONE)  # grouped by layer (np.nonzero of 2-d is 4x slower)
+        r = flat // limit
+        c_blocks = flat - r * limit
+        ids, cand = ids.ravel().take(flat), slots.ravel().take(flat)
         ok = e.refs.take(ids) <= 1  # a block shared with other sessions stays put
         kept = keep[keep < limit]
         if len(kept):
