@@ -99,7 +99,8 @@ ENGINE: tuple[Key, ...] = (
         "split evenly between layers unless `dense_hbm_share` is set. `auto`: on CUDA the card's free memory "
         "once the weights are loaded, less the activations of the largest prefill chunk, 1 GiB for the "
         "captured decode steps, a margin (5 % of the card, at least 2 GiB) and the digests of every block HBM "
-        "and DDR hold (1 / `digest_tokens` of the KV, under a policy that keeps them); on a CPU 1024. The "
+        "and DDR hold (1 / `digest_tokens` of the KV of the layers that select: full-attention ones past "
+        "`dense_layers`; under a policy that keeps them); on a CPU 1024. The "
         "`tiers_sized` log event and GetConfig's `resolved` give the figure chosen",
         help="HBM tier: KV pool budget in MiB; auto: on CUDA the card's free memory after the weights, the "
         "largest prefill's activations, the captured steps, the digests and a margin (5 % of the card, at "
@@ -233,8 +234,8 @@ ENGINE: tuple[Key, ...] = (
         "digest_tokens",
         "tokens per key digest (element-wise min/max of the keys, the bound `attention_entropy` ranks blocks "
         "by); must divide `block_size` (or be at least a block: one digest per block). Digests stay on the "
-        "compute device and cost 1/`digest_tokens` of the KV; 16 halves that and found 14 of exact's 17 needles "
-        "at 8K, against 17 for 8 (docs/BENCHMARKS.md)",
+        "compute device and cost 1/`digest_tokens` of the selecting layers' KV; 16 halves that and found 14 of "
+        "exact's 17 needles at 8K, against 17 for 8 (docs/BENCHMARKS.md)",
         help="tokens per key digest (min/max of the keys) attention_entropy ranks blocks by; must divide "
         "block_size (or cover a block); digests cost 1/digest_tokens of the KV",
     ),

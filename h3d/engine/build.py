@@ -19,6 +19,7 @@ import torch
 
 from h3d.config import AUTO, EngineConfig
 from h3d.engine.runner import ModelRunner
+from h3d.hbf.digests import digest_layers
 from h3d.hbf.policy import policy_named
 from h3d.kv.sizing import Budgets, Hardware, auto_budgets, plan_pools, window_caps
 from h3d.model.config import ModelConfig
@@ -52,10 +53,14 @@ def budgets(config: EngineConfig, model: CausalLM, max_context: int) -> Budgets:
         host_total, host_available = host_memory()
         hw = Hardware(gpu_total=total, gpu_free=free, host_total=host_total, host_available=host_available)
     keeps = policy_named(config.policy).keeps_digests
+    # Digests for the full-attention layers past the dense ones: their share of the full layers'
+    # KV (which is nearly all of it: a sliding layer holds its window).
+    full = [i for i, w in enumerate(model.config.windows) if w is None]
+    kept = len(digest_layers(full, config.dense_layers)) / max(1, len(full))
     return auto_budgets(
         config.hbm_mb, config.ddr_mb, config.prefill_chunk_tokens, hw, max_context=max_context,
         hidden=model.config.hidden_size, elem_bytes=model.lm_head.weight_t.dtype.itemsize,
-        digest_share=1 / config.digest_tokens if keeps else 0.0,
+        digest_share=kept / config.digest_tokens if keeps else 0.0,
     )  # fmt: skip
 
 

@@ -342,7 +342,7 @@ class _GraphKV:
 
     def write(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         paged_write(k, v, (self.pools.k[0], self.pools.k[1]), (self.pools.v[0], self.pools.v[1]), self.rows[index])
-        if self.g.hbf is None or self.runner.windows[index] is not None:  # (a window layer keeps no digests)
+        if self.g.hbf is None or not self.runner.digests.keeps(index):  # (a window or dense layer keeps none)
             return
         digests = self.runner.digests  # each selecting slot's new key into its digest (selection reads it)
         if select.available(k.device):

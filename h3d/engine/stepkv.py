@@ -65,8 +65,8 @@ class _Writes:
         self.layers_written += 1
         self._write_rows(index, k, v)
         r = self.runner
-        if r.windows[index] is not None:
-            return  # a sliding-window layer keeps no digests (it never selects)
+        if not r.digests.keeps(index):
+            return  # a sliding-window or dense layer keeps no digests (it never selects)
         for seq, start, off, n in zip(self.seqs, self.starts, self.offsets, self.query_lens, strict=True):
             if r.kv.policy(seq).keeps_digests:  # else built on a switch to a policy that keeps them
                 r.digests.update(seq, index, start, k[off : off + n])
@@ -214,6 +214,8 @@ class HostStepKV(_Writes):
     def _select(self, i: int, index: int, q: torch.Tensor, scale: float) -> np.ndarray | None:
         """Sequence i's selection in this layer ([n] or [Hkv, n] block indices; None: every block)."""
         r, seq = self.runner, self.seqs[i]
+        if not r.digests.keeps(index):
+            return None  # a dense layer: every block (it keeps no digests)
         t = r.blocks.table(seq)
         state = r.kv.selection(seq)
         t0 = time.perf_counter()
@@ -298,7 +300,7 @@ class DeviceStepKV(_Writes):
         picked: dict[int, torch.Tensor] = {}
         kv_lens = list(self.kv_lens)
         for i, seq in enumerate(self.seqs):
-            if not self.plan.selects[i]:
+            if not self.plan.selects[i] or not r.digests.keeps(index):  # (a dense layer keeps no digests)
                 continue
             t = r.blocks.table(seq)
             state = r.kv.selection(seq)

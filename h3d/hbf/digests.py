@@ -9,16 +9,18 @@ is tighter, so a block holding one relevant token stands out more (Quest found 1
 better than larger ones; on the 8K retrieval benchmark 8-token parts found more needles than
 16-token ones: docs/BENCHMARKS.md, "Retrieval quality per HBF policy and budget").
 
-Digests live on the compute device for every block of every session (they are what selection
-reads each step), in one *arena* [L, Hkv, rows, 2, D] in the KV dtype: each session's digests are
+Digests live on the compute device for every block of every session in the layers that select
+(not the first `dense_layers`, which read every block, nor a sliding-window layer, which reads its
+window), in one *arena* [Ls, Hkv, rows, 2, D] in the KV dtype, Ls those layers (`layers`; `index`
+gives a layer's place): each session's digests are
 one extent of it, a run of rows (`base(seq)` onwards, one row per part), grown by a quarter. A
 decode step captured as a CUDA graph reads the arena by its address and each batch slot's extent by
 its base row, a static input (`h3d.engine.graphs`): the graph does not depend on which sessions
 fill its slots. Rows [0, parts) are the null extent, no session's: a slot without a selecting
 session folds its key there. Cost: 2 * head_dim * element size per part and KV head, i.e.
-1 / digest_tokens of the KV itself (1/8 by default): 3 KV heads x 64 dims x fp32 x 4 parts =
-6 KiB per 32-token block of all heads, 184 MiB for a 32K-token session of the embedded model
-(30 layers); 1/16 with `digest_tokens = 16`.
+1 / digest_tokens of the selecting layers' KV (1/8 by default): 3 KV heads x 64 dims x fp32 x 4
+parts = 6 KiB per 32-token block of all heads, 168 MiB for a 32K-token session of the embedded
+model (28 of its 30 layers select); 1/16 with `digest_tokens = 16`.
 
 A block shared by several sessions (a fork, a prefix reused: `KVCache.fork`) shares its digests
 too: a session's first `shared` parts may be another session's (its *source*) first rows, read
@@ -56,6 +58,12 @@ DIGEST_TOKENS = 8  # tokens per digest by default: a block of block_size tokens 
 Digests = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
+def digest_layers(full_layers: Sequence[int], dense_layers: int) -> list[int]:
+    """The layers that keep digests: the full-attention ones past the dense ones (the others never
+    select)."""
+    return [layer for layer in full_layers if layer >= dense_layers]
+
+
 @dataclass(slots=True)
 class _Incoming:
     layer: Callable[[int], torch.Tensor]  # i -> layer i's rows, once they came
@@ -91,9 +99,14 @@ class DigestStore:
         """`blocks`: per layer, the blocks whose digests the arena holds from the start (the
         tiers' blocks: it grows past them only for sessions whose blocks lie in the archive;
         each growth replaces the arena, and captured steps are captured again). `layers`: those
-        whose digests are kept (all by default; a sliding-window layer never selects, and keeps none)."""
-        self.shape = (num_layers, num_kv_heads)
-        self.layers = tuple(range(num_layers)) if layers is None else tuple(layers)
+        whose digests are kept (all by default; the layers that never select keep none: a
+        sliding-window layer, a dense one). The arena holds the kept layers only: its first
+        dimension is their rank in `layers` (`index`)."""
+        self.layers = tuple(range(num_layers)) if layers is None else tuple(sorted(layers))
+        self.shape = (len(self.layers), num_kv_heads)
+        self._index = [-1] * num_layers
+        for i, layer in enumerate(self.layers):
+            self._index[layer] = i
         self.head_dim = head_dim
         self.block_size = block_size
         self.parts = max(1, block_size // part_tokens)
@@ -327,7 +340,18 @@ class DigestStore:
 
     def arena(self, layer: int) -> torch.Tensor:
         """One layer of the arena: [Hkv, rows, 2, D] (min, max); a session's parts from its base."""
-        return self._arena[layer]
+        return self._arena[self.index(layer)]
+
+    def keeps(self, layer: int) -> bool:
+        """Whether `layer` keeps digests (it selects)."""
+        return self._index[layer] >= 0
+
+    def index(self, layer: int) -> int:
+        """`layer`'s place in the arena's first dimension (in `layers`); KeyError if it keeps none."""
+        i = self._index[layer]
+        if i < 0:
+            raise KeyError(f"layer {layer} keeps no digests")
+        return i
 
     def reserve(self, seq: SeqId, num_blocks: int) -> None:
         """Room for `num_blocks` blocks of `seq` now (a session whose length is known: no growth,
@@ -337,33 +361,34 @@ class DigestStore:
     # ---- rows that arrive later ----------------------------------------------------------------
 
     def load_later(self, seq: SeqId, num_rows: int, layer: Callable[[int], torch.Tensor]) -> None:
-        """`load` of rows that arrive one layer at a time: `layer(i)` waits for layer i's rows
-        ([Hkv, num_rows, 2, D]) and returns them, or raises ValueError (they cannot come). Each
+        """`load` of rows that arrive one layer at a time: `layer(i)` waits for the rows of
+        `layers[i]` ([Hkv, num_rows, 2, D]) and returns them, or raises ValueError (they cannot come). Each
         layer is copied in when first read (`get`: a resumed session's first step selects in a
         layer while the next layers' rows are still read), every layer before anything else
         touches the session's rows (`settle`). `rebuild(seq, layer)` (`failed`) makes a layer's
         rows where they cannot come."""
         self.drop(seq)
         self.ensure(seq, num_rows)
-        self._incoming[seq] = _Incoming(layer, num_rows, set(range(self.shape[0])))
+        self._incoming[seq] = _Incoming(layer, num_rows, set(range(self.shape[0])))  # (arena indices)
 
     def settle(self, seq: SeqId | None = None, layer: int | None = None) -> None:
         """Copy in the rows still to arrive (`load_later`): `seq`'s (everyone's: None), one layer
         or all of them."""
+        at = None if layer is None else self._index[layer]
         for s in [seq] if seq is not None else list(self._incoming):
             incoming = self._incoming.get(s)
             if incoming is None:
                 continue
-            layers = sorted(incoming.left) if layer is None else [layer] if layer in incoming.left else []
-            for i in layers:
+            indices = sorted(incoming.left) if at is None else [at] if at in incoming.left else []
+            for i in indices:
                 incoming.left.discard(i)
                 try:
                     rows = incoming.layer(i)
-                except ValueError:  # its rows keep the empty sentinels: rebuilt by the owner, if kept
-                    if i in self.layers:
-                        self.failed.append((s, i))
+                except ValueError:  # its rows keep the empty sentinels: rebuilt by the owner
+                    self.failed.append((s, self.layers[i]))
                     continue
-                self.layer(s, i)[:, : incoming.rows].copy_(rows)
+                ext = self._extents[s]
+                self._arena[i, :, ext.start : ext.start + incoming.rows].copy_(rows)
             if not incoming.left:
                 del self._incoming[s]
         if self.failed and self.rebuild is not None:
@@ -381,7 +406,7 @@ class DigestStore:
         them as one; `joined` makes one tensor of them)."""
         if self._incoming:
             self.settle(seq, layer)
-        ext, arena, p = self._extents[seq], self._arena[layer], self.parts
+        ext, arena, p = self._extents[seq], self._arena[self.index(layer)], self.parts
         hkv, d = arena.shape[0], self.head_dim
         n = num_blocks * p
         if ext.src is None or n <= ext.shared:
@@ -419,7 +444,7 @@ class DigestStore:
         if ext is not None and start // pt < ext.shared:  # (keys written again below its shared parts)
             self._own(seq)
         last = (start + n - 1) // self.block_size + 1
-        d = self.ensure(seq, last * self.parts)[layer]  # [Hkv, cap, 2, D]
+        d = self.ensure(seq, last * self.parts)[self.index(layer)]  # [Hkv, cap, 2, D]
         shift = self._extents[seq].shared  # its own rows begin at that part
         start -= shift * pt
         kt = k.transpose(0, 1).to(self.dtype)  # [Hkv, n, D]
@@ -438,7 +463,7 @@ class DigestStore:
                 d[:, :, 1].scatter_reduce_(1, idx, kt[:, lo:hi], reduce="amax", include_self=True)
 
     def head(self, seq: SeqId, num_blocks: int) -> torch.Tensor:
-        """All layers' digests of `seq`'s first `num_blocks` blocks: [L, Hkv, num_blocks * parts, 2, D]
+        """The kept layers' digests of `seq`'s first `num_blocks` blocks: [len(layers), Hkv, num_blocks * parts, 2, D]
         (a view of the arena, or a copy where it shares its first parts: a snapshot copies it,
         `h3d.tiers.digestfile`)."""
         if self._incoming:
@@ -462,14 +487,14 @@ class DigestStore:
         """One layer of the session's own rows: [Hkv, capacity * parts, 2, D] (min, max), from part
         `shared` on where it shares its first parts."""
         ext = self._extents[seq]
-        return self._arena[layer, :, ext.start : ext.start + ext.rows]
+        return self._arena[self.index(layer), :, ext.start : ext.start + ext.rows]
 
     def fold(self, layer: int, rows: torch.Tensor, k: torch.Tensor) -> None:
         """`update` of one new key per batch slot whose arena row is in a tensor (a decode step
         captured in a CUDA graph: no host value is read). k: [B, Hkv, D]; rows: [B] int64 on the
         device, each slot's part (its base + position // part_tokens; the null extent's row 0 for
         a slot that keeps no digests). The extents must already hold their parts (`ensure`)."""
-        d = self._arena[layer]  # [Hkv, rows, 2, D]
+        d = self._arena[self.index(layer)]  # [Hkv, rows, 2, D]
         idx = rows.view(1, -1, 1).expand(d.shape[0], -1, self.head_dim)  # [Hkv, B, D]
         kt = k.transpose(0, 1).to(self.dtype)  # [Hkv, B, D]
         d[:, :, 0].scatter_reduce_(1, idx, kt, reduce="amin", include_self=True)
@@ -511,7 +536,7 @@ class DigestStore:
 
     @property
     def row_bytes(self) -> int:
-        """The bytes of one part's digests, every layer and KV head."""
+        """The bytes of one part's digests, every layer that keeps them and KV head."""
         return self.shape[0] * self.shape[1] * 2 * self.head_dim * self._arena.element_size()
 
     def nbytes(self) -> int:

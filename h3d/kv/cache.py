@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from h3d.errors import SsdDegraded
-from h3d.hbf.digests import DigestStore
+from h3d.hbf.digests import DigestStore, digest_layers
 from h3d.hbf.policy import HbfConfig, Policy, SelectionState, base_blocks, policy_named, take_state
 from h3d.kv.blocks import BlockManager, BlockTable, SeqId
 from h3d.kv.pool import KVPool, Registrar
@@ -149,10 +149,13 @@ class KVCache:
         # On CUDA the arena holds the digests of every block HBM and DDR can hold from the start
         # (the sizing reserved their memory, h3d.kv.sizing): captured steps read it by address,
         # and each growth would capture them again. A CPU host grows it as sessions come.
-        per_layer = (self.blocks.num_slots + len(self.blocks.ddr_owner)) // num_layers if device.type == "cuda" else 0
+        # (A session holds as many blocks in each full-attention layer, and few in a sliding one.)
+        full = self.blocks.full_layers.tolist()
+        held = self.blocks.num_slots + len(self.blocks.ddr_owner)
+        per_layer = held // max(1, len(full)) if device.type == "cuda" else 0
         self.digests = DigestStore(
             num_layers, num_kv_heads, head_dim, block_size, dtype, device, hbf.digest_tokens, blocks=per_layer,
-            layers=self.blocks.full_layers.tolist(),
+            layers=digest_layers(full, hbf.dense_layers),
         )  # fmt: skip
         self.digests.rebuild = self._rebuild_layer
         # Digest snapshots beside the archive (`h3d.tiers.digestfile`): a resumed session's
@@ -716,8 +719,9 @@ class KVCache:
             return 0
         d = self.digests
         got = self.digest_files.read_later(
-            record.name, (*d.shape, 2, d.head_dim), d.dtype, d.part_tokens, record.table.num_tokens // self.block_size
-        )
+            record.name, (*d.shape, 2, d.head_dim), d.dtype, d.part_tokens, record.table.num_tokens // self.block_size,
+            d.layers, self.blocks.full_layers.tolist(),
+        )  # fmt: skip
         if got is None:
             return 0
         blocks, rows, layer = got
@@ -739,7 +743,8 @@ class KVCache:
             return 0
         assert self.digest_files is not None
         rows = self.digests.head(seq, full)
-        return self.digest_files.write(self.sessions[seq].name, full, self.digests.part_tokens, rows)
+        d = self.digests
+        return self.digest_files.write(self.sessions[seq].name, full, d.part_tokens, rows, d.layers)
 
     def save_digests_later(self, seq: SeqId) -> None:
         """`save_digests` with the write on a thread (`DigestFiles.write_later`): only the copy to
@@ -748,7 +753,9 @@ class KVCache:
         if full:
             assert self.digest_files is not None
             rows = host_copy(self.digests.head(seq, full))
-            self.digest_files.write_later(self.sessions[seq].name, full, self.digests.part_tokens, rows)
+            self.digest_files.write_later(
+                self.sessions[seq].name, full, self.digests.part_tokens, rows, self.digests.layers
+            )
 
     def _unsaved_digests(self, seq: SeqId) -> int:
         """The full blocks whose digests `seq`'s snapshot would hold, if it lacks some (else 0)."""

@@ -17,9 +17,11 @@ waits for it). After a kill -9 there may be none, or one that covers fewer block
 of the blocks past it are rebuilt from their keys, as they always were.
 
 File `<archive>/digests/<session>.h3dg`: `MAGIC`, the header's length and crc32 (two little-endian
-u32), a JSON header (format version, the model fingerprint, dtype, shape [L, Hkv, rows, 2, D],
-part tokens, blocks covered, piece bytes, one crc32 per piece), then at `DATA_OFFSET` or the next
-4 KiB boundary past the header the rows as stored on the device. Written under a temporary name,
+u32), a JSON header (format version, the model fingerprint, dtype, shape [Ls, Hkv, rows, 2, D],
+the Ls layers held (those that select: `h3d.hbf.digests.digest_layers`), part tokens, blocks
+covered, piece bytes, one crc32 per piece), then at `DATA_OFFSET` or the next 4 KiB boundary past
+the header the rows as stored on the device. A version-1 snapshot held every full-attention layer
+(dense ones too) and lists none: it is read as such, its dense layers skipped. Written under a temporary name,
 fsynced, renamed over the old one and the folder fsynced: a crash leaves the old snapshot or the
 new one. Read in pieces of `PIECE_BYTES` on `THREADS` threads (zlib's crc32 releases the GIL), each
 piece's crc checked: a snapshot that does not match (another model or shape, a bad crc, a short
@@ -37,7 +39,7 @@ import re
 import struct
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -49,7 +51,7 @@ from h3d.store.files import FILE_MODE, fsync_dir, make_dirs
 log = logging.getLogger(__name__)
 
 MAGIC = b"H3DG"
-VERSION = 1
+VERSION = 2  # 2: the layers held are listed (those that select); 1 held every full-attention layer
 PREFIX = struct.Struct("<4sII")  # magic, header length, header crc32
 DATA_ALIGN = 4096
 PIECE_BYTES = 32 << 20
@@ -69,9 +71,9 @@ class DigestFiles:
         self._writer: ThreadPoolExecutor | None = None  # `write_later`'s one thread
         self._reader: ThreadPoolExecutor | None = None  # `read_later`'s THREADS threads
         self._pending: dict[str, Future[int]] = {}  # session -> its write under way
-        # session -> (blocks, part_tokens, rows) of its write under way, until it is done: a read
-        # then takes the rows (a session closed and reopened at once waits for no write)
-        self._staged: dict[str, tuple[int, int, torch.Tensor]] = {}
+        # session -> (blocks, part_tokens, rows, layers) of its write under way, until it is done: a
+        # read then takes the rows (a session closed and reopened at once waits for no write)
+        self._staged: dict[str, tuple[int, int, torch.Tensor, list[int]]] = {}
         self._staged_lock = threading.Lock()
 
     def path(self, session: str) -> Path:
@@ -80,9 +82,10 @@ class DigestFiles:
 
     # ---- writing ---------------------------------------------------------------------------
 
-    def write(self, session: str, blocks: int, part_tokens: int, rows: torch.Tensor) -> int:
-        """Save `rows` ([L, Hkv, blocks * parts, 2, D], any device) as `session`'s snapshot of its
-        first `blocks` blocks, atomically. Returns the bytes written."""
+    def write(self, session: str, blocks: int, part_tokens: int, rows: torch.Tensor, layers: Sequence[int]) -> int:
+        """Save `rows` ([len(layers), Hkv, blocks * parts, 2, D], any device: the digests of the
+        model's `layers`) as `session`'s snapshot of its first `blocks` blocks, atomically. Returns
+        the bytes written."""
         data = rows if rows.device.type == "cpu" and rows.is_contiguous() else host_copy(rows)
         raw = data.view(torch.uint8).numpy().reshape(-1)
         pieces = [raw[i : i + PIECE_BYTES].data for i in range(0, len(raw), PIECE_BYTES)]
@@ -93,6 +96,7 @@ class DigestFiles:
             "fingerprint": self.fingerprint,
             "dtype": str(data.dtype).removeprefix("torch."),
             "shape": list(data.shape),
+            "layers": list(layers),
             "part_tokens": part_tokens,
             "blocks": blocks,
             "piece_bytes": PIECE_BYTES,
@@ -130,16 +134,18 @@ class DigestFiles:
         `session`'s snapshot, atomically."""
         self._replace(session, [data])
 
-    def write_later(self, session: str, blocks: int, part_tokens: int, rows: torch.Tensor) -> None:
+    def write_later(
+        self, session: str, blocks: int, part_tokens: int, rows: torch.Tensor, layers: Sequence[int]
+    ) -> None:
         """`write` on a thread of its own (a closed session's snapshot: `KVCache.park`); `rows` on
         the CPU, no longer written to. Every other call on `session` waits for it first."""
         self.settle(session)
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="h3d-digest-write")
-        staged = (blocks, part_tokens, rows)
+        staged = (blocks, part_tokens, rows, list(layers))
         with self._staged_lock:
             self._staged[session] = staged
-        future = self._writer.submit(self.write, session, blocks, part_tokens, rows)
+        future = self._writer.submit(self.write, session, blocks, part_tokens, rows, layers)
         self._pending[session] = future
 
         def done(_: Future[int]) -> None:
@@ -198,31 +204,47 @@ class DigestFiles:
         return meta if isinstance(meta, dict) else None
 
     def read(
-        self, session: str, shape: tuple[int, ...], dtype: torch.dtype, part_tokens: int, max_blocks: int
+        self,
+        session: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        part_tokens: int,
+        max_blocks: int,
+        layers: Sequence[int],
+        legacy_layers: Sequence[int] = (),
     ) -> tuple[int, torch.Tensor] | None:
-        """`session`'s snapshot as (blocks, rows [L, Hkv, blocks * parts, 2, D] on the CPU), if
-        there is one that matches this cache (`shape` is [L, Hkv, 2, D]) and covers at most
-        `max_blocks` blocks (the session's full blocks now); None otherwise (a warning says why,
-        except where there is simply none)."""
-        got = self.read_later(session, shape, dtype, part_tokens, max_blocks)
+        """`session`'s snapshot as (blocks, rows [len(layers), Hkv, blocks * parts, 2, D] on the
+        CPU: the digests of the model's `layers`), if there is one that matches this cache
+        (`shape` is [len(layers), Hkv, 2, D]), holds those layers and covers at most `max_blocks`
+        blocks (the session's full blocks now); None otherwise (a warning says why, except where
+        there is simply none). `legacy_layers`: the layers a version-1 snapshot holds (every
+        full-attention layer, the cache's `full_layers`): one is read too, its other layers
+        skipped."""
+        got = self.read_later(session, shape, dtype, part_tokens, max_blocks, layers, legacy_layers)
         if got is None:
             return None
-        blocks, out, layer = got
+        blocks, _, layer = got
         try:
-            for i in range(out.shape[0]):
-                layer(i)
+            return blocks, torch.stack([layer(i) for i in range(len(layers))])
         except ValueError:
             return None
-        return blocks, out
 
     def read_later(
-        self, session: str, shape: tuple[int, ...], dtype: torch.dtype, part_tokens: int, max_blocks: int
+        self,
+        session: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        part_tokens: int,
+        max_blocks: int,
+        layers: Sequence[int],
+        legacy_layers: Sequence[int] = (),
     ) -> tuple[int, torch.Tensor, Callable[[int], torch.Tensor]] | None:
         """`read`, its pieces read in the background in the file's order (a layer after another):
-        (blocks, rows, `layer`), where `layer(i)` waits for layer i's rows and returns them, or
-        raises ValueError if a piece holding them failed (the snapshot is then ignored and deleted).
-        None where `read` gives None for its header. A snapshot whose write is under way
-        (`write_later`) is taken from the rows being written, none read."""
+        (blocks, rows as the file holds them, `layer`), where `layer(i)` waits for the rows of
+        `layers[i]` and returns them, or raises ValueError if a piece holding them failed (the
+        snapshot is then ignored and deleted). None where `read` gives None for its header. A
+        snapshot whose write is under way (`write_later`) is taken from the rows being written,
+        none read."""
         staged = self._staged_meta(session)
         meta = staged[0] if staged is not None else self.header(session)
         if meta is None:
@@ -230,22 +252,27 @@ class DigestFiles:
         path = self.path(session)
         want_dtype = str(dtype).removeprefix("torch.")
         got = meta.get("shape", [])
+        held = meta.get("layers") if meta.get("version") == VERSION else list(legacy_layers)
+        at = {layer: i for i, layer in enumerate(held)} if isinstance(held, list) else {}
         problem = None
-        if meta.get("version") != VERSION or meta.get("fingerprint") != self.fingerprint:
+        if meta.get("version") not in (1, VERSION) or meta.get("fingerprint") != self.fingerprint:
             problem = "written for another model or format"
+        elif len(at) != len(held or ()) or any(x not in at for x in layers) or len(got) != 5 or got[0] != len(at):
+            problem = f"it holds the digests of layers {held}, not of {list(layers)}"
         elif meta.get("dtype") != want_dtype or meta.get("part_tokens") != part_tokens:
             problem = f"dtype {meta.get('dtype')}, {meta.get('part_tokens')}-token parts"
             problem += f" (this cache: {want_dtype}, {part_tokens})"
-        elif len(got) != 5 or (got[0], got[1], got[3], got[4]) != tuple(shape):
+        elif (len(layers), got[1], got[3], got[4]) != tuple(shape):
             problem = f"shape {got}, not {list(shape)} with rows"
         elif not 0 < int(meta.get("blocks", 0)) <= max_blocks:
             problem = f"it covers {meta.get('blocks')} blocks, the session has {max_blocks} full ones"
         if problem is not None:
             self._ignore(session, problem)
             return None
+        index = [at[layer] for layer in layers]  # the file's layer of each wanted one
         if staged is not None:
             rows = staged[1]
-            return int(meta["blocks"]), rows, rows.__getitem__
+            return int(meta["blocks"]), rows, lambda i: rows[index[i]]
         out = torch.empty(got, dtype=dtype)
         raw = out.view(torch.uint8).numpy().reshape(-1)
         piece, crcs = int(meta["piece_bytes"]), list(meta["crcs"])
@@ -293,6 +320,7 @@ class DigestFiles:
         failed: list[str] = []
 
         def layer(i: int) -> torch.Tensor:
+            i = index[i]
             first, last = i * per_layer // piece, ((i + 1) * per_layer - 1) // piece
             if failed or not all(pieces[j].result() for j in range(first, min(last + 1, len(pieces)))):
                 if not failed:
@@ -309,10 +337,10 @@ class DigestFiles:
             staged = self._staged.get(session)
         if staged is None:
             return None
-        blocks, part_tokens, rows = staged
+        blocks, part_tokens, rows, layers = staged
         meta = {
             "version": VERSION, "fingerprint": self.fingerprint, "dtype": str(rows.dtype).removeprefix("torch."),
-            "shape": list(rows.shape), "part_tokens": part_tokens, "blocks": blocks,
+            "shape": list(rows.shape), "layers": layers, "part_tokens": part_tokens, "blocks": blocks,
         }  # fmt: skip
         return meta, rows
 

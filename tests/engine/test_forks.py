@@ -146,7 +146,7 @@ def test_forks_share_their_parents_digests(checkpoint: Callable[[str], Path], tm
     full = (len(tokens) - 1) // BS
     for fork in forks:
         assert d.source(engine.session(fork).seq) == (d.base(a), full * d.parts)
-    row = d.nbytes() // sum(d.layer(engine.session(s).seq, 0).shape[1] for s in [parent, *forks])
+    row = d.nbytes() // sum(d.layer(engine.session(s).seq, d.layers[0]).shape[1] for s in [parent, *forks])
     assert d.nbytes() - before <= 5 * row * 2 * d.parts  # a partial block's rows each (with slack), not a copy
     assert d.shared_parts() == 5 * full * d.parts
     for fork in (parent, forks[0], forks[4]):  # each part's min and max of the fork's own keys
@@ -156,7 +156,7 @@ def test_forks_share_their_parents_digests(checkpoint: Callable[[str], Path], tm
             k = kv.tiers.read_keys(seq, layer)  # [Hkv, n, D]
             for j in range(0, k.shape[1], d.part_tokens):
                 part = k[:, j : j + d.part_tokens]
-                lo, hi = got[layer, :, j // d.part_tokens].unbind(1)  # [Hkv, D] each
+                lo, hi = got[d.index(layer), :, j // d.part_tokens].unbind(1)  # [Hkv, D] each
                 assert torch.equal(lo, part.amin(dim=1)) and torch.equal(hi, part.amax(dim=1)), (fork, layer, j)
     want = engine.complete(parent, "", GREEDY).token_ids
     assert engine.complete(forks[0], "", GREEDY).token_ids == want

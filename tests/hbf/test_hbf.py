@@ -532,7 +532,8 @@ def test_switching_policy_rebuilds_digests_equal_to_maintained_ones(checkpoint: 
         e.set_policy(s, "attention_entropy")
         seq = e.session(s).seq
         nb = e.runner.blocks.table(seq).num_blocks
-        digests.append(torch.stack([e.runner.digests.get(seq, layer, nb) for layer in range(3)]))
+        assert e.runner.digests.layers == (2,)  # (the first two layers are dense: they keep none)
+        digests.append(torch.stack([e.runner.digests.get(seq, layer, nb) for layer in e.runner.digests.layers]))
     assert torch.equal(digests[0], digests[1])
 
 
@@ -552,7 +553,8 @@ def test_rewind_restores_the_digests_of_the_kept_tokens(checkpoint: Callable[[st
     engine.rewind(s, len(prompt))
     seq, fseq = engine.session(s).seq, fresh.session(f).seq
     nb = fresh.runner.blocks.table(fseq).num_blocks
-    for layer in range(3):
+    assert engine.runner.digests.layers == (1, 2)
+    for layer in engine.runner.digests.layers:
         assert torch.equal(engine.runner.digests.get(seq, layer, nb), fresh.runner.digests.get(fseq, layer, nb))
     assert engine.complete(s, "", params).token_ids == first == fresh.complete(f, "", params).token_ids
 
@@ -832,3 +834,31 @@ def test_anchors_are_logged_when_they_change_and_restored(checkpoint: Callable[[
     assert {layer: a.tolist() for layer, a in restored.head_anchors.items()} == want
     assert {k: v.tolist() for k, v in restored.anchors.items()} == {k: v.tolist() for k, v in state.anchors.items()}
     again.close()
+
+
+def test_the_arena_holds_the_digests_of_the_layers_that_select_only() -> None:
+    """The dense layers read every block and a sliding-window layer its window: neither keeps
+    digests, and the arena holds rows for the others alone (a Gemma 3 model keeps a sixth of its
+    layers' digests, not all 48)."""
+    from h3d.kv.cache import KVCache
+
+    hbf = replace(EngineConfig().hbf, dense_layers=1)
+    kv = KVCache(
+        num_layers=5, num_kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"),
+        hbm_regions=64, ddr_slots=64, block_size=BS, hbf=hbf, windows=[None, 64, None, 64, None],
+    )  # fmt: skip
+    d = kv.digests
+    assert d.layers == (2, 4) and d.shape == (2, 2)
+    assert [d.keeps(layer) for layer in range(5)] == [False, False, True, False, True]
+    seq = SeqId(1)
+    k = torch.randn(3 * BS, 2, 8)
+    for layer in d.layers:
+        d.update(seq, layer, 0, k * (layer + 1))
+    assert d.arena(2).shape[0] == 2 and d.nbytes() == d.row_bytes * d._extents[seq].rows
+    assert d.row_bytes == 2 * 2 * 2 * 8 * 4  # two layers, two KV heads, (min, max) of 8 fp32
+    got = joined(d.get(seq, 4, 3))  # [Hkv, 3, parts, 2, D]
+    want = (k * 5).transpose(0, 1).unflatten(1, (3, BS // 8, 8))  # [Hkv, 3, parts, 8, D]
+    assert torch.equal(got[..., 0, :], want.amin(dim=3)) and torch.equal(got[..., 1, :], want.amax(dim=3))
+    for layer in (0, 1, 3):
+        with pytest.raises(KeyError):
+            d.arena(layer)

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import json
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -167,8 +169,9 @@ def test_a_snapshot_that_does_not_match_is_ignored_and_one_that_covers_less_give
     engine = _engine(checkpoint(MODEL), folder)
     engine.complete(sid, "", ONE)
     assert not path.exists()  # ignored, deleted
-    # its one piece holds every layer: each rebuilt from its keys when the first step read it
-    assert engine.kv.digests.layers_rebuilt == 3
+    # its one piece holds every layer that keeps digests (2 of 3: the first is dense): each
+    # rebuilt from its keys when the first step read it
+    assert engine.kv.digests.layers == (1, 2) and engine.kv.digests.layers_rebuilt == 2
     assert torch.equal(_digests(engine, sid, blocks), want)
     engine.checkpoint()
     engine.close()
@@ -179,10 +182,10 @@ def test_a_snapshot_that_does_not_match_is_ignored_and_one_that_covers_less_give
     meta = files.header(sid)
     assert meta is not None and meta["blocks"] == 37
     path.write_bytes(good)
-    got = files.read(sid, (3, 2, 2, 16), torch.float32, 8, 37)
+    got = files.read(sid, (2, 2, 2, 16), torch.float32, 8, 37, [1, 2])
     assert got is not None and got[0] == 37
     rows = got[1][:, :, : 20 * 2]  # 2 parts per block of 16 tokens
-    files.write(sid, 20, 8, rows)
+    files.write(sid, 20, 8, rows, [1, 2])
     before = files.bytes_read
     engine.complete(sid, "", ONE)
     assert files.bytes_read - before == rows.numel() * 4
@@ -212,32 +215,63 @@ def test_a_rewind_below_a_snapshot_deletes_it(checkpoint: Callable[[str], Path],
 def test_digest_files_round_trip_and_refuse_what_is_not_theirs(tmp_path: Path) -> None:
     files = DigestFiles(tmp_path / "digests", "abc")
     rows = torch.randn(3, 2, 10, 2, 16).to(torch.bfloat16)
-    assert files.read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5) is None  # none yet
-    n = files.write("s1", 5, 8, rows)
+    layers = [1, 2, 4]  # the model's layers whose digests the rows are
+    assert files.read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5, layers) is None  # none yet
+    n = files.write("s1", 5, 8, rows, layers)
     assert n == files.path("s1").stat().st_size and files.path("s1").stat().st_mode & 0o777 == 0o600
-    got = files.read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5)
+    got = files.read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5, layers)
     assert got is not None and got[0] == 5 and torch.equal(got[1], rows)
+    got = files.read("s1", (2, 2, 2, 16), torch.bfloat16, 8, 5, [2, 4])  # some of its layers
+    assert got is not None and torch.equal(got[1], rows[1:])
     for args in (
-        ((3, 2, 2, 16), torch.bfloat16, 8, 4),  # it covers more than the session has
-        ((3, 2, 2, 16), torch.float16, 8, 5),
-        ((3, 2, 2, 16), torch.bfloat16, 16, 5),
-        ((3, 4, 2, 16), torch.bfloat16, 8, 5),
+        ((3, 2, 2, 16), torch.bfloat16, 8, 4, layers),  # it covers more than the session has
+        ((3, 2, 2, 16), torch.float16, 8, 5, layers),
+        ((3, 2, 2, 16), torch.bfloat16, 16, 5, layers),
+        ((3, 4, 2, 16), torch.bfloat16, 8, 5, layers),
+        ((3, 2, 2, 16), torch.bfloat16, 8, 5, [1, 2, 3]),  # a layer it does not hold
     ):
         assert files.read("s1", *args) is None and not files.path("s1").exists(), args  # ignored, deleted
-        files.write("s1", 5, 8, rows)
-    assert DigestFiles(tmp_path / "digests", "other").read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5) is None
-    files.write("s1", 5, 8, rows)
+        files.write("s1", 5, 8, rows, layers)
+    assert DigestFiles(tmp_path / "digests", "other").read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5, layers) is None
+    files.write("s1", 5, 8, rows, layers)
     path = files.path("s1")
     path.write_bytes(path.read_bytes()[:-1])  # short
-    assert files.read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5) is None
+    assert files.read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5, layers) is None
     assert files.path("../x y").parent == files.folder  # a name that is not a plain id is hashed
     (files.folder / "s2.tmp").write_bytes(b"torn")
     assert files.clean() == 1 and not (files.folder / "s2.tmp").exists()
     assert not path.exists()  # deleted once found bad
-    files.write("s1", 5, 8, rows)
+    files.write("s1", 5, 8, rows, layers)
     files.cut("s1", 5)
     assert path.exists()
     files.cut("s1", 3)
+    assert not path.exists()
+
+
+def test_a_version_1_snapshot_of_every_full_layer_is_read_without_its_dense_ones(tmp_path: Path) -> None:
+    """Snapshots written before the arena held only the layers that select (format version 1)
+    list no layers and hold every full-attention layer: read with those (`legacy_layers`), the
+    dense ones skipped; a version-1 snapshot of other layers is ignored."""
+    from h3d.tiers import digestfile
+
+    rows = torch.randn(3, 2, 10, 2, 16).to(torch.bfloat16)  # full layers 0, 1, 2; layer 0 dense
+    files = DigestFiles(tmp_path / "digests", "abc")
+    files.write("s1", 5, 8, rows, [0, 1, 2])
+    path = files.path("s1")
+    raw = path.read_bytes()
+    magic, n, _ = digestfile.PREFIX.unpack(raw[: digestfile.PREFIX.size])
+    meta = json.loads(raw[digestfile.PREFIX.size : digestfile.PREFIX.size + n])
+    meta["version"] = 1
+    del meta["layers"]
+    header = json.dumps(meta).encode()
+    assert len(header) < n  # the rows stay at their 4 KiB boundary
+    start = digestfile._data_offset(n)
+    head = digestfile.PREFIX.pack(magic, len(header), zlib.crc32(header)) + header
+    v1 = head + b"\0" * (start - len(head)) + raw[start:]
+    path.write_bytes(v1)
+    got = files.read("s1", (2, 2, 2, 16), torch.bfloat16, 8, 5, [1, 2], legacy_layers=[0, 1, 2])
+    assert got is not None and got[0] == 5 and torch.equal(got[1], rows[1:])
+    assert files.read("s1", (2, 2, 2, 16), torch.bfloat16, 8, 5, [1, 2], legacy_layers=[0, 1]) is None
     assert not path.exists()
 
 
@@ -467,7 +501,7 @@ def test_a_resumed_step_selects_in_a_layer_while_the_next_layers_digests_are_sti
     monkeypatch.undo()
     first = min(t for kind, _, t in events if kind == "select")
     pieces = [t for kind, _, t in events if kind == "piece"]
-    assert len(pieces) == 14  # 57 KB of rows
+    assert len(pieces) == 10  # 38 KB of rows: the 2 layers that keep digests (the first is dense)
     assert max(pieces) > first, "every piece was read before the step selected"
     assert engine.kv.digests.layers_rebuilt == 0 and not engine.kv.digests._incoming
     assert out + engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", ONE).token_ids + (
