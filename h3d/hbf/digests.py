@@ -50,12 +50,27 @@ from dataclasses import dataclass
 
 import torch
 
+from h3d.errors import OutOfBlocks
 from h3d.kv.blocks import SeqId
 
 DIGEST_TOKENS = 8  # tokens per digest by default: a block of block_size tokens has block_size / 8 parts
 # A session's digests of its first blocks, [Hkv, nb, parts, 2, D]: one view of the arena, or two
 # (its source's rows, then its own: `DigestStore.share`), read as one by `block_scores`
 Digests = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+DIGEST_ROOM_ADVICE = (
+    "close or release idle sessions, set digest_tokens to 16 (half the digests), or lower hbm_mb to leave the "
+    "device more room"
+)
+
+
+def _cuda_free(device: torch.device) -> Callable[[], int]:
+    def free() -> int:
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0] + cached)
+
+    return free
 
 
 def digest_layers(full_layers: Sequence[int], dense_layers: int) -> list[int]:
@@ -125,6 +140,9 @@ class DigestStore:
         self.failed: list[tuple[SeqId, int]] = []  # (session, layer) whose rows could not come
         self.rebuild: Callable[[SeqId, int], None] | None = None  # makes them (the KV cache's)
         self.layers_rebuilt = 0  # by `rebuild`, since start
+        # The device memory a larger arena may take (bytes; None: no limit, a CPU host's). Growing
+        # the arena allocates the new one beside the old: `missing` checks that before a request.
+        self.free_bytes: Callable[[], int] | None = _cuda_free(device) if device.type == "cuda" else None
 
     def _empty(self, rows: int) -> torch.Tensor:
         d = torch.empty((*self.shape, rows, 2, self.head_dim), dtype=self.dtype, device=self.device)
@@ -175,7 +193,15 @@ class DigestStore:
             if ext is not None:
                 saved = self._arena[:, :, ext.start : ext.start + old].clone()
                 del self._extents[seq]
-            start = self._claim(rows)
+            try:
+                start = self._claim(rows)
+            except OutOfBlocks:  # no room to grow: its rows back as they were (the arena held them)
+                if ext is not None and saved is not None:
+                    back = self._claim(old)
+                    self._arena[:, :, back : back + old] = saved
+                    ext.start = back
+                    self._extents[seq] = ext
+                raise
             view = self._arena[:, :, start : start + rows]
             self._clear(view[:, :, old:])
             if saved is not None:
@@ -237,9 +263,25 @@ class DigestStore:
         self._arena[:, :, start : start + ext.rows] = src
         ext.start = start
 
+    def missing(self, parts: int) -> int:
+        """The device memory (bytes) the arena lacks to hold `parts` more parts beside every
+        session's (0: it holds them, or may grow to); a request that would make it grow past the
+        device's free memory is refused (`KVCache.admit`) rather than failing inside a step."""
+        need = self.parts + sum(e.used for e in self._extents.values()) + parts
+        if need <= self.rows or self.free_bytes is None:
+            return 0
+        grown = (need + need // 4) * self.row_bytes  # (`_claim` grows it by a quarter more)
+        return max(0, grown - self.free_bytes())
+
     def _resize(self, rows: int) -> None:
         """A new arena of `rows` rows holding the extents packed (captured steps are invalidated)."""
-        arena = self._empty(max(rows, self.parts))
+        try:
+            arena = self._empty(max(rows, self.parts))
+        except torch.OutOfMemoryError as e:
+            raise OutOfBlocks(
+                f"the device cannot hold the digests of every open session's blocks ({rows * self.row_bytes >> 20} "
+                f"MiB beside {self._arena.nbytes >> 20} MiB now): {DIGEST_ROOM_ADVICE}"
+            ) from e
         at = self.parts
         for ext in sorted(self._extents.values(), key=lambda e: e.start):
             arena[:, :, at : at + ext.rows] = self._arena[:, :, ext.start : ext.start + ext.rows]

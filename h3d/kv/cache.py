@@ -36,8 +36,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from h3d.errors import SsdDegraded
-from h3d.hbf.digests import DigestStore, digest_layers
+from h3d.errors import OutOfBlocks, SsdDegraded
+from h3d.hbf.digests import DIGEST_ROOM_ADVICE, DigestStore, digest_layers
 from h3d.hbf.policy import HbfConfig, Policy, SelectionState, base_blocks, policy_named, take_state
 from h3d.kv.blocks import BlockManager, BlockTable, SeqId
 from h3d.kv.pool import KVPool, Registrar
@@ -253,8 +253,18 @@ class KVCache:
     # ---- admission ----------------------------------------------------------------------------
 
     def admit(self, seq: SeqId, n_tokens: int) -> None:
-        """Refuse (OutOfBlocks) `n_tokens` more tokens of `seq` that the tiers cannot hold."""
+        """Refuse (OutOfBlocks) `n_tokens` more tokens of `seq` that the tiers cannot hold, or
+        whose digests the device cannot (every open session's stay on it: `DigestStore.missing`)."""
         self.tiers.admit(seq, n_tokens)
+        d = self.digests
+        if d.free_bytes is None or not d.layers or not self.policy(seq).keeps_digests:
+            return
+        short = d.missing(-(-n_tokens // d.part_tokens) + d.parts)  # (and the partial block's parts)
+        if short:
+            raise OutOfBlocks(
+                f"the device cannot hold the digests of {n_tokens} more tokens beside every open session's "
+                f"({short >> 20} MiB more than it has free; HBF's selection reads them each step): {DIGEST_ROOM_ADVICE}"
+            )
 
     def chunk_limit(self, seq: SeqId) -> int:
         """Most tokens of `seq` one step may write (`TierManager.chunk_limit`)."""

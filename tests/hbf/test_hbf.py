@@ -862,3 +862,51 @@ def test_the_arena_holds_the_digests_of_the_layers_that_select_only() -> None:
     for layer in (0, 1, 3):
         with pytest.raises(KeyError):
             d.arena(layer)
+
+
+def test_a_request_whose_digests_the_device_cannot_hold_is_refused_before_any_step(
+    checkpoint: Callable[[str], Path],
+) -> None:
+    """Every open session's digests stay on the device; the arena grows by allocating a larger
+    one beside it. A request that would make it grow past the device's free memory is refused
+    (OutOfBlocks: RESOURCE_EXHAUSTED) before its tokens are taken, and once there is room the
+    session continues as a session never refused."""
+    from h3d.errors import OutOfBlocks
+
+    ckpt = checkpoint("llama_gqa4_tied")
+    engine, plain = make_engine(ckpt), make_engine(ckpt)
+    prompt = random_prompt(300, 512, seed=5)
+    a, p = engine.create_session(), plain.create_session()
+    engine.kv.digests.free_bytes = lambda: 0  # (a CPU arena has no limit: as a full GPU's)
+    had = list(engine.session(a).tokens)
+    with pytest.raises(OutOfBlocks, match="digests"):
+        engine.append(a, token_ids=prompt)
+    assert engine.session(a).tokens == had  # nothing taken
+    engine.kv.digests.free_bytes = lambda: 1 << 40
+    engine.append(a, token_ids=prompt)
+    plain.append(p, token_ids=prompt)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert engine.complete(a, "", params).token_ids == plain.complete(p, "", params).token_ids
+
+
+def test_an_arena_that_cannot_grow_keeps_every_extent_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device out of memory while the arena grows: OutOfBlocks, and every session's digests
+    where they were (the one growing too)."""
+    from h3d.errors import OutOfBlocks
+
+    store = DigestStore(2, 2, 8, BS, torch.float32, torch.device("cpu"), 8)
+    g = torch.Generator().manual_seed(0)
+    keys = {SeqId(i): torch.randn(40 * (i + 1), 2, 8, generator=g) for i in range(3)}
+    for seq, k in keys.items():
+        for layer in (0, 1):
+            store.update(seq, layer, 0, k)
+    before = {seq: joined(store.get(seq, 1, -(-len(k) // BS))).clone() for seq, k in keys.items()}
+
+    def no_memory(rows: int) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+
+    monkeypatch.setattr(store, "_empty", no_memory)
+    with pytest.raises(OutOfBlocks, match="digests"):
+        store.ensure(SeqId(0), store.rows)  # more than the whole arena: it must grow
+    for seq, k in keys.items():
+        assert torch.equal(joined(store.get(seq, 1, -(-len(k) // BS))), before[seq]), seq
