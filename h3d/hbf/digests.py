@@ -45,6 +45,7 @@ captured again).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -574,7 +575,8 @@ class DigestStore:
             self._top = ext.start
         live = sum(e.rows for e in self._extents.values())
         if self.rows > max(self._reserved, 4 * (live + self.parts), 64 * self.parts):
-            self._resize(max(self._reserved, 5 * (live + self.parts) // 4))
+            with contextlib.suppress(OutOfBlocks):  # (no memory for the smaller copy: the arena stays)
+                self._resize(max(self._reserved, 5 * (live + self.parts) // 4))
 
     @property
     def row_bytes(self) -> int:
