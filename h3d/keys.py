@@ -237,7 +237,7 @@ ENGINE: tuple[Key, ...] = (
         "compute device and cost 1/`digest_tokens` of the selecting layers' KV; 16 halves that and found 14 of "
         "exact's 17 needles at 8K, against 17 for 8 (docs/BENCHMARKS.md)",
         help="tokens per key digest (min/max of the keys) attention_entropy ranks blocks by; must divide "
-        "block_size (or cover a block); digests cost 1/digest_tokens of the KV",
+        "block_size (or cover a block); digests cost 1/digest_tokens of the selecting layers' KV",
     ),
     Key(
         "entropy_shrink_below",
