@@ -44,7 +44,7 @@ from h3d.kv.pool import KVPool, Registrar
 from h3d.kv.slots import SlotAllocator
 from h3d.tiers import lifecycle
 from h3d.tiers.archive import Archive, ArchiveWriteFailed
-from h3d.tiers.digestfile import DigestFiles, host_copy
+from h3d.tiers.digestfile import DigestFiles, Layout, host_copy
 from h3d.tiers.manager import TierManager
 from h3d.tiers.promotion import Promoter
 from h3d.tiers.shares import HbmShares
@@ -728,10 +728,9 @@ class KVCache:
         if self.digest_files is None:
             return 0
         d = self.digests
-        got = self.digest_files.read_later(
-            record.name, (*d.shape, 2, d.head_dim), d.dtype, d.part_tokens, record.table.num_tokens // self.block_size,
-            d.layers, self.blocks.full_layers.tolist(),
-        )  # fmt: skip
+        full = tuple(self.blocks.full_layers.tolist())  # a version-1 snapshot's layers
+        layout = Layout((*d.shape, 2, d.head_dim), d.dtype, d.part_tokens, d.layers, full)
+        got = self.digest_files.read_later(record.name, layout, record.table.num_tokens // self.block_size)
         if got is None:
             return 0
         blocks, rows, layer = got

@@ -41,6 +41,7 @@ import threading
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,20 @@ DATA_ALIGN = 4096
 PIECE_BYTES = 32 << 20
 THREADS = min(8, os.cpu_count() or 1)
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a cache reads a snapshot as: its rows' `shape` without the rows ([len(layers), Hkv, 2,
+    D]), `dtype`, `part_tokens`, the model's `layers` whose digests it keeps (those that select)
+    and `legacy_layers`, those a version-1 snapshot held (every full-attention layer: the cache's
+    `full_layers`; such a snapshot is read too, its other layers skipped)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    part_tokens: int
+    layers: tuple[int, ...]
+    legacy_layers: tuple[int, ...] = ()
 
 
 class DigestFiles:
@@ -203,41 +218,22 @@ class DigestFiles:
             return None
         return meta if isinstance(meta, dict) else None
 
-    def read(
-        self,
-        session: str,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        part_tokens: int,
-        max_blocks: int,
-        layers: Sequence[int],
-        legacy_layers: Sequence[int] = (),
-    ) -> tuple[int, torch.Tensor] | None:
+    def read(self, session: str, layout: Layout, max_blocks: int) -> tuple[int, torch.Tensor] | None:
         """`session`'s snapshot as (blocks, rows [len(layers), Hkv, blocks * parts, 2, D] on the
-        CPU: the digests of the model's `layers`), if there is one that matches this cache
-        (`shape` is [len(layers), Hkv, 2, D]), holds those layers and covers at most `max_blocks`
-        blocks (the session's full blocks now); None otherwise (a warning says why, except where
-        there is simply none). `legacy_layers`: the layers a version-1 snapshot holds (every
-        full-attention layer, the cache's `full_layers`): one is read too, its other layers
-        skipped."""
-        got = self.read_later(session, shape, dtype, part_tokens, max_blocks, layers, legacy_layers)
+        CPU: the digests of `layout.layers`), if there is one that matches `layout`, holds those
+        layers and covers at most `max_blocks` blocks (the session's full blocks now); None
+        otherwise (a warning says why, except where there is simply none)."""
+        got = self.read_later(session, layout, max_blocks)
         if got is None:
             return None
         blocks, _, layer = got
         try:
-            return blocks, torch.stack([layer(i) for i in range(len(layers))])
+            return blocks, torch.stack([layer(i) for i in range(len(layout.layers))])
         except ValueError:
             return None
 
     def read_later(
-        self,
-        session: str,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        part_tokens: int,
-        max_blocks: int,
-        layers: Sequence[int],
-        legacy_layers: Sequence[int] = (),
+        self, session: str, layout: Layout, max_blocks: int
     ) -> tuple[int, torch.Tensor, Callable[[int], torch.Tensor]] | None:
         """`read`, its pieces read in the background in the file's order (a layer after another):
         (blocks, rows as the file holds them, `layer`), where `layer(i)` waits for the rows of
@@ -250,9 +246,10 @@ class DigestFiles:
         if meta is None:
             return None
         path = self.path(session)
-        want_dtype = str(dtype).removeprefix("torch.")
+        layers, shape, part_tokens = layout.layers, layout.shape, layout.part_tokens
+        want_dtype = str(layout.dtype).removeprefix("torch.")
         got = meta.get("shape", [])
-        held = meta.get("layers") if meta.get("version") == VERSION else list(legacy_layers)
+        held = meta.get("layers") if meta.get("version") == VERSION else list(layout.legacy_layers)
         at = {layer: i for i, layer in enumerate(held)} if isinstance(held, list) else {}
         problem = None
         if meta.get("version") not in (1, VERSION) or meta.get("fingerprint") != self.fingerprint:
@@ -273,7 +270,7 @@ class DigestFiles:
         if staged is not None:
             rows = staged[1]
             return int(meta["blocks"]), rows, lambda i: rows[index[i]]
-        out = torch.empty(got, dtype=dtype)
+        out = torch.empty(got, dtype=layout.dtype)
         raw = out.view(torch.uint8).numpy().reshape(-1)
         piece, crcs = int(meta["piece_bytes"]), list(meta["crcs"])
         try:

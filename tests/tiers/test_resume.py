@@ -26,7 +26,7 @@ from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import SessionId
 from h3d.engine.stepkv import HostStepKV
-from h3d.tiers.digestfile import DigestFiles
+from h3d.tiers.digestfile import DigestFiles, Layout
 
 MODEL = "llama_gqa4_tied"  # 3 layers, 2 KV heads of 16, blocks of 16 tokens
 HBF: dict[str, Any] = {
@@ -182,7 +182,7 @@ def test_a_snapshot_that_does_not_match_is_ignored_and_one_that_covers_less_give
     meta = files.header(sid)
     assert meta is not None and meta["blocks"] == 37
     path.write_bytes(good)
-    got = files.read(sid, (2, 2, 2, 16), torch.float32, 8, 37, [1, 2])
+    got = files.read(sid, Layout((2, 2, 2, 16), torch.float32, 8, (1, 2)), 37)
     assert got is not None and got[0] == 37
     rows = got[1][:, :, : 20 * 2]  # 2 parts per block of 16 tokens
     files.write(sid, 20, 8, rows, [1, 2])
@@ -216,27 +216,28 @@ def test_digest_files_round_trip_and_refuse_what_is_not_theirs(tmp_path: Path) -
     files = DigestFiles(tmp_path / "digests", "abc")
     rows = torch.randn(3, 2, 10, 2, 16).to(torch.bfloat16)
     layers = [1, 2, 4]  # the model's layers whose digests the rows are
-    assert files.read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5, layers) is None  # none yet
+    layout = Layout((3, 2, 2, 16), torch.bfloat16, 8, (1, 2, 4))
+    assert files.read("s1", layout, 5) is None  # none yet
     n = files.write("s1", 5, 8, rows, layers)
     assert n == files.path("s1").stat().st_size and files.path("s1").stat().st_mode & 0o777 == 0o600
-    got = files.read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5, layers)
+    got = files.read("s1", layout, 5)
     assert got is not None and got[0] == 5 and torch.equal(got[1], rows)
-    got = files.read("s1", (2, 2, 2, 16), torch.bfloat16, 8, 5, [2, 4])  # some of its layers
+    got = files.read("s1", Layout((2, 2, 2, 16), torch.bfloat16, 8, (2, 4)), 5)  # some of its layers
     assert got is not None and torch.equal(got[1], rows[1:])
-    for args in (
-        ((3, 2, 2, 16), torch.bfloat16, 8, 4, layers),  # it covers more than the session has
-        ((3, 2, 2, 16), torch.float16, 8, 5, layers),
-        ((3, 2, 2, 16), torch.bfloat16, 16, 5, layers),
-        ((3, 4, 2, 16), torch.bfloat16, 8, 5, layers),
-        ((3, 2, 2, 16), torch.bfloat16, 8, 5, [1, 2, 3]),  # a layer it does not hold
+    for wrong, max_blocks in (
+        (layout, 4),  # it covers more than the session has
+        (Layout((3, 2, 2, 16), torch.float16, 8, (1, 2, 4)), 5),
+        (Layout((3, 2, 2, 16), torch.bfloat16, 16, (1, 2, 4)), 5),
+        (Layout((3, 4, 2, 16), torch.bfloat16, 8, (1, 2, 4)), 5),
+        (Layout((3, 2, 2, 16), torch.bfloat16, 8, (1, 2, 3)), 5),  # a layer it does not hold
     ):
-        assert files.read("s1", *args) is None and not files.path("s1").exists(), args  # ignored, deleted
+        assert files.read("s1", wrong, max_blocks) is None and not files.path("s1").exists(), wrong  # ignored, deleted
         files.write("s1", 5, 8, rows, layers)
-    assert DigestFiles(tmp_path / "digests", "other").read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5, layers) is None
+    assert DigestFiles(tmp_path / "digests", "other").read("s1", layout, 5) is None
     files.write("s1", 5, 8, rows, layers)
     path = files.path("s1")
     path.write_bytes(path.read_bytes()[:-1])  # short
-    assert files.read("s1", (3, 2, 2, 16), torch.bfloat16, 8, 5, layers) is None
+    assert files.read("s1", layout, 5) is None
     assert files.path("../x y").parent == files.folder  # a name that is not a plain id is hashed
     (files.folder / "s2.tmp").write_bytes(b"torn")
     assert files.clean() == 1 and not (files.folder / "s2.tmp").exists()
@@ -269,9 +270,9 @@ def test_a_version_1_snapshot_of_every_full_layer_is_read_without_its_dense_ones
     head = digestfile.PREFIX.pack(magic, len(header), zlib.crc32(header)) + header
     v1 = head + b"\0" * (start - len(head)) + raw[start:]
     path.write_bytes(v1)
-    got = files.read("s1", (2, 2, 2, 16), torch.bfloat16, 8, 5, [1, 2], legacy_layers=[0, 1, 2])
+    got = files.read("s1", Layout((2, 2, 2, 16), torch.bfloat16, 8, (1, 2), legacy_layers=(0, 1, 2)), 5)
     assert got is not None and got[0] == 5 and torch.equal(got[1], rows[1:])
-    assert files.read("s1", (2, 2, 2, 16), torch.bfloat16, 8, 5, [1, 2], legacy_layers=[0, 1]) is None
+    assert files.read("s1", Layout((2, 2, 2, 16), torch.bfloat16, 8, (1, 2), legacy_layers=(0, 1)), 5) is None
     assert not path.exists()
 
 
