@@ -1,7 +1,8 @@
 # make run   — set up .venv, convert the embedded model once into $(DATA), and start the daemon on it
 #              (gRPC on a socket under $(DATA)/run, the OpenAI HTTP API on 127.0.0.1:8000)
 # make proto — regenerate h3d/_proto from protos/ (make test checks it is current)
-# make test  — set up .venv, then lint (ruff), type-check (mypy h3d) and run the tests, Python then Node
+# make test  — set up .venv, then lint (ruff), type-check (mypy h3d) and run the tests, Python (on every core,
+#              pytest-xdist) then Node
 #              (setup and test install promtool where it is missing: tests/daemon/test_metrics.py runs it;
 #              and redis-server: tests/remote start one of their own)
 # make test-node — the Node client's tests (clients/node), against a daemon they start
@@ -15,7 +16,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 DATA   ?= data
 MODEL  ?= $(DATA)/models/smollm2-135m-instruct
-STAMP  := $(VENV)/.installed-v4
+STAMP  := $(VENV)/.installed-v5
 RUNDIR ?= $(abspath $(DATA)/run)
 HTTP_LISTEN ?= 127.0.0.1:8000
 PROMPT ?= In two sentences, why does a long conversation need a large KV cache?
@@ -78,7 +79,7 @@ lint: $(STAMP)
 	$(BIN)/mypy h3d
 
 test: lint promtool redis-server
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n auto --durations=15
 	$(MAKE) test-node
 
 test-node: $(STAMP)

@@ -253,13 +253,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
-    """The embedded SmolLM2 model as an HF folder: from `make run`'s data/, else converted once into .cache/."""
-    for candidate in (ROOT / "data/models/smollm2-135m-instruct", ROOT / ".cache/models/smollm2-135m-instruct"):
+    """The embedded SmolLM2 model as an HF folder: from `make run`'s data/, else converted once into
+    .cache/ (under a lock: pytest-xdist's workers each ask for it, and a second conversion would
+    replace the folder under the first one's readers)."""
+    import fcntl
+
+    out = ROOT / ".cache/models/smollm2-135m-instruct"
+    for candidate in (ROOT / "data/models/smollm2-135m-instruct", out):
         if (candidate / "config.json").is_file():
             return candidate
     from h3d.convert.embedded import embedded_gguf
     from h3d.convert.gguf import convert_gguf
 
-    out = ROOT / ".cache/models/smollm2-135m-instruct"
-    convert_gguf(embedded_gguf(), out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").is_file():
+            convert_gguf(embedded_gguf(), out)
     return out
