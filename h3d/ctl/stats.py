@@ -67,6 +67,7 @@ def stats_text(stats: Any) -> str:
             f"DDR {mib(g.shared_ddr_saved_bytes)} MiB, digests {mib(g.digest_shared_saved_bytes)} MiB",
         ),
         ("digests_mib", f"{mib(g.digest_bytes)}"),
+        ("digests_set_aside", f"{g.digests_set_aside}"),
         ("hbf_latency_us", f"p50 {g.hbf_latency_us_p50:.1f}  p99 {g.hbf_latency_us_p99:.1f}"),
         (
             "remote_tier",

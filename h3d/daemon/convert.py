@@ -153,6 +153,7 @@ def tier_stats_pb(engine: Engine) -> pb.TierStats:
         shared_ddr_saved_bytes=t.shared_ddr_saved_bytes,
         digest_bytes=t.digest_bytes,
         digest_shared_saved_bytes=t.digest_shared_saved_bytes,
+        digests_set_aside=t.digests_set_aside,
         remote_on=engine.remote is not None,
         remote_degraded=engine.remote is not None and engine.remote.degraded is not None,
         remote_degraded_reason=(engine.remote.degraded or "") if engine.remote is not None else "",

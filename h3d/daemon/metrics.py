@@ -123,6 +123,9 @@ class Metrics:
         ]
         metric("h3d_digest_bytes", "gauge", "Bytes of the sessions' block digests (HBF's selection reads them).",
                g.digest_bytes)  # fmt: skip
+        metric("h3d_digests_set_aside_total", "counter",
+               "Idle sessions whose digests were taken off the device to make room for a request's.",
+               g.digests_set_aside)  # fmt: skip
         # Stats carries microseconds (hbf_latency_us_p50/p99); Prometheus wants base units, and a quantile
         # label only on a summary. Quantiles over a window of recent steps are what a summary is; Stats
         # has no sum or count of the steps' planning time, so the summary has no _sum and _count lines.

@@ -685,7 +685,7 @@ class Engine:
             return None
         if session.closed:
             self._reopen(session)
-        self.kv.admit(session.seq, target - cached)
+        self.kv.admit(session.seq, target - cached, self._active())
         req = Request(
             id=RequestId(next(self._request_ids)), session=session, generate=False, params=session.sampling,
             generator=None, detok=None, tokens_added=0, prefill_total=target - cached,
@@ -789,6 +789,10 @@ class Engine:
         self.prefix_cache[session_id] = session
         while len(self.prefix_cache) > keep:
             self._drop_cached(self.prefix_cache.popitem(last=False)[1])
+
+    def _active(self) -> set[SeqId]:
+        """The sessions with a request queued or running (their digests are never set aside)."""
+        return {r.session.seq for r in self._requests.values()}
 
     def _cancel_requests(self, session: Session) -> None:
         """End `session`'s requests as cancelled (reported by the next `step` / `take_events`)."""
@@ -946,7 +950,7 @@ class Engine:
             )
         growth = len(ids) + (params.max_tokens if generate else 0)
         total = min(len(session.tokens) + growth, self.max_context)
-        self.kv.admit(session.seq, total - self.kv.cached_tokens(session.seq))
+        self.kv.admit(session.seq, total - self.kv.cached_tokens(session.seq), self._active())
         if ids:
             self._extend(session, ids, message)
         if chat is not None:

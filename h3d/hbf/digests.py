@@ -61,8 +61,8 @@ Digests = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 DIGEST_ROOM_ADVICE = (
-    "close or release idle sessions, set digest_tokens to 16 (half the digests), or lower hbm_mb to leave the "
-    "device more room"
+    "close or release sessions, set digest_tokens to 16 (half the digests), or lower hbm_mb to leave the device "
+    "more room"
 )
 
 
@@ -308,6 +308,15 @@ class DigestStore:
         if ext.src is None:
             return 0, 0
         return self._extents[ext.src].start, ext.shared
+
+    def extent_rows(self, seq: SeqId) -> int:
+        """The arena rows `seq` holds as its own (its slack included; rows it shares not)."""
+        ext = self._extents.get(seq)
+        return 0 if ext is None else ext.rows
+
+    def lends(self, seq: SeqId) -> bool:
+        """Other sessions read `seq`'s first rows (`share`): dropping them would copy them for each."""
+        return seq in self._readers
 
     def shared_parts(self) -> int:
         """The parts read from another session's rows, over all sessions (the rows sharing saves)."""

@@ -30,7 +30,7 @@ What must stay true:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -252,19 +252,57 @@ class KVCache:
 
     # ---- admission ----------------------------------------------------------------------------
 
-    def admit(self, seq: SeqId, n_tokens: int) -> None:
+    def admit(self, seq: SeqId, n_tokens: int, active: Collection[SeqId] = ()) -> None:
         """Refuse (OutOfBlocks) `n_tokens` more tokens of `seq` that the tiers cannot hold, or
-        whose digests the device cannot (every open session's stay on it: `DigestStore.missing`)."""
+        whose digests the device cannot (every open session's stay on it: `DigestStore.missing`)
+        even once the idle sessions' digests are set aside (`set_aside_digests`; never those of
+        `seq`, of the `active` sessions, which have requests, of pinned ones or of a long prompt
+        in flight). A session whose digests were set aside or parked counts their return too."""
         self.tiers.admit(seq, n_tokens)
         d = self.digests
-        if d.free_bytes is None or not d.layers or not self.policy(seq).keeps_digests:
+        record = self.sessions[seq]
+        if d.free_bytes is None or not d.layers or not record.selection.policy.keeps_digests:
             return
-        short = d.missing(-(-n_tokens // d.part_tokens) + d.parts)  # (and the partial block's parts)
+        parts = -(-n_tokens // d.part_tokens) + d.parts  # (and the partial block's parts)
+        if record.stale_digests:  # they come back at its next step
+            parts += -(-record.table.num_tokens // d.part_tokens)
+        short = d.missing(parts)
+        if short:
+            keep = {seq, *active, *self.frozen}
+            idle = [s for s, r in self.sessions.items() if s not in keep and not r.pinned and d.has(s)]
+            for s in sorted(idle, key=lambda s: (d.lends(s), self.sessions[s].last_used)):  # the least recent first
+                if d.lends(s):
+                    break  # (its readers would each take a copy of the rows it lends)
+                self.set_aside_digests(s)
+                short = d.missing(parts)
+                if not short:
+                    break
         if short:
             raise OutOfBlocks(
-                f"the device cannot hold the digests of {n_tokens} more tokens beside every open session's "
-                f"({short >> 20} MiB more than it has free; HBF's selection reads them each step): {DIGEST_ROOM_ADVICE}"
+                f"the device cannot hold the digests of {n_tokens} more tokens beside those of the sessions in use, "
+                f"idle ones' set aside ({short >> 20} MiB more than it has free; HBF's selection reads them each "
+                f"step): {DIGEST_ROOM_ADVICE}"
             )
+
+    def set_aside_digests(self, seq: SeqId) -> int:
+        """An idle session's digests off the device to make room for another's: its full blocks'
+        snapshot written (`save_digests_later`: copied to the host here, written on a thread) and
+        its rows dropped; its next step takes them back from the snapshot and rebuilds its
+        partial block's from its keys (`refresh_digests`), as a reopened session's. Returns the
+        bytes of the device it gave back."""
+        d = self.digests
+        if not d.has(seq):
+            return 0
+        freed = d.row_bytes * d.extent_rows(seq)
+        self.save_digests_later(seq)
+        d.drop(seq)
+        record = self.sessions[seq]
+        record.stale_digests = record.selection.policy.keeps_digests
+        self.tiers.counters.digests_set_aside += 1
+        self.tiers.notices.append(
+            ("digests_set_aside", {"session": record.name, "bytes": freed, "blocks": record.table.num_blocks})
+        )
+        return freed
 
     def chunk_limit(self, seq: SeqId) -> int:
         """Most tokens of `seq` one step may write (`TierManager.chunk_limit`)."""

@@ -34,6 +34,7 @@ class TierCounters:
     promote_count: int = 0  # blocks copied DDR -> HBM by HBF promotion
     hbm_rebalance_count: int = 0  # blocks moved toward the fair shares of HBM (h3d.tiers.shares), both ways
     window_freed_blocks: int = 0  # sliding-window layers' blocks freed once behind every later token's window
+    digests_set_aside: int = 0  # idle sessions' digests taken off the device to make room (`KVCache.admit`)
 
     @property
     def hbm_hit_rate(self) -> float:
@@ -93,6 +94,7 @@ class TierStats:
     shared_ddr_saved_bytes: int = 0  # DDR likewise
     digest_bytes: int = 0  # the sessions' block digests (h3d.hbf.digests), on the compute device
     digest_shared_saved_bytes: int = 0  # what digests shared with their blocks would take again in copies
+    digests_set_aside: int = 0  # idle sessions' digests taken off the device for a request's, since start
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -887,6 +888,60 @@ def test_a_request_whose_digests_the_device_cannot_hold_is_refused_before_any_st
     plain.append(p, token_ids=prompt)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     assert engine.complete(a, "", params).token_ids == plain.complete(p, "", params).token_ids
+
+
+@pytest.mark.parametrize("archive", [True, False], ids=["snapshot", "keys"])
+def test_idle_sessions_digests_are_set_aside_for_a_request_and_come_back_exact(
+    checkpoint: Callable[[str], Path], tmp_path: Path, archive: bool
+) -> None:
+    """With the device full, a request takes the room of the least recently used idle session's
+    digests (`KVCache.set_aside_digests`), never those of a session with a request, a pinned one
+    or one whose rows another reads; the session set aside gets them back at its next step (from
+    its snapshot, or from its keys without an archive) and both continue as sessions never set
+    aside. Without the change the second append is refused."""
+    from h3d.errors import OutOfBlocks
+
+    ckpt = checkpoint("llama_gqa4_tied")
+    hbf = {"policy": "attention_entropy", "window_tokens": 64, "window_min_tokens": 64, "window_max_tokens": 64,
+           "recent_tokens": 16, "dense_layers": 1}  # fmt: skip
+    extra = {"ssd_path": str(tmp_path / "archive")} if archive else {}
+    engine, plain = make_engine(ckpt, **hbf, **extra), make_engine(ckpt, **hbf)
+    kv, d = engine.kv, engine.kv.digests
+    ids = {}
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for name, n in (("a", 300), ("b", 40), ("c", 20)):
+        e, p = engine.create_session(), plain.create_session()
+        engine.append(e, token_ids=random_prompt(n, 512, seed=n))
+        plain.append(p, token_ids=random_prompt(n, 512, seed=n))
+        assert engine.complete(e, "", params).token_ids == plain.complete(p, "", params).token_ids
+        ids[name] = (e, p, engine.session(e).seq)
+    seq = {name: x[2] for name, x in ids.items()}
+    d.free_bytes = lambda: 0  # (a CPU arena has no limit: as a full GPU's)
+    more = random_prompt(200, 512, seed=7)  # fits in a's rows, not in the arena's slack
+    assert d.missing(-(-200 // d.part_tokens) + d.parts) > 0
+    engine.set_pin(ids["a"][0], math.inf)
+    with pytest.raises(OutOfBlocks, match="digests"):  # a pinned: c's rows are not enough
+        engine.append(ids["b"][0], token_ids=more)
+    assert kv.tiers.counters.digests_set_aside == 1 and not d.has(seq["c"])  # (c went first: the least recent)
+    engine.set_pin(ids["a"][0], None)
+    with pytest.raises(OutOfBlocks, match="digests"):  # a has a request
+        kv.admit(seq["b"], 200, active={seq["a"]})
+    engine.append(ids["b"][0], token_ids=more)
+    plain.append(ids["b"][1], token_ids=more)
+    assert not d.has(seq["a"]) and kv.tiers.counters.digests_set_aside == 2
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for name in ("b", "a", "c", "b"):  # each back, another set aside for it
+        e, p, _ = ids[name]
+        assert engine.complete(e, "", params).token_ids == plain.complete(p, "", params).token_ids, name
+        assert d.has(seq[name])
+    assert kv.tiers.counters.digests_set_aside >= 3
+    fork = engine.session(engine.fork(ids["c"][0])).seq  # c lends its rows to its fork: never set aside
+    assert d.lends(seq["c"])
+    with pytest.raises(OutOfBlocks, match="digests"):
+        kv.admit(seq["a"], 10_000, active={fork})
+    assert d.has(seq["c"]) and d.lends(seq["c"]) and not d.has(seq["b"])
+    if archive:
+        assert kv.digest_files is not None and kv.digest_files.bytes_read > 0  # taken from the snapshots
 
 
 def test_an_arena_that_cannot_grow_keeps_every_extent_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -144,6 +144,12 @@ export interface TierStats {
    */
   'digestBytes'?: (number | string | Long);
   'digestSharedSavedBytes'?: (number | string | Long);
+  /**
+   * Idle sessions whose digests were taken off the device to make room for a request's, since
+   * start: each gets them back at its next step, from its snapshot (h3d.tiers.digestfile). A
+   * count that keeps rising means the device holds fewer sessions' digests than are in use.
+   */
+  'digestsSetAside'?: (number | string | Long);
 }
 
 /**
@@ -288,4 +294,10 @@ export interface TierStats__Output {
    */
   'digestBytes': (number);
   'digestSharedSavedBytes': (number);
+  /**
+   * Idle sessions whose digests were taken off the device to make room for a request's, since
+   * start: each gets them back at its next step, from its snapshot (h3d.tiers.digestfile). A
+   * count that keeps rising means the device holds fewer sessions' digests than are in use.
+   */
+  'digestsSetAside': (number);
 }
