@@ -69,6 +69,14 @@ class RunningDaemon:
     def events(self, name: str) -> list[dict[str, Any]]:
         return [e for e in list(self.logs) if e.get("event") == name]
 
+    def wait_events(self, name: str, count: int = 1, timeout: float = 30) -> list[dict[str, Any]]:
+        """`events(name)` once there are `count` of them (the log is read on a thread of its own:
+        a line logged just before an RPC's answer may not be read yet), or as many as came."""
+        deadline = time.monotonic() + timeout
+        while len(got := self.events(name)) < count and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return got
+
     def close_channels(self) -> None:
         for ch in self._channels:
             ch.close()

@@ -428,13 +428,18 @@ class TierManager:
 
     def free_ddr(self, need: int, order: list[Pair], protect: dict[SeqId, int], spare: Iterable[SeqId] = ()) -> None:
         """Free `need` DDR slots now: drop redundant copies first, then archive and drop (write-behind
-        in flight is not waited for: its blocks keep their DDR copies until durable). Where blocks
-        several sessions share hold the rest, idle sessions that share them forget that KV
-        (`_unshare_idle`); `spare`: sessions the caller is working on, never cut."""
+        in flight is waited for only where that is not enough: its blocks keep their DDR copies
+        until durable, then they are copies to drop). Where blocks several sessions share hold the
+        rest, idle sessions that share them forget that KV (`_unshare_idle`); `spare`: sessions the
+        caller is working on, never cut."""
         self.settle_spills()
         before = self.blocks.ddr_free
         self._spill(need, order, protect, wait=True)
         freed = self.blocks.ddr_free - before  # archive writes that failed freed nothing
+        if freed < need and self.behind.batches:  # (a slow disk: DDR full of blocks being written behind)
+            self.behind.poll(wait=True)
+            self._spill(need - freed, order, protect, wait=True)
+            freed = self.blocks.ddr_free - before
         if freed < need and self.ssd_degraded is None:
             for _ in self._unshare_idle(protect, spare):
                 freed = self.blocks.ddr_free - before  # (a block's last reference frees its slots)

@@ -101,7 +101,7 @@ def test_a_session_continues_on_another_daemon(
         taken = c.h3().GetSession(pb.GetSessionRequest(session_id=sid, take_over=True))
         assert taken.num_tokens == 300 + 16 and taken.cached_tokens == 300 + 16 - 1  # (the last: fed next)
         assert generate(c.h3(), sid, 8) == want[16:24]
-        assert len(c.events("session_taken_over")) == 1
+        assert len(c.wait_events("session_taken_over")) == 1
         g = getattr(c.h3().GetStats(pb.GetStatsRequest()), "global")
         assert g.ssd_read_count > 0 and g.kv_rebuild_blocks == 0
 
@@ -309,4 +309,4 @@ def test_a_session_is_taken_over_by_its_owner_only(
         listed = h3.ListSessions(pb.ListSessionsRequest(all=True), metadata=alice).sessions
         assert [s.session_id for s in listed] == [sid]
         taken = h3.GetSession(pb.GetSessionRequest(session_id=sid, take_over=True), metadata=alice)
-        assert taken.num_tokens == len(prompt) and len(b.events("session_taken_over")) == 1
+        assert taken.num_tokens == len(prompt) and len(b.wait_events("session_taken_over")) == 1
