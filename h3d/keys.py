@@ -183,6 +183,16 @@ ENGINE: tuple[Key, ...] = (
         help="KV (MiB) of full blocks left without an archive copy; past it the oldest are written behind",
     ),
     Key(
+        "read_ahead_at_start",
+        "after a restart, read the restored open sessions' KV back from the archive into DDR from the start, "
+        "while the daemon warms up and before their requests come, the most recently used session first: what "
+        "each one's next decode step reads whatever its query (the dense layers, sinks, recent window, prompt "
+        "anchors) and the blocks its last steps read most (`hbf_hot`), then the rest, below `ddr_high_watermark` "
+        "(never evicting for it). Off: a session's KV is read back from its first request on, its first step "
+        "reading from the archive what it selects",
+        help="read the restored open sessions' KV back into DDR from the start, most recently used first",
+    ),
+    Key(
         "policy",
         "which blocks a decode step reads (per session, switchable): `exact` (all, lossless), `fixed` (sinks + "
         "recent window), `layerwise` (sinks + recent + per-layer anchors: the blocks that drew most attention "

@@ -732,6 +732,22 @@ class KVCache:
                     mask[layer, hot[hot < nb]] = True
         return mask
 
+    def read_ahead(self, seq: SeqId) -> None:
+        """Start reading a restored session's archived KV back into DDR before its first step
+        (`h3d.tiers.readahead`): what that step reads for sure and its hot blocks first (`_known`),
+        then the rest, but the records it links to another session's (a fork's, a reused
+        prefix's): its first use shares that one's copies (`rebase`), or reads them then. Its
+        first step finds the blocks in DDR, or waits for their pieces."""
+        known = self._known(seq)
+        skip = np.zeros_like(known)
+        if self.archive is not None:
+            linked = self.archive.linked_of(self.sessions[seq].name)
+            if linked:
+                layers, blocks = np.array(linked).T
+                keep = blocks < skip.shape[1]
+                skip[layers[keep], blocks[keep]] = True
+        self.tiers.ahead.start(seq, known & ~skip, skip)
+
     def note_hot(self, seq: SeqId) -> None:
         """Note in `seq`'s HBF state (kept in its log: `session_meta`) the blocks its last steps
         read most in each layer that selects: those with a rank (`Promoter.rank`: recency and

@@ -558,6 +558,11 @@ class Archive:
         with self._state:
             return {li: loc.num_tokens for li, loc in self._index.get(session, {}).items()}
 
+    def linked_of(self, session: str) -> list[tuple[int, int]]:
+        """`session`'s blocks (layer, index) whose record is another session's (`link`)."""
+        with self._state:
+            return [li for li, loc in self._index.get(session, {}).items() if loc.home is not None]
+
     def sessions(self) -> frozenset[str]:
         """The sessions that have archived blocks."""
         with self._state:

@@ -55,6 +55,8 @@ class ReadAhead:
         self.tiers = tiers
         self.queue: list[SeqId] = []  # sessions to read back, oldest request first
         self.first: dict[SeqId, np.ndarray] = {}  # [L, blocks] what a session's next step reads for sure
+        # [L, blocks] what a session started at a restart leaves to its first use (`start`'s `skip`)
+        self.skip: dict[SeqId, np.ndarray] = {}
         self.pieces: list[_Piece] = []
         self.read_blocks = 0  # applied since start
         self._pool: ThreadPoolExecutor | None = None
@@ -63,17 +65,24 @@ class ReadAhead:
     def in_flight(self) -> int:
         return sum(len(p.blocks) for p in self.pieces)
 
-    def start(self, seq: SeqId, first: np.ndarray | None = None) -> None:
+    def start(self, seq: SeqId, first: np.ndarray | None = None, skip: np.ndarray | None = None) -> None:
         """Read `seq`'s archive-only blocks back from now on (`pump`), layer by layer; `first`
         ([L, blocks] bool): the blocks its next step reads whatever its query (the dense layers
         whole, sinks, recent window and prompt anchors: `Policy.known`), submitted at once, all
         of them, before the rest. Its first step waits for the pieces that hold what it reads
-        rather than reading those blocks again."""
-        if self.tiers.archive is None or seq in self.queue:
+        rather than reading those blocks again. `skip` ([L, blocks] bool): blocks left out until
+        `start` is called for `seq` again (a restart's read-ahead leaves the records a session
+        links to another's to its first use, which shares that one's copies: `KVCache.rebase`)."""
+        if self.tiers.archive is None:
+            return
+        if seq in self.queue:
+            self.skip.pop(seq, None)
             return
         self.queue.append(seq)
         if first is not None:
             self.first[seq] = first
+        if skip is not None:
+            self.skip[seq] = skip
         self.pump(busy=False)
 
     def pump(self, busy: bool) -> int:
@@ -102,7 +111,8 @@ class ReadAhead:
             todo = self._todo(seq)
             layers, blocks = np.nonzero(todo)
             if not len(blocks) and not any(p.seq == seq for p in self.pieces):
-                self.queue.remove(seq)  # all of it back
+                self.queue.remove(seq)  # all of it back (but what it skips)
+                self.skip.pop(seq, None)
                 continue
             layers, blocks = layers[: room - sent], blocks[: room - sent]
             sent += self._submit(seq, layers, blocks)
@@ -116,6 +126,10 @@ class ReadAhead:
         todo = t.archive_only()
         if t.num_tokens % b.block_size:
             todo[:, t.num_tokens // b.block_size] = False
+        skip = self.skip.get(seq)
+        if skip is not None:
+            n = min(todo.shape[1], skip.shape[1])
+            todo[:, :n] &= ~skip[:, :n]
         for p in self.pieces:
             if p.seq == seq:
                 todo[p.layers, p.blocks] = False
@@ -186,6 +200,7 @@ class ReadAhead:
         if stop and seq in self.queue:
             self.queue.remove(seq)
             self.first.pop(seq, None)
+            self.skip.pop(seq, None)
         mine = [p for p in self.pieces if p.seq == seq]
         if not mine:
             return
@@ -201,5 +216,6 @@ class ReadAhead:
         self.pieces = []
         self.queue = []
         self.first = {}
+        self.skip = {}
         if self._pool is not None:
             self._pool.shutdown(wait=True)

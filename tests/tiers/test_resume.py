@@ -47,6 +47,7 @@ def _engine(model: Path, folder: Path, **overrides: Any) -> Engine:
         "ssd_path": str(folder / "archive"),
         "session_log_path": str(folder / "sessions"),
         "hbm_mb": 3 * 8 * 4096 / 2**20,
+        "read_ahead_at_start": False,  # (these tests follow a resume from its first request; the start's below)
         **HBF,
     }
     return make_engine(model, **(kw | overrides))
@@ -274,6 +275,71 @@ def test_a_version_1_snapshot_of_every_full_layer_is_read_without_its_dense_ones
     assert got is not None and got[0] == 5 and torch.equal(got[1], rows[1:])
     assert files.read("s1", Layout((2, 2, 2, 16), torch.bfloat16, 8, (1, 2), legacy_layers=(0, 1)), 5) is None
     assert not path.exists()
+
+
+def test_a_restart_reads_its_open_sessions_kv_back_from_the_start_the_most_recent_first(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`read_ahead_at_start` (the default): a restarted engine reads its open sessions' archived
+    KV back into DDR before any request, the most recently used session first, what each one's
+    next step reads for sure and its hot blocks before the rest; a closed session's stays in the
+    archive. Their first steps then read nothing from the archive themselves, and every token is
+    the untiered engine's."""
+    import time
+
+    folder = tmp_path / "data"
+    engine = _engine(checkpoint(MODEL), folder)
+    plain = make_engine(checkpoint(MODEL), **HBF)
+    pairs = []
+    for n in (PROMPT, PROMPT // 2, PROMPT // 3):  # used in this order: the last is the most recent
+        sid, twin = engine.create_session(), plain.create_session()
+        ids = random_prompt(n, VOCAB_SIZE, seed=n)
+        engine.append(sid, token_ids=ids)
+        plain.append(twin, token_ids=ids)
+        assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+        pairs.append((sid, twin))
+        time.sleep(0.01)  # (distinct last uses)
+    engine.close_session(pairs[2][0])  # closed: read back when it is reopened, not at start
+    assert engine.checkpoint().blocks_left == 0
+    engine.close()
+
+    from h3d.tiers.readahead import ReadAhead
+
+    started: list[int] = []
+    start = ReadAhead.start
+    monkeypatch.setattr(ReadAhead, "start", lambda self, seq, *a: (started.append(seq), start(self, seq, *a))[1])
+    engine = _engine(checkpoint(MODEL), folder, read_ahead_at_start=True)
+    monkeypatch.undo()
+    tiers = engine.runner.tiers
+    seqs = [engine.session(sid).seq for sid, _ in pairs]
+    assert started == [seqs[1], seqs[0]]  # open, the most recent first
+    assert tiers.blocks.table(seqs[2]).archive_only().all()
+    while engine.read_ahead():  # (the daemon's idle loop)
+        time.sleep(0.005)
+    tiers.ahead.poll()
+    bs = tiers.blocks.block_size
+    partial = {}  # each session's partial last block: read by its next append, not ahead
+    for sid, seq in zip([p[0] for p in pairs], seqs, strict=True):
+        t = tiers.blocks.table(seq)
+        partial[sid] = t.num_tokens // bs
+        full = t.archive_only()[:, : partial[sid]]
+        assert full.all() if seq == seqs[2] else not full.any()  # every full block back in DDR, but the closed one's
+
+    reads: list[tuple[str, int]] = []
+    read = tiers.mover.read
+
+    def spy(keys: list[Any], slots: np.ndarray) -> int:
+        reads.extend((k.session, k.index) for k in keys)
+        return read(keys, slots)
+
+    monkeypatch.setattr(tiers.mover, "read", spy)
+    for sid, twin in pairs[:2]:
+        assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    assert reads and all(j == partial[s] for s, j in reads)  # the steps read their partial blocks alone
+    sid, twin = pairs[2]
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    engine.close()
+    plain.close()
 
 
 def test_the_rest_is_read_ahead_after_the_first_step_and_a_step_waits_for_a_piece_in_flight(
