@@ -191,7 +191,7 @@ def test_a_window_block_freed_while_it_is_read_ahead_is_not_placed(
     engine.complete(sid, "", GREEDY)
     engine.checkpoint()
     engine.close()
-    engine = _engine(checkpoint(MODEL), tmp_path)
+    engine = _engine(checkpoint(MODEL), tmp_path, read_ahead_at_start=False)  # (started below, held)
     tiers, kv = engine.runner.tiers, engine.runner.kv
     seq = engine.session(sid).seq
     gate = threading.Event()
