@@ -182,7 +182,7 @@ class Engine:
             self.swept = sweep_archive(self.kv, set(self.sessions))
             if config.read_ahead_at_start:  # the most recently used open sessions' KV first
                 for session in sorted((self.sessions[i] for i in self.restored), key=lambda x: -x.last_used_at):
-                    if not session.closed and self.kv.archive is not None:
+                    if not session.closed:
                         self.kv.read_ahead(session.seq)
             self.start_s["sessions_s"] = round(max(0.0, time.perf_counter() - t0 - sum(self.start_s.values())), 3)
         self.copier: KVCopier | None = None  # write-behind's KV copied to the remote store as well

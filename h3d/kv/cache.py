@@ -269,10 +269,10 @@ class KVCache:
         short = d.missing(parts)
         if short:
             keep = {seq, *active, *self.frozen}
-            idle = [s for s, r in self.sessions.items() if s not in keep and not r.pinned and d.has(s)]
-            for s in sorted(idle, key=lambda s: (d.lends(s), self.sessions[s].last_used)):  # the least recent first
-                if d.lends(s):
-                    break  # (its readers would each take a copy of the rows it lends)
+            idle = [  # (not one whose rows others read: each of them would take a copy)
+                s for s, r in self.sessions.items() if s not in keep and not r.pinned and d.has(s) and not d.lends(s)
+            ]
+            for s in sorted(idle, key=lambda s: self.sessions[s].last_used):  # the least recent first
                 self.set_aside_digests(s)
                 short = d.missing(parts)
                 if not short:
@@ -284,15 +284,14 @@ class KVCache:
                 f"step): {DIGEST_ROOM_ADVICE}"
             )
 
-    def set_aside_digests(self, seq: SeqId) -> int:
+    def set_aside_digests(self, seq: SeqId) -> None:
         """An idle session's digests off the device to make room for another's: its full blocks'
         snapshot written (`save_digests_later`: copied to the host here, written on a thread) and
         its rows dropped; its next step takes them back from the snapshot and rebuilds its
-        partial block's from its keys (`refresh_digests`), as a reopened session's. Returns the
-        bytes of the device it gave back."""
+        partial block's from its keys (`refresh_digests`), as a reopened session's."""
         d = self.digests
         if not d.has(seq):
-            return 0
+            return
         freed = d.row_bytes * d.extent_rows(seq)
         self.save_digests_later(seq)
         d.drop(seq)
@@ -302,7 +301,6 @@ class KVCache:
         self.tiers.notices.append(
             ("digests_set_aside", {"session": record.name, "bytes": freed, "blocks": record.table.num_blocks})
         )
-        return freed
 
     def chunk_limit(self, seq: SeqId) -> int:
         """Most tokens of `seq` one step may write (`TierManager.chunk_limit`)."""
