@@ -33,6 +33,7 @@ from h3d.daemon.convert import FINISH, summary_pb, tier_stats_pb
 from h3d.engine.engine import Engine
 from h3d.engine.session import AppendDone, Event, GenerationDone, RequestFailed, RequestId, SessionId
 from h3d.errors import H3Error, LogNotDurable, RemoteError
+from h3d.kernels import loader
 
 T = TypeVar("T")
 THROUGHPUT_WINDOW_S = 10.0
@@ -194,6 +195,7 @@ class EngineWorker:
             self._busy_at = time.monotonic()
             t0 = time.perf_counter()
             upkeep_s = 0.0
+            compiles, compile_s = loader.COMPILES.count, loader.COMPILES.seconds
             try:
                 self.engine.upkeep()
                 upkeep_s = time.perf_counter() - t0
@@ -220,7 +222,9 @@ class EngineWorker:
                 t = self.engine.timing
                 log.warning("slow_step", ms=round(took * 1e3, 1), upkeep_ms=round(upkeep_s * 1e3, 1),
                             chunks=t.chunks, batch_ms=round(t.batch_s * 1e3, 1), long_pieces=t.pieces,
-                            long_ms=round(t.long_s * 1e3, 1), **(t.host.fields() if t.host else {}))  # fmt: skip
+                            long_ms=round(t.long_s * 1e3, 1), **(t.host.fields() if t.host else {}),
+                            kernel_compiles=loader.COMPILES.count - compiles,
+                            compile_ms=round((loader.COMPILES.seconds - compile_s) * 1e3, 1))  # fmt: skip
             self.collector.due()  # between steps, never during one
 
     def _run_commands(self) -> None:

@@ -8,11 +8,18 @@ A first request should not pay for compiling kernels or capturing graphs. `warm_
    (the long-prompt path and its Triton kernels), then `DECODE_STEPS` eager decode steps (the
    decode kernels), then released; then batches of 2 and 16 scratch sequences past the window
    decode a few steps together under the configured policy and `exact` (`_batches`: the kernels'
-   specializations for batches above one). Triton keeps what it compiled under `TRITON_CACHE_DIR`
-   (the daemon puts it under its data folder), so a restart compiles nothing;
+   specializations for batches above one); then the decode kernels once per variant a step can
+   need (`h3d.kernels.decode.warm_decode`: a host-planned step lists each layer's selection at
+   its own width, and the merge of its splits comes in one variant per power of two of their
+   count). Triton keeps what it compiled under `TRITON_CACHE_DIR` (the daemon puts it under its
+   data folder), so a restart compiles nothing, and loads every variant before ready;
 2. the named set of decode graphs (`DecodeGraphs.warm_set`): batch 1 at every width bucket up to
    the longest context, exact and selecting. From then on a graph outside the set is captured
    between steps, never on a step's path (`DecodeGraphs.capture_deferred`), and counted.
+
+Between its steps and graphs the warm-up keeps the read-ahead of the sessions a restart reopened
+going (`Engine.read_ahead`, `read_ahead_at_start`): their archived KV comes back into DDR while
+the kernels compile, so that their first requests after ready find it there.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 
 from h3d.engine.step import Chunk
 from h3d.hbf.policy import policy_named
+from h3d.kernels import decode, loader
 from h3d.kv.blocks import SeqId
 
 if TYPE_CHECKING:
@@ -48,6 +56,7 @@ class Warmup:
     widths: tuple[int, int]  # the narrowest and widest table width (blocks), (0, 0) when none
     graphs_s: float
     parts: dict[str, float] = field(default_factory=dict)  # kernels_s by part (`_scratch`'s)
+    compiles: int = 0  # kernel variants compiled or loaded from Triton's cache (`loader.COMPILES`)
 
     def fields(self) -> dict[str, object]:
         """For the `warmed` log event."""
@@ -59,6 +68,7 @@ class Warmup:
             "graph_widths": list(self.widths),
             "graphs_s": round(self.graphs_s, 3),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s),
+            "kernel_compiles": self.compiles,
             **{k: round(v, 3) for k, v in self.parts.items()},
         }
 
@@ -74,7 +84,7 @@ def warm_up(engine: Engine, kernels: bool | None = None) -> Warmup:
         prompt = _scratch(engine, parts)
     t1 = time.perf_counter()
     keys = runner.graphs.warm_set(engine.max_context)
-    made = runner.graphs.warm(keys)
+    made = runner.graphs.warm(keys, between=engine.read_ahead)
     if runner.device.type == "cuda":
         torch.cuda.synchronize()
     widths = sorted(k.width for k in keys)
@@ -87,6 +97,7 @@ def warm_up(engine: Engine, kernels: bool | None = None) -> Warmup:
         widths=(widths[0], widths[-1]) if widths else (0, 0),
         graphs_s=time.perf_counter() - t1,
         parts=parts,
+        compiles=loader.COMPILES.count,
     )
 
 
@@ -105,8 +116,10 @@ def _scratch(engine: Engine, parts: dict[str, float]) -> int:
     kv.open(seq, None, policy_named(engine.config.policy))
     try:
         runner.step([Chunk(seq, ids, 0, want_logits=True)])
+        engine.read_ahead()
         for i in range(DECODE_STEPS):
             runner.step([Chunk(seq, (ids[i],), n + i, want_logits=True)])
+        engine.read_ahead()
     finally:
         kv.release(seq, purge_archive=True)
     parts["scratch_s"] = time.perf_counter() - began
@@ -128,7 +141,16 @@ def _scratch(engine: Engine, parts: dict[str, float]) -> int:
     t1 = time.perf_counter()
     parts["prefill_s"] = t1 - began - parts["scratch_s"]
     _batches(engine, ids)
-    parts["batches_s"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    parts["batches_s"] = t2 - t1
+    if loader.runs_on(runner.device):
+        model = engine.model.config
+        dtype = next(engine.model.parameters()).dtype  # a step's queries'
+        q = torch.zeros(1, model.num_heads, model.head_dim, dtype=dtype, device=runner.device)
+        pools = runner.pools
+        windows = any(w is not None for w in runner.windows)
+        decode.warm_decode(q, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), engine.max_context // bs + 1, windows)
+        parts["decode_s"] = time.perf_counter() - t2
     return n
 
 
@@ -161,6 +183,7 @@ def _batches(engine: Engine, ids: tuple[int, ...]) -> None:
                 for i in range(2 * DECODE_STEPS):  # through a graph where one applies, then eagerly
                     runner.graphs.enabled = graphs and i < DECODE_STEPS
                     runner.step([Chunk(seq, (prompt[i],), n + i, want_logits=True) for seq in seqs])
+                    engine.read_ahead()
             finally:
                 runner.graphs.enabled = graphs
                 for seq in seqs:

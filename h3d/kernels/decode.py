@@ -78,10 +78,18 @@ triton: Any = None
 tl: Any = None
 
 
+# The arguments that follow a table's width, a batch or a split (`h3d.kernels.loader`): not
+# specialized on, so that a step whose selection lists a width not seen before compiles nothing.
+LOOSE = {
+    "split": ("stride_tb", "stride_th", "stride_nb", "stride_nh", "stride_tail", "stride_head", "block_split"),
+    "merge": ("stride_nb", "stride_nh", "block_split", "splits"),
+}
+
+
 @cache
 def _kernels() -> SimpleNamespace:
     """Decorate the split and merge kernels, once."""
-    return loader.jit(globals(), split=_split_kernel, merge=_merge_kernel)
+    return loader.jit(globals(), LOOSE, split=_split_kernel, merge=_merge_kernel)
 
 
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -212,6 +220,36 @@ def _sm_count(device: torch.device) -> int:
     return 1
 
 
+def warm_decode(
+    q: torch.Tensor,
+    k_pools: tuple[torch.Tensor, torch.Tensor],
+    v_pools: tuple[torch.Tensor, torch.Tensor],
+    max_width: int,
+    head: bool = False,
+) -> int:
+    """Launch the kernels once for each variant a decode of up to `max_width` blocks compiles
+    (`LOOSE`: the rest is the splits' power-of-two padding, one split or several, and `head`'s
+    window start), at batch 1 (any batch's splits are among those), reading the pools' null slot.
+    q: [1, H, D], as a step's. Returns the launches (each compiled before a step needs it)."""
+    hkv, _, bs, _ = k_pools[0].shape
+    chunk = max(1, MIN_TILE // bs)
+    cap = max(1, PROGRAMS_PER_SM * _sm_count(q.device) // hkv)
+    counts = [1] + [(1 << i) + 1 for i in range(cap.bit_length()) if (1 << i) + 1 <= cap]
+    device = q.device
+    launches = 0
+    for splits in counts:
+        w = min(chunk * splits, max(1, max_width))
+        tables = torch.zeros(1, hkv, w, dtype=torch.int32, device=device)
+        nblocks = torch.full((1, hkv), w, dtype=torch.int32, device=device)
+        tail = torch.full((1,), bs, dtype=torch.int32, device=device)
+        for start in (None, torch.zeros(1, dtype=torch.int32, device=device)) if head else (None,):
+            paged_decode(q, k_pools, v_pools, tables, nblocks, tail, 1.0, head=start)
+            launches += 1
+        if w == max_width:
+            break
+    return launches
+
+
 def choose_block_split(b: int, hkv: int, w: int, bs: int, device: torch.device) -> int:
     """Blocks per program for a [B, Hkv, W] table (see the module docstring's heuristic)."""
     chunk = max(1, MIN_TILE // bs)
@@ -274,8 +312,8 @@ def _triton_paged_decode(
     if splits > 1:
         kernels.merge[(b, h)](
             part_o, part_lse, nblocks, out,
-            nblocks.stride(0), nblocks.stride(1), block_split,
-            SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), G=g, D=d,
+            nblocks.stride(0), nblocks.stride(1), block_split, splits,
+            SPLITS_PAD=triton.next_power_of_2(splits), G=g, D=d,
             num_warps=4, num_stages=1,
         )  # fmt: skip
     return out
@@ -365,21 +403,21 @@ def _split_kernel(  # type: ignore[no-untyped-def]
 
 def _merge_kernel(  # type: ignore[no-untyped-def]
     part_o_ptr, part_lse_ptr, nblocks_ptr, out_ptr,
-    stride_nb, stride_nh, block_split,
-    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    stride_nb, stride_nh, block_split, splits,
+    SPLITS_PAD: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
     """Program (b, h): out[b, h] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over used splits."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(nblocks_ptr + b * stride_nb + (h // G) * stride_nh)
     s = tl.arange(0, SPLITS_PAD)
-    used = s < tl.minimum(tl.cdiv(n, block_split), SPLITS)  # splits past the list: not read
+    used = s < tl.minimum(tl.cdiv(n, block_split), splits)  # splits past the list: not read
     row = b.to(tl.int64) * tl.num_programs(1) + h
-    lse = tl.load(part_lse_ptr + row * SPLITS + s, mask=used, other=float("-inf"))  # [SPLITS_PAD]
+    lse = tl.load(part_lse_ptr + row * splits + s, mask=used, other=float("-inf"))  # [SPLITS_PAD]
     top = tl.max(lse, 0)
     wgt = tl.where(used, tl.exp2(lse - top), 0.0)
     cols = tl.arange(0, D)
-    o = tl.load(part_o_ptr + (row * SPLITS + s[:, None]) * D + cols[None, :], mask=used[:, None], other=0.0)
+    o = tl.load(part_o_ptr + (row * splits + s[:, None]) * D + cols[None, :], mask=used[:, None], other=0.0)
     total = tl.sum(wgt, 0)
     merged = tl.sum(wgt[:, None] * o, 0) / tl.where(total > 0, total, 1.0)  # [D]
     tl.store(out_ptr + row * D + cols, merged.to(out_ptr.dtype.element_ty))

@@ -9,15 +9,25 @@ interpreter (`patch_interpreter_index`).
 
 A kernel module writes its kernels as plain functions that refer to `triton` and `tl` as
 globals; `jit` binds those globals at the first launch and decorates the kernels with
-`triton.jit`. `runs_on(device)` tells a wrapper whether to launch its kernels (CUDA tensors, or
-CPU tensors under `TRITON_INTERPRET=1`) or to run its torch twin.
+`triton.jit`. Triton compiles a kernel again for each new combination of its integer arguments'
+properties (1, a multiple of 16, or neither) and of its `constexpr` values: an argument that
+follows a table's width or a session's length (a stride, a count) is named in `jit`'s `loose`
+(`do_not_specialize`), and a `constexpr` that follows one is rounded to a power of two, so that
+a kernel has a handful of variants, all compiled before ready (`h3d.engine.warmup`), and a step
+never waits for a compile. `COMPILES` counts the variants this process compiled or loaded from
+Triton's cache (the daemon's `slow_step` and `warmed` events report them).
+
+`runs_on(device)` tells a wrapper whether to launch its kernels (CUDA tensors, or CPU tensors
+under `TRITON_INTERPRET=1`) or to run its torch twin.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import cache
 from types import SimpleNamespace
 from typing import Any
@@ -46,6 +56,26 @@ def runs_on(device: torch.device) -> bool:
     return triton_installed() and (device.type == "cuda" or interpreting())
 
 
+@dataclass(slots=True)
+class Compiles:
+    """Kernel variants this process compiled (or loaded from Triton's cache) since it started,
+    and the seconds that took (Triton's JIT hooks)."""
+
+    count: int = 0
+    seconds: float = 0.0
+    _began: float = 0.0
+
+    def begin(self, **_: Any) -> None:  # `knobs.runtime.jit_cache_hook` (None: go on and compile)
+        self.count += 1
+        self._began = time.perf_counter()
+
+    def end(self, **_: Any) -> None:  # `knobs.runtime.jit_post_compile_hook`
+        self.seconds += time.perf_counter() - self._began
+
+
+COMPILES = Compiles()
+
+
 @cache
 def load() -> SimpleNamespace:
     """Import Triton, once: `triton`, `tl`, `interpret` (the interpreter's mode) and `dtypes`
@@ -60,6 +90,10 @@ def load() -> SimpleNamespace:
         if not isinstance(tl.max, InterpretedFunction):
             raise RuntimeError("paged_decode: Triton was imported before TRITON_INTERPRET was set; set it first")
         patch_interpreter_index()
+    else:
+        hooks = triton.knobs.runtime
+        if hooks.jit_cache_hook is None and hooks.jit_post_compile_hook is None:
+            hooks.jit_cache_hook, hooks.jit_post_compile_hook = COMPILES.begin, COMPILES.end
     return SimpleNamespace(
         triton=triton,
         tl=tl,
@@ -68,13 +102,19 @@ def load() -> SimpleNamespace:
     )
 
 
-def jit(module_globals: dict[str, Any], **kernels: Callable[..., Any]) -> SimpleNamespace:
+def jit(
+    module_globals: dict[str, Any], loose: Mapping[str, Sequence[str]] | None = None, **kernels: Callable[..., Any]
+) -> SimpleNamespace:
     """Load Triton, bind it as `triton` and `tl` in `module_globals` (the calling module's
     `globals()`, where its kernels look `tl` up), and decorate the `kernels` with `triton.jit`,
-    under the same names."""
+    under the same names; `loose[name]`: that kernel's integer arguments not specialized on (the
+    module docstring)."""
     t = load()
     module_globals["triton"], module_globals["tl"] = t.triton, t.tl
-    return SimpleNamespace(**{name: t.triton.jit(fn) for name, fn in kernels.items()})
+    loose = loose or {}
+    return SimpleNamespace(
+        **{name: t.triton.jit(fn, do_not_specialize=tuple(loose.get(name, ()))) for name, fn in kernels.items()}
+    )
 
 
 def patch_interpreter_index() -> None:

@@ -52,10 +52,32 @@ def available(device: torch.device) -> bool:
     return loader.runs_on(device)
 
 
+# The arguments that follow a session's blocks, the anchors, the batch or the digest arena's
+# rows (`h3d.kernels.loader`): not specialized on, so that a new length compiles nothing.
+LOOSE = {
+    "scores": ("dig_stride_h", "anchors_stride_b", "anchors_stride_h", "out_stride_b", "W", "A"),
+    "top": ("m_stride_b", "m_stride_h", "out_stride_b", "out_stride_h", "W", "K"),
+    "lists": (
+        "top_stride_b",
+        "top_stride_h",
+        "table_stride_b",
+        "heads_stride_b",
+        "heads_stride_h",
+        "nblocks_stride_b",
+        "picked_stride_b",
+        "picked_stride_h",
+        "NW",
+        "N_PICK",
+        "K",
+    ),
+    "fold": ("dig_stride_h",),
+}
+
+
 @cache
 def _kernels() -> SimpleNamespace:
     """Decorate the four selection kernels, once."""
-    return loader.jit(globals(), scores=_scores_kernel, lists=_lists_kernel, top=_top_kernel, fold=_fold_kernel)
+    return loader.jit(globals(), LOOSE, scores=_scores_kernel, lists=_lists_kernel, top=_top_kernel, fold=_fold_kernel)
 
 
 def scores(

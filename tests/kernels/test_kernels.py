@@ -780,3 +780,108 @@ def test_rotary_kernel_equals_the_torch_ops(dtype: torch.dtype) -> None:
     got, want = rotary(x, cos, sin), apply_rotary(x, cos, sin)
     torch.testing.assert_close(got, want, rtol=tol, atol=4 * tol)
     assert want.abs().max() > 1.0
+
+
+class _Launches:
+    """A kernel stand-in that records its launches (positional arguments by parameter name, and
+    the `constexpr` keywords) instead of running them."""
+
+    def __init__(self, fn: Callable[..., object]) -> None:
+        import inspect
+
+        self.params = list(inspect.signature(fn).parameters)
+        self.ints: dict[str, set[int]] = {}
+        self.constants: set[tuple[tuple[str, object], ...]] = set()
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        def launch(*args: object, **kw: object) -> None:
+            for name, arg in zip(self.params, args, strict=False):
+                if isinstance(arg, int) and not isinstance(arg, bool):
+                    self.ints.setdefault(name, set()).add(arg)
+            self.constants.add(tuple(sorted((k, str(v)) for k, v in kw.items())))
+
+        return launch
+
+
+def _record(
+    monkeypatch: pytest.MonkeyPatch, module: object, kernels: dict[str, Callable[..., object]]
+) -> dict[str, _Launches]:
+    from types import SimpleNamespace
+
+    launches = {name: _Launches(fn) for name, fn in kernels.items()}
+    monkeypatch.setattr(module, "_kernels", lambda: SimpleNamespace(**launches))
+    monkeypatch.setattr(module, "triton", loader.load().triton)
+    monkeypatch.setattr(module, "tl", loader.load().tl)
+    return launches
+
+
+def _check_variants(launches: dict[str, _Launches], loose: dict[str, tuple[str, ...]], most: dict[str, int]) -> None:
+    """Every integer argument that took more than one value is one the kernel does not specialize
+    on (Triton would compile again where it turns 1, a multiple of 16, or neither), and the
+    `constexpr` keywords took at most `most[kernel]` combinations (each one a compile)."""
+    for name, rec in launches.items():
+        varying = sorted(p for p, seen in rec.ints.items() if len(seen) > 1)
+        assert set(varying) <= set(loose.get(name, ())), (name, set(varying) - set(loose.get(name, ())))
+        assert 0 < len(rec.constants) <= most[name], (name, len(rec.constants))
+
+
+def test_decode_kernels_compile_a_handful_of_variants_whatever_the_widths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host-planned step lists each layer's selection at its own width: over every width up to
+    4,096 blocks and batches of 1 to 16 on a 132-SM card, the split and merge kernels' launches
+    vary only in what they do not specialize on, and in a power-of-two padding of the splits:
+    at most 2 variants of the split kernel (one split or several) and 8 of the merge (`SPLITS_PAD`),
+    all of which `warm_decode` launches. With the count of splits a `constexpr` (as before), the
+    merge took a variant per count (66 at batch 1)."""
+    launches = _record(monkeypatch, decode, {"split": decode._split_kernel, "merge": decode._merge_kernel})
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    hkv, group, d, bs = 8, 4, 128, 32
+    pools = (torch.zeros(hkv, 2, bs, d), torch.zeros(hkv, 3, bs, d))
+    for b in (1, 2, 3, 16):
+        for w in [*range(1, 300), *range(300, 4097, 37)]:
+            q = torch.zeros(b, hkv * group, d)
+            tables = torch.zeros(b, hkv, w, dtype=torch.int32)
+            nblocks = torch.full((b, hkv), w, dtype=torch.int32)
+            tail = torch.full((b,), bs, dtype=torch.int32)
+            decode._triton_paged_decode(q, pools, pools, tables, nblocks, tail, 1.0, None, decode._empty)
+            shared = tables[:, :1].expand(b, hkv, w)  # one list for every KV head (stride 0)
+            decode._triton_paged_decode(q, pools, pools, shared, nblocks, tail, 1.0, None, decode._empty)
+    _check_variants(launches, decode.LOOSE, {"split": 2, "merge": 8})
+    warmed = _record(monkeypatch, decode, {"split": decode._split_kernel, "merge": decode._merge_kernel})
+    decode.warm_decode(torch.zeros(1, hkv * group, d), pools, pools, 4096)
+    assert warmed["split"].constants == launches["split"].constants
+    assert warmed["merge"].constants == launches["merge"].constants
+
+
+def test_selection_kernels_compile_a_handful_of_variants_whatever_the_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The selection kernels over sessions of 1 to 4,096 blocks, batches of 1 to 16, anchors of 1
+    to 40 and digest arenas of growing rows: the integer arguments that vary are all unspecialized;
+    the `constexpr` paddings (the table's and the lists' widths, the anchors') take one value per
+    power of two."""
+    from h3d.kernels import select
+
+    fns = {"scores": select._scores_kernel, "top": select._top_kernel, "lists": select._lists_kernel,
+           "fold": select._fold_kernel}  # fmt: skip
+    launches = _record(monkeypatch, select, fns)
+    hkv, group, d, parts, k = 8, 4, 128, 2, 64
+    for b in (1, 2, 16):
+        for w in (1, 15, 16, 17, 100, 513, 1000, 4096):  # (`ws` below)
+            for a in (1, 7, 40):
+                arena = torch.zeros(hkv, parts * (w + 1) + a, 2, d)  # its rows grow with the sessions
+                zeros = torch.zeros(b, dtype=torch.int64)
+                out = torch.zeros(b, hkv, w)
+                q = torch.zeros(b, hkv * group, d)
+                anchors = torch.zeros(b, hkv, a, dtype=torch.int64)
+                select.scores(out, q, arena, parts, zeros, zeros, zeros, zeros, anchors, 1, 2)
+                top = select.top_room(out, zeros, min(k, w))
+                width = w + a
+                heads = torch.zeros(b, hkv, width, dtype=torch.int32)
+                picked = torch.zeros(b, hkv, 3 + top.shape[2], dtype=torch.int64)
+                table = torch.zeros(b, w, dtype=torch.int32)
+                nblocks = torch.zeros(b, hkv, dtype=torch.int32)
+                select.lists(top, table, zeros, zeros, heads, nblocks, picked, 1, 2)
+                select.fold(arena, zeros, torch.zeros(b, hkv, d))
+    pad = decode.triton.next_power_of_2 if decode.triton else loader.load().triton.next_power_of_2
+    ws, ks = (1, 15, 16, 17, 100, 513, 1000, 4096), (1, 7, 40)
+    most = {"scores": len({max(16, pad(a)) for a in ks}), "top": len({pad(w) for w in ws}),
+            "lists": len({pad(max(w + a, 3 + min(k, w))) for w in ws for a in ks}), "fold": 1}  # fmt: skip
+    _check_variants(launches, select.LOOSE, most)
