@@ -83,7 +83,6 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -464,16 +463,11 @@ class DecodeGraphs:
             keys += [GraphKey(1, w, self.capacity) for w in widths if w > max(least, sinks + recent)]
         return keys
 
-    def warm(self, keys: list[GraphKey], between: Callable[[], object] | None = None) -> int:
-        """Capture `keys` now (on the CPU: make them and run each once) and keep them, calling
-        `between` after each; then defer every other graph (`deferring`). Returns the graphs
-        captured."""
+    def warm(self, keys: list[GraphKey]) -> int:
+        """Capture `keys` now (on the CPU: make them and run each once) and keep them; then defer
+        every other graph (`deferring`). Returns the graphs captured."""
         self.warm_keys = self.warm_keys | frozenset(keys)  # first: none of them is dropped as the others come
-        made = 0
-        for key in keys:
-            made += self.prepare(key)
-            if between is not None:
-                between()
+        made = sum(self.prepare(key) for key in keys)
         self.deferring = True
         return made
 

@@ -17,9 +17,11 @@ A first request should not pay for compiling kernels or capturing graphs. `warm_
    the longest context, exact and selecting. From then on a graph outside the set is captured
    between steps, never on a step's path (`DecodeGraphs.capture_deferred`), and counted.
 
-Between its steps and graphs the warm-up keeps the read-ahead of the sessions a restart reopened
-going (`Engine.read_ahead`, `read_ahead_at_start`): their archived KV comes back into DDR while
-the kernels compile, so that their first requests after ready find it there.
+The read-ahead of the sessions a restart reopened (`read_ahead_at_start`) goes on during the
+warm-up only at the steps' bounded share (`READ_AHEAD_STEP_MB` a step): pumped between every
+graph capture as well, its reads slowed the warm-up's graphs threefold on an H100 host (13.4 s
+against 4.0, docs/BENCHMARKS.md), and ready matters more; once ready, the idle loop pumps it
+without that bound.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def warm_up(engine: Engine, kernels: bool | None = None) -> Warmup:
         prompt = _scratch(engine, parts)
     t1 = time.perf_counter()
     keys = runner.graphs.warm_set(engine.max_context)
-    made = runner.graphs.warm(keys, between=engine.read_ahead)
+    made = runner.graphs.warm(keys)
     if runner.device.type == "cuda":
         torch.cuda.synchronize()
     widths = sorted(k.width for k in keys)
@@ -116,10 +118,8 @@ def _scratch(engine: Engine, parts: dict[str, float]) -> int:
     kv.open(seq, None, policy_named(engine.config.policy))
     try:
         runner.step([Chunk(seq, ids, 0, want_logits=True)])
-        engine.read_ahead()
         for i in range(DECODE_STEPS):
             runner.step([Chunk(seq, (ids[i],), n + i, want_logits=True)])
-        engine.read_ahead()
     finally:
         kv.release(seq, purge_archive=True)
     parts["scratch_s"] = time.perf_counter() - began
@@ -183,7 +183,6 @@ def _batches(engine: Engine, ids: tuple[int, ...]) -> None:
                 for i in range(2 * DECODE_STEPS):  # through a graph where one applies, then eagerly
                     runner.graphs.enabled = graphs and i < DECODE_STEPS
                     runner.step([Chunk(seq, (prompt[i],), n + i, want_logits=True) for seq in seqs])
-                    engine.read_ahead()
             finally:
                 runner.graphs.enabled = graphs
                 for seq in seqs:

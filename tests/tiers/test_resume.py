@@ -342,40 +342,6 @@ def test_a_restart_reads_its_open_sessions_kv_back_from_the_start_the_most_recen
     plain.close()
 
 
-def test_the_warm_up_keeps_a_restarts_read_ahead_going(
-    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The read-ahead a restart starts is pumped through the warm-up (`h3d.engine.warmup`), not
-    only by the steps' bounded share: with nothing submitted at the start and nothing by the
-    warm-up's steps themselves, the warm-up's pumps read the open session's every full block
-    back into DDR before the first request, whose step then reads only its partial block from
-    the archive; its tokens are the untiered engine's."""
-    from h3d.tiers.readahead import ReadAhead
-
-    folder = tmp_path / "data"
-    sid, plain, twin = _first_run(checkpoint, folder)
-    pump = ReadAhead.pump
-    monkeypatch.setattr(ReadAhead, "pump", lambda self, busy: 0)  # the start submits nothing
-    engine = _engine(checkpoint(MODEL), folder, read_ahead_at_start=True)
-    # Then the steps' own bounded pumps (`busy`) read nothing either: what comes back is the warm-up's.
-    monkeypatch.setattr(ReadAhead, "pump", lambda self, busy: 0 if busy else pump(self, busy))
-    tiers = engine.runner.tiers
-    seq = engine.session(sid).seq
-    full = tiers.blocks.table(seq).num_tokens // tiers.blocks.block_size
-    engine.warm(kernels=True)
-    tiers.ahead.poll(wait=True)
-    assert not tiers.blocks.table(seq).archive_only()[:, :full].any()  # every full block back in DDR
-    reads: list[int] = []
-    read = tiers.mover.read
-    monkeypatch.setattr(
-        tiers.mover, "read", lambda keys, slots: (reads.extend(k.index for k in keys), read(keys, slots))[1]
-    )
-    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
-    assert set(reads) <= {full}  # its partial block alone
-    engine.close()
-    plain.close()
-
-
 def test_the_rest_is_read_ahead_after_the_first_step_and_a_step_waits_for_a_piece_in_flight(
     checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
