@@ -264,6 +264,10 @@ class DigestStore:
         self._arena[:, :, start : start + ext.rows] = src
         ext.start = start
 
+    def holds(self, parts: int) -> bool:
+        """Whether the arena as it is holds `parts` more parts beside every session's (no growth)."""
+        return self.parts + sum(e.used for e in self._extents.values()) + parts <= self.rows
+
     def missing(self, parts: int) -> int:
         """The device memory (bytes) the arena lacks to hold `parts` more parts beside every
         session's (0: it holds them, or may grow to); a request that would make it grow past the

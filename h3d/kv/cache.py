@@ -45,6 +45,7 @@ from h3d.kv.slots import SlotAllocator
 from h3d.tiers import lifecycle
 from h3d.tiers.archive import Archive, ArchiveWriteFailed
 from h3d.tiers.digestfile import DigestFiles, Layout, host_copy
+from h3d.tiers.identity import ArchiveCorrupt
 from h3d.tiers.manager import TierManager
 from h3d.tiers.promotion import Promoter
 from h3d.tiers.shares import HbmShares
@@ -745,6 +746,29 @@ class KVCache:
                 keep = blocks < skip.shape[1]
                 skip[layers[keep], blocks[keep]] = True
         self.tiers.ahead.start(seq, known & ~skip, skip)
+
+    def digests_ahead(self, seq: SeqId) -> bool:
+        """A restored session's digests taken from its snapshot now (`refresh_digests`: read on a
+        thread, each layer copied in when first read), rather than by its first step, which would
+        wait for them: where it has a snapshot, the arena holds them as it is (on a GPU at the
+        start, growing it would take the device memory the warm-up needs), and none of its records links
+        to another session's (its first use rebuilds that sharing: `rebase`). A record that fails
+        here is left to that step, which repairs it. Returns whether they were taken."""
+        record = self.sessions[seq]
+        d = self.digests
+        if not record.stale_digests or self.digest_files is None or self.digest_files.header(record.name) is None:
+            return False
+        if self.archive is not None and self.archive.linked_of(record.name):
+            return False
+        if d.free_bytes is not None and not d.holds(-(-record.table.num_tokens // d.part_tokens) + d.parts):
+            return False  # (a CPU's arena grows where it must: host memory)
+        try:
+            self.refresh_digests(seq)
+        except (ArchiveCorrupt, KeyError, OSError):
+            d.drop(seq)  # its first step takes them again, and meets the damage there
+            record.stale_digests = True
+            return False
+        return True
 
     def note_hot(self, seq: SeqId) -> None:
         """Note in `seq`'s HBF state (kept in its log: `session_meta`) the blocks its last steps

@@ -36,7 +36,10 @@ from h3d.tiers.identity import BlockKey
 # records read by 4 threads at 1.19-1.40 GB/s cold and 1.67-1.70 warm, by 8 at 1.59 / 1.44 (the
 # disk reads 1.34-1.55 cold): beyond that, the work each record does under the GIL.
 READ_THREADS = max(1, min(8, os.cpu_count() or 1))
-READ_PIECE = 64  # records one reader takes at a time
+READ_PIECE = 64  # records one reader takes at a time, at most
+# ... and at least (where there are more): a layer's selection of a few hundred blocks is shared
+# out over every reader, not read by a few in pieces of READ_PIECE while the others wait.
+MIN_READ_PIECE = 8
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -153,14 +156,17 @@ class Mover:
 
     def read(self, keys: list[BlockKey], ddr_slots: np.ndarray) -> int:
         """Stage archived blocks into DDR slots, each record read, checked and decoded straight
-        into its slot (a partial block's tail zeroed); more than `READ_PIECE` of them on
-        `READ_THREADS` threads at once. Returns the bytes read (decoded). The first error a record
-        meets (ArchiveCorrupt, KeyError) is raised once every read has ended."""
+        into its slot (a partial block's tail zeroed); more than `MIN_READ_PIECE` of them on
+        `READ_THREADS` threads at once, in pieces that give every thread some (`READ_PIECE` at
+        most). Returns the bytes read (decoded). The first error a record meets (ArchiveCorrupt,
+        KeyError) is raised once every read has ended."""
         assert self.archive is not None
         if not keys:
             return 0
         slots = ddr_slots.tolist()
-        pieces = [range(i, min(i + READ_PIECE, len(keys))) for i in range(0, len(keys), READ_PIECE)]
+        n = len(keys)
+        per = min(READ_PIECE, max(MIN_READ_PIECE, -(-n // READ_THREADS)))
+        pieces = [range(i, min(i + per, n)) for i in range(0, n, per)]
         if len(pieces) == 1:
             self._read_piece(keys, slots, pieces[0])
         else:

@@ -282,9 +282,10 @@ def test_a_restart_reads_its_open_sessions_kv_back_from_the_start_the_most_recen
 ) -> None:
     """`read_ahead_at_start` (the default): a restarted engine reads its open sessions' archived
     KV back into DDR before any request, the most recently used session first, what each one's
-    next step reads for sure and its hot blocks before the rest; a closed session's stays in the
-    archive. Their first steps then read nothing from the archive themselves, and every token is
-    the untiered engine's."""
+    next step reads for sure and its hot blocks before the rest, and takes their digests from
+    their snapshots (`KVCache.digests_ahead`, their partial blocks' from their keys); a closed
+    session's stay in the archive. Their first steps then read nothing from the archive
+    themselves, and every token is the untiered engine's."""
     import time
 
     folder = tmp_path / "data"
@@ -312,8 +313,10 @@ def test_a_restart_reads_its_open_sessions_kv_back_from_the_start_the_most_recen
     monkeypatch.undo()
     tiers = engine.runner.tiers
     seqs = [engine.session(sid).seq for sid, _ in pairs]
-    assert started == [seqs[1], seqs[0]]  # open, the most recent first
+    assert started[:2] == [seqs[1], seqs[0]]  # open, the most recent first (then their digests', below)
     assert tiers.blocks.table(seqs[2]).archive_only().all()
+    stale = [engine.runner.kv.sessions[s].stale_digests for s in seqs]
+    assert stale == [False, False, True]  # the open ones' digests taken from their snapshots at the start
     while engine.read_ahead():  # (the daemon's idle loop)
         time.sleep(0.005)
     tiers.ahead.poll()
@@ -335,7 +338,7 @@ def test_a_restart_reads_its_open_sessions_kv_back_from_the_start_the_most_recen
     monkeypatch.setattr(tiers.mover, "read", spy)
     for sid, twin in pairs[:2]:
         assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
-    assert reads and all(j == partial[s] for s, j in reads)  # the steps read their partial blocks alone
+    assert not reads  # nothing: their partial blocks were read at the start with their digests
     sid, twin = pairs[2]
     assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
     engine.close()
