@@ -750,14 +750,18 @@ class KVCache:
     def digests_ahead(self, seq: SeqId) -> bool:
         """A restored session's digests taken from its snapshot now (`refresh_digests`: read on a
         thread, each layer copied in when first read), rather than by its first step, which would
-        wait for them: where it has a snapshot, the arena holds them as it is (on a GPU at the
-        start, growing it would take the device memory the warm-up needs), and none of its records links
-        to another session's (its first use rebuilds that sharing: `rebase`). A record that fails
+        wait for them: where its snapshot covers every full block (else the rest would be rebuilt
+        from their keys, read now), the arena holds them as it is (on a GPU at the start, growing
+        it would take the device memory the warm-up needs), and none of its records links to
+        another session's (its first use rebuilds that sharing: `rebase`). A record that fails
         here is left to that step, which repairs it. Returns whether they were taken."""
         record = self.sessions[seq]
         d = self.digests
-        if not record.stale_digests or self.digest_files is None or self.digest_files.header(record.name) is None:
+        if not record.stale_digests or self.digest_files is None:
             return False
+        meta = self.digest_files.header(record.name)
+        if meta is None or meta.get("blocks") != record.table.num_tokens // self.block_size:
+            return False  # none, or one of fewer blocks: the rest rebuilt from their keys would be read now
         if self.archive is not None and self.archive.linked_of(record.name):
             return False
         if d.free_bytes is not None and not d.holds(-(-record.table.num_tokens // d.part_tokens) + d.parts):

@@ -199,6 +199,30 @@ def test_a_snapshot_that_does_not_match_is_ignored_and_one_that_covers_less_give
     plain.close()
 
 
+def test_a_snapshot_of_fewer_blocks_is_left_to_the_first_step_not_taken_at_the_start(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """`read_ahead_at_start` takes a session's digests at the start only from a snapshot of every
+    full block (the rest would be rebuilt from their keys, read then): one of 20 of its 37 blocks
+    is left to the first step, which loads it and rebuilds the rest; the tokens are the untiered
+    engine's."""
+    folder = tmp_path / "data"
+    sid, plain, twin = _first_run(checkpoint, folder)
+    engine = _engine(checkpoint(MODEL), folder)  # (its session untouched: nothing written at its close)
+    files = _files(engine)
+    got = files.read(sid, Layout((2, 2, 2, 16), torch.float32, 8, (1, 2)), 37)
+    assert got is not None and got[0] == 37
+    files.write(sid, 20, 8, got[1][:, :, : 20 * 2], [1, 2])
+    engine.close()
+    engine = _engine(checkpoint(MODEL), folder, read_ahead_at_start=True)
+    record = engine.runner.kv.sessions[engine.session(sid).seq]
+    assert record.stale_digests  # not taken at the start
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    assert not record.stale_digests
+    engine.close()
+    plain.close()
+
+
 def test_a_rewind_below_a_snapshot_deletes_it(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
     folder = tmp_path / "data"
     sid, plain, _ = _first_run(checkpoint, folder)
