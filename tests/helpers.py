@@ -291,3 +291,28 @@ def step_until_failure(engine: Engine, max_steps: int = 1000) -> Exception:
             if isinstance(event, RequestFailed):
                 return event.error
     raise AssertionError("no request failed")
+
+
+def manifest_places(folder: Path) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """(session, layer, block) -> the manifest's latest `put` entry for it (deleted sessions dropped)."""
+    places: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for line in (folder / "manifest.log").read_bytes().splitlines():
+        entry = json.loads(line[9:])
+        if entry["op"] == "del":
+            places = {k: e for k, e in places.items() if k[0] != entry["s"]}
+        elif entry["op"] == "puts":  # a bulk write: the fields as lists
+            for j in range(len(entry["l"])):
+                one = {name: (x[j] if isinstance(x, list) else x) for name, x in entry.items()}
+                places[(entry["s"], one["l"], one["i"])] = one
+        else:
+            places[(entry["s"], entry["l"], entry["i"])] = entry
+    return places
+
+
+def flip_payload_byte(folder: Path, session: str, layer: int, block: int) -> None:
+    """A bit flipped near the end of an archive record's payload (`folder`: the archive's)."""
+    entry = manifest_places(folder)[(session, layer, block)]
+    seg = folder / f"seg-{entry['seg']:06d}.h3kv"
+    data = bytearray(seg.read_bytes())
+    data[entry["off"] + entry["len"] - 7] ^= 0x10
+    seg.write_bytes(bytes(data))

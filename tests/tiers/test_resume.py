@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import VOCAB_SIZE, make_engine, random_prompt
+from helpers import VOCAB_SIZE, flip_payload_byte, make_engine, random_prompt
 
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
@@ -219,6 +219,26 @@ def test_a_snapshot_of_fewer_blocks_is_left_to_the_first_step_not_taken_at_the_s
     assert record.stale_digests  # not taken at the start
     assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
     assert not record.stale_digests
+    engine.close()
+    plain.close()
+
+
+def test_a_damaged_record_met_at_the_start_is_left_to_the_first_step_which_repairs_it(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The start's digests (`KVCache.digests_ahead`) read the session's partial block to rebuild
+    its digests: a damaged record there does not stop the start; the session's digests stay to
+    be taken by its first step, which meets the damage, computes that block again from the token
+    log (`Engine.rebuilds` names it) and gives the untiered engine's tokens."""
+    folder = tmp_path / "data"
+    sid, plain, twin = _first_run(checkpoint, folder)  # 606 tokens: block 37 is partial
+    flip_payload_byte(folder / "archive", sid, 0, 37)
+    engine = _engine(checkpoint(MODEL), folder, read_ahead_at_start=True)
+    record = engine.runner.kv.sessions[engine.session(sid).seq]
+    assert record.stale_digests and not engine.rebuilds  # left to its first step
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    [reason] = engine.rebuilds
+    assert sid in reason and "layer 0" in reason and "block 37" in reason, reason
     engine.close()
     plain.close()
 

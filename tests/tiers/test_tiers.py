@@ -33,6 +33,7 @@ import torch
 from helpers import (
     VOCAB_SIZE,
     assert_greedy_match,
+    flip_payload_byte,
     make_engine,
     random_prompt,
     split_sizes,
@@ -426,22 +427,6 @@ def test_a_batch_that_does_not_fit_fails_cleanly(checkpoint: Callable[[str], Pat
 # ---- (e) corruption and foreign archives -----------------------------------------------------
 
 
-def _manifest_places(folder: Path) -> dict[tuple[str, int, int], dict[str, Any]]:
-    """(session, layer, block) -> the manifest's latest `put` entry for it (deleted sessions dropped)."""
-    places: dict[tuple[str, int, int], dict[str, Any]] = {}
-    for line in (folder / "manifest.log").read_bytes().splitlines():
-        entry = json.loads(line[9:])
-        if entry["op"] == "del":
-            places = {k: e for k, e in places.items() if k[0] != entry["s"]}
-        elif entry["op"] == "puts":  # a bulk write: the fields as lists
-            for j in range(len(entry["l"])):
-                one = {name: (x[j] if isinstance(x, list) else x) for name, x in entry.items()}
-                places[(entry["s"], one["l"], one["i"])] = one
-        else:
-            places[(entry["s"], entry["l"], entry["i"])] = entry
-    return places
-
-
 def _archive_only_block(engine: Engine, sid: SessionId) -> tuple[int, int]:
     """A (layer, block) of the session whose only copy is in the archive."""
     t = engine.runner.blocks.table(engine.session(sid).seq)
@@ -468,14 +453,6 @@ def _spilled_engine(model: Path, folder: Path) -> tuple[Engine, SessionId, list[
     return engine, sid, prompt
 
 
-def _flip_payload_byte(folder: Path, session: str, layer: int, block: int) -> None:
-    entry = _manifest_places(folder)[(session, layer, block)]
-    seg = folder / f"seg-{entry['seg']:06d}.h3kv"
-    data = bytearray(seg.read_bytes())
-    data[entry["off"] + entry["len"] - 7] ^= 0x10
-    seg.write_bytes(bytes(data))
-
-
 def _names_block(message: str, session: str, layer: int, block: int) -> None:
     assert session in message and f"layer {layer}" in message and f"block {block}" in message, message
 
@@ -487,7 +464,7 @@ def test_corrupt_archive_record_is_named(checkpoint: Callable[[str], Path], tmp_
     assert archive is not None
     key = BlockKey(sid, layer, block)
     archive.get(key)  # fine before
-    _flip_payload_byte(tmp_path, sid, layer, block)
+    flip_payload_byte(tmp_path, sid, layer, block)
     with pytest.raises(ArchiveCorrupt) as err:
         archive.get(key)
     _names_block(str(err.value), sid, layer, block)
@@ -506,7 +483,7 @@ def test_a_corrupt_block_is_rebuilt_never_read(checkpoint: Callable[[str], Path]
     engine, sid, _ = _spilled_engine(checkpoint(MODEL), tmp_path / "damaged")
     twin, twin_sid, _ = _spilled_engine(checkpoint(MODEL), tmp_path / "twin")
     layer, block = _archive_only_block(engine, sid)
-    _flip_payload_byte(tmp_path / "damaged", sid, layer, block)
+    flip_payload_byte(tmp_path / "damaged", sid, layer, block)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     rid = engine.submit(sid, params=params)
     cached = engine.cached_tokens(sid)
@@ -576,7 +553,7 @@ def test_several_corrupt_blocks_are_each_rebuilt(checkpoint: Callable[[str], Pat
     assert len(damaged) >= 5, "make HBM/DDR smaller"
     picked = sorted(damaged)[-5:]
     for block_ in picked:
-        _flip_payload_byte(tmp_path / "damaged", sid, damaged[block_], block_)
+        flip_payload_byte(tmp_path / "damaged", sid, damaged[block_], block_)
     tokens = list(engine.session(sid).tokens)
     got_tokens, got = _greedy_with_logits(engine, sid)
     want_tokens, want = _greedy_with_logits(twin, twin_sid)
@@ -805,7 +782,7 @@ def test_real_model_damaged_blocks_are_rebuilt_after_a_restart(smol_dir: Path, t
     shutil.copytree(tmp_path / "damaged", tmp_path / "intact")
     blocks = [2, 5, 8, 11, 14]
     for i, block in enumerate(blocks):
-        _flip_payload_byte(tmp_path / "damaged" / "archive", sid, (7 * i) % 30, block)
+        flip_payload_byte(tmp_path / "damaged" / "archive", sid, (7 * i) % 30, block)
 
     damaged, intact = Engine(config(tmp_path / "damaged")), Engine(config(tmp_path / "intact"))
     got_tokens, got = _greedy_with_logits(damaged, sid)
