@@ -13,8 +13,8 @@ globals; `jit` binds those globals at the first launch and decorates the kernels
 properties (1, a multiple of 16, or neither) and of its `constexpr` values: an argument that
 follows a table's width or a session's length (a stride, a count) is named in `jit`'s `loose`
 (`do_not_specialize`), and a `constexpr` that follows one is rounded to a power of two, so that
-a kernel has a handful of variants, all compiled before ready (`h3d.engine.warmup`), and a step
-never waits for a compile. `COMPILES` counts the variants this process compiled or loaded from
+a kernel has a handful of variants, compiled before ready (`h3d.engine.warmup`), rather than
+one per width met by a step. `COMPILES` counts the variants this process compiled or loaded from
 Triton's cache (the daemon's `slow_step` and `warmed` events report them).
 
 `runs_on(device)` tells a wrapper whether to launch its kernels (CUDA tensors, or CPU tensors
