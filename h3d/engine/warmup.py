@@ -19,9 +19,9 @@ A first request should not pay for compiling kernels or capturing graphs. `warm_
 
 The read-ahead of the sessions a restart reopened (`read_ahead_at_start`) goes on during the
 warm-up only at the steps' bounded share (`READ_AHEAD_STEP_MB` a step): pumped between every
-graph capture as well, its reads slowed the warm-up's graphs threefold on an H100 host (13.4 s
-against 4.0, docs/BENCHMARKS.md), and ready matters more; once ready, the idle loop pumps it
-without that bound.
+graph capture as well, its reads slowed the warm-up's graphs (13.4 s on an H100 host against
+9.4 s without it on another, docs/BENCHMARKS.md), and ready matters more; once ready, the idle
+loop pumps it without that bound.
 """
 
 from __future__ import annotations
