@@ -180,14 +180,9 @@ class Engine:
                 self.sessions[session.id] = session
                 self.restored.append(session.id)
             self.swept = sweep_archive(self.kv, set(self.sessions))
-            if config.read_ahead_at_start:  # the most recently used open sessions' KV first, then their digests
+            if config.read_ahead_at_start:  # the most recently used open sessions first
                 recent = sorted((self.sessions[i] for i in self.restored), key=lambda x: -x.last_used_at)
-                for session in recent:
-                    if not session.closed:
-                        self.kv.read_ahead(session.seq)
-                for session in recent:
-                    if not session.closed:
-                        self.kv.digests_ahead(session.seq)
+                self.kv.resume_ahead([s.seq for s in recent if not s.closed])
             self.start_s["sessions_s"] = round(max(0.0, time.perf_counter() - t0 - sum(self.start_s.values())), 3)
         self.copier: KVCopier | None = None  # write-behind's KV copied to the remote store as well
         archive = self.kv.archive

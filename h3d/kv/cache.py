@@ -731,48 +731,50 @@ class KVCache:
                     mask[layer, hot[hot < nb]] = True
         return mask
 
-    def read_ahead(self, seq: SeqId) -> None:
-        """Start reading a restored session's archived KV back into DDR before its first step
-        (`h3d.tiers.readahead`): what that step reads for sure and its hot blocks first (`_known`),
-        then the rest, but the records it links to another session's (a fork's, a reused
-        prefix's): its first use shares that one's copies (`rebase`), or reads them then. Its
-        first step finds the blocks in DDR, or waits for their pieces."""
-        known = self._known(seq)
-        skip = np.zeros_like(known)
-        if self.archive is not None:
-            linked = self.archive.linked_of(self.sessions[seq].name)
-            if linked:
-                layers, blocks = np.array(linked).T
+    def resume_ahead(self, seqs: Sequence[SeqId]) -> None:
+        """A restart's open sessions (`seqs`, the first to be asked for first) brought back before
+        their first steps: their archived KV read back into DDR (`h3d.tiers.readahead`: what each
+        first step reads for sure and its hot blocks first, `_known`, then the rest), then their
+        digests taken from their snapshots (`_digests_ahead`). What a session links to another
+        session's records (a fork's, a reused prefix's) is left to its first use, which shares
+        that one's copies (`rebase`) and rebuilds its digests' sharing."""
+        linked = {seq: self._linked(seq) for seq in seqs}
+        for seq in seqs:
+            known = self._known(seq)
+            skip = np.zeros_like(known)
+            if linked[seq]:
+                layers, blocks = np.array(linked[seq]).T
                 keep = blocks < skip.shape[1]
                 skip[layers[keep], blocks[keep]] = True
-        self.tiers.ahead.start(seq, known & ~skip, skip)
+            self.tiers.ahead.start(seq, known & ~skip, skip)
+        for seq in seqs:
+            if not linked[seq]:
+                self._digests_ahead(seq)
 
-    def digests_ahead(self, seq: SeqId) -> bool:
+    def _linked(self, seq: SeqId) -> list[tuple[int, int]]:
+        return self.archive.linked_of(self.sessions[seq].name) if self.archive is not None else []
+
+    def _digests_ahead(self, seq: SeqId) -> None:
         """A restored session's digests taken from its snapshot now (`refresh_digests`: read on a
         thread, each layer copied in when first read), rather than by its first step, which would
         wait for them: where its snapshot covers every full block (else the rest would be rebuilt
-        from their keys, read now), the arena holds them as it is (on a GPU at the start, growing
-        it would take the device memory the warm-up needs), and none of its records links to
-        another session's (its first use rebuilds that sharing: `rebase`). A record that fails
-        here is left to that step, which repairs it. Returns whether they were taken."""
+        from their keys, read now) and the arena holds them as it is (on a GPU at the start,
+        growing it would take the device memory the warm-up needs). A record that fails here is
+        left to that step, which repairs it."""
         record = self.sessions[seq]
         d = self.digests
         if not record.stale_digests or self.digest_files is None:
-            return False
+            return
         meta = self.digest_files.header(record.name)
         if meta is None or meta.get("blocks") != record.table.num_tokens // self.block_size:
-            return False  # none, or one of fewer blocks: the rest rebuilt from their keys would be read now
-        if self.archive is not None and self.archive.linked_of(record.name):
-            return False
+            return  # none, or one of fewer blocks: the rest rebuilt from their keys would be read now
         if d.free_bytes is not None and not d.holds(-(-record.table.num_tokens // d.part_tokens) + d.parts):
-            return False  # (a CPU's arena grows where it must: host memory)
+            return  # (a CPU's arena grows where it must: host memory)
         try:
             self.refresh_digests(seq)
         except (ArchiveCorrupt, KeyError, OSError):
             d.drop(seq)  # its first step takes them again, and meets the damage there
             record.stale_digests = True
-            return False
-        return True
 
     def note_hot(self, seq: SeqId) -> None:
         """Note in `seq`'s HBF state (kept in its log: `session_meta`) the blocks its last steps

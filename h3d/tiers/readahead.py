@@ -39,8 +39,8 @@ READ_AHEAD_THREADS = max(1, min(4, os.cpu_count() or 1))
 READ_AHEAD_PIECE = 64  # records per piece (one `Archive.get_bytes`)
 READ_AHEAD_STEP_MB = 64  # submitted per step while requests run
 # Submitted and not yet applied, at most: a step that stages its own reads meanwhile (a session
-# asked for while another one is read ahead) queues behind these on the disk, about 0.15 s at
-# 1.7 GB/s (with 1 GiB in flight, 0.6 s, a resumed 128K session's first step staged at 0.4 GB/s on an H100).
+# asked for while another one is read ahead) queues behind these on the disk, 256 MiB being
+# about 0.15 s at 1.7 GB/s (1 GiB before: 0.6 s; docs/BENCHMARKS.md, the restarts of 2026-12-06).
 READ_AHEAD_IN_FLIGHT_MB = 256
 
 

@@ -880,7 +880,7 @@ def test_selection_kernels_compile_a_handful_of_variants_whatever_the_lengths(mo
                 nblocks = torch.zeros(b, hkv, dtype=torch.int32)
                 select.lists(top, table, zeros, zeros, heads, nblocks, picked, 1, 2)
                 select.fold(arena, zeros, torch.zeros(b, hkv, d))
-    pad = decode.triton.next_power_of_2 if decode.triton else loader.load().triton.next_power_of_2
+    pad = loader.load().triton.next_power_of_2
     ws, ks = (1, 15, 16, 17, 100, 513, 1000, 4096), (1, 7, 40)
     most = {"scores": len({max(16, pad(a)) for a in ks}), "top": len({pad(w) for w in ws}),
             "lists": len({pad(max(w + a, 3 + min(k, w))) for w in ws for a in ks}), "fold": 1}  # fmt: skip

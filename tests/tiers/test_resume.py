@@ -226,7 +226,7 @@ def test_a_snapshot_of_fewer_blocks_is_left_to_the_first_step_not_taken_at_the_s
 def test_a_damaged_record_met_at_the_start_is_left_to_the_first_step_which_repairs_it(
     checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    """The start's digests (`KVCache.digests_ahead`) read the session's partial block to rebuild
+    """The start's digests (`KVCache.resume_ahead`) read the session's partial block to rebuild
     its digests: a damaged record there does not stop the start; the session's digests stay to
     be taken by its first step, which meets the damage, computes that block again from the token
     log (`Engine.rebuilds` names it) and gives the untiered engine's tokens."""
@@ -327,7 +327,7 @@ def test_a_restart_reads_its_open_sessions_kv_back_from_the_start_the_most_recen
     """`read_ahead_at_start` (the default): a restarted engine reads its open sessions' archived
     KV back into DDR before any request, the most recently used session first, what each one's
     next step reads for sure and its hot blocks before the rest, and takes their digests from
-    their snapshots (`KVCache.digests_ahead`, their partial blocks' from their keys); a closed
+    their snapshots (`KVCache.resume_ahead`, their partial blocks' from their keys); a closed
     session's stay in the archive. Their first steps then read nothing from the archive
     themselves, and every token is the untiered engine's."""
     import time
