@@ -1,0 +1,101 @@
+"""The parallel weight reader (`h3d.model.loader.read_weights`) against safetensors' own reader:
+every parameter equal, whatever the pieces, threads and read-ahead; broken shards refused with
+their names, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from h3d.errors import ModelLoadError
+from h3d.model.config import ModelConfig, load_model_config
+from h3d.model.loader import _recipes, _stored, _text_model, load_model, read_weights
+
+
+def _oracle(folder: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The h3d parameters from `safetensors.torch.load_file`: q/k/v and gate/up concatenated,
+    projections transposed, everything cast."""
+    raw = load_file(folder / "model.safetensors")
+    out: dict[str, torch.Tensor] = {}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            out[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat([raw.pop(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"])
+        out[f"{p}mlp.gate_up_proj.weight"] = torch.cat([raw.pop(f"{p}mlp.{x}_proj.weight") for x in ("gate", "up")])
+    out.update(raw)
+    if cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return {
+        (k[: -len("weight")] + "weight_t" if k.endswith("proj.weight") or k == "lm_head.weight" else k): (
+            v.t() if k.endswith("proj.weight") or k == "lm_head.weight" else v
+        ).to(dtype)
+        for k, v in out.items()
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen2_gqa4_untied", "llama_gqa4_tied"])
+@pytest.mark.parametrize(("piece", "threads", "ahead"), [(7, 3, 0), (1 << 20, 1, 1 << 30), (4096, 4, 5000)])
+def test_read_weights_equal_safetensors_own(
+    checkpoint: Callable[[str], Path], name: str, piece: int, threads: int, ahead: int
+) -> None:
+    folder = checkpoint(name)
+    cfg = load_model_config(folder)
+    stored = _text_model(_stored(folder))
+    if cfg.tie_word_embeddings:
+        stored.pop("lm_head.weight", None)
+    recipes = _recipes(stored, cfg)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = _oracle(folder, cfg, dtype)
+        got = dict(read_weights(recipes, dtype, torch.device("cpu"), threads=threads, piece=piece, ahead=ahead))
+        assert list(got) == list(recipes)
+        assert got.keys() == want.keys()
+        for k, t in got.items():
+            assert t.dtype == dtype and t.is_contiguous(), k
+            assert torch.equal(t, want[k]), k
+    model = dict(load_model(folder, "fp32", "cpu").state_dict())
+    want = _oracle(folder, cfg, torch.float32)
+    assert all(torch.equal(model[k], v) for k, v in want.items())
+
+
+def _error(folder: Path) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        load_model(folder, "fp32", "cpu")
+    return str(info.value)
+
+
+def test_broken_shards_are_refused_with_their_names(model_copy: Callable[[str], Path]) -> None:
+    folder = model_copy("llama_mha_untied")
+    shard = folder / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-10])  # cut short: the last tensor lies past the end
+    message = _error(folder)
+    assert str(shard) in message and "lies at bytes" in message
+    shard.write_bytes(b"\xff" * 64)  # no header
+    assert "not a safetensors file" in _error(folder)
+    shard.write_bytes(b"")
+    assert "not a safetensors file" in _error(folder)
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    for broken in ({**header[name], "dtype": "Q7"}, {**header[name], "shape": [3]}, "nothing"):
+        text = json.dumps({**header, name: broken}).encode()
+        shard.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+        assert name in _error(folder)
+    text = b"[1, 2]"
+    shard.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+    assert "not a table of tensors" in _error(folder)
+
+
+def test_weights_of_another_shape_than_the_config_says_are_refused(model_copy: Callable[[str], Path]) -> None:
+    folder = model_copy("llama_mha_untied")
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] += 8
+    (folder / "config.json").write_text(json.dumps(config))
+    message = _error(folder)
+    assert "do not fit the config's shapes" in message and "gate_up_proj" in message
