@@ -66,6 +66,7 @@ class EngineConfig:
     write_behind: bool = True  # full blocks archived in the background (h3d.tiers.writebehind)
     write_behind_dirty_mb: float = 1024.0  # KV left not archived; past it the oldest is written behind
     read_ahead_at_start: bool = True  # restored sessions' next-step and hot blocks read back into DDR at start
+    graphs_before_ready: bool = False  # the warm set of decode graphs captured before ready (else while idle after)
     ssd_retry_interval_s: float = 10.0  # a degraded SSD tier (full disk, I/O error) is tried again this often
     policy: str = "attention_entropy"
     window_tokens: int = 2048

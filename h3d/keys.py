@@ -193,6 +193,15 @@ ENGINE: tuple[Key, ...] = (
         help="read the restored open sessions' KV back into DDR from the start, most recently used first",
     ),
     Key(
+        "graphs_before_ready",
+        "capture the warm set of decode graphs (one session at every table width, exact and selecting: 66 "
+        "graphs and 8-13 s for a Llama-8B shape at 128K on H100s) before the daemon says it is ready. Off "
+        "(the default): ready comes once the kernels are loaded, and the set is captured after, one graph at a "
+        "time while no request runs; a step whose graph is not captured yet runs the same forward uncaptured "
+        "(milliseconds more) and its graph is captured after two such steps",
+        help="capture the warm set of decode graphs before ready (default: after, while idle)",
+    ),
+    Key(
         "policy",
         "which blocks a decode step reads (per session, switchable): `exact` (all, lossless), `fixed` (sinks + "
         "recent window), `layerwise` (sinks + recent + per-layer anchors: the blocks that drew most attention "

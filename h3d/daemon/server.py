@@ -105,7 +105,8 @@ class Daemon:
             auto=list(sized.resolved), hbm_slots=blocks.hbm_capacity, ddr_slots=blocks.ddr_alloc.size,
             ddr_slots_pinned=blocks.ddr_alloc.capacity,
         )  # fmt: skip
-        warm = await asyncio.to_thread(engine.warm)  # before ready: kernels compiled, graphs captured
+        # before ready: kernels compiled; the warm set of graphs captured now or while idle after
+        warm = await asyncio.to_thread(engine.warm, None, cfg.engine.graphs_before_ready)
         log.info("warmed", **warm.fields())
         loop = asyncio.get_running_loop()
         self.worker = EngineWorker(engine, loop)

@@ -74,6 +74,8 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="h3d-engine", daemon=True)
         self._tokens: deque[tuple[float, int]] = deque()  # (time, generated tokens) per step
         self._busy_at = 0.0  # when the engine thread last ran a step
+        self._started_at = time.monotonic()
+        self._warm_captured: list[float] = []  # ms of each warm-set graph captured after ready, until all are
         self.collector = Collector()  # Python's GC between steps (`Collector.start`: the daemon's choice)
         # A generation's end waits for its log's fsync on the store's thread, not on this one's step
         # (every stream of the step would wait for the disk): `_dispatch` sends it once durable.
@@ -165,11 +167,20 @@ class EngineWorker:
         for sid in engine.evictions:
             log.info("kv_evicted_for_capacity", session_id=sid)
         engine.evictions.clear()
+        graphs = engine.runner.graphs
         for key in engine.captured:
-            ms = round(engine.runner.graphs.capture_s.get(key, 0.0) * 1e3, 1)
+            ms = round(graphs.capture_s.get(key, 0.0) * 1e3, 1)
+            if key in graphs.warm_keys:  # the warm set's left for after ready: logged once, all captured
+                self._warm_captured.append(ms)
+                continue
             log.info("graph_captured", batch=key.batch, width=key.width, k=key.k, mixed=key.mixed,
                      after_ready=True, ms=ms)  # fmt: skip
         engine.captured.clear()
+        if self._warm_captured and not graphs.warm_waiting:
+            log.info("graphs_warmed", graphs=len(self._warm_captured),
+                     capture_s=round(sum(self._warm_captured) / 1e3, 3),
+                     after_ready_s=round(time.monotonic() - self._started_at, 3))  # fmt: skip
+            self._warm_captured = []
         for name, fields in engine.kv.take_notices():
             quiet = name in ("ssd_recovered", "digests_restored", "session_forked")
             (log.info if quiet else log.warning)(name, **fields)
@@ -183,11 +194,15 @@ class EngineWorker:
                 return
             if not self.engine.has_work:
                 self.collector.due()
-                if self.engine.runner.graphs.deferred and time.monotonic() - self._busy_at >= CAPTURE_IDLE_S:
-                    self.engine.upkeep(idle=True)  # graphs that steps wanted, captured once requests paused
-                    continue
+                graphs = self.engine.runner.graphs
+                if graphs.deferred and time.monotonic() - self._busy_at >= CAPTURE_IDLE_S:
+                    # graphs that steps wanted, or the warm set's left for after ready: one a turn,
+                    # so that a request that comes meanwhile waits for one capture at most
+                    self.engine.upkeep(idle=True)
                 more = self.engine.write_behind()  # dirty KV past its budget, unbounded per call while idle
                 more = self.engine.read_ahead() or more  # resumed sessions' archived KV back into DDR
+                if graphs.deferred and time.monotonic() - self._busy_at >= CAPTURE_IDLE_S:
+                    continue
                 self._wake.wait(WRITE_BEHIND_WAIT_S if more else IDLE_WAIT_S)
                 self._wake.clear()
                 continue

@@ -1070,18 +1070,18 @@ class Engine:
         self.runner.commit(report)
         return self.commit(prefill.out, report)
 
-    def warm(self, kernels: bool | None = None) -> Warmup:
-        """Before serving: kernels compiled and the named set of decode graphs captured
-        (h3d.engine.warmup)."""
-        self.warmup = warm_up(self, kernels)
+    def warm(self, kernels: bool | None = None, graphs_now: bool = True) -> Warmup:
+        """Before serving: kernels compiled and the named set of decode graphs captured, now or,
+        with `graphs_now` False, between steps after (h3d.engine.warmup)."""
+        self.warmup = warm_up(self, kernels, graphs_now)
         return self.warmup
 
     def upkeep(self, idle: bool = False) -> None:
         """Between steps: HBM moved toward the active sessions' fair shares (`KVCache.rebalance`);
-        decode graphs that steps wanted since the warm-up captured (all when
-        `idle`, else one that waited long: `DecodeGraphs.capture_deferred`); every 64th step the
-        archive kept within `ssd_capacity_mb` (closed sessions' KV evicted, coldest first). The
-        daemon's engine thread and `run` call it."""
+        a decode graph that steps wanted since the warm-up, or one of the warm set left for after
+        ready, captured (when `idle`, else one that waited long: `DecodeGraphs.capture_deferred`);
+        every 64th step the archive kept within `ssd_capacity_mb` (closed sessions' KV evicted,
+        coldest first). The daemon's engine thread and `run` call it."""
         self.save_touched()
         if self.kv.parking:
             self._park_ready()

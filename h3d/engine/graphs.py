@@ -52,9 +52,11 @@ host and 17 on the device, `anchors` 15 MB, `picked` 16 MB and `codes` 4 MB on t
 run at once). A graph whose digest arena was replaced since its capture (the arena grew past the
 rows reserved for the tiers' blocks) is captured again.
 
-Warm before ready (`warm_set`, `warm`): before the daemon says it is ready it captures one
-session's graphs at every width up to the longest context (batch 1: exact at every width,
-selecting at every width past the narrowest window), each from padding inputs. From then on
+The warm set (`warm_set`, `warm`): one session's graphs at every width up to the longest context
+(batch 1: exact at every width, selecting at every width past the narrowest window), each
+captured from padding inputs, before the daemon says it is ready (`graphs_before_ready`) or, by
+default, after: they wait in `deferred` and the idle engine captures one per turn, the ones steps
+wanted first. From then on
 (`deferring`) a step whose graph is not captured runs that graph's forward uncaptured (its static
 buffers and the batch's selection kernels, each launched: what a CPU runs) and its key waits in
 `deferred`; the engine captures waiting graphs between steps (`capture_deferred`: when it idles,
@@ -463,26 +465,44 @@ class DecodeGraphs:
             keys += [GraphKey(1, w, self.capacity) for w in widths if w > max(least, sinks + recent)]
         return keys
 
-    def warm(self, keys: list[GraphKey]) -> int:
-        """Capture `keys` now (on the CPU: make them and run each once) and keep them; then defer
-        every other graph (`deferring`). Returns the graphs captured."""
+    def warm(self, keys: list[GraphKey], now: bool = True) -> int:
+        """Keep `keys` (never dropped) and capture them now (on the CPU: make them and run each
+        once), or, with `now` False, leave them waiting in `deferred` to be captured between
+        steps (`capture_deferred`: while the engine idles, or once steps have wanted one); then
+        defer every other graph (`deferring`). Returns the graphs captured."""
         self.warm_keys = self.warm_keys | frozenset(keys)  # first: none of them is dropped as the others come
-        made = sum(self.prepare(key) for key in keys)
+        made = sum(self.prepare(key) for key in keys) if now else 0
+        if not now:
+            for key in keys:
+                self.deferred.setdefault(key, 0)
         self.deferring = True
         return made
 
+    @property
+    def warm_waiting(self) -> int:
+        """Graphs of the warm set not captured yet (`warm(now=False)`)."""
+        return sum(1 for key in self.deferred if key in self.warm_keys)
+
     def capture_deferred(self, idle: bool) -> list[GraphKey]:
-        """Between steps: capture the graphs that steps wanted since the warm-up, every one when
-        the engine idles, else one that has run `DEFER_STEPS` steps eagerly. Returns those captured."""
-        done: list[GraphKey] = []
-        for key, steps in list(self.deferred.items()):
-            if not idle and (steps < DEFER_STEPS or done):
-                continue
-            del self.deferred[key]
-            if self.prepare(key):
-                self.captures_after_ready += 1
-                done.append(key)
-        return done
+        """Between steps: capture a graph waiting in `deferred`: when the engine idles, the one
+        steps wanted most (else the first waiting: the warm set in its order), one a call so that
+        a request that comes meanwhile waits for one capture at most; while it is busy, one that
+        has run `DEFER_STEPS` steps uncaptured. Returns those captured."""
+        if not self.deferred:
+            return []
+        waiting = self.deferred
+        key = (
+            max(waiting, key=lambda k: waiting[k])  # (the first among equals)
+            if idle
+            else next((k for k, steps in waiting.items() if steps >= DEFER_STEPS), None)
+        )
+        if key is None:
+            return []
+        del self.deferred[key]
+        if not self.prepare(key):
+            return []
+        self.captures_after_ready += 1
+        return [key]
 
     @torch.inference_mode()
     def prepare(self, key: GraphKey) -> bool:

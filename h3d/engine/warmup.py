@@ -14,8 +14,12 @@ A first request should not pay for compiling kernels or capturing graphs. `warm_
    count). Triton keeps what it compiled under `TRITON_CACHE_DIR` (the daemon puts it under its
    data folder), so a restart compiles nothing, and loads every variant before ready;
 2. the named set of decode graphs (`DecodeGraphs.warm_set`): batch 1 at every width bucket up to
-   the longest context, exact and selecting. From then on a graph outside the set is captured
-   between steps, never on a step's path (`DecodeGraphs.capture_deferred`), and counted.
+   the longest context, exact and selecting; captured here where `graphs_now` (the daemon's
+   `graphs_before_ready`), else left waiting and captured after ready, one graph per turn of the
+   engine's idle loop (the 66 graphs of a Llama-8B shape at 128K took 8-13 s on H100s, a third of
+   the start; a step that needs one first runs its forward uncaptured). From then on a graph
+   outside the set is captured between steps, never on a step's path
+   (`DecodeGraphs.capture_deferred`), and counted.
 
 The read-ahead of the sessions a restart reopened (`read_ahead_at_start`) goes on during the
 warm-up only at the steps' bounded share (`READ_AHEAD_STEP_MB` a step): pumped between every
@@ -59,6 +63,7 @@ class Warmup:
     graphs_s: float
     parts: dict[str, float] = field(default_factory=dict)  # kernels_s by part (`_scratch`'s)
     compiles: int = 0  # kernel variants compiled or loaded from Triton's cache (`loader.COMPILES`)
+    graphs_deferred: int = 0  # of the warm set, the graphs left to capture after ready
 
     def fields(self) -> dict[str, object]:
         """For the `warmed` log event."""
@@ -66,6 +71,7 @@ class Warmup:
             "prompt_tokens": self.prompt_tokens,
             "kernels_s": round(self.kernels_s, 3),
             "graphs": self.graphs,
+            "graphs_deferred": self.graphs_deferred,
             "graph_batches": list(self.batches),
             "graph_widths": list(self.widths),
             "graphs_s": round(self.graphs_s, 3),
@@ -75,9 +81,10 @@ class Warmup:
         }
 
 
-def warm_up(engine: Engine, kernels: bool | None = None) -> Warmup:
+def warm_up(engine: Engine, kernels: bool | None = None, graphs_now: bool = True) -> Warmup:
     """Compile and capture before serving (the module docstring). `kernels`: run the scratch
-    sequence (None: on CUDA only; a CPU compiles nothing)."""
+    sequence (None: on CUDA only; a CPU compiles nothing); `graphs_now`: capture the warm set now,
+    else leave it to be captured after ready (`DecodeGraphs.warm`)."""
     runner = engine.runner
     t0 = time.perf_counter()
     prompt = 0
@@ -86,7 +93,7 @@ def warm_up(engine: Engine, kernels: bool | None = None) -> Warmup:
         prompt = _scratch(engine, parts)
     t1 = time.perf_counter()
     keys = runner.graphs.warm_set(engine.max_context)
-    made = runner.graphs.warm(keys)
+    made = runner.graphs.warm(keys, now=graphs_now)
     if runner.device.type == "cuda":
         torch.cuda.synchronize()
     widths = sorted(k.width for k in keys)
@@ -95,6 +102,7 @@ def warm_up(engine: Engine, kernels: bool | None = None) -> Warmup:
         kernels_s=t1 - t0,
         prefill_tokens_per_s=engine.prefill_tokens_per_s or 0.0,
         graphs=made,
+        graphs_deferred=len(keys) - made,
         batches=tuple(sorted({k.batch for k in keys})),
         widths=(widths[0], widths[-1]) if widths else (0, 0),
         graphs_s=time.perf_counter() - t1,

@@ -195,3 +195,47 @@ def _engine_keys(checkpoint: Callable[[str], FsPath]) -> list[GraphKey]:
     keys = engine.runner.graphs.warm_set(engine.max_context)
     engine.close()
     return keys
+
+
+def test_a_warm_set_left_for_after_ready_is_captured_one_graph_a_turn_wanted_ones_first(
+    checkpoint: Callable[[str], FsPath], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`warm(graphs_now=False)` (the daemon's default, `graphs_before_ready` off): nothing
+    captured before ready, the whole set waiting; each idle turn captures one graph, the one
+    steps wanted first; while busy, a warm graph waits `DEFER_STEPS` steps as any other; a step
+    before its graph is captured decodes uncaptured, its tokens an engine's without graphs."""
+    engine = _engine(checkpoint, graphs=True)
+    g = engine.runner.graphs
+    monkeypatch.setattr(g, "_current", lambda key: key in g.capture_s)  # (a CPU "captures" in `prepare` only)
+    warm = engine.warm(kernels=False, graphs_now=False)
+    keys = g.warm_set(engine.max_context)
+    assert warm.graphs == 0 and warm.graphs_deferred == len(keys) == g.warm_waiting
+    assert list(g.deferred) == keys and g.warm_keys == frozenset(keys) and not g.capture_s
+    assert warm.fields()["graphs_deferred"] == len(keys)
+    engine.upkeep(idle=True)  # one a turn, the first in the set's order
+    assert engine.captured == [keys[0]] and g.warm_waiting == len(keys) - 1 and list(g.capture_s) == [keys[0]]
+    sid = engine.create_session(policy="exact")
+    prompt = random_prompt(500, VOCAB_SIZE, seed=3)
+    engine.append(sid, token_ids=prompt)
+    engine.submit(sid, generate=True, params=engine.with_sampling(max_tokens=4, ignore_eos=True))
+    tokens = []
+    while engine.has_work:  # (no upkeep between these steps)
+        tokens += [e.token_id for e in engine.step() if isinstance(e, TokenDelta)]
+    wanted = GraphKey(1, width_bucket(500 // BS + 1))
+    assert wanted in keys[2:] and g.deferred[wanted] == 4 and g.replays == 0  # every token's step, uncaptured
+    engine.upkeep(idle=False)  # busy: waited DEFER_STEPS steps: captured
+    assert engine.captured[-1] == wanted and wanted not in g.deferred
+    engine.upkeep(idle=True)  # then the set in its order
+    assert engine.captured[-1] == keys[1] and g.warm_waiting == len(keys) - 3
+    g.deferred[keys[-1]] += 1  # a step wanted it: the next idle turn takes it first
+    engine.upkeep(idle=True)
+    assert engine.captured[-1] == keys[-1]
+    while g.deferred:
+        engine.upkeep(idle=True)
+    assert g.capture_s.keys() == set(keys) and g.captures_after_ready == len(keys)
+    other = _engine(checkpoint, graphs=False)
+    sid = other.create_session(policy="exact")
+    events = other.generate(sid, token_ids=prompt, params=other.with_sampling(max_tokens=4, ignore_eos=True))
+    assert tokens == [e.token_id for e in events if isinstance(e, TokenDelta)] and len(tokens) == 4
+    other.close()
+    engine.close()
