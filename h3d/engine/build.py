@@ -43,13 +43,15 @@ def host_memory() -> tuple[int, int]:
         return total, total
 
 
-def budgets(config: EngineConfig, model: CausalLM, max_context: int) -> Budgets:
+def budgets(config: EngineConfig, model: CausalLM, max_context: int, gpu_free: int | None = None) -> Budgets:
     """`config`'s budgets, its `auto` keys sized from the hardware: on CUDA the card's free memory
-    now that the weights are loaded and the host's memory; on a CPU the CPU's figures."""
+    with the weights allocated (`gpu_free`, measured before they are read: `Weights.gpu_free`;
+    None: now) and the host's memory; on a CPU the CPU's figures."""
     device = model.lm_head.weight_t.device
     hw = None
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
+        free = free if gpu_free is None else gpu_free
         host_total, host_available = host_memory()
         hw = Hardware(gpu_total=total, gpu_free=free, host_total=host_total, host_available=host_available)
     keeps = policy_named(config.policy).keeps_digests

@@ -67,7 +67,7 @@ from h3d.errors import (
 )
 from h3d.hbf.policy import PROBE_QUERIES, policy_named
 from h3d.kv.blocks import SeqId
-from h3d.model.loader import load_model
+from h3d.model.loader import Weights, start_model
 from h3d.model.tokenizer import Tokenizer
 from h3d.store.tokenlog import TokenStore, parse_log
 from h3d.tiers.identity import ArchiveCorrupt, ArchiveError
@@ -131,15 +131,27 @@ class Engine:
         # The prefill's tokens/s as measured here (the warm-up's second scratch prompt on a GPU,
         # then long appends); None: not measured yet (`_choose_kv`)
         self.prefill_tokens_per_s: float | None = None
-        t0 = time.perf_counter()
-        self.model = load_model(config.model, config.resolved_dtype, config.resolved_device)
+        # The weights are read in the background while the tiers are sized and built and the
+        # sessions restored (`start_model`); nothing runs the model before `weights.wait()`.
+        self.model, weights = start_model(config.model, config.resolved_dtype, config.resolved_device)
+        try:
+            self._start(config, weights, remote)
+        finally:
+            t2 = time.perf_counter()
+            weights.wait()
+        # Where the start's time went (the daemon's `model_loaded` event): the weights' reading
+        # (beside the rest), the pools, the sessions, and the wait for the weights after them
+        self.start_s["model_s"] = round(weights.seconds, 3)
+        self.start_s["weights_wait_s"] = round(time.perf_counter() - t2, 3)
+
+    def _start(self, config: EngineConfig, weights: Weights, remote: RemoteLogs | None) -> None:
+        """`__init__`'s part beside the weights' reading: everything but running the model."""
         self.tokenizer = Tokenizer(config.model)
         self.max_context = config.max_context_tokens or self.model.config.max_position_embeddings
-        self.budgets = budgets(config, self.model, self.max_context)  # `auto` keys resolved
+        self.budgets = budgets(config, self.model, self.max_context, weights.gpu_free)  # `auto` keys resolved
         t1 = time.perf_counter()
         self.runner = build_runner(config, self.model, self.budgets, self.max_context)
-        # Where the start's time went (the daemon's `model_loaded` event): the model, then the pools
-        self.start_s = {"model_s": round(t1 - t0, 3), "pools_s": round(time.perf_counter() - t1, 3)}
+        self.start_s = {"pools_s": round(time.perf_counter() - t1, 3)}
         self.kv = self.runner.kv  # every session's KV state: asked and changed there
         self.eos_ids = frozenset(self.model.config.eos_token_ids)
         self.sessions: dict[SessionId, Session] = {}
@@ -183,7 +195,7 @@ class Engine:
             if config.read_ahead_at_start:  # the most recently used open sessions first
                 recent = sorted((self.sessions[i] for i in self.restored), key=lambda x: -x.last_used_at)
                 self.kv.resume_ahead([s.seq for s in recent if not s.closed])
-            self.start_s["sessions_s"] = round(max(0.0, time.perf_counter() - t0 - sum(self.start_s.values())), 3)
+            self.start_s["sessions_s"] = round(time.perf_counter() - t1 - self.start_s["pools_s"], 3)
         self.copier: KVCopier | None = None  # write-behind's KV copied to the remote store as well
         archive = self.kv.archive
         if remote is not None and archive is not None and remote.kv_copy_bytes > 0 and self.kv.tiers.behind.enabled:

@@ -1,17 +1,21 @@
 """Load a Hugging Face model folder: config, safetensors weights (single file or sharded index);
 of a multimodal checkpoint (Gemma 3), the text model only.
 
-Weights go from the files to the device in parallel (`read_weights`): each shard's header (the
-safetensors format: a little-endian u64 length, then a JSON table of every tensor's dtype, shape
-and byte range) says where each tensor lies, and `READ_THREADS` threads read pieces of at most
-`PIECE_BYTES` straight into pinned staging buffers (on CUDA; on the CPU into the tensors
-themselves) and copy them to the device, each thread on its own stream, so that reading the
-files, copying to the device and converting on it overlap. One thread reading tensor by tensor
+`start_model` checks the folder (config, every shard's header, the names and shapes the config
+wants), allocates the parameters on the device and reads the weights into them on a thread of its
+own (`Weights`), so that the engine sizes its tiers, opens the archive and restores its sessions
+meanwhile; `Weights.wait()` comes before anything runs the model. `load_model` is both at once.
+
+The weights go from the files to the device in parallel (`fill_weights`): each shard's header
+(the safetensors format: a little-endian u64 length, then a JSON table of every tensor's dtype,
+shape and byte range) says where each tensor lies, and `READ_THREADS` threads read pieces of at
+most `PIECE_BYTES` into pinned staging buffers (on CUDA; on the CPU into the tensors themselves)
+and copy them to the device, each thread on its own stream, so that reading the files, copying to
+the device and converting on it overlap. One thread reading tensor by tensor
 (`safetensors.safe_open`, then `.to(device)` from pageable memory) took 7-11 s for a 16 GB model
-on an H100 host with the files in the page cache (docs/BENCHMARKS.md). On the device, q/k/v and
-gate/up are fused into the matrices `h3d.model.llama` expects (each part read into its rows of
-the fused matrix), projections transposed and every tensor cast to the requested dtype, a few
-tensors at a time (`AHEAD_BYTES` of them in flight), so the device holds little beyond the model.
+on H100 hosts (docs/BENCHMARKS.md). A tensor stored as the model keeps it is read straight into
+its parameter; q/k/v and gate/up are read into their rows of one stacked buffer, and projections
+transposed and cast on the device into the parameter (`AHEAD_BYTES` of such buffers in flight).
 Missing files, missing tensors, unexpected ones, and a shard whose header or size does not hold
 together are reported with the folder and the names.
 """
@@ -22,8 +26,8 @@ import json
 import os
 import struct
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +48,7 @@ FILE_DTYPES = {
 }  # fmt: skip
 READ_THREADS = 8  # threads reading the shards (each with its own staging buffer and stream)
 PIECE_BYTES = 32 << 20  # the most one read and one copy move
-AHEAD_BYTES = 2 << 30  # tensors read ahead of the one being converted on the device
+AHEAD_BYTES = 512 << 20  # buffers read ahead of the one being converted (within the HBM margin)
 HEADER_MAX = 100 << 20  # a header longer than this is not a safetensors file's
 
 
@@ -246,16 +250,18 @@ class _Reader:
             os.close(fd)
 
 
-def read_weights(
+def fill_weights(
     recipes: dict[str, Recipe],
-    dtype: torch.dtype,
-    device: torch.device,
+    params: dict[str, torch.Tensor],
     threads: int = READ_THREADS,
     piece: int = PIECE_BYTES,
     ahead: int = AHEAD_BYTES,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each parameter on `device` in `dtype`, made by its recipe, in the recipes' order: their
-    reads go on `ahead` bytes in front of the parameter being converted."""
+) -> None:
+    """Fill each of `params` (on its device, in its dtype) from its recipe, in the recipes' order:
+    a tensor stored as it is kept is read straight into its parameter; the others (stacked parts
+    of another dtype, projections to transpose) into a buffer of the stored dtype on the device,
+    then converted into the parameter, with the reads `ahead` bytes in front of the conversion."""
+    device = next(iter(params.values())).device
     reader = _Reader(device, threads, piece)
     queued: deque[tuple[str, Recipe, torch.Tensor, list[Future[None]]]] = deque()
     names = iter(recipes.items())
@@ -267,9 +273,11 @@ def read_weights(
                 if item is None:
                     break
                 name, recipe = item
-                first = recipe.parts[0]
+                first, param = recipe.parts[0], params[name]
+                direct = not recipe.transpose and first.dtype == param.dtype
                 rows = sum(p.shape[0] for p in recipe.parts) if first.shape else 0
-                raw = torch.empty((rows, *first.shape[1:]) if first.shape else (), dtype=first.dtype, device=device)
+                shape = (rows, *first.shape[1:]) if first.shape else ()
+                raw = param if direct else torch.empty(shape, dtype=first.dtype, device=device)
                 futures: list[Future[None]] = []
                 at = 0
                 for part in recipe.parts:
@@ -277,26 +285,65 @@ def read_weights(
                     futures += reader.read(part, raw[at : at + span] if part.shape else raw)
                     at += span
                 queued.append((name, recipe, raw, futures))
-                in_flight += recipe.nbytes
+                in_flight += 0 if direct else recipe.nbytes
             if not queued:
                 return
             name, recipe, raw, futures = queued.popleft()
-            in_flight -= recipe.nbytes
             for f in futures:
                 f.result()
-            t = raw.t() if recipe.transpose else raw
-            out = t.to(dtype=dtype).contiguous()
-            if out is not raw and reader.cuda:
-                # `raw` is free once the conversion has read it: its memory may go to the next
-                # tensor, written on a reader's stream, not after this stream's work
-                torch.cuda.current_stream(device).synchronize()
-            yield name, out
+            param = params[name]
+            if raw is not param:
+                in_flight -= recipe.nbytes
+                param.copy_(raw.t() if recipe.transpose else raw)
+                if reader.cuda:
+                    # `raw` is free once the copy has read it: its memory may go to the next
+                    # buffer, written on a reader's stream, not after this stream's work
+                    torch.cuda.current_stream(device).synchronize()
     finally:
         reader.close()
 
 
-def load_model(model_dir: str | Path, dtype: str, device: str | torch.device) -> CausalLM:
-    """Build the model for `model_dir` with weights in `dtype` ('fp32'|'bf16'|'fp16') on `device`."""
+class Weights:
+    """The weights of a model being read in the background (`start_model`): `wait()` returns
+    once every parameter holds its values, or raises what stopped the reading."""
+
+    def __init__(self, recipes: dict[str, Recipe], params: dict[str, torch.Tensor], gpu_free: int | None) -> None:
+        self.seconds = 0.0  # how long the reading took
+        # The card's free memory with the parameters allocated, before the reading's buffers
+        # (what sizes the HBM tier: `h3d.engine.build.budgets`); None on a CPU
+        self.gpu_free = gpu_free
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(recipes, params), name="h3d-weights", daemon=True)
+        self._thread.start()
+
+    def _run(self, recipes: dict[str, Recipe], params: dict[str, torch.Tensor]) -> None:
+        t0 = time.perf_counter()
+        device = next(iter(params.values())).device
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+                with torch.cuda.stream(torch.cuda.Stream(device)):
+                    fill_weights(recipes, params)
+                torch.cuda.synchronize(device)
+                torch.cuda.empty_cache()  # the buffers it converted through, back to the card
+            else:
+                fill_weights(recipes, params)
+        except BaseException as exc:  # handed to `wait`
+            self._error = exc
+        self.seconds = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            if isinstance(self._error, ModelLoadError):
+                raise self._error
+            raise ModelLoadError(f"cannot read the weights: {self._error!r}") from self._error
+
+
+def start_model(model_dir: str | Path, dtype: str, device: str | torch.device) -> tuple[CausalLM, Weights]:
+    """The model for `model_dir` with weights in `dtype` ('fp32'|'bf16'|'fp16') on `device`, its
+    parameters allocated and being read in the background: nothing may run the model before
+    `Weights.wait()` returns. What the folder lacks or holds wrong is raised here."""
     path = Path(model_dir)
     if not path.is_dir():
         raise ModelLoadError(f"model folder not found: {path}")
@@ -330,9 +377,19 @@ def load_model(model_dir: str | Path, dtype: str, device: str | torch.device) ->
     ]
     if wrong:
         raise ModelLoadError(f"{path}: weights do not fit the config's shapes: {', '.join(wrong[:3])}")
-    state = dict(read_weights(recipes, DTYPES[dtype], dev))
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.eval().requires_grad_(False)
+    torch_dtype = DTYPES[dtype]
+    params = {k: torch.empty(expected[k].shape, dtype=torch_dtype, device=dev) for k in recipes}
+    model.load_state_dict(params, strict=True, assign=True)
+    model.eval().requires_grad_(False)
+    gpu_free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else None
+    return model, Weights(recipes, dict(model.state_dict()), gpu_free)
+
+
+def load_model(model_dir: str | Path, dtype: str, device: str | torch.device) -> CausalLM:
+    """Build the model for `model_dir` with weights in `dtype` ('fp32'|'bf16'|'fp16') on `device`."""
+    model, weights = start_model(model_dir, dtype, device)
+    weights.wait()
+    return model
 
 
 def _shape(recipe: Recipe) -> tuple[int, ...]:

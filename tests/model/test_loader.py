@@ -1,4 +1,4 @@
-"""The parallel weight reader (`h3d.model.loader.read_weights`) against safetensors' own reader:
+"""The parallel weight reader (`h3d.model.loader.fill_weights`) against safetensors' own reader:
 every parameter equal, whatever the pieces, threads and read-ahead; broken shards refused with
 their names, never a traceback."""
 
@@ -13,9 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from h3d.config import EngineConfig
+from h3d.engine.engine import Engine
 from h3d.errors import ModelLoadError
 from h3d.model.config import ModelConfig, load_model_config
-from h3d.model.loader import _recipes, _stored, _text_model, load_model, read_weights
+from h3d.model.loader import Stored, _Reader, _recipes, _stored, _text_model, fill_weights, load_model, start_model
 
 
 def _oracle(folder: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -52,8 +54,8 @@ def test_read_weights_equal_safetensors_own(
     recipes = _recipes(stored, cfg)
     for dtype in (torch.float32, torch.bfloat16):
         want = _oracle(folder, cfg, dtype)
-        got = dict(read_weights(recipes, dtype, torch.device("cpu"), threads=threads, piece=piece, ahead=ahead))
-        assert list(got) == list(recipes)
+        got = {k: torch.full(want[k].shape, float("nan"), dtype=dtype) for k in recipes}
+        fill_weights(recipes, got, threads=threads, piece=piece, ahead=ahead)
         assert got.keys() == want.keys()
         for k, t in got.items():
             assert t.dtype == dtype and t.is_contiguous(), k
@@ -99,3 +101,26 @@ def test_weights_of_another_shape_than_the_config_says_are_refused(model_copy: C
     (folder / "config.json").write_text(json.dumps(config))
     message = _error(folder)
     assert "do not fit the config's shapes" in message and "gate_up_proj" in message
+
+
+def test_weights_read_in_the_background_fail_at_wait_with_the_shard_named(
+    checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`start_model` returns with the parameters allocated and the reading under way; a read that
+    fails midway (an I/O error) is raised by `Weights.wait` as a ModelLoadError naming the file,
+    and by an engine's start the same way."""
+    folder = checkpoint("llama_mha_untied")
+    model, weights = start_model(folder, "fp32", "cpu")
+    weights.wait()
+    want = _oracle(folder, load_model_config(folder), torch.float32)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items()) and weights.seconds > 0
+
+    def failing(fd: int, buf: object, stored: Stored, at: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(_Reader, "_fill", staticmethod(failing))
+    _, weights = start_model(folder, "fp32", "cpu")
+    with pytest.raises(ModelLoadError, match=r"cannot read .*model\.safetensors.*Input/output error"):
+        weights.wait()
+    with pytest.raises(ModelLoadError, match="Input/output error"):
+        Engine(EngineConfig.build(model=str(folder)))
