@@ -133,25 +133,31 @@ class Engine:
         self.prefill_tokens_per_s: float | None = None
         # The weights are read in the background while the tiers are sized and built and the
         # sessions restored (`start_model`); nothing runs the model before `weights.wait()`.
+        t0 = time.perf_counter()
         self.model, weights = start_model(config.model, config.resolved_dtype, config.resolved_device)
+        setup_s = time.perf_counter() - t0  # the folder checked, the parameters allocated (the device's start)
         try:
             self._start(config, weights, remote)
         finally:
             t2 = time.perf_counter()
             weights.wait()
-        # Where the start's time went (the daemon's `model_loaded` event): the weights' reading
-        # (beside the rest), the pools, the sessions, and the wait for the weights after them
+        # Where the start's time went (the daemon's `model_loaded` event): the model's setup, the
+        # tokenizer, the pools, the sessions, the weights' reading (beside them) and the wait for
+        # it after them
+        self.start_s["setup_s"] = round(setup_s, 3)
         self.start_s["model_s"] = round(weights.seconds, 3)
         self.start_s["weights_wait_s"] = round(time.perf_counter() - t2, 3)
 
     def _start(self, config: EngineConfig, weights: Weights, remote: RemoteLogs | None) -> None:
         """`__init__`'s part beside the weights' reading: everything but running the model."""
+        t0 = time.perf_counter()
         self.tokenizer = Tokenizer(config.model)
+        tokenizer_s = time.perf_counter() - t0
         self.max_context = config.max_context_tokens or self.model.config.max_position_embeddings
         self.budgets = budgets(config, self.model, self.max_context, weights.gpu_free)  # `auto` keys resolved
         t1 = time.perf_counter()
         self.runner = build_runner(config, self.model, self.budgets, self.max_context)
-        self.start_s = {"pools_s": round(time.perf_counter() - t1, 3)}
+        self.start_s = {"tokenizer_s": round(tokenizer_s, 3), "pools_s": round(time.perf_counter() - t1, 3)}
         self.kv = self.runner.kv  # every session's KV state: asked and changed there
         self.eos_ids = frozenset(self.model.config.eos_token_ids)
         self.sessions: dict[SessionId, Session] = {}

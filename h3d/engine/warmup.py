@@ -61,7 +61,8 @@ class Warmup:
     batches: tuple[int, ...]
     widths: tuple[int, int]  # the narrowest and widest table width (blocks), (0, 0) when none
     graphs_s: float
-    parts: dict[str, float] = field(default_factory=dict)  # kernels_s by part (`_scratch`'s)
+    # kernels_s by part (`_scratch`'s), and the variants each compiled or loaded (`*_compiles`)
+    parts: dict[str, float] = field(default_factory=dict)
     compiles: int = 0  # kernel variants compiled or loaded from Triton's cache (`loader.COMPILES`)
     graphs_deferred: int = 0  # of the warm set, the graphs left to capture after ready
 
@@ -77,7 +78,7 @@ class Warmup:
             "graphs_s": round(self.graphs_s, 3),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s),
             "kernel_compiles": self.compiles,
-            **{k: round(v, 3) for k, v in self.parts.items()},
+            **{k: round(v, 3) if k.endswith("_s") else int(v) for k, v in self.parts.items()},
         }
 
 
@@ -116,6 +117,7 @@ def _scratch(engine: Engine, parts: dict[str, float]) -> int:
     """A scratch sequence's prefill and a few decode steps (released after). Returns its prompt's
     length; `parts` gets the seconds of each part (`scratch_s`, `prefill_s`, `batches_s`)."""
     began = time.perf_counter()
+    compiled = loader.COMPILES.count
     runner, kv = engine.runner, engine.kv
     bs = kv.block_size
     rows = runner.model.slice_rows(runner.model.lm_head.weight_t.element_size())
@@ -131,6 +133,7 @@ def _scratch(engine: Engine, parts: dict[str, float]) -> int:
     finally:
         kv.release(seq, purge_archive=True)
     parts["scratch_s"] = time.perf_counter() - began
+    parts["scratch_compiles"], compiled = loader.COMPILES.count - compiled, loader.COMPILES.count
     # The same prompt again, compiled by now: the engine's prefill rate, for what is cheaper than
     # computing KV again (a take-over's KV from the remote store, `Engine._choose_kv`).
     seq = SeqId(next(engine._seq_ids))
@@ -151,6 +154,7 @@ def _scratch(engine: Engine, parts: dict[str, float]) -> int:
     _batches(engine, ids)
     t2 = time.perf_counter()
     parts["batches_s"] = t2 - t1
+    parts["batches_compiles"], compiled = loader.COMPILES.count - compiled, loader.COMPILES.count
     if loader.runs_on(runner.device):
         model = engine.model.config
         dtype = next(engine.model.parameters()).dtype  # a step's queries'
@@ -159,22 +163,25 @@ def _scratch(engine: Engine, parts: dict[str, float]) -> int:
         windows = any(w is not None for w in runner.windows)
         decode.warm_decode(q, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), engine.max_context // bs + 1, windows)
         parts["decode_s"] = time.perf_counter() - t2
+        parts["decode_compiles"] = loader.COMPILES.count - compiled
     return n
 
 
 def _batches(engine: Engine, ids: tuple[int, ...]) -> None:
     """Decode steps of several scratch sequences at once (released after): Triton compiles a
-    kernel again for an integer argument that is 1, a multiple of 16 or neither (the batch, the
-    table's width), so batches of `BATCHES` run `DECODE_STEPS` steps through a graph (captured
-    here, kept as any other) and as many eagerly, at widths on both sides of a multiple of 16,
-    under the configured policy and `exact`, with contexts past the window (the selecting path).
-    Without this the first requests decoding together stall for the compiles (seconds)."""
+    kernel again for an integer argument that is 1, a multiple of 16 or neither (the rows of a
+    norm or a cache write follow the batch), so batches of `BATCHES` run `DECODE_STEPS` steps
+    through a graph (captured here, kept as any other), at widths on both sides of a multiple of
+    16, under the configured policy and `exact`, with contexts past the window (the selecting
+    path). Without this the first requests decoding together stall for the compiles (seconds).
+    The same steps run eagerly compiled nothing more once the attention and selection kernels
+    stopped specializing on widths and batches (`decode.LOOSE`, `select.LOOSE`): they were taken
+    out, with the seconds of host-planned selection they cost."""
     runner, kv = engine.runner, engine.kv
     bs = kv.block_size
     blocks = 16 * -(-(engine.config.window_tokens + engine.config.recent_tokens + 2 * bs) // (16 * bs))
     n = min(blocks * bs - 1, engine.max_context - DECODE_STEPS - 1, int(engine.budgets.prefill_chunk_tokens))
     prompt = tuple(ids[i % len(ids)] for i in range(n))
-    graphs = runner.graphs.enabled
     for name in dict.fromkeys((engine.config.policy, "exact")):
         for batch in BATCHES:
             seqs = [SeqId(next(engine._seq_ids)) for _ in range(batch)]
@@ -188,11 +195,9 @@ def _batches(engine: Engine, ids: tuple[int, ...]) -> None:
                 for seq in seqs[PREFILLED:]:
                     if kv.fork_whole(seqs[0], seq) != n:
                         runner.step([Chunk(seq, prompt, 0, want_logits=True)])
-                for i in range(2 * DECODE_STEPS):  # through a graph where one applies, then eagerly
-                    runner.graphs.enabled = graphs and i < DECODE_STEPS
+                for i in range(DECODE_STEPS):  # through a graph where one applies (captured here)
                     runner.step([Chunk(seq, (prompt[i],), n + i, want_logits=True) for seq in seqs])
             finally:
-                runner.graphs.enabled = graphs
                 for seq in seqs:
                     if kv.has(seq):
                         kv.release(seq, purge_archive=True)
