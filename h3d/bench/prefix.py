@@ -25,7 +25,9 @@ started with `--http-listen` and nothing else):
   history (its prompt and reply). Turn 2 comes as soon as turn 1 ended, while write-behind
   archives turn 1's KV; then, once that settled, the same history with another question (turn 2
   as a reader who took a few seconds would send it). Each with where the daemon's time went (its
-  `generation` event).
+  `generation` event). Turn 1, and the settled turn, wait for the daemon's warm set of decode
+  graphs (captured after ready, one per idle turn: `graphs_warmed`), so that no turn waits for
+  a capture under way as a request right after the start would (its own figure: `queued_ms`).
 
 `--phase forks` or `--phase chat` runs one of them (default: both).
 """
@@ -128,6 +130,17 @@ def kv_bytes(client: Client) -> tuple[int, int, int, int]:
     )  # fmt: skip
 
 
+def graphs_warmed(client: Client, timeout: float = 120.0) -> float:
+    """Until the daemon has captured the warm set of decode graphs it left for after ready
+    (`graphs_before_ready` off: one graph per idle turn, and a request that comes meanwhile waits
+    for the capture under way), so that a turn is timed as on a daemon that has finished its
+    start. Returns the seconds waited."""
+    t0 = time.monotonic()
+    while client.h3.GetStats(client.pb.GetStatsRequest()).graphs.deferred and time.monotonic() - t0 < timeout:
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
 def settled(client: Client, timeout: float = 300.0) -> None:
     """Until write-behind is done with what it will write (nothing in flight, the dirty KV within
     its budget, unchanged for a second): its DDR copies are then in both measures alike."""
@@ -216,6 +229,7 @@ def forks(client: Client, ids: list[int], n: int, generate: int) -> dict[str, An
 
 def second_turn(url: str, model: str, text: str, reply_tokens: int, daemon: Daemon, client: Client) -> dict[str, Any]:
     history = [{"role": "user", "content": text + "\n\nIn one sentence: what does this manual describe?"}]
+    waited = graphs_warmed(client)
     first = chat(url, model, history, reply_tokens)
     history += [{"role": "assistant", "content": first["text"]},
                 {"role": "user", "content": "And which command shows the tiers?"}]  # fmt: skip
@@ -225,6 +239,7 @@ def second_turn(url: str, model: str, text: str, reply_tokens: int, daemon: Daem
     inside = [e for e in daemon.events() if e.get("event") == "generation"][-1]
     # The same history once write-behind settled, with another question.
     settled(client)
+    graphs_warmed(client)
     history[-1] = {"role": "user", "content": "And where do sessions live after a restart?"}
     later = chat(url, model, history, reply_tokens)
     inside_later = [e for e in daemon.events() if e.get("event") == "generation"][-1]
@@ -238,6 +253,7 @@ def second_turn(url: str, model: str, text: str, reply_tokens: int, daemon: Daem
         "second_in_daemon_ms": {k: inside[k] for k in keys},
         "ttft_settled_s": later["ttft_s"], "settled_in_daemon_ms": {k: inside_later[k] for k in keys},
         "settled_cached_tokens": later["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0),
+        "graphs_warmed_wait_s": round(waited, 1),  # before turn 1: the warm set's captures after ready
     }  # fmt: skip
 
 
