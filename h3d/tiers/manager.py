@@ -298,20 +298,27 @@ class TierManager:
         if self.archive is None:
             return  # without an archive every block is in HBM or DDR already
         b = self.blocks
-        missing: list[tuple[SeqId, np.ndarray]] = []
-        for seq in batch:
+
+        def archived(seq: SeqId) -> np.ndarray:
+            """The blocks of `seq` this layer reads that only the archive holds (or a piece in flight)."""
             t = b.table(seq)
             nb = t.num_blocks if upto is None else min(t.num_blocks, upto[seq])
             pick = None if only is None else only.get(seq)
-            if self.ahead.pieces:  # read ahead: its pieces in flight that hold these blocks are waited for
-                self.ahead.wait_for(seq, layer, np.arange(nb) if pick is None else pick)
             if pick is None:
-                gone = np.flatnonzero(t.archive_only(layer, nb))
-            else:
-                pick = pick[pick < nb]
-                gone = pick[t.archive_only(layer, nb)[pick]]
-            if len(gone):
-                missing.append((seq, gone))
+                return np.flatnonzero(t.archive_only(layer, nb))
+            pick = pick[pick < nb]
+            return pick[t.archive_only(layer, nb)[pick]]
+
+        wanted = [(seq, archived(seq)) for seq in batch]
+        if self.ahead.pieces and any(len(g) for _, g in wanted):
+            # other sessions' pieces not started go after this step's reads; its own pieces in
+            # flight that hold these blocks are waited for
+            self.ahead.yield_to(batch)
+            for seq, gone in wanted:
+                if len(gone):
+                    self.ahead.wait_for(seq, layer, gone)
+            wanted = [(seq, archived(seq)) for seq, _ in wanted]
+        missing = [(seq, gone) for seq, gone in wanted if len(gone)]
         staged = sum(len(g) for _, g in missing)
         if staged:
             short = staged - b.ddr_free

@@ -12,7 +12,9 @@ CUDA graph) instead of on the host.
 
 A finished piece's slots join the session's table at the next `poll` (the engine thread). A
 step that needs a block of a piece still in flight waits for that piece (`wait_for`), then reads
-it as read ahead: the tokens are those of an uninterrupted run.
+it as read ahead: the tokens are those of an uninterrupted run. A step that reads the archive
+first takes back the pieces of other sessions that have not started (`yield_to`): its own reads
+and its sessions' pieces go first on the disk.
 
 What must stay true: a slot read into has no owner (`SlotAllocator.take`: neither free nor any
 session's) until its piece is applied; a block that got a DDR copy meanwhile (a step staged it)
@@ -62,6 +64,7 @@ class ReadAhead:
         self.skip: dict[SeqId, np.ndarray] = {}
         self.pieces: list[_Piece] = []
         self.read_blocks = 0  # applied since start
+        self.yielded_blocks = 0  # taken back before they were read, for a step's own reads (`yield_to`)
         self._pool: ThreadPoolExecutor | None = None
 
     @property
@@ -183,6 +186,26 @@ class ReadAhead:
                 self.tiers.counters.ssd_read_count += int(fresh.sum())
                 self.tiers.sessions[p.seq].counters.ssd_read_count += int(fresh.sum())
         self.pieces = keep
+
+    def yield_to(self, batch: list[SeqId]) -> int:
+        """A step is about to read the archive for `batch`: the pieces of other sessions not
+        started yet are taken back (their slots given back; `pump` submits their blocks again
+        later), so that the step's reads, and its sessions' own pieces, do not queue behind them
+        on the disk. A restart's read-ahead submits every open session's next-step blocks at once,
+        the most recently used first: the first session asked for, if it was used earlier, waited
+        for all of them (4 GB of other sessions' reads in its 7 s first step at 128K on an H100
+        host, docs/BENCHMARKS.md). Returns the blocks taken back."""
+        keep: list[_Piece] = []
+        back = 0
+        for p in self.pieces:
+            if p.seq not in batch and p.future.cancel():  # (never started: never will)
+                self.tiers.blocks.ddr_alloc.let_go(p.slots)
+                back += len(p.blocks)
+            else:
+                keep.append(p)
+        self.pieces = keep
+        self.yielded_blocks += back
+        return back
 
     def wait_for(self, seq: SeqId, layer: int, blocks: np.ndarray) -> None:
         """A step is about to read `blocks` of `seq`'s `layer`: the pieces in flight that hold any

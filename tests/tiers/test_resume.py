@@ -26,6 +26,7 @@ from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import SessionId
 from h3d.engine.stepkv import HostStepKV
+from h3d.kv.slots import HELD
 from h3d.tiers.digestfile import DigestFiles, Layout
 
 MODEL = "llama_gqa4_tied"  # 3 layers, 2 KV heads of 16, blocks of 16 tokens
@@ -449,6 +450,83 @@ def test_the_rest_is_read_ahead_after_the_first_step_and_a_step_waits_for_a_piec
     assert stats.read_ahead_bytes == ahead.read_blocks * 4096 and stats.read_ahead_in_flight_bytes == 0
     assert first + out == plain.complete(twin, "", ONE).token_ids + plain.complete(twin, "", GREEDY).token_ids
     engine.runner.kv.check()
+    engine.close()
+    plain.close()
+
+
+def test_a_step_that_reads_the_archive_takes_back_other_sessions_pieces_not_started(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a restart read-ahead queues every open session's blocks, the most recently used
+    session's first; the first step of the other one, which reads the archive, takes back the
+    pieces of the first that have not started (`ReadAhead.yield_to`), so that its reads do not
+    wait behind them. Those blocks are read ahead later all the same, no slot is lost, and both
+    sessions' tokens are the untiered engine's."""
+    import threading
+    import time
+
+    from h3d.tiers import readahead
+
+    folder = tmp_path / "data"
+    engine = _engine(checkpoint(MODEL), folder)
+    plain = make_engine(checkpoint(MODEL), **HBF)
+    pairs = []
+    for n in (PROMPT, PROMPT // 2):  # used in this order: the second is the most recent
+        sid, twin = engine.create_session(), plain.create_session()
+        ids = random_prompt(n, VOCAB_SIZE, seed=n + 1)
+        engine.append(sid, token_ids=ids)
+        plain.append(twin, token_ids=ids)
+        assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+        pairs.append((sid, twin))
+        time.sleep(0.01)  # (distinct last uses)
+    assert engine.checkpoint().blocks_left == 0
+    engine.close()
+
+    monkeypatch.setattr(readahead, "READ_AHEAD_THREADS", 1)
+    monkeypatch.setattr(readahead, "READ_AHEAD_PIECE", 8)
+    gate = threading.Event()
+    from h3d.tiers.mover import Mover
+
+    read_into = Mover.read_into
+
+    def held(self: Mover, keys: list[Any], slots: np.ndarray) -> None:
+        gate.wait(10)  # the one thread holds the recent session's first piece; the rest queue
+        read_into(self, keys, slots)
+
+    monkeypatch.setattr(Mover, "read_into", held)
+    yield_to = readahead.ReadAhead.yield_to
+    taken: list[tuple[list[Any], int, dict[Any, int]]] = []
+
+    def spy(self: readahead.ReadAhead, batch: list[Any]) -> int:
+        queued: dict[Any, int] = {}
+        for p in self.pieces:
+            if not p.future.running() and not p.future.done():
+                queued[p.seq] = queued.get(p.seq, 0) + len(p.blocks)
+        back = yield_to(self, batch)
+        taken.append((list(batch), back, queued))
+        gate.set()
+        return back
+
+    monkeypatch.setattr(readahead.ReadAhead, "yield_to", spy)
+    engine = _engine(checkpoint(MODEL), folder, read_ahead_at_start=True)
+    tiers = engine.runner.tiers
+    old, recent = (engine.session(sid).seq for sid, _ in pairs)
+    (sid, twin), later = pairs[0], pairs[1]
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    batch, back, queued = taken[0]
+    assert batch == [old] and back == queued[recent] > 0  # every piece of the other not started
+    assert tiers.ahead.yielded_blocks >= back
+    while engine.read_ahead():  # (the daemon's idle loop): the blocks taken back are read all the same
+        time.sleep(0.005)
+    tiers.ahead.poll()
+    bs = tiers.blocks.block_size
+    table = tiers.blocks.table(recent)
+    assert not table.archive_only()[:, : table.num_tokens // bs].any()
+    sid, twin = later
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    assert not tiers.ahead.pieces
+    engine.runner.kv.check()
+    assert not (tiers.blocks.ddr_owner == HELD).any()  # none lost with the pieces taken back
     engine.close()
     plain.close()
 
