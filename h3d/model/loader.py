@@ -13,9 +13,10 @@ most `PIECE_BYTES` into pinned staging buffers (on CUDA; on the CPU into the ten
 and copy them to the device, each thread on its own stream, so that reading the files, copying to
 the device and converting on it overlap. One thread reading tensor by tensor
 (`safetensors.safe_open`, then `.to(device)` from pageable memory) took 7-11 s for a 16 GB model
-on H100 hosts (docs/BENCHMARKS.md). A tensor stored as the model keeps it is read straight into
-its parameter; q/k/v and gate/up are read into their rows of one stacked buffer, and projections
-transposed and cast on the device into the parameter (`AHEAD_BYTES` of such buffers in flight).
+on H100 hosts, this 1.4-1.6 s from the page cache (docs/BENCHMARKS.md). A tensor stored as the
+model keeps it is read straight into its parameter; q/k/v and gate/up are read into their rows of
+one stacked buffer, and projections transposed and cast on the device into the parameter
+(`AHEAD_BYTES` of such buffers in flight).
 Missing files, missing tensors, unexpected ones, and a shard whose header or size does not hold
 together are reported with the folder and the names.
 """
