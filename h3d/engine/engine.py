@@ -138,9 +138,11 @@ class Engine:
         setup_s = time.perf_counter() - t0  # the folder checked, the parameters allocated (the device's start)
         try:
             self._start(config, weights, remote)
-        finally:
-            t2 = time.perf_counter()
-            weights.wait()
+        except BaseException:
+            weights.join()  # (its own failure, if any, after the one raised here)
+            raise
+        t2 = time.perf_counter()
+        weights.wait()
         # Where the start's time went (the daemon's `model_loaded` event): the model's setup, the
         # tokenizer, the pools, the sessions, the weights' reading (beside them) and the wait for
         # it after them

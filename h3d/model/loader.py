@@ -333,6 +333,10 @@ class Weights:
             self._error = exc
         self.seconds = time.perf_counter() - t0
 
+    def join(self) -> None:
+        """Until the reading has ended, whatever its outcome."""
+        self._thread.join()
+
     def wait(self) -> None:
         self._thread.join()
         if self._error is not None:

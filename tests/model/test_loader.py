@@ -124,3 +124,19 @@ def test_weights_read_in_the_background_fail_at_wait_with_the_shard_named(
         weights.wait()
     with pytest.raises(ModelLoadError, match="Input/output error"):
         Engine(EngineConfig.build(model=str(folder)))
+
+
+def test_a_start_that_fails_beside_the_reading_raises_its_own_error_once_the_reading_ended(
+    checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from h3d.engine import engine as engine_module
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("the pools could not be made")
+
+    monkeypatch.setattr(engine_module, "build_runner", broken)
+    with pytest.raises(RuntimeError, match="the pools could not be made"):
+        Engine(EngineConfig.build(model=str(checkpoint("llama_mha_untied"))))
+    assert not [t for t in threading.enumerate() if t.name == "h3d-weights"]  # joined, not left writing
