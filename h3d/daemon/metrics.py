@@ -164,7 +164,8 @@ class Metrics:
         metric("h3d_graph_captures_total", "counter", "Decode graphs captured (the warm-up's included).",
                gr.captures_total)  # fmt: skip
         metric("h3d_graph_captures_after_ready_total", "counter",
-               "Decode graphs captured after ready (between steps; their steps ran eagerly meanwhile).",
+               "Decode graphs captured after ready (between steps: the warm set left for after ready, and those steps "
+               "wanted, which ran uncaptured meanwhile).",
                gr.captures_after_ready)  # fmt: skip
         metric("h3d_graph_replays_total", "counter", "Decode steps replayed through a graph.", gr.replays_total)
         metric("h3d_graph_eager_steps_total", "counter", "Decode steps run uncaptured while their graph waited.",
