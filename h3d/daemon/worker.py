@@ -195,14 +195,15 @@ class EngineWorker:
             if not self.engine.has_work:
                 self.collector.due()
                 graphs = self.engine.runner.graphs
-                if graphs.deferred and time.monotonic() - self._busy_at >= CAPTURE_IDLE_S:
+                capture = bool(graphs.deferred) and time.monotonic() - self._busy_at >= CAPTURE_IDLE_S
+                if capture:
                     # graphs that steps wanted, or the warm set's left for after ready: one a turn,
                     # so that a request that comes meanwhile waits for one capture at most
                     self.engine.upkeep(idle=True)
                 more = self.engine.write_behind()  # dirty KV past its budget, unbounded per call while idle
                 more = self.engine.read_ahead() or more  # resumed sessions' archived KV back into DDR
-                if graphs.deferred and time.monotonic() - self._busy_at >= CAPTURE_IDLE_S:
-                    continue
+                if capture and graphs.deferred:
+                    continue  # the next capture at once
                 self._wake.wait(WRITE_BEHIND_WAIT_S if more else IDLE_WAIT_S)
                 self._wake.clear()
                 continue

@@ -471,10 +471,11 @@ class DecodeGraphs:
         steps (`capture_deferred`: while the engine idles, or once steps have wanted one); then
         defer every other graph (`deferring`). Returns the graphs captured."""
         self.warm_keys = self.warm_keys | frozenset(keys)  # first: none of them is dropped as the others come
-        made = sum(self.prepare(key) for key in keys) if now else 0
-        if not now:
-            for key in keys:
-                self.deferred.setdefault(key, 0)
+        made = 0
+        if now:
+            made = sum(self.prepare(key) for key in keys)
+        else:
+            self.deferred.update((key, self.deferred.get(key, 0)) for key in keys)
         self.deferring = True
         return made
 

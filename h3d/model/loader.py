@@ -261,11 +261,14 @@ def fill_weights(
     """Fill each of `params` (on its device, in its dtype) from its recipe, in the recipes' order:
     a tensor stored as it is kept is read straight into its parameter; the others (stacked parts
     of another dtype, projections to transpose) into a buffer of the stored dtype on the device,
-    then converted into the parameter, with the reads `ahead` bytes in front of the conversion."""
+    then converted into the parameter, with the reads `ahead` bytes in front of the conversion. A
+    recipe of the same stored parts as an earlier one (a tied head: the embedding matrix) is
+    copied from that one's parameter on the device, not read again."""
     device = next(iter(params.values())).device
     reader = _Reader(device, threads, piece)
-    queued: deque[tuple[str, Recipe, torch.Tensor, list[Future[None]]]] = deque()
+    queued: deque[tuple[str, Recipe, torch.Tensor | None, list[Future[None]]]] = deque()
     names = iter(recipes.items())
+    read_as: dict[tuple[Stored, ...], tuple[str, Recipe]] = {}  # stored parts -> the parameter read from them
     in_flight = 0
     try:
         while True:
@@ -274,6 +277,10 @@ def fill_weights(
                 if item is None:
                     break
                 name, recipe = item
+                if recipe.parts in read_as:
+                    queued.append((name, recipe, None, []))  # (its twin comes first in the queue)
+                    continue
+                read_as[recipe.parts] = (name, recipe)
                 first, param = recipe.parts[0], params[name]
                 direct = not recipe.transpose and first.dtype == param.dtype
                 rows = sum(p.shape[0] for p in recipe.parts) if first.shape else 0
@@ -289,15 +296,18 @@ def fill_weights(
                 in_flight += 0 if direct else recipe.nbytes
             if not queued:
                 return
-            name, recipe, raw, futures = queued.popleft()
+            name, recipe, buffer, futures = queued.popleft()
             for f in futures:
                 f.result()
             param = params[name]
-            if raw is not param:
+            if buffer is None:
+                twin, made = read_as[recipe.parts]
+                param.copy_(params[twin].t() if recipe.transpose != made.transpose else params[twin])
+            elif buffer is not param:
                 in_flight -= recipe.nbytes
-                param.copy_(raw.t() if recipe.transpose else raw)
+                param.copy_(buffer.t() if recipe.transpose else buffer)
                 if reader.cuda:
-                    # `raw` is free once the copy has read it: its memory may go to the next
+                    # the buffer is free once the copy has read it: its memory may go to the next
                     # buffer, written on a reader's stream, not after this stream's work
                     torch.cuda.current_stream(device).synchronize()
     finally:
@@ -338,7 +348,8 @@ class Weights:
         self._thread.join()
 
     def wait(self) -> None:
-        self._thread.join()
+        """`join`, then raise what stopped the reading, as a ModelLoadError."""
+        self.join()
         if self._error is not None:
             if isinstance(self._error, ModelLoadError):
                 raise self._error

@@ -8,6 +8,7 @@ import json
 import struct
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,9 +44,19 @@ def _oracle(folder: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, tor
 
 @pytest.mark.parametrize("name", ["qwen2_gqa4_untied", "llama_gqa4_tied"])
 @pytest.mark.parametrize(("piece", "threads", "ahead"), [(7, 3, 0), (1 << 20, 1, 1 << 30), (4096, 4, 5000)])
-def test_read_weights_equal_safetensors_own(
-    checkpoint: Callable[[str], Path], name: str, piece: int, threads: int, ahead: int
+def test_the_weights_read_equal_safetensors_own(
+    checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, name: str, piece: int, threads: int, ahead: int
 ) -> None:
+    """Every parameter equal to the oracle's, and every stored tensor read once (a tied head is
+    copied from the embedding on the device)."""
+    reads: list[str] = []
+    read = _Reader.read
+
+    def spy(self: _Reader, stored: Stored, into: torch.Tensor) -> list[Any]:
+        reads.append(f"{stored.shard.name}@{stored.offset}")
+        return read(self, stored, into)
+
+    monkeypatch.setattr(_Reader, "read", spy)
     folder = checkpoint(name)
     cfg = load_model_config(folder)
     stored = _text_model(_stored(folder))
@@ -55,7 +66,9 @@ def test_read_weights_equal_safetensors_own(
     for dtype in (torch.float32, torch.bfloat16):
         want = _oracle(folder, cfg, dtype)
         got = {k: torch.full(want[k].shape, float("nan"), dtype=dtype) for k in recipes}
+        reads.clear()
         fill_weights(recipes, got, threads=threads, piece=piece, ahead=ahead)
+        assert sorted(reads) == sorted(f"{t.shard.name}@{t.offset}" for t in stored.values())
         assert got.keys() == want.keys()
         for k, t in got.items():
             assert t.dtype == dtype and t.is_contiguous(), k
