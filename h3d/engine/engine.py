@@ -147,6 +147,7 @@ class Engine:
         # tokenizer, the pools, the sessions, the weights' reading (beside them) and the wait for
         # it after them
         self.start_s["setup_s"] = round(setup_s, 3)
+        self.start_s["device_s"] = round(weights.device_s, 3)  # of setup_s: the device's start
         self.start_s["model_s"] = round(weights.seconds, 3)
         self.start_s["weights_wait_s"] = round(time.perf_counter() - t2, 3)
 

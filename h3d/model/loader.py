@@ -318,8 +318,11 @@ class Weights:
     """The weights of a model being read in the background (`start_model`): `wait()` returns
     once every parameter holds its values, or raises what stopped the reading."""
 
-    def __init__(self, recipes: dict[str, Recipe], params: dict[str, torch.Tensor], gpu_free: int | None) -> None:
+    def __init__(
+        self, recipes: dict[str, Recipe], params: dict[str, torch.Tensor], gpu_free: int | None, device_s: float = 0.0
+    ) -> None:
         self.seconds = 0.0  # how long the reading took
+        self.device_s = device_s  # how long the device's start took before it (the CUDA context; 0 on a CPU)
         # The card's free memory with the parameters allocated, before the reading's buffers
         # (what sizes the HBM tier: `h3d.engine.build.budgets`); None on a CPU
         self.gpu_free = gpu_free
@@ -367,6 +370,10 @@ def start_model(model_dir: str | Path, dtype: str, device: str | torch.device) -
         raise ModelLoadError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
     cfg = load_model_config(path)
     dev = torch.device(device)
+    t0 = time.perf_counter()
+    if dev.type == "cuda":
+        torch.zeros(1, device=dev)  # the device's start (its context), timed apart from the rest
+    device_s = time.perf_counter() - t0
     stored = _text_model(_stored(path))
     if cfg.tie_word_embeddings:
         stored.pop("lm_head.weight", None)
@@ -398,7 +405,7 @@ def start_model(model_dir: str | Path, dtype: str, device: str | torch.device) -
     model.load_state_dict(params, strict=True, assign=True)
     model.eval().requires_grad_(False)
     gpu_free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else None
-    return model, Weights(recipes, dict(model.state_dict()), gpu_free)
+    return model, Weights(recipes, dict(model.state_dict()), gpu_free, device_s)
 
 
 def load_model(model_dir: str | Path, dtype: str, device: str | torch.device) -> CausalLM:
