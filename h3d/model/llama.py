@@ -223,7 +223,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Its weight given, not initialized: the model is built on the meta device and its weights
+        # read in (`h3d.model.loader`), and initializing a meta tensor goes through torch's Python
+        # references, whose first call imports torch._dynamo (3.8-4.9 s of a start on an H100 host).
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.embed_scale = cfg.embed_scale
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)

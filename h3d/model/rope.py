@@ -77,16 +77,20 @@ class RotaryEmbedding:
         self.rope = rope
         self.head_dim = head_dim
         self.max_pos = max_pos
-        inv_freq = _base_inv_freq(rope.theta, head_dim)
         self.attention_scaling = 1.0
-        if rope.rope_type == "linear":
-            inv_freq = inv_freq / rope.factor
-        elif rope.rope_type == "llama3":
-            inv_freq = _llama3(inv_freq, rope, max_pos)
-        elif rope.rope_type == "yarn":
-            inv_freq, self.attention_scaling = _yarn(rope, head_dim, max_pos)
+        # Computed on the CPU whatever device a caller's `with torch.device(...)` names: a model
+        # built on the meta device (`h3d.model.loader`) would otherwise compute them through
+        # torch's Python references, whose first call imports torch._dynamo (seconds of a start).
+        with torch.device("cpu"):
+            inv_freq = _base_inv_freq(rope.theta, head_dim)
+            if rope.rope_type == "linear":
+                inv_freq = inv_freq / rope.factor
+            elif rope.rope_type == "llama3":
+                inv_freq = _llama3(inv_freq, rope, max_pos)
+            elif rope.rope_type == "yarn":
+                inv_freq, self.attention_scaling = _yarn(rope, head_dim, max_pos)
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
         self.inv_freq = inv_freq.to(device)  # [D/2] fp32
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
         self._exponents = exponents.to(device)  # [D/2]
 
     def _dynamic_inv_freq(self, seq_ends: torch.Tensor) -> torch.Tensor:
