@@ -95,6 +95,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_SEGMENT_BYTES = 256 * 2**20
+# A bulk read (`get_bytes`) reads records that lie next to each other in a segment, or apart by at
+# most READ_GAP_BYTES, with one pread of at most READ_RUN_BYTES: records are written in batches
+# (write-behind's, a checkpoint's), so a session's blocks lie in runs, and one large read costs
+# the disk less than many of a record each (a 128 KiB record is about 0.1 ms at 1.4 GB/s).
+READ_RUN_BYTES = 4 * 2**20
+READ_GAP_BYTES = 128 * 2**10
 
 
 @dataclass(frozen=True, slots=True)
@@ -647,20 +653,32 @@ class Archive:
                     os.close(fd)
                 raise
             self._counts[3] += len(keys)
-        out = []
+        out: list[tuple[Codec, memoryview, Loc, str] | None] = [None] * len(keys)
         try:
-            for key, loc in zip(keys, locs, strict=True):
-                where = f"{self._segment_path(loc.segment)} at offset {loc.offset}"
+            for run in _runs(locs):
+                first, last = locs[run[0]], locs[run[-1]]
+                start, end = first.offset, last.offset + last.length
                 try:
-                    data = os.pread(fds[loc.segment], loc.length, loc.offset)
-                except OSError as e:
-                    raise ArchiveCorrupt(f"{describe(key)} cannot be read from {where}: {e}", key) from e
-                codec, payload = verify_record(self.identity, self.codec_for(key.layer), key, loc, data, where)
-                out.append((codec, payload, loc, where))
+                    data = os.pread(fds[first.segment], end - start, start) if len(run) > 1 else b""
+                except OSError:
+                    data = b""  # each record read alone below names the one that cannot be read
+                whole = memoryview(data)
+                for i in run:
+                    key, loc = keys[i], locs[i]
+                    where = f"{self._segment_path(loc.segment)} at offset {loc.offset}"
+                    if len(data) == end - start:
+                        record: bytes | memoryview = whole[loc.offset - start : loc.offset - start + loc.length]
+                    else:  # one record, or a run cut short (a damaged segment): read on its own
+                        try:
+                            record = os.pread(fds[loc.segment], loc.length, loc.offset)
+                        except OSError as e:
+                            raise ArchiveCorrupt(f"{describe(key)} cannot be read from {where}: {e}", key) from e
+                    codec, payload = verify_record(self.identity, self.codec_for(key.layer), key, loc, record, where)
+                    out[i] = (codec, payload, loc, where)
         finally:
             for fd in fds.values():
                 os.close(fd)
-        return out
+        return out  # type: ignore[return-value]
 
     def _segment_path(self, n: int) -> str:
         """Segment `n`'s path, as a string made once (reads name it for every record)."""
@@ -726,3 +744,21 @@ class Archive:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _runs(locs: list[Loc]) -> list[list[int]]:
+    """The positions of `locs` grouped into runs that one pread reads: records of one segment in
+    offset order, each starting at most `READ_GAP_BYTES` past the previous one's end, a run at
+    most `READ_RUN_BYTES` long (or one record)."""
+    runs: list[list[int]] = []
+    segment, start, end = -1, 0, 0
+    for i in sorted(range(len(locs)), key=lambda i: (locs[i].segment, locs[i].offset)):
+        loc = locs[i]
+        near = loc.segment == segment and end <= loc.offset <= end + READ_GAP_BYTES
+        if runs and near and loc.offset + loc.length - start <= READ_RUN_BYTES:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+            segment, start = loc.segment, loc.offset
+        end = loc.offset + loc.length
+    return runs

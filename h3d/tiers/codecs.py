@@ -154,7 +154,7 @@ def record_prefixes(
     return out.reshape(-1).data.cast("B"), size, crcs
 
 
-def unpack_record(data: bytes) -> tuple[RecordHeader, int, memoryview]:
+def unpack_record(data: bytes | memoryview) -> tuple[RecordHeader, int, memoryview]:
     """-> (header, crc32, payload). ValueError if the crc does not match or the bytes are malformed."""
     hs, view = _HEAD.size, memoryview(data)
     if len(data) < hs + _CRC.size:

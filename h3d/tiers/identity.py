@@ -122,7 +122,7 @@ def record_header(identity: CacheIdentity, key: BlockKey, num_tokens: int, codec
 
 
 def verify_record(
-    identity: CacheIdentity, want_codec: Codec, key: BlockKey, loc: Loc, data: bytes, where: str
+    identity: CacheIdentity, want_codec: Codec, key: BlockKey, loc: Loc, data: bytes | memoryview, where: str
 ) -> tuple[Codec, memoryview]:
     """Check the record's crc, then that it is the block asked for, of this cache. -> (codec, payload).
     `want_codec`: the codec the archive writes `key`'s layer with (a lossless one is taken too).

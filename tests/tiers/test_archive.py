@@ -981,3 +981,53 @@ def test_a_bulk_read_whose_raw_records_cannot_decode_together_names_the_bad_one(
         with pytest.raises(ArchiveCorrupt, match="does not decode") as err:
             a.get_bytes(keys)
         assert err.value.key == keys[0]
+
+
+def test_bulk_reads_read_neighbouring_records_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`get_bytes` reads records that lie together in a segment (or a gap of dead records apart)
+    with one pread a run: in any order of keys, a key twice, over several segments, each record
+    comes back as `get` reads it, with fewer preads than records. A damaged record in the middle
+    of a run is named, and so is the first record of a run that a cut segment ends short of."""
+    from h3d.tiers import archive as archive_mod
+
+    monkeypatch.setattr(archive_mod, "READ_RUN_BYTES", 6 * 2 * 3 * 32 * 64 * 4)  # about 6 records
+    with Archive(tmp_path, IDENT, segment_bytes=10 * 2 * 3 * 32 * 64 * 4) as a:
+        keys = [BlockKey("s", layer, i) for i in range(12) for layer in range(2)]
+        for j, key in enumerate(keys):
+            put(a, key, j, n=32 if j % 7 else 9)
+        for j in (3, 4, 17):  # superseded: dead records left between live ones
+            put(a, keys[j], 100 + j)
+        want = {key: a.get(key) for key in keys}
+        order = [keys[j] for j in torch.randperm(len(keys), generator=torch.Generator().manual_seed(1)).tolist()]
+        order.append(order[0])
+        reads = 0
+        pread = os.pread
+
+        def counted(fd: int, n: int, offset: int) -> bytes:
+            nonlocal reads
+            reads += 1
+            return pread(fd, n, offset)
+
+        monkeypatch.setattr(os, "pread", counted)
+        got = a.get_bytes(order)
+        monkeypatch.setattr(os, "pread", pread)
+        assert reads < len(order) // 2
+        for key, (n, data) in zip(order, got, strict=True):
+            k, v = want[key]
+            kv = torch.frombuffer(bytearray(data), dtype=torch.float32).view(2, 3, n, 64)
+            assert n == k.shape[1] and same_bits(kv[0], k) and same_bits(kv[1], v)
+    loc_of = {(e["l"], e["i"]): e for e in manifest_entries(tmp_path) if e.get("op") == "put"}
+    assert len({e["seg"] for e in loc_of.values()}) > 1  # over several segments
+    victim = loc_of[(1, 5)]
+    seg = tmp_path / f"seg-{victim['seg']:06d}.h3kv"
+    data = bytearray(seg.read_bytes())
+    data[victim["off"] + victim["len"] // 2] ^= 0x10  # type: ignore[operator]
+    seg.write_bytes(bytes(data))
+    with Archive(tmp_path, IDENT) as a, pytest.raises(ArchiveCorrupt, match="corrupt") as err:
+        a.get_bytes(keys)
+    assert err.value.key == BlockKey("s", 1, 5)
+    data[victim["off"] + victim["len"] // 2] ^= 0x10  # type: ignore[operator]
+    seg.write_bytes(bytes(data[: victim["off"] + 10]))  # the segment cut inside that record
+    with Archive(tmp_path, IDENT) as a, pytest.raises(ArchiveCorrupt, match="truncated") as err:
+        a.get_bytes(keys)
+    assert err.value.key == BlockKey("s", 1, 5)
