@@ -25,6 +25,7 @@ and given back before its KV is cut, parked or released (`drop`).
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,7 +38,10 @@ from h3d.tiers.identity import ArchiveCorrupt, BlockKey
 if TYPE_CHECKING:
     from h3d.tiers.manager import TierManager
 
-READ_AHEAD_THREADS = max(1, min(4, os.cpu_count() or 1))
+# Eight, as the step's own reads (`h3d.tiers.mover.READ_THREADS`): a cold disk gives one run of
+# 128 KiB records 1.41-1.62 GB/s on four threads and 1.89-1.95 on eight (H100 host,
+# `python -m h3d.bench.archive_read`, docs/BENCHMARKS.md)
+READ_AHEAD_THREADS = max(1, min(8, os.cpu_count() or 1))
 READ_AHEAD_PIECE = 64  # records per piece (one `Archive.get_bytes`)
 READ_AHEAD_STEP_MB = 64  # submitted per step while requests run
 # Submitted and not yet applied, at most: a step that stages its own reads meanwhile (a session
@@ -53,6 +57,7 @@ class _Piece:
     blocks: np.ndarray
     slots: np.ndarray  # taken for the read: no owner until applied
     future: Future[None]
+    first: bool  # of what the session's next step reads for sure (`start`'s `first`)
 
 
 class ReadAhead:
@@ -66,6 +71,11 @@ class ReadAhead:
         self.read_blocks = 0  # applied since start
         self.yielded_blocks = 0  # taken back before they were read, for a step's own reads (`yield_to`)
         self._pool: ThreadPoolExecutor | None = None
+        # Per session read back: when `start` queued it, the blocks applied, the pieces of its
+        # `first` blocks not applied yet (its `read_ahead_first` event once none is left)
+        self._began: dict[SeqId, float] = {}
+        self._applied: dict[SeqId, int] = {}
+        self._first_left: dict[SeqId, int] = {}
 
     @property
     def in_flight(self) -> int:
@@ -85,6 +95,8 @@ class ReadAhead:
             self.skip.pop(seq, None)
             return
         self.queue.append(seq)
+        self._began[seq] = time.monotonic()
+        self._applied[seq] = 0
         if first is not None:
             self.first[seq] = first
         if skip is not None:
@@ -103,10 +115,15 @@ class ReadAhead:
         block = tiers.block_bytes
         room = int(tiers.high_watermark * alloc.capacity) - (alloc.capacity - alloc.num_free)
         for seq in [s for s in self.queue if s in self.first]:  # what next steps read for sure: all of it now
-            todo = self._todo(seq) & self.first.pop(seq)[:, : b.table(seq).num_blocks]
+            todo = self._todo(seq)
+            first = self.first.pop(seq)
+            n = min(todo.shape[1], first.shape[1])  # (the session may have grown since)
+            todo[:, :n] &= first[:, :n]
+            todo[:, n:] = False
             layers, blocks = np.nonzero(todo)
             layers, blocks = layers[: max(room, 0)], blocks[: max(room, 0)]
-            room -= self._submit(seq, layers, blocks)
+            room -= self._submit(seq, layers, blocks, first=True)
+            self._first_done(seq)  # (nothing of it was left to read)
         room = min(room, (READ_AHEAD_IN_FLIGHT_MB << 20) // block - self.in_flight)
         if busy:
             room = min(room, max(1, (READ_AHEAD_STEP_MB << 20) // block))
@@ -119,6 +136,7 @@ class ReadAhead:
             if not len(blocks) and not any(p.seq == seq for p in self.pieces):
                 self.queue.remove(seq)  # all of it back (but what it skips)
                 self.skip.pop(seq, None)
+                self._done(seq)
                 continue
             layers, blocks = layers[: room - sent], blocks[: room - sent]
             sent += self._submit(seq, layers, blocks)
@@ -141,7 +159,30 @@ class ReadAhead:
                 todo[p.layers, p.blocks] = False
         return todo
 
-    def _submit(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray) -> int:
+    def _notice(self, event: str, seq: SeqId, **fields: object) -> None:
+        began, blocks = self._began.get(seq), self._applied.get(seq, 0)
+        if began is None or not blocks or not self.tiers.blocks.has(seq):
+            return  # (nothing read ahead: no event)
+        self.tiers.notices.append((event, {
+            "session": self.tiers.sessions[seq].name, "blocks": blocks,
+            "gb": round(blocks * self.tiers.block_bytes / 1e9, 3),
+            "seconds": round(time.monotonic() - began, 3), **fields,
+        }))  # fmt: skip
+
+    def _first_done(self, seq: SeqId) -> None:
+        """`read_ahead_first`: every piece of what `seq`'s next step reads for sure is applied."""
+        if self._first_left.get(seq) == 0:
+            del self._first_left[seq]
+            self._notice("read_ahead_first", seq)
+
+    def _done(self, seq: SeqId) -> None:
+        """`read_ahead_done`: all of `seq`'s archive-only KV is back in DDR (or read by its steps)."""
+        self._first_left.pop(seq, None)
+        self._notice("read_ahead_done", seq)
+        self._began.pop(seq, None)
+        self._applied.pop(seq, None)
+
+    def _submit(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray, first: bool = False) -> int:
         tiers = self.tiers
         name = tiers.sessions[seq].name
         if self._pool is None:
@@ -151,7 +192,9 @@ class ReadAhead:
             slots = tiers.blocks.ddr_alloc.take(len(bl))
             keys = [BlockKey(name, int(la), int(j)) for la, j in zip(ly, bl, strict=True)]
             future = self._pool.submit(tiers.mover.read_into, keys, slots)
-            self.pieces.append(_Piece(seq, ly, bl, slots, future))
+            self.pieces.append(_Piece(seq, ly, bl, slots, future, first))
+        if first:
+            self._first_left[seq] = self._first_left.get(seq, 0) + -(-len(blocks) // READ_AHEAD_PIECE)
         return len(blocks)
 
     def poll(self, wait: bool = False, seq: SeqId | None = None) -> None:
@@ -163,11 +206,15 @@ class ReadAhead:
             return
         b = self.tiers.blocks
         keep: list[_Piece] = []
+        firsts: list[SeqId] = []
         for p in self.pieces:
             mine = seq is None or p.seq == seq
             if not (p.future.done() or (wait and mine)):
                 keep.append(p)
                 continue
+            if p.first and p.seq in self._first_left:
+                self._first_left[p.seq] -= 1
+                firsts.append(p.seq)
             error = p.future.exception()  # waits
             if error is not None and not isinstance(error, (ArchiveCorrupt, KeyError)):
                 b.ddr_alloc.let_go(p.slots)
@@ -183,9 +230,12 @@ class ReadAhead:
             if fresh.any():
                 b.place_ddr_many(p.seq, p.layers[fresh], p.blocks[fresh], p.slots[fresh])
                 self.read_blocks += int(fresh.sum())
+                self._applied[p.seq] = self._applied.get(p.seq, 0) + int(fresh.sum())
                 self.tiers.counters.ssd_read_count += int(fresh.sum())
                 self.tiers.sessions[p.seq].counters.ssd_read_count += int(fresh.sum())
         self.pieces = keep
+        for one in dict.fromkeys(firsts):
+            self._first_done(one)
 
     def yield_to(self, batch: list[SeqId]) -> int:
         """A step is about to read the archive for `batch`: the pieces of other sessions not
@@ -201,6 +251,13 @@ class ReadAhead:
             if p.seq not in batch and p.future.cancel():  # (never started: never will)
                 self.tiers.blocks.ddr_alloc.let_go(p.slots)
                 back += len(p.blocks)
+                if p.first and p.seq in self._first_left:  # submitted again with the next `first`
+                    self._first_left[p.seq] -= 1
+                    mask = self.first.get(p.seq)
+                    if mask is None:
+                        shape = (self.tiers.blocks.num_layers, self.tiers.blocks.table(p.seq).num_blocks)
+                        mask = self.first[p.seq] = np.zeros(shape, dtype=bool)
+                    mask[p.layers, p.blocks] = True
             else:
                 keep.append(p)
         self.pieces = keep
@@ -227,6 +284,9 @@ class ReadAhead:
             self.queue.remove(seq)
             self.first.pop(seq, None)
             self.skip.pop(seq, None)
+            self._began.pop(seq, None)
+            self._applied.pop(seq, None)
+        self._first_left.pop(seq, None)  # (its pieces are given back unread)
         mine = [p for p in self.pieces if p.seq == seq]
         if not mine:
             return
@@ -243,5 +303,6 @@ class ReadAhead:
         self.queue = []
         self.first = {}
         self.skip = {}
+        self._began, self._applied, self._first_left = {}, {}, {}
         if self._pool is not None:
             self._pool.shutdown(wait=True)

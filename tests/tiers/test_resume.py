@@ -365,6 +365,14 @@ def test_a_restart_reads_its_open_sessions_kv_back_from_the_start_the_most_recen
     while engine.read_ahead():  # (the daemon's idle loop)
         time.sleep(0.005)
     tiers.ahead.poll()
+    events: dict[tuple[str, str], dict[str, Any]] = {
+        (name, str(fields["session"])): fields for name, fields in engine.runner.kv.take_notices()
+    }
+    for sid, _ in pairs[:2]:  # each open session's first blocks, then all of them, read back
+        first, done = events[("read_ahead_first", sid)], events[("read_ahead_done", sid)]
+        assert 0 < first["blocks"] <= done["blocks"] and first["seconds"] <= done["seconds"]
+        assert done["gb"] == round(done["blocks"] * tiers.block_bytes / 1e9, 3)
+    assert ("read_ahead_done", pairs[2][0]) not in events  # the closed one: not read ahead
     bs = tiers.blocks.block_size
     partial = {}  # each session's partial last block: read by its next append, not ahead
     for sid, seq in zip([p[0] for p in pairs], seqs, strict=True):
@@ -553,11 +561,12 @@ def test_read_ahead_submits_what_the_first_step_reads_for_sure_before_the_rest(
     submitted: list[np.ndarray] = []
     submit = kv.tiers.ahead._submit
 
-    def spy(s: Any, layers: np.ndarray, blocks: np.ndarray) -> int:
+    def spy(s: Any, layers: np.ndarray, blocks: np.ndarray, first: bool = False) -> int:
         mask = np.zeros((3, nb), dtype=bool)
         mask[layers, blocks] = True
         submitted.append(mask)
-        return submit(s, layers, blocks)
+        assert first == (len(submitted) == 1)
+        return submit(s, layers, blocks, first)
 
     monkeypatch.setattr(kv.tiers.ahead, "_submit", spy)
     out = engine.complete(sid, "", GREEDY).token_ids
