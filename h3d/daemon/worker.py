@@ -42,6 +42,8 @@ WRITE_BEHIND_WAIT_S = 0.005  # idle with write-behind or read-ahead under way: t
 SLOW_STEP_S = 1.0  # a step (with its upkeep) this long is logged (`slow_step`), with where its time went
 CAPTURE_IDLE_S = 1.0  # idle this long, the engine captures the decode graphs steps wanted (not between two requests)
 
+READ_AHEAD_EVENTS = ("read_ahead_first", "read_ahead_done")  # informational, as a resume's others
+
 log = structlog.get_logger("h3d.worker")
 
 
@@ -182,7 +184,7 @@ class EngineWorker:
                      after_ready_s=round(time.monotonic() - self._started_at, 3))  # fmt: skip
             self._warm_captured = []
         for name, fields in engine.kv.take_notices():
-            quiet = name in ("ssd_recovered", "digests_restored", "session_forked")
+            quiet = name in ("ssd_recovered", "digests_restored", "session_forked", *READ_AHEAD_EVENTS)
             (log.info if quiet else log.warning)(name, **fields)
 
     def _run(self) -> None:
