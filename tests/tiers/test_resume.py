@@ -516,6 +516,17 @@ def test_a_step_that_reads_the_archive_takes_back_other_sessions_pieces_not_star
         return back
 
     monkeypatch.setattr(readahead.ReadAhead, "yield_to", spy)
+    submit = readahead.ReadAhead._submit
+    resubmitted: list[tuple[Any, bool, int]] = []  # (session, as first, blocks) once a step took pieces back
+
+    def submitted(
+        self: readahead.ReadAhead, seq: Any, layers: np.ndarray, blocks: np.ndarray, first: bool = False
+    ) -> int:
+        if taken:
+            resubmitted.append((seq, first, len(blocks)))
+        return submit(self, seq, layers, blocks, first)
+
+    monkeypatch.setattr(readahead.ReadAhead, "_submit", submitted)
     engine = _engine(checkpoint(MODEL), folder, read_ahead_at_start=True)
     tiers = engine.runner.tiers
     old, recent = (engine.session(sid).seq for sid, _ in pairs)
@@ -524,6 +535,9 @@ def test_a_step_that_reads_the_archive_takes_back_other_sessions_pieces_not_star
     batch, back, queued = taken[0]
     assert batch == [old] and back == queued[recent] > 0  # every piece of the other not started
     assert tiers.ahead.yielded_blocks >= back
+    # those of its pieces taken back that held what its own first step reads for sure: submitted
+    # again as such (before the rest)
+    assert 0 < sum(n for seq, first, n in resubmitted if seq == recent and first) <= back
     while engine.read_ahead():  # (the daemon's idle loop): the blocks taken back are read all the same
         time.sleep(0.005)
     tiers.ahead.poll()
