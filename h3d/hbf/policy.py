@@ -84,7 +84,12 @@ class SelectionState:
     policy: Policy
     window_tokens: int
     steps: int = 0
-    anchors: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> block indices
+    # layer -> block indices (`anchors`, which takes in those still on their way from the device)
+    anchors_host: dict[int, np.ndarray] = field(default_factory=dict)
+    # layer -> (the indices in host memory, the event after which they are there): a prompt's
+    # probe (`probe_anchors`) copies them without waiting for the device, so that a prefill's
+    # layers are not one host-device round trip each
+    anchors_pending: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = field(default_factory=dict)
     # attention_entropy: layer -> [Hkv, n] block indices, best first (on the compute device)
     head_anchors: dict[int, torch.Tensor] = field(default_factory=dict)
     # attention_entropy: each decode step's entropy (nats), as a 0-dim tensor where it was computed
@@ -98,6 +103,23 @@ class SelectionState:
     # layer -> the blocks its last steps read most (`KVCache.note_hot`, at a checkpoint or a close):
     # read ahead first when the session resumes from the archive (`KVCache._known`), a hint only
     hot: dict[int, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def anchors(self) -> dict[int, np.ndarray]:
+        """layer -> the prompt's anchor blocks (sorted), those still being copied from the device
+        waited for first."""
+        if self.anchors_pending:
+            for layer, (host, done) in self.anchors_pending.items():
+                if done is not None:
+                    done.synchronize()
+                self.anchors_host[layer] = np.sort(host.numpy())
+            self.anchors_pending.clear()
+        return self.anchors_host
+
+    @anchors.setter
+    def anchors(self, value: dict[int, np.ndarray]) -> None:
+        self.anchors_pending.clear()
+        self.anchors_host = value
 
 
 def state_to_meta(state: SelectionState) -> dict[str, Any]:
@@ -267,13 +289,29 @@ def probe_anchors(
         per_key[h : h + heads, :t] = torch.softmax(scores, dim=-1).sum(dim=1)  # mass per key
     per_block = per_key.view(hkv, nb, block_size).sum(-1)  # [Hkv, nb]
     base = base_blocks(nb, cfg, block_size)
-    per_block[:, torch.from_numpy(base).to(per_block.device)] = float("-inf")
+    per_block[:, _to_device(torch.from_numpy(base), per_block.device)] = float("-inf")
     most = max(0, cfg.window_max_tokens // block_size - len(base))
     state.head_anchors[layer] = torch.topk(per_block, min(most, nb - len(base)), dim=-1).indices
     state.anchors_version += 1
     room = max(0, state.window_tokens // block_size - len(base))
     top = torch.topk(per_block.sum(0), min(room, nb - len(base))).indices
-    state.anchors[layer] = np.sort(top.cpu().numpy())
+    done = None
+    if top.device.type == "cuda":  # copied behind the device's queue: no wait here (see `anchors`)
+        host = torch.empty(top.shape, dtype=top.dtype, pin_memory=True)
+        host.copy_(top, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        top = host
+    state.anchors_host.pop(layer, None)
+    state.anchors_pending[layer] = (top, done)
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the device's queue (a copy from
+    pageable memory would: pinned first, then queued)."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True, slots=True)

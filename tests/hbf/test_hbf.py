@@ -414,7 +414,8 @@ def test_the_prompt_probe_ranks_blocks_by_the_attention_they_draw(
 ) -> None:
     """`probe_anchors` against a plain softmax per query and head (all KV heads scored at once, or
     one at a time): each head's anchors are its best blocks by the mass they draw, best first,
-    outside sinks and the recent window; the summed ranking gives layerwise's."""
+    outside sinks and the recent window; the summed ranking gives layerwise's, taken from the
+    device only once they are read (a prefill's layers do not wait for them)."""
     from h3d.hbf import policy as policy_module
 
     monkeypatch.setattr(policy_module, "PROBE_SCORES_BYTES", scores_bytes)
@@ -431,7 +432,14 @@ def test_the_prompt_probe_ranks_blocks_by_the_attention_they_draw(
     best = torch.argsort(want, dim=1, descending=True)[:, : 8 - 2]
     assert state.head_anchors[0].tolist() == best.tolist()
     summed = torch.argsort(want.sum(0), descending=True)[: 5 - 2]
+    # layerwise's anchors wait, as the device's copy of them would, until they are read
+    assert 0 in state.anchors_pending and 0 not in state.anchors_host
     assert state.anchors[0].tolist() == sorted(summed.tolist())
+    assert not state.anchors_pending and state.anchors_host[0].tolist() == sorted(summed.tolist())
+    state.anchors = {1: np.array([4])}  # a restored or copied set replaces what was pending
+    policy_module.probe_anchors(state, cfg, 0, q, k, BS, 0.25)
+    state.anchors = {1: np.array([4])}
+    assert not state.anchors_pending and {k: v.tolist() for k, v in state.anchors.items()} == {1: [4]}
 
 
 def test_prompt_anchors_are_probed_at_the_prompts_last_chunk(
