@@ -25,6 +25,7 @@ from h3d.engine.step import Chunk, HostTimes, Path, StepPlan, StepReport
 from h3d.engine.stepkv import DeviceStepKV, HostStepKV, RewriteKV
 from h3d.errors import OutOfBlocks
 from h3d.hbf.policy import Exact, HbfConfig
+from h3d.kernels.copies import to_device
 from h3d.kv.attention import Pools, kernel_attention
 from h3d.kv.blocks import SeqId
 from h3d.kv.cache import KVCache
@@ -128,7 +129,7 @@ class ModelRunner:
         out = np.zeros((len(locs), max(1, max(len(x) for x in locs))), dtype=np.int64)
         for i, x in enumerate(locs):
             out[i, : len(x)] = x
-        return torch.from_numpy(out).to(self.device)
+        return to_device(out, self.device)
 
     # ---- the step: plan -> execute -> commit --------------------------------------------------
 
@@ -229,11 +230,11 @@ class ModelRunner:
         """The forward's token ids, positions and each token's sequence length after it, [N] each."""
         ends = np.concatenate([np.full(len(c.token_ids), c.start + len(c.token_ids)) for c in chunks])
         positions = np.concatenate([np.arange(c.start, c.start + len(c.token_ids)) for c in chunks])
-        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device)
+        ids = to_device(np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64), self.device)
         return ids, self._on_device(positions), self._on_device(ends)
 
     def _on_device(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a.astype(np.int64)).to(self.device)
+        return to_device(a.astype(np.int64), self.device)
 
     def _conclude(
         self, report: StepReport, step: HostStepKV | DeviceStepKV | None, hidden: torch.Tensor, all_logits: bool

@@ -27,7 +27,7 @@ import torch
 
 from h3d.engine.step import Reads, StepPlan, StepReport
 from h3d.hbf.policy import probe_anchors
-from h3d.kernels.copies import paged_write
+from h3d.kernels.copies import paged_write, to_device
 from h3d.kv.attention import LayerKV, head_major, window_lists
 from h3d.kv.blocks import SeqId, first_blocks, runs_of
 
@@ -77,7 +77,7 @@ class _Writes:
         if r.device.type == "cuda" or r.plan_on_device:  # every row in one launch, DDR's over PCIe in place
             if self._device_rows is None:
                 rows_all = np.ascontiguousarray(self.plan.rows)  # (an append's rows may come in column order)
-                self._device_rows = torch.from_numpy(rows_all).to(r.device)  # all layers: one copy a step
+                self._device_rows = to_device(rows_all, r.device)  # all layers: one copy a step
             lists = (k, v, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), self._device_rows[index])
             behind = r.transfer_stream if self.write_behind else None
             if behind is None:
@@ -93,7 +93,7 @@ class _Writes:
                 t.record_stream(behind)  # kept until the copies are done
             self.wrote_behind = True
         elif not (rows < 0).any():
-            r.hbm.write(torch.from_numpy(rows).to(r.device), k, v)
+            r.hbm.write(to_device(rows, r.device), k, v)
         else:
             in_hbm = rows >= 0
             for pool, sel, pool_rows in (
@@ -101,9 +101,9 @@ class _Writes:
                 (r.ddr, np.flatnonzero(~in_hbm), -rows[~in_hbm] - 1),
             ):
                 if len(sel):
-                    idx = torch.from_numpy(sel).to(r.device)
+                    idx = to_device(sel, r.device)
                     dev = pool.k.device
-                    pool.write(torch.from_numpy(pool_rows).to(dev), k[idx].to(dev), v[idx].to(dev))
+                    pool.write(to_device(pool_rows, dev), k[idx].to(dev), v[idx].to(dev))
 
     def take_fresh(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer's K/V as just computed, for a prefill chunk's attention (once: the attention's
@@ -191,7 +191,7 @@ class HostStepKV(_Writes):
             out = np.zeros((len(rows), hkv, max(x.shape[1] for x in rows)), dtype=np.int64)
             for i, x in enumerate(rows):
                 out[i, :, : x.shape[1]] = x
-            return torch.from_numpy(out).to(r.device)
+            return to_device(out, r.device)
 
         return LayerKV(
             query_lens=self.query_lens,
@@ -258,7 +258,7 @@ class DeviceStepKV(_Writes):
         nbs = np.asarray([r.blocks.table(s).num_blocks for s in self.seqs])
         tail = np.asarray(self.kv_lens, dtype=np.int64) - (nbs - 1) * bs
         packed = torch.from_numpy(np.concatenate([locs.ravel(), plan.rows.ravel(), nbs, tail]))
-        packed = packed.to(r.device)  # the step's one copy to the device
+        packed = to_device(packed, r.device)  # the step's one copy to the device
         n_locs, n_rows = locs.size, plan.rows.size
         self.locs = packed[:n_locs].view(locs.shape)
         self.rows = packed[n_locs : n_locs + n_rows].view(plan.rows.shape)
@@ -308,7 +308,7 @@ class DeviceStepKV(_Writes):
             sel = state.policy.select(state, r.hbf, index, q[i], digests, t.num_blocks, r.blocks.block_size, scale)
             if sel is None:
                 continue
-            blocks = sel if isinstance(sel, torch.Tensor) else torch.from_numpy(sel).to(q.device, non_blocking=True)
+            blocks = sel if isinstance(sel, torch.Tensor) else to_device(sel, q.device)
             blocks = blocks.expand(self.hkv, -1) if blocks.dim() == 1 else blocks  # [Hkv, n]
             picked[i] = blocks
             self.pending.append((i, index, blocks))

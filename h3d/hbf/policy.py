@@ -44,6 +44,7 @@ import torch
 
 from h3d.errors import InvalidRequest, clip
 from h3d.hbf.digests import Digests, block_scores
+from h3d.kernels.copies import to_device
 
 PROBE_QUERIES = 64
 PROBE_SCORES_BYTES = 256 << 20  # `probe_anchors`: fp32 scores at once, at most (32K keys of an 8B model: every head)
@@ -289,7 +290,7 @@ def probe_anchors(
         per_key[h : h + heads, :t] = torch.softmax(scores, dim=-1).sum(dim=1)  # mass per key
     per_block = per_key.view(hkv, nb, block_size).sum(-1)  # [Hkv, nb]
     base = base_blocks(nb, cfg, block_size)
-    per_block[:, _to_device(torch.from_numpy(base), per_block.device)] = float("-inf")
+    per_block[:, to_device(base, per_block.device)] = float("-inf")
     most = max(0, cfg.window_max_tokens // block_size - len(base))
     state.head_anchors[layer] = torch.topk(per_block, min(most, nb - len(base)), dim=-1).indices
     state.anchors_version += 1
@@ -304,14 +305,6 @@ def probe_anchors(
         top = host
     state.anchors_host.pop(layer, None)
     state.anchors_pending[layer] = (top, done)
-
-
-def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device` without waiting for the device's queue (a copy from
-    pageable memory would: pinned first, then queued)."""
-    if device.type != "cuda":
-        return x.to(device)
-    return x.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,7 +419,7 @@ class AttentionEntropy(Policy):
             _track_entropy(state, scores.amax(dim=0) * w.scale)  # even with no room left: the window may grow
         if w.room <= 0:
             return w.base
-        where = torch.from_numpy(w.base).to(scores.device, non_blocking=True)  # no wait for the stream
+        where = to_device(w.base, scores.device)  # no wait for the stream
         masked = scores.clone()
         anchors = state.head_anchors.get(w.layer)
         take = min(int(w.room * cfg.anchor_share), anchors.shape[1]) if anchors is not None else 0

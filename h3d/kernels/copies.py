@@ -11,6 +11,7 @@ from functools import cache
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 from h3d.kernels import loader
@@ -18,6 +19,20 @@ from h3d.kernels import loader
 # Bound by `_kernels()` at the first launch (the kernels below refer to `tl` as a global).
 triton: Any = None
 tl: Any = None
+
+
+def to_device(x: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host array on `device`, queued behind the device's work rather than waiting for
+    it: torch's blocking copy from host memory synchronizes the stream (every kernel queued
+    before it done first), which in a loop over layers makes each layer a round trip between
+    host and device. On CUDA it is copied into pinned memory first (so the caller may change
+    `x` at once; torch's pinned allocator keeps that buffer until the copy has run), then
+    without blocking. Elsewhere `x` as a tensor on `device` (no copy on the CPU). Never inside
+    a CUDA graph's capture (the copy would be baked into the graph)."""
+    t = torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @cache

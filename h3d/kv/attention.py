@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from h3d.kernels.copies import to_device
 from h3d.kv.blocks import Runs
 
 MAX_RUNS = 8
@@ -138,11 +139,11 @@ def head_major(pools: tuple[torch.Tensor, ...], loc: np.ndarray, tokens: int) ->
     n = len(loc)
     if n and loc[0] >= 0 and int(loc[-1]) - int(loc[0]) == n - 1 and (np.diff(loc) == 1).all():
         return hbm[:, int(loc[0]) : int(loc[0]) + n].reshape(hkv, n * bs, d)[:, :tokens]
-    g = hbm[:, torch.from_numpy(np.maximum(loc, 0)).to(hbm.device)]  # [Hkv, n, bs, D]
+    g = hbm[:, to_device(np.maximum(loc, 0), hbm.device)]  # [Hkv, n, bs, D]
     below = np.flatnonzero(loc < 0)
     if len(below):
-        rows = torch.from_numpy(-loc[below] - 1).to(ddr.device)
-        g[:, torch.from_numpy(below).to(hbm.device)] = ddr[:, rows].to(hbm.device)
+        rows = to_device(-loc[below] - 1, ddr.device)
+        g[:, to_device(below, hbm.device)] = ddr[:, rows].to(hbm.device)
     return g.reshape(hkv, n * bs, d)[:, :tokens]
 
 
@@ -241,7 +242,7 @@ def reference_attention(
         return torch_paged_decode(q, (pools.k[0], pools.k[1]), (pools.v[0], pools.v[1]), *lists, scale, layer.head)
     tables = layer.tables()  # [B, W]
     if all(n == 1 for n in layer.query_lens):
-        kv_lens = torch.tensor(layer.kv_lens, dtype=torch.int64, device=q.device)
+        kv_lens = to_device(np.asarray(layer.kv_lens, dtype=np.int64), q.device)
         return decode_attention(q, pools, tables, kv_lens, scale, layer.window)
     outs = []
     start = 0
@@ -258,7 +259,7 @@ def _segments(pools: tuple[torch.Tensor, ...], runs: Runs) -> list[torch.Tensor]
     device = pools[0].device
     if len(runs) > MAX_RUNS:
         loc = np.concatenate([np.arange(s, s + c) if t == 0 else -np.arange(s, s + c) - 1 for t, s, c in runs])
-        g = gather_blocks(pools, torch.from_numpy(loc).to(device))  # [T, Hkv, D] fp32
+        g = gather_blocks(pools, to_device(loc, device))  # [T, Hkv, D] fp32
         return [g.transpose(0, 1)]
     return [pools[t][:, s : s + c].view(hkv, c * bs, d).to(device, non_blocking=True) for t, s, c in runs]
 
@@ -316,7 +317,7 @@ def head_attention(q: torch.Tensor, pools: Pools, locs: np.ndarray, kv_len: int,
     q: [1, H, D]; locs: [Hkv, n] locations, ascending, the last the partial block -> [1, H, D]."""
     _, h, d = q.shape
     hkv = locs.shape[0]
-    loc = torch.from_numpy(np.ascontiguousarray(locs)).to(pools.k[0].device)
+    loc = to_device(np.ascontiguousarray(locs), pools.k[0].device)
     k = _gather_heads(pools.k, loc)[:, :kv_len]  # [Hkv, T, D]
     v = _gather_heads(pools.v, loc)[:, :kv_len]
     qh = q.float().view(hkv, h // hkv, d) * scale  # [Hkv, G, D]
