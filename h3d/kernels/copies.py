@@ -32,6 +32,8 @@ def to_device(x: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tenso
     t = torch.from_numpy(x) if isinstance(x, np.ndarray) else x
     if device.type != "cuda":
         return t.to(device)
+    if torch.cuda.is_current_stream_capturing():  # (a blocking copy would fail there: so must this)
+        raise RuntimeError("a host array copied to the device inside a CUDA graph's capture")
     return t.pin_memory().to(device, non_blocking=True)
 
 
