@@ -323,11 +323,6 @@ class TierManager:
         if staged:
             short = staged - b.ddr_free
             if short > 0:
-                # The copies dropped for room may be blocks this step's earlier layers read in
-                # place, with their kernels still queued: those finish before the host writes
-                # the archive's bytes into the freed slots.
-                if self.hbm.k.device.type == "cuda":
-                    torch.cuda.current_stream(self.hbm.k.device).synchronize()
                 order = [p for p in self.eviction_order(batch, layer) if not (p[1] == layer and p[0] in batch)]
                 self.free_ddr(short, order, protect, batch)
             for seq, gone in missing:

@@ -11,7 +11,11 @@
   in `in_flight`; `poll` returns the finished ones, in one place, so the caller frees DDR copies
   only once their archive write is durable. `write_now` does the same and waits.
 - SSD -> DDR: `read` verifies and decodes records straight into DDR slots, many at once on
-  several threads; the step that needs the blocks waits for it.
+  several threads; the step that needs the blocks waits for it. A slot written on the host may
+  have held a block that kernels queued before (a step's earlier layers, a promotion's copy on
+  the mover's stream) still read in place: each read takes a `fence` when it is asked for (on
+  the engine's thread) and writes its slots only once the device has passed it, the disk's
+  reads and the decoding done meanwhile.
 """
 
 from __future__ import annotations
@@ -154,6 +158,19 @@ class Mover:
             del self.in_flight[t.id]
         return done
 
+    def fence(self) -> list[torch.cuda.Event]:
+        """Events after all the device work queued so far, on the compute stream and the mover's
+        (none on a CPU, whose copies are done when they return): the slots a read is about to
+        write may be ones that work still reads."""
+        if self._stream is None:
+            return []
+        events = []
+        for stream in (torch.cuda.current_stream(self.hbm.k.device), self._stream):
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        return events
+
     def read(self, keys: list[BlockKey], ddr_slots: np.ndarray) -> int:
         """Stage archived blocks into DDR slots, each record read, checked and decoded straight
         into its slot (a partial block's tail zeroed); more than `MIN_READ_PIECE` of them on
@@ -164,33 +181,38 @@ class Mover:
         if not keys:
             return 0
         slots = ddr_slots.tolist()
+        fence = self.fence()
         n = len(keys)
         per = min(READ_PIECE, max(MIN_READ_PIECE, -(-n // READ_THREADS)))
         pieces = [range(i, min(i + per, n)) for i in range(0, n, per)]
         if len(pieces) == 1:
-            self._read_piece(keys, slots, pieces[0])
+            self._read_piece(keys, slots, pieces[0], fence)
         else:
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="h3d-archive-read")
-            futures = [self._readers.submit(self._read_piece, keys, slots, piece) for piece in pieces]
+            futures = [self._readers.submit(self._read_piece, keys, slots, piece, fence) for piece in pieces]
             errors = [f.exception() for f in futures]  # waits for every one
             first = next((e for e in errors if e is not None), None)
             if first is not None:
                 raise first
         return len(keys) * self.ddr.slot_bytes
 
-    def read_into(self, keys: list[BlockKey], ddr_slots: np.ndarray) -> None:
-        """`read` on the calling thread (a read-ahead thread: `h3d.tiers.readahead`)."""
-        self._read_piece(keys, ddr_slots.tolist(), range(len(keys)))
+    def read_into(self, keys: list[BlockKey], ddr_slots: np.ndarray, fence: list[torch.cuda.Event]) -> None:
+        """`read` on the calling thread (a read-ahead thread: `h3d.tiers.readahead`), its slots
+        written once the device has passed `fence` (taken where the read was asked for)."""
+        self._read_piece(keys, ddr_slots.tolist(), range(len(keys)), fence)
 
-    def _read_piece(self, keys: list[BlockKey], slots: list[int], piece: range) -> None:
+    def _read_piece(self, keys: list[BlockKey], slots: list[int], piece: range, fence: list[torch.cuda.Event]) -> None:
         assert self.archive is not None
         # NumPy views of the pool and the records as integers of the same width: their slice
         # assignment costs a quarter of torch's per call (14 against 58 µs on the CPU host).
         bits = _INT_OF_WIDTH[self.ddr.k.element_size()]
         k, v = self.ddr.k.view(bits).numpy(), self.ddr.v.view(bits).numpy()
         hkv, d = k.shape[0], k.shape[-1]
-        for i, (n, raw) in zip(piece, self.archive.get_bytes([keys[i] for i in piece]), strict=True):
+        records = self.archive.get_bytes([keys[i] for i in piece])
+        for event in fence:  # (read and decoded meanwhile)
+            event.synchronize()
+        for i, (n, raw) in zip(piece, records, strict=True):
             slot = slots[i]
             kv = np.frombuffer(memoryview(raw), dtype=k.dtype).reshape(2, hkv, n, d)
             k[:, slot, :n], v[:, slot, :n] = kv[0], kv[1]

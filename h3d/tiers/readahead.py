@@ -191,7 +191,7 @@ class ReadAhead:
             ly, bl = layers[i : i + READ_AHEAD_PIECE], blocks[i : i + READ_AHEAD_PIECE]
             slots = tiers.blocks.ddr_alloc.take(len(bl))
             keys = [BlockKey(name, int(la), int(j)) for la, j in zip(ly, bl, strict=True)]
-            future = self._pool.submit(tiers.mover.read_into, keys, slots)
+            future = self._pool.submit(tiers.mover.read_into, keys, slots, tiers.mover.fence())
             self.pieces.append(_Piece(seq, ly, bl, slots, future, first))
         if first:
             self._first_left[seq] = self._first_left.get(seq, 0) + -(-len(blocks) // READ_AHEAD_PIECE)

@@ -420,11 +420,11 @@ def test_the_rest_is_read_ahead_after_the_first_step_and_a_step_waits_for_a_piec
     threads: set[str] = set()
     keys_read: list[tuple[int, int]] = []
 
-    def slow(keys: list[Any], slots: np.ndarray) -> None:
+    def slow(keys: list[Any], slots: np.ndarray, fence: list[Any]) -> None:
         threads.add(threading.current_thread().name)
         gate.wait(10)  # held until the step below has asked for its blocks
         keys_read.extend((k.layer, k.index) for k in keys)
-        read_into(keys, slots)
+        read_into(keys, slots, fence)
 
     waited: list[int] = []
     wait_for = ahead.wait_for
@@ -497,9 +497,9 @@ def test_a_step_that_reads_the_archive_takes_back_other_sessions_pieces_not_star
 
     read_into = Mover.read_into
 
-    def held(self: Mover, keys: list[Any], slots: np.ndarray) -> None:
+    def held(self: Mover, keys: list[Any], slots: np.ndarray, fence: list[Any]) -> None:
         gate.wait(10)  # the one thread holds the recent session's first piece; the rest queue
-        read_into(self, keys, slots)
+        read_into(self, keys, slots, fence)
 
     monkeypatch.setattr(Mover, "read_into", held)
     yield_to = readahead.ReadAhead.yield_to

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -227,6 +228,59 @@ def test_round_trip_through_every_tier(case: Case) -> None:
     else:
         _check_int8(c.k, k)
         _check_int8(c.v, v)
+
+
+def test_an_archive_read_writes_its_slots_only_once_the_device_passed_its_fence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read takes its fence when it is asked for and waits for it after the records are read
+    and decoded, before the first byte lands in a slot (which kernels queued earlier may still
+    read in place): on one thread or several, and on a read-ahead thread (`read_into`), whose
+    fence its caller took. On a CPU the fence is empty."""
+    from h3d.tiers import mover as mover_mod
+
+    cpu = torch.device("cpu")
+    hbm, ddr = KVPool(2, 4, 2, 8, torch.float32, cpu), KVPool(40, 4, 2, 8, torch.float32, cpu)
+    archive = Archive(tmp_path, CacheIdentity("f00d", "fp32", 4, 2, 8))
+    mover = Mover(hbm, ddr, archive)
+    assert mover.fence() == []
+    keys = [BlockKey("s", 0, i) for i in range(30)]
+    k, v = torch.randn(2, 30, 4, 8), torch.randn(2, 30, 4, 8)
+    archive.put([(key, k[:, i], v[:, i]) for i, key in enumerate(keys)])
+    log: list[tuple[str, str]] = []  # (thread, what)
+    mine: dict[str, list[BlockKey]] = {}  # the keys each thread read
+
+    class Fence:
+        def synchronize(self) -> None:  # this thread's slots still hold what they held
+            name = threading.current_thread().name
+            slots = [1 + keys.index(key) for key in mine[name]]
+            assert not ddr.k[:, slots].any() and not ddr.v[:, slots].any()
+            log.append((name, "passed"))
+
+    get_bytes = archive.get_bytes
+
+    def read(some: list[BlockKey]) -> Any:
+        name = threading.current_thread().name
+        mine[name] = some
+        log.append((name, "read"))
+        return get_bytes(some)
+
+    monkeypatch.setattr(archive, "get_bytes", read)
+    monkeypatch.setattr(mover, "fence", lambda: [Fence()])
+    for n in (3, 30):  # one piece on this thread; pieces on the readers
+        ddr.k.zero_(), ddr.v.zero_(), log.clear()
+        mover.read(keys[:n], np.arange(1, n + 1))
+        for name in {t for t, _ in log}:  # each piece: read, then past its fence, then written
+            seen = [what for t, what in log if t == name]
+            assert seen == ["read", "passed"] * (len(seen) // 2)
+        per = min(mover_mod.READ_PIECE, max(mover_mod.MIN_READ_PIECE, -(-n // mover_mod.READ_THREADS)))
+        assert len(log) == 2 * -(-n // per) and (n == 3) == (len(log) == 2)  # its pieces, each read once
+        assert torch.equal(ddr.k[:, 1 : n + 1], k[:, :n]) and torch.equal(ddr.v[:, 1 : n + 1], v[:, :n])
+    ddr.k.zero_(), ddr.v.zero_(), log.clear()
+    mover.read_into(keys[:5], np.arange(1, 6), [Fence()])
+    assert [what for _, what in log] == ["read", "passed"] and torch.equal(ddr.k[:, 1:6], k[:, :5])
+    mover.close()
+    archive.close()
 
 
 # ---- (b, d, h) tiered = untiered on a tiny checkpoint ----------------------------------------

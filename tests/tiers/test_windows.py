@@ -197,9 +197,9 @@ def test_a_window_block_freed_while_it_is_read_ahead_is_not_placed(
     gate = threading.Event()
     read_into = tiers.mover.read_into
 
-    def held(keys: list[Any], slots: np.ndarray) -> None:
+    def held(keys: list[Any], slots: np.ndarray, fence: list[Any]) -> None:
         assert gate.wait(10)
-        read_into(keys, slots)
+        read_into(keys, slots, fence)
 
     monkeypatch.setattr(tiers.mover, "read_into", held)
     table = tiers.blocks.table(seq)
