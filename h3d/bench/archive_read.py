@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     n = args.records
     ident = CacheIdentity("f" * 64, "bf16", TOKENS, HEADS, DIM)
     archive = Archive(args.work / "archive", ident)
+    # The settings timed are the modules' own: set for each read, put back when the probe ends
+    # (a caller in the same process, a test, keeps the defaults).
+    saved = mover.READ_THREADS, archive_mod.READ_RUN_BYTES
     try:
         base = (torch.randn(HEADS, 2 * TOKENS, DIM, generator=torch.Generator().manual_seed(0)) * 2).to(torch.bfloat16)
         keys = [BlockKey("s", i % 32, i // 32) for i in range(n)]
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"read {len(keys)} records, runs of {run_bytes >> 10} KiB, {threads:2d} threads {kind}: "
                           f"{took:.2f} s, {gb / took:.2f} GB/s", flush=True)  # fmt: skip
     finally:
+        mover.READ_THREADS, archive_mod.READ_RUN_BYTES = saved
         archive.close()
         shutil.rmtree(args.work, ignore_errors=True)
     return 0
