@@ -159,14 +159,14 @@ class ReadAhead:
                 todo[p.layers, p.blocks] = False
         return todo
 
-    def _notice(self, event: str, seq: SeqId, **fields: object) -> None:
+    def _notice(self, event: str, seq: SeqId) -> None:
         began, blocks = self._began.get(seq), self._applied.get(seq, 0)
         if began is None or not blocks or not self.tiers.blocks.has(seq):
             return  # (nothing read ahead: no event)
         self.tiers.notices.append((event, {
             "session": self.tiers.sessions[seq].name, "blocks": blocks,
             "gb": round(blocks * self.tiers.block_bytes / 1e9, 3),
-            "seconds": round(time.monotonic() - began, 3), **fields,
+            "seconds": round(time.monotonic() - began, 3),
         }))  # fmt: skip
 
     def _first_done(self, seq: SeqId) -> None:

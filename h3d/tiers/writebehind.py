@@ -13,7 +13,7 @@ How, without blocking a step. On the engine thread, between steps (`pump`): a bl
 copy gets one (copied down from HBM, one launch on the mover's stream like any demotion); the
 DDR slots to be written are held (`SlotAllocator.hold`: a slot released meanwhile is not reused
 until let go), and the batch goes to the write-behind threads (`WRITE_BEHIND_THREADS`), which
-wait for the copies on the device (a CUDA event), read the slots, compress and `put` them. A
+wait for the copies on the device (`Mover.fence`), read the slots, compress and `put` them. A
 finished batch marks its blocks archived at the next `poll` (the engine thread again); the DDR
 copies stay, as cheap ones (an HBM or archive copy exists: dropped first when DDR passes its
 watermark). While requests run, a step submits at most `WRITE_BEHIND_STEP_MB`; at most
@@ -279,7 +279,7 @@ class WriteBehind:
             hbm = e.hbm[ids[dr, dc]]
             slots = b.add_ddr_many(seq, full_layers[dr], dc + start)
             tiers.mover.hbm_to_ddr(hbm, slots)
-        ready = _device_event(tiers)
+        ready = tiers.mover.fence()  # every copy down and write to DDR enqueued so far
         name = tiers.sessions[seq].name
         for i in range(0, len(blocks), self.per_batch):
             bl, ly = blocks[i : i + self.per_batch], layers[i : i + self.per_batch]
@@ -308,7 +308,7 @@ class WriteBehind:
 
     def _write(
         self,
-        ready: torch.cuda.Event | None,
+        ready: list[torch.cuda.Event],
         name: str,
         layers: np.ndarray,
         blocks: np.ndarray,
@@ -319,8 +319,8 @@ class WriteBehind:
         bulk (`Archive.put_blocks`: a few calls that leave the GIL to the engine thread while they
         copy, compress and write, rather than several Python calls per block)."""
         self._wait_turn()
-        if ready is not None:
-            ready.synchronize()
+        for event in ready:
+            event.synchronize()
         ddr = self.tiers.ddr
         k, v = ddr.read(torch.from_numpy(slots))  # [Hkv, n, bs, D], copies
         archive = self.tiers.archive
@@ -423,13 +423,3 @@ class WriteBehind:
         if self._pool is not None:
             self.poll(wait=True)
             self._pool.shutdown(wait=True)
-
-
-def _device_event(tiers: TierManager) -> torch.cuda.Event | None:
-    """On CUDA, an event the write-behind threads wait for: every copy and write to DDR enqueued
-    so far is done when it is."""
-    if tiers.hbm.k.device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(tiers.hbm.k.device))
-    return event
