@@ -64,7 +64,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -514,6 +514,37 @@ class Local:
 # ---- figures ------------------------------------------------------------------------------------
 
 
+def trace_kernels(folder: Path, fn: Callable[[], list[Stream]]) -> dict[str, Any]:
+    """fn()'s steps under torch.profiler: the table by device time to `folder`/many-kernels.txt;
+    the kernels' (and copies') milliseconds per step, and the ten longest kernels by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        streams = fn()
+    steps = max(1, max(len(s.arrivals) for s in streams))
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    (folder / "many-kernels.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40,
+                                                                       max_name_column_width=90))  # fmt: skip
+    by_name: dict[str, float] = {}
+    copies = 0.0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us = e.time_range.elapsed_us()
+            if "memcpy" in e.name.lower() or "memset" in e.name.lower():
+                copies += us
+            else:
+                by_name[e.name] = by_name.get(e.name, 0.0) + us
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
+    return {
+        "steps": steps,
+        "kernels_ms_per_step": round(sum(by_name.values()) / steps / 1e3, 3),
+        "copies_ms_per_step": round(copies / steps / 1e3, 3),
+        "top_ms_per_step": {name[:90]: round(us / steps / 1e3, 3) for name, us in top},
+    }
+
+
 def itl(gaps: list[float]) -> dict[str, float | None]:
     if not gaps:
         return {"itl_ms_p50": None, "itl_ms_p99": None, "itl_ms_mean": None}
@@ -754,6 +785,8 @@ def phase_many(run: Run) -> None:
     out["engine_phases_ms_p50"] = {p: round(float(np.median([x[i] for x in steady])), 2) for i, p in enumerate(names)}
     out["engine_steps_phases_ms"] = local.phases
     log(f"engine many, step phases p50 (ms): {out['engine_phases_ms_p50']}")
+    if run.args.trace is not None:  # a few more steps, their kernels under torch.profiler
+        out["engine_kernels"] = trace_kernels(run.args.trace, lambda: local.generate_many(lsids, [7] * n, 9))
     local.shutdown()
     bw = bandwidths(run.device)
     element = torch.finfo(shape.dtype).bits // 8
@@ -1055,6 +1088,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=Path, default=None,
                    help="the many phase's in-process decode under cProfile: its statistics written here "
                    "(slows the engine: its figures are then not comparable)")  # fmt: skip
+    p.add_argument("--trace", type=Path, default=None,
+                   help="the many phase's in-process engine decodes 8 more steps under torch.profiler: "
+                   "the kernels' table written to this folder, their time per step in the JSON")  # fmt: skip
     p.add_argument("--write", type=Path, default=None, help="update this markdown file's serve section")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

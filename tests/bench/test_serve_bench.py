@@ -56,6 +56,20 @@ def test_tiny_gemma_shape_runs_through_the_daemon(checkpoint: Callable[[str], Pa
         assert fields["tokens"] == 5 and 0 < fields["window_hbm_bytes"] < fields["hbm_used_bytes"]
 
 
+def test_tiny_many_phase_traces_its_kernels(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """`--trace` runs 8 more in-process steps under torch.profiler: its table written, its figures
+    in the JSON (on the CPU there are no device kernels: zero)."""
+    out, trace = tmp_path / "serve.json", tmp_path / "trace"
+    argv = ["--tiny", "--phase", "many", "--many", "2", "--no-hf", "--steps", "3", "--tokenizer",
+            str(checkpoint("llama_gqa4_tied")), "--work", str(tmp_path / "work"), "--out", str(out),
+            "--trace", str(trace)]  # fmt: skip
+    assert serve.main(argv) == 0
+    many = json.loads(out.read_text())["many"]
+    assert many["sessions"] == 2 and many["engine_tokens_per_s"] > 0
+    assert many["engine_kernels"]["steps"] == 9 and many["engine_kernels"]["kernels_ms_per_step"] == 0
+    assert "aten::" in (trace / "many-kernels.txt").read_text()
+
+
 RESTART = {
     "sigterm_s", "blocks_left_to_recompute", "ready_s", "resume_first_token_s_128k", "resume_warm_s_128k",
     "reprefill_s_128k", "archive_resume_share", "tokens_lost", "ddr_pinned_gb", "write_behind_itl_p99_ratio",
