@@ -10,7 +10,8 @@ blocks of its selections that are not in HBM): per layer, per session and KV hea
 (`h2d`) is what the floor of a step assumes for those bytes; this probe measures what
 `h3d.kernels.decode.paged_decode` gets instead, on the same bytes:
 
-- pools: `plain` (a host tensor registered by `h3d.kv.pool.Pinning`, the daemon's DDR pool),
+- pools: `plain` (a host tensor registered by `h3d.kv.pool.Pinning`), `vmm` (the driver's pinned
+  pages mapped piece by piece into one range, `h3d.kv.hostmem`),
   `hugepages` (the same with `madvise(MADV_HUGEPAGE)` before its pages are faulted in),
   `hostalloc` (one `cudaHostAlloc`), and, on a host of several NUMA nodes, `plain` with its pages
   faulted in on each node (`node<N>`);
@@ -34,11 +35,13 @@ import json
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from h3d.kv.hostmem import HostRange
 from h3d.kv.pool import Pinning
 
 HEADS, QHEADS, BLOCK, DIM = 8, 32, 32, 128  # Llama-3-8B's KV and query heads, h3d's default block
@@ -115,7 +118,19 @@ class Pool:
         if cpus:
             os.sched_setaffinity(0, cpus)  # Pinning's threads (started below) inherit it
         try:
-            if kind == "hostalloc":
+            if kind == "vmm":  # h3d.kv.hostmem: the driver's pinned pages mapped into one range, 8 threads
+                slab = HEADS * slots * BLOCK * DIM * 2
+                self.range = HostRange(2 * slab, torch.device("cuda"))
+                piece = max(self.range.granularity, (256 << 20) // self.range.granularity * self.range.granularity)
+                with ThreadPoolExecutor(8) as ex:
+                    errs = list(ex.map(lambda at: self.range.map(at, min(piece, self.range.size - at)),
+                                       range(0, self.range.size, piece)))  # fmt: skip
+                if any(errs):
+                    raise RuntimeError(f"cuMemMap of host memory failed: {sorted(set(errs))}")
+                self.k = self.range.tensor(0, (HEADS, slots, BLOCK, DIM), torch.bfloat16)
+                self.v = self.range.tensor(slab, (HEADS, slots, BLOCK, DIM), torch.bfloat16)
+                ctypes.memset(self.range.base, 0, 2 * slab)
+            elif kind == "hostalloc":
                 self.k = torch.empty(HEADS, slots, BLOCK, DIM, dtype=torch.bfloat16, pin_memory=True)
                 self.v = torch.empty_like(self.k, pin_memory=True)
             else:
@@ -136,6 +151,9 @@ class Pool:
     def close(self) -> None:
         if self.pinning is not None:
             self.pinning.close()
+        if getattr(self, "range", None) is not None:
+            del self.k, self.v
+            self.range.close()
 
 
 def _time(fn: Callable[[], object], reps: int) -> float:
@@ -180,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--picks", type=int, default=64, help="blocks each (session, KV head) list reads a layer")
     p.add_argument("--layers", type=int, default=32, help="tables in a timed pass (one per layer)")
     p.add_argument("--reps", type=int, default=5, help="timed passes per figure (the median is kept)")
-    p.add_argument("--pools", nargs="+", default=["plain", "hugepages", "hostalloc", "nodes"],
-                   help="pools to make: plain, hugepages, hostalloc, nodes (plain on each NUMA node)")  # fmt: skip
+    p.add_argument("--pools", nargs="+", default=["plain", "vmm", "hostalloc", "hugepages", "nodes"],
+                   help="pools to make: plain, vmm, hostalloc, hugepages, nodes (plain on each NUMA node)")  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="JSON of every figure")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -239,7 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     res["pools"] = {}
     first = True
     for name, cpus in kinds:
-        pool = Pool(name if name in ("hostalloc", "hugepages") else "plain", slots, cpus)
+        try:
+            pool = Pool(name if name in ("hostalloc", "hugepages", "vmm") else "plain", slots, cpus)
+        except RuntimeError as e:
+            res["pools"][name] = {"error": str(e)}
+            print(f"{name}: {e}", flush=True)
+            continue
         if first:  # the HBM pool read the same way, once
             res["hbm_scattered_gbps"] = round(args.layers * per_layer / attend(pool, hbm_tables) / 1e9, 1)
             print(f"hbm scattered: {res['hbm_scattered_gbps']} GB/s", flush=True)

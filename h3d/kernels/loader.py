@@ -148,10 +148,17 @@ def dot_dtype(dtype: torch.dtype) -> Any:
     return t.tl.float32 if t.interpret and dtype == torch.bfloat16 else t.dtypes[dtype]
 
 
+def _pinned(t: torch.Tensor) -> bool:
+    """Pinned by torch's allocator or registered, or pinned pages mapped by `h3d.kv.hostmem`."""
+    from h3d.kv import hostmem
+
+    return t.is_pinned() or hostmem.device_address(t.data_ptr())
+
+
 def addressable(pool: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A slab the kernel can read from `device`: on it, or pinned host memory (zero-copy over PCIe)."""
     if pool.stride(-1) != 1 or pool.stride(-2) != pool.shape[-1]:
         raise ValueError("paged_decode: each pool's [bs, D] tiles must be contiguous")
-    if device.type == "cuda" and pool.device.type == "cpu" and not pool.is_pinned():
+    if device.type == "cuda" and pool.device.type == "cpu" and not _pinned(pool):
         raise ValueError("paged_decode: a host pool read from the GPU must be pinned (KVPool(pin_memory=True))")
     return pool
