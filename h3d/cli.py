@@ -27,12 +27,17 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from h3d.config import AUTO, DTYPES, OR_AUTO, POLICIES, SSD_CODECS, EngineConfig, SamplingDefaults
+from h3d.config import AUTO, DDR_MEMORY, DTYPES, OR_AUTO, POLICIES, SSD_CODECS, EngineConfig, SamplingDefaults
 from h3d.daemon.config import key_types
 from h3d.errors import H3Error
 from h3d.keys import flag_help
 
-_CHOICES = {"policy": POLICIES, "ssd_codec": SSD_CODECS, "dtype": DTYPES}  # device: also cuda:N
+_CHOICES = {
+    "policy": POLICIES,
+    "ssd_codec": SSD_CODECS,
+    "dtype": DTYPES,
+    "ddr_memory": DDR_MEMORY,
+}  # device: also cuda:N
 
 
 def _add_key_flag(p: argparse.ArgumentParser, key: str, kind: type, dest: str | None = None) -> None:

@@ -26,6 +26,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 POLICIES = ("attention_entropy", "exact", "fixed", "layerwise")
 SHARE_PREFIXES = ("owner", "all", "off")
+DDR_MEMORY = ("auto", "mapped", "registered")  # how the DDR pool is pinned on CUDA (h3d.kv.pool)
 SSD_CODECS = ("raw-zstd", "int8-delta-zstd")
 
 
@@ -54,6 +55,7 @@ class EngineConfig:
     prefill_step_ms: float = 150.0  # a long chunk's forward runs this long between decode steps (h3d.engine.prefill)
     hbm_mb: float | str = AUTO
     ddr_mb: float | str = AUTO
+    ddr_memory: str = "auto"  # how the DDR pool is pinned on CUDA: mapped | registered | auto (h3d.kv.pool)
     ssd_path: str | None = None
     ssd_codec: str = "raw-zstd"
     quantize_skip_layers: tuple[int, ...] = ()
@@ -148,6 +150,7 @@ class EngineConfig:
         if self.ddr_mb != AUTO and not self.ddr_mb >= 0:  # type: ignore[operator]
             raise ConfigError(f"ddr_mb: must be >= 0, got {self.ddr_mb}")
         _choice("ssd_codec", self.ssd_codec, SSD_CODECS)
+        _choice("ddr_memory", self.ddr_memory, DDR_MEMORY)
         _choice("policy", self.policy, POLICIES)
         _choice("share_prefixes", self.share_prefixes, SHARE_PREFIXES)
         if self.prefix_cache_sessions < 0:

@@ -117,6 +117,17 @@ ENGINE: tuple[Key, ...] = (
         "CUDA (at most 80 % of what is available), 4096 on a CPU",
     ),
     Key(
+        "ddr_memory",
+        "how the DDR pool is pinned on CUDA. `mapped`: the driver's own pinned pages (`cuMemCreate` on the "
+        "host, CUDA 12.2+) mapped piece by piece into one range, which the decode kernels read in place faster "
+        "(about 1.5 x on an H100's scattered reads, docs/BENCHMARKS.md); `registered`: pageable memory "
+        "page-locked by `cudaHostRegister`; `auto`: mapped where the driver can, else registered. Either way "
+        "the first 4 GiB are pinned before ready and the rest in the background; the `ddr_pinned` event says "
+        "which was used",
+        help="how the DDR pool is pinned on CUDA: mapped (the driver's pinned pages, read in place faster), "
+        "registered (cudaHostRegister), or auto (mapped where the driver can)",
+    ),
+    Key(
         "ssd_path",
         "SSD tier: folder of the cold archive; without it, HBM + DDR must hold every session and admission "
         "refuses what does not fit",

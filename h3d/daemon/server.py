@@ -155,8 +155,9 @@ class Daemon:
             self._tasks.append(asyncio.create_task(self._lost_loop(remote.store.lease_s / 3)))
         if self.notifier.watchdog_s:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(self.notifier.watchdog_s / 2)))
-        if engine.kv.ddr.pinning is not None:
-            self._tasks.append(asyncio.create_task(self._pinned(engine.kv.ddr.pinning, engine.kv.ddr.slot_bytes)))
+        ddr = engine.kv.ddr
+        if ddr.pinning is not None:
+            self._tasks.append(asyncio.create_task(self._pinned(ddr.pinning, ddr.slot_bytes, ddr.host_memory)))
         self.worker.collector.start()  # what exists now is frozen; GC runs between steps from here on
         log.info("listening", **addresses, ready_s=round(time.perf_counter() - started, 3))
         self.notifier.send(READY="1", STATUS="serving", MAINPID=str(os.getpid()))
@@ -356,13 +357,16 @@ class Daemon:
         stats = await self.worker.call(lambda e: stats_pb(self.state, e, []))
         return self.metrics.render(stats, self.state.in_flight)
 
-    async def _pinned(self, pinning: Pinning, slot_bytes: int) -> None:
+    async def _pinned(self, pinning: Pinning, slot_bytes: int, memory: str) -> None:
         """Log when the DDR pool registered after the start is all usable (or stopped short)."""
         usable = await asyncio.to_thread(pinning.wait, pinning.num_slots)  # (returns at the engine's close too)
         if pinning.error is not None:
-            log.error("ddr_pinning_failed", reason=pinning.error, usable_gb=round(usable * slot_bytes / 1e9, 1))
+            log.error(
+                "ddr_pinning_failed", reason=pinning.error, usable_gb=round(usable * slot_bytes / 1e9, 1), memory=memory
+            )
         elif pinning.done_s is not None:
-            log.info("ddr_pinned", gb=round(usable * slot_bytes / 1e9, 1), seconds=round(pinning.done_s, 3))
+            gb = round(usable * slot_bytes / 1e9, 1)
+            log.info("ddr_pinned", gb=gb, seconds=round(pinning.done_s, 3), memory=memory)
 
     async def _stats_loop(self) -> None:
         while True:

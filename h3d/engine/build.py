@@ -96,6 +96,7 @@ def build_runner(config: EngineConfig, model: CausalLM, sizes: Budgets, max_cont
         write_behind_dirty_mb=config.write_behind_dirty_mb if config.write_behind else None,
         ssd_capacity=ssd_capacity(config, archive),
         window_keep_tokens=config.window_keep_tokens,
+        ddr_memory=config.ddr_memory,
     )
     return runner
 

@@ -64,6 +64,7 @@ class ModelRunner:
         write_behind_dirty_mb: float | None = None,
         ssd_capacity: int | None = None,
         window_keep_tokens: int = 0,
+        ddr_memory: str = "registered",
     ) -> None:
         cfg = model.config
         self.model = model
@@ -97,6 +98,7 @@ class ModelRunner:
             ssd_retry_interval_s=ssd_retry_interval_s,
             write_behind_dirty_mb=write_behind_dirty_mb,
             ssd_capacity=ssd_capacity,
+            ddr_memory=ddr_memory,
         )
         # The step's view of the cache's parts (the cache owns them).
         self.blocks, self.tiers, self.digests, self.hbf = self.kv.blocks, self.kv.tiers, self.kv.digests, hbf

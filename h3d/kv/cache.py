@@ -112,11 +112,13 @@ class KVCache:
         write_behind_dirty_mb: float | None = None,
         ssd_capacity: int | None = None,
         ddr_register: tuple[Registrar, Callable[[int], None]] | None = None,
+        ddr_memory: str = "registered",
     ) -> None:
         """`hbm_regions`: every layer's HBM region in blocks, or one size per layer; `windows`: each
         layer's sliding window, None for full attention (`ModelConfig.windows`; all full by default),
         whose blocks are freed `window_keep_tokens` past it (`BlockManager`);
-        `write_behind_dirty_mb`, `ssd_capacity`: see `TierManager`; `ddr_register`: see `KVPool`."""
+        `write_behind_dirty_mb`, `ssd_capacity`: see `TierManager`; `ddr_register`, `ddr_memory` (its
+        `host_memory`): see `KVPool`."""
         self.sessions: dict[SeqId, SessionKV] = {}
         self._archive = archive
         self.blocks = BlockManager(hbm_regions, ddr_slots, num_layers, block_size, windows, window_keep_tokens)
@@ -124,7 +126,7 @@ class KVCache:
         self.hbm = KVPool(self.blocks.num_slots, *shape, device)
         self.ddr = KVPool(
             len(self.blocks.ddr_owner), *shape, torch.device("cpu"), pin_memory=device.type == "cuda",
-            register=ddr_register,
+            register=ddr_register, host_memory=ddr_memory,
         )  # fmt: skip
         if self.ddr.usable < self.ddr.num_slots:  # the rest is registered in the background (`TierManager.grow_ddr`)
             a = self.blocks.ddr_alloc

@@ -30,6 +30,7 @@ _PINNED = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
 _DEVICE, _HOST_NUMA = 1, 3  # CU_MEM_LOCATION_TYPE_*
 _READWRITE = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
 _DEVICE_POINTER = 2  # CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+CLOSED = -1  # `map`'s answer once the range is closed
 
 
 class _Location(ctypes.Structure):
@@ -136,6 +137,8 @@ class HostRange:
 
     def __init__(self, size: int, device: torch.device, node: int | None = None) -> None:
         lib = _cuda()
+        if lib is None or not torch.cuda.is_available():
+            raise RuntimeError("this CUDA driver cannot map pinned host memory (no CUDA device)")
         self.node = gpu_numa_node(device) if node is None else node
         self.granularity = granularity(self.node)
         if lib is None or not self.granularity:
@@ -160,6 +163,8 @@ class HostRange:
         """Back [offset, offset + size) (multiples of the granularity) with pinned pages that both
         the GPU and the CPU address; 0, or the driver's error (nothing left mapped then)."""
         lib = self._lib
+        if not self.size:
+            return CLOSED
         lib.cuCtxSetCurrent(self._ctx)
         handle = ctypes.c_uint64(0)
         prop = _prop(self.node)
@@ -181,8 +186,12 @@ class HostRange:
             lib.cuMemRelease(handle)
             return int(err)
         with self._lock:
-            self._mapped.append((offset, size, int(handle.value)))
-        return 0
+            if self.size:
+                self._mapped.append((offset, size, int(handle.value)))
+                return 0
+        lib.cuMemUnmap(ptr, size)  # closed meanwhile
+        lib.cuMemRelease(handle)
+        return CLOSED
 
     def tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A CPU tensor over the range from `offset` (its bytes must be mapped before they are used)."""
@@ -195,11 +204,11 @@ class HostRange:
         """Unmap and release every piece, then the addresses (no tensor over them may be used after)."""
         with self._lock:
             mapped, self._mapped = self._mapped, []
+            size, self.size = self.size, 0
         lib = self._lib
         lib.cuCtxSetCurrent(self._ctx)
-        for offset, size, handle in mapped:
-            lib.cuMemUnmap(self.base + offset, size)
+        for offset, n, handle in mapped:
+            lib.cuMemUnmap(self.base + offset, n)
             lib.cuMemRelease(handle)
-        if self.size:
-            lib.cuMemAddressFree(self.base, self.size)
-            self.size = 0
+        if size:
+            lib.cuMemAddressFree(self.base, size)

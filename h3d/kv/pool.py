@@ -10,11 +10,13 @@ import ctypes
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from h3d.config import DDR_MEMORY
 from h3d.kv.blocks import NULL_SLOT
 
 PIN_PIECE = 256 << 20  # a pinned slab is registered with CUDA in pieces of about this many bytes
@@ -59,7 +61,13 @@ class Pinning:
         first_bytes: int | None = None,
         piece_bytes: int | None = None,
         threads: int | None = None,
+        align: int = PAGE,
+        zero: bool = True,
     ) -> None:
+        """`align`: where pieces may be cut (a slab's ends rounded out to it too); `zero`: fault each
+        piece's pages in by zeroing them before `register` (memory mapped by `register` itself is
+        not there before: `hostmem`)."""
+        self._zero = zero
         first_bytes = PIN_FIRST if first_bytes is None else first_bytes
         piece_bytes = PIN_PIECE if piece_bytes is None else piece_bytes
         threads = PIN_THREADS if threads is None else threads
@@ -72,7 +80,7 @@ class Pinning:
         self.done_s: float | None = None  # seconds from the start until every piece was registered
         self.registered: list[int] = []  # addresses of the pieces registered (unregistered at close)
         self.error: str | None = None  # why registering stopped short (the pool stays at `usable`)
-        pieces = [p for slab in slabs for p in self._pieces(slab, piece_bytes)]
+        pieces = [p for slab in slabs for p in self._pieces(slab, piece_bytes, align)]
         pieces.sort(key=lambda p: p[2])
         self._pending = [p[2] for p in pieces]  # the unregistered pieces' lowest slots, sorted (a multiset)
         self.usable = 0
@@ -91,23 +99,27 @@ class Pinning:
         self._pool.shutdown(wait=False)
 
     @staticmethod
-    def _pieces(slab: torch.Tensor, piece_bytes: int) -> list[tuple[int, int, int]]:
-        """(address, end, lowest slot of any of its bytes) of every piece of `slab`."""
+    def _pieces(slab: torch.Tensor, piece_bytes: int, align: int = PAGE) -> list[tuple[int, int, int]]:
+        """(address, end, lowest slot of any of its bytes) of every piece of `slab`, cut at multiples
+        of `align` (a power of two); where the slab's ends are not, its first and last pieces
+        reach out to them (unless `align` is a page: registering takes any address)."""
         base = slab.data_ptr()
         size = slab.numel() * slab.element_size()
         heads, slots = int(slab.shape[0]), int(slab.shape[1])
         head_bytes = size // heads
         slot_bytes = head_bytes // slots
         per_piece = max(1, piece_bytes // slot_bytes) * slot_bytes
-        cuts = {base, base + size}
+        lo, hi = (base, base + size) if align == PAGE else (base & ~(align - 1), -(-(base + size) // align) * align)
+        cuts = {lo, hi}
         for h in range(heads):
-            cuts.update((base + h * head_bytes + at) & ~(PAGE - 1) for at in range(0, head_bytes, per_piece))
-        edges = sorted(c for c in cuts if base <= c <= base + size)
+            cuts.update((base + h * head_bytes + at) & ~(align - 1) for at in range(0, head_bytes, per_piece))
+        edges = sorted(c for c in cuts if lo <= c <= hi)
         out = []
         for a, b in itertools.pairwise(edges):
-            first, last = (a - base) // head_bytes, (b - 1 - base) // head_bytes
+            a_in, b_in = max(a, base), min(b, base + size)  # the slab's own bytes in the piece
+            first, last = (a_in - base) // head_bytes, (b_in - 1 - base) // head_bytes
             # A piece that holds a head's first bytes holds slot 0; else its first byte's slot is its lowest.
-            low = 0 if first != last else ((a - base) % head_bytes) // slot_bytes
+            low = 0 if first != last else ((a_in - base) % head_bytes) // slot_bytes
             out.append((a, b, low))
         return out
 
@@ -119,11 +131,12 @@ class Pinning:
         # Registering pages already faulted in is about 5x faster than fresh ones: on the H200
         # host, 16 GiB took 7.9 s fresh on one thread, 1.4 s to zero and 1.0 s to register on
         # PIN_THREADS (docs/BENCHMARKS.md). memset releases the GIL (ctypes).
-        ctypes.memset(a, 0, b - a)
+        if self._zero:
+            ctypes.memset(a, 0, b - a)
         err = self._register(a, b - a)
         with self._lock:
             if err != 0:
-                self.error = f"cudaHostRegister of {(b - a) / 1e6:.0f} MB of host memory failed (error {err})"
+                self.error = f"pinning {(b - a) / 1e6:.0f} MB of host memory failed (CUDA error {err})"
                 self._changed.notify_all()
                 return
             self.registered.append(a)
@@ -168,6 +181,40 @@ def _host_slab(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
     return torch.empty(shape, dtype=dtype, pin_memory=pin and size <= PIN_PIECE)
 
 
+HOST_MEMORY = DDR_MEMORY  # how a pinned host pool is made (`KVPool`)
+
+
+def _maps(host_memory: str) -> bool:
+    """Whether a pinned host pool is mapped (`h3d.kv.hostmem`) rather than registered."""
+    if host_memory == "registered" or not torch.cuda.is_available():
+        return False
+    from h3d.kv import hostmem
+
+    if hostmem.supported(hostmem.gpu_numa_node(torch.device("cuda"))):
+        return True
+    if host_memory == "mapped":
+        raise RuntimeError("ddr_memory mapped: this CUDA driver cannot map pinned host memory (cuMemCreate)")
+    return False
+
+
+def _mapped_slabs(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, Pinning]:
+    """K and V slabs in one `hostmem.HostRange`, its pieces mapped by `Pinning` (lowest slots first,
+    the rest in the background). The range is unmapped once no tensor over it is left."""
+    from h3d.kv import hostmem
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    node = hostmem.gpu_numa_node(device)
+    g = hostmem.granularity(node)
+    slab = -(-size // g) * g
+    rng = hostmem.HostRange(2 * slab, device, node)
+    buf = (ctypes.c_ubyte * (2 * slab)).from_address(rng.base)
+    weakref.finalize(buf, rng.close)  # (tensors keep `buf` alive; `rng` does not)
+    k, v = (torch.frombuffer(buf, dtype=torch.uint8, count=size, offset=at).view(dtype).view(shape) for at in (0, slab))
+    pinning = Pinning([k, v], lambda ptr, n: rng.map(ptr - rng.base, n), lambda ptr: None, align=g, zero=False)
+    return k, v, pinning
+
+
 class KVPool:
     """k, v: [kv_heads, num_slots, block_size, head_dim] each.
 
@@ -185,10 +232,16 @@ class KVPool:
         device: torch.device,
         pin_memory: bool = False,
         register: tuple[Registrar, Callable[[int], None]] | None = None,
+        host_memory: str = "registered",
     ) -> None:
-        """`pin_memory`: a host pool the GPU reads; a large one registered in the background
-        (`Pinning`, `usable`). `register`: (register, unregister) instead of CUDA's (tests: a host
-        pool registered the same way on a CPU)."""
+        """`pin_memory`: a host pool the GPU reads; a large one pinned in the background (`Pinning`,
+        `usable`). `host_memory` (`HOST_MEMORY`): how, where pinned: `registered` (pageable memory
+        page-locked by `cudaHostRegister`), `mapped` (the driver's pinned pages mapped into one
+        range, `h3d.kv.hostmem`: read in place faster), `auto` (mapped where the driver can).
+        `register`: (register, unregister) instead of CUDA's (tests: a host pool registered the
+        same way on a CPU)."""
+        if host_memory not in HOST_MEMORY:
+            raise ValueError(f"host_memory: one of {', '.join(HOST_MEMORY)}, got {host_memory!r}")
         shape = (num_kv_heads, num_slots, block_size, head_dim)
         # empty, not zeros: a multi-GiB pool would be written in full at start (except a pinned slab
         # registered in pieces, whose pages are faulted in by zeroing: `_Registered`). Attention
@@ -196,10 +249,15 @@ class KVPool:
         # null slot, which pads tables, is zeroed here.
         # pin_memory: the DDR pool of a CUDA host, which the GPU reads and copies from directly.
         self.pinning: Pinning | None = None
-        if device.type == "cpu":
+        self.host_memory = "pageable"  # how the host slabs were made (`ddr_memory` in the logs)
+        if device.type == "cpu" and pin_memory and register is None and _maps(host_memory):
+            self.k, self.v, self.pinning = _mapped_slabs(shape, dtype)
+            self.host_memory = "mapped"
+        elif device.type == "cpu":
             self.k, self.v = _host_slab(shape, dtype, pin_memory), _host_slab(shape, dtype, pin_memory)
             if (pin_memory and not self.k.is_pinned()) or register is not None:
                 self.pinning = Pinning([self.k, self.v], *(register or ()))
+            self.host_memory = "registered" if pin_memory or register is not None else "pageable"
         else:
             self.k = torch.empty(shape, dtype=dtype, device=device)
             self.v = torch.empty(shape, dtype=dtype, device=device)
