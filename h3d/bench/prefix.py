@@ -337,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="the JSON (default bench/results/DATE-cpu-prefix.json)")
     p.add_argument("--write", type=Path, default=None, help="update this markdown file's prefix section")
     p.add_argument("--phase", choices=("forks", "chat"), default=None, help="run one measurement (default: both)")
+    p.add_argument("--daemon-flag", action="append", metavar="FLAG",
+                   help="a flag for the daemon (repeatable; e.g. --daemon-flag=--ddr-memory=registered): not the "
+                   "defaults, so not the product's figures")  # fmt: skip
     args = p.parse_args(argv)
     args.model = shaped_model(args.model, args.shape, args.tiny, args.tokenizer)
     from h3d.model.tokenizer import Tokenizer
@@ -345,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     text = document(tokenizer, args.tokens)
     ids = tokenizer.encode(text)
     port = free_port()
-    daemon = Daemon(args.model, args.work, flags=["--http-listen", f"127.0.0.1:{port}"])
+    daemon = Daemon(args.model, args.work, flags=["--http-listen", f"127.0.0.1:{port}", *(args.daemon_flag or [])])
     try:
         client = Client(daemon.sock)
         fork_figures = chat_figures = None
