@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import cache
 from typing import Protocol
 
 import numpy as np
@@ -467,24 +468,48 @@ def causal_lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """A chunk's attention on CUDA. q: [n, H, D]; k, v: [Hkv, T, D] -> [n, H, D].
 
     The chunk's queries are the sequence's last n tokens, so the causal mask is aligned to the
-    lower right; torch's `causal_lower_right` hands that to the flash or memory-efficient kernels,
-    which never build the [n, T] mask or the [H, n, T] scores (a boolean mask would send SDPA to
-    its math path: 128 GiB of fp32 scores per layer for 8,192 queries over 131,072 keys). K and V
-    are repeated over their group's query heads, as those kernels' GQA support varies."""
-    from torch.nn.attention.bias import causal_lower_right
-
+    lower right. Flash attention's own causal mask is aligned that way when n < T: its kernel is
+    called directly, as torch's `causal_lower_right` bias does for these inputs, without importing
+    `torch.nn.attention.bias` (which imports torch._dynamo: 3.3 s of the engine thread, on an H100
+    host, in the first prefill over a cached prefix after a start). Neither builds the [n, T] mask
+    or the [H, n, T] scores (a boolean mask would send SDPA to its math path: 128 GiB of fp32
+    scores per layer for 8,192 queries over 131,072 keys). Where flash cannot run (fp32, a head
+    size it does not take, an older card), that bias does, through the memory-efficient kernel.
+    On a CPU, the mask it stands for. K and V are repeated over their group's query heads, as
+    those kernels' GQA support varies."""
     n, h, _ = q.shape
     hkv, t, _ = k.shape
     if h != hkv:
         k, v = k.repeat_interleave(h // hkv, dim=0), v.repeat_interleave(h // hkv, dim=0)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        k.to(q.dtype)[None],
-        v.to(q.dtype)[None],
-        attn_mask=causal_lower_right(n, t),
-        scale=scale,
-    )  # [1, H, n, D]
-    return out[0].transpose(0, 1)
+    qb, kb, vb = q.transpose(0, 1)[None], k.to(q.dtype)[None], v.to(q.dtype)[None]  # [1, H, n or T, D]
+    if _flash_lower_right(q):
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            qb, kb, vb, 0.0, is_causal=True, return_debug_mask=False, scale=scale
+        )[0]
+    elif q.is_cuda:
+        from torch.nn.attention.bias import causal_lower_right
+
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(n, t), scale=scale)
+    else:
+        mask = torch.arange(t, device=q.device)[None, :] <= torch.arange(t - n, t, device=q.device)[:, None]
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)  # [n, H, D]
+
+
+def _flash_lower_right(q: torch.Tensor) -> bool:
+    """Whether flash attention takes `q` (its dtype, head size and card) for a lower-right chunk."""
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+        and _flash_card(q.device.index or 0)
+    )
+
+
+@cache
+def _flash_card(index: int) -> bool:
+    return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def paged_attention(

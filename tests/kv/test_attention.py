@@ -29,9 +29,13 @@ most 2^-8 p_t on each probability, i.e. 2^-8 Σ_t p_t |v_t| on the output. The b
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
+from helpers import TEST_DEVICE
 
 from h3d.kv import attention as A
 from h3d.kv.blocks import NULL_SLOT, Tier
@@ -272,6 +276,22 @@ def test_prefill_attention(
     assert_close_to_oracle(got, oracle(q, p, table, kv_len, SCALE))
 
 
+def test_the_chunk_path_imports_no_dynamo() -> None:
+    """A chunk over a cached prefix (the first one after a start) must not import torch._dynamo
+    (seconds of the engine thread): on the test device, bf16 where it is CUDA (flash's path)."""
+    code = (
+        "import sys, torch\n"
+        "from h3d.kv import attention as A\n"
+        f"dev = torch.device({TEST_DEVICE or 'cpu'!r})\n"
+        "dt = torch.bfloat16 if dev.type == 'cuda' else torch.float32\n"
+        "q = torch.randn(8, 8, 64, device=dev, dtype=dt)\n"
+        "k, v = (torch.randn(2, 40, 64, device=dev, dtype=dt) for _ in range(2))\n"
+        "A.causal_lower_right_attention(q, k, v, 0.125)\n"
+        "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 @pytest.mark.parametrize(("layout", "tiers"), PLACEMENTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", GQA, ids=["gqa1", "gqa4"])
@@ -371,6 +391,9 @@ def test_the_cuda_chunk_path_equals_the_masked_one(n: int, t: int, heads: tuple[
         q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=0.2, enable_gqa=True
     )[0].transpose(0, 1)
     torch.testing.assert_close(A.causal_lower_right_attention(q, k, v, 0.2), want, rtol=1e-5, atol=1e-5)
+    if TEST_DEVICE and TEST_DEVICE.startswith("cuda"):  # flash's own lower-right mask, in bf16, against the same oracle
+        got = A.causal_lower_right_attention(*(x.to(TEST_DEVICE, torch.bfloat16) for x in (q, k, v)), 0.2)
+        torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize(("layout", "tiers"), PLACEMENTS)
