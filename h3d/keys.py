@@ -120,8 +120,10 @@ ENGINE: tuple[Key, ...] = (
         "ddr_memory",
         "how the DDR pool is pinned on CUDA. `mapped`: the driver's own pinned pages (`cuMemCreate` on the "
         "host, CUDA 12.2+) mapped piece by piece into one range, which the decode kernels read in place faster "
-        "(about 1.5 x on an H100's scattered reads, docs/BENCHMARKS.md); `registered`: pageable memory "
-        "page-locked by `cudaHostRegister`; `auto`: mapped where the driver can, else registered. Either way "
+        "(scattered reads 2 x as fast on one H100 host; `cudaHostAlloc`'s pages, which mapped ones match, 1.5 x "
+        "on another: docs/BENCHMARKS.md); `registered`: pageable memory "
+        "page-locked by `cudaHostRegister`; `auto`: mapped where the driver can, else registered (a `ddr_not_mapped` "
+        "warning says why). Either way "
         "the first 4 GiB are pinned before ready and the rest in the background; the `ddr_pinned` event says "
         "which was used",
         help="how the DDR pool is pinned on CUDA: mapped (the driver's pinned pages, read in place faster), "

@@ -158,6 +158,8 @@ class Daemon:
         ddr = engine.kv.ddr
         if ddr.pinning is not None:
             self._tasks.append(asyncio.create_task(self._pinned(ddr.pinning, ddr.slot_bytes, ddr.host_memory)))
+            if ddr.host_memory_error is not None:  # `ddr_memory = auto` fell back to registering
+                log.warning("ddr_not_mapped", reason=ddr.host_memory_error)
         self.worker.collector.start()  # what exists now is frozen; GC runs between steps from here on
         log.info("listening", **addresses, ready_s=round(time.perf_counter() - started, 3))
         self.notifier.send(READY="1", STATUS="serving", MAINPID=str(os.getpid()))

@@ -126,7 +126,7 @@ class KVCache:
         self.hbm = KVPool(self.blocks.num_slots, *shape, device)
         self.ddr = KVPool(
             len(self.blocks.ddr_owner), *shape, torch.device("cpu"), pin_memory=device.type == "cuda",
-            register=ddr_register, host_memory=ddr_memory,
+            register=ddr_register, host_memory=ddr_memory, gpu=device if device.type == "cuda" else None,
         )  # fmt: skip
         if self.ddr.usable < self.ddr.num_slots:  # the rest is registered in the background (`TierManager.grow_ddr`)
             a = self.blocks.ddr_alloc

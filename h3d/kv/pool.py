@@ -184,25 +184,19 @@ def _host_slab(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
 HOST_MEMORY = DDR_MEMORY  # how a pinned host pool is made (`KVPool`)
 
 
-def _maps(host_memory: str) -> bool:
-    """Whether a pinned host pool is mapped (`h3d.kv.hostmem`) rather than registered."""
-    if host_memory == "registered" or not torch.cuda.is_available():
-        return False
+def _mapped_slabs(
+    shape: tuple[int, ...], dtype: torch.dtype, gpu: torch.device | None
+) -> tuple[torch.Tensor, torch.Tensor, Pinning]:
+    """K and V slabs in one `hostmem.HostRange` that `gpu` (default: the current card) reads, its
+    pieces mapped by `Pinning` (lowest slots first, the rest in the background). The range is
+    unmapped once no tensor over it is left. RuntimeError where the driver cannot."""
     from h3d.kv import hostmem
 
-    if hostmem.supported(hostmem.gpu_numa_node(torch.device("cuda"))):
-        return True
-    if host_memory == "mapped":
-        raise RuntimeError("ddr_memory mapped: this CUDA driver cannot map pinned host memory (cuMemCreate)")
-    return False
-
-
-def _mapped_slabs(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, Pinning]:
-    """K and V slabs in one `hostmem.HostRange`, its pieces mapped by `Pinning` (lowest slots first,
-    the rest in the background). The range is unmapped once no tensor over it is left."""
-    from h3d.kv import hostmem
-
-    device = torch.device("cuda", torch.cuda.current_device())
+    if not torch.cuda.is_available():
+        raise RuntimeError("this CUDA driver cannot map pinned host memory (no CUDA device)")
+    device = gpu if gpu is not None and gpu.index is not None else torch.device("cuda", torch.cuda.current_device())
+    if not hostmem.supported(hostmem.gpu_numa_node(device)):
+        raise RuntimeError("this CUDA driver cannot map pinned host memory (cuMemCreate on the host)")
     size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     node = hostmem.gpu_numa_node(device)
     g = hostmem.granularity(node)
@@ -233,11 +227,13 @@ class KVPool:
         pin_memory: bool = False,
         register: tuple[Registrar, Callable[[int], None]] | None = None,
         host_memory: str = "registered",
+        gpu: torch.device | None = None,
     ) -> None:
         """`pin_memory`: a host pool the GPU reads; a large one pinned in the background (`Pinning`,
         `usable`). `host_memory` (`HOST_MEMORY`): how, where pinned: `registered` (pageable memory
         page-locked by `cudaHostRegister`), `mapped` (the driver's pinned pages mapped into one
-        range, `h3d.kv.hostmem`: read in place faster), `auto` (mapped where the driver can).
+        range, `h3d.kv.hostmem`: read in place faster), `auto` (mapped where the driver can, else
+        registered: `host_memory_error` says why not). `gpu`: the card that reads a mapped pool.
         `register`: (register, unregister) instead of CUDA's (tests: a host pool registered the
         same way on a CPU)."""
         if host_memory not in HOST_MEMORY:
@@ -250,15 +246,22 @@ class KVPool:
         # pin_memory: the DDR pool of a CUDA host, which the GPU reads and copies from directly.
         self.pinning: Pinning | None = None
         self.host_memory = "pageable"  # how the host slabs were made (`ddr_memory` in the logs)
-        if device.type == "cpu" and pin_memory and register is None and _maps(host_memory):
-            self.k, self.v, self.pinning = _mapped_slabs(shape, dtype)
-            self.host_memory = "mapped"
-        elif device.type == "cpu":
+        self.host_memory_error: str | None = None  # why `auto` did not map (the driver's answer)
+        mapped = False
+        if device.type == "cpu" and pin_memory and register is None and host_memory != "registered":
+            try:
+                self.k, self.v, self.pinning = _mapped_slabs(shape, dtype, gpu)
+                self.host_memory, mapped = "mapped", True
+            except RuntimeError as e:
+                if host_memory == "mapped":
+                    raise RuntimeError(f"ddr_memory mapped: {e}") from e
+                self.host_memory_error = str(e)
+        if device.type == "cpu" and not mapped:
             self.k, self.v = _host_slab(shape, dtype, pin_memory), _host_slab(shape, dtype, pin_memory)
             if (pin_memory and not self.k.is_pinned()) or register is not None:
                 self.pinning = Pinning([self.k, self.v], *(register or ()))
             self.host_memory = "registered" if pin_memory or register is not None else "pageable"
-        else:
+        elif not mapped:
             self.k = torch.empty(shape, dtype=dtype, device=device)
             self.v = torch.empty(shape, dtype=dtype, device=device)
         self.k[:, NULL_SLOT] = 0

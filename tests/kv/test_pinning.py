@@ -147,6 +147,9 @@ def test_a_pool_is_pinned_one_of_the_stated_ways() -> None:
                   host_memory="auto")  # fmt: skip
     assert pool.host_memory == "registered" and pool.usable == 64
     assert KVPool(4, 16, 2, 8, torch.float32, torch.device("cpu")).host_memory == "pageable"
+    if not torch.cuda.is_available():  # `mapped` asked for where it cannot be: a clear error, not a fallback
+        with pytest.raises(RuntimeError, match="ddr_memory mapped: this CUDA driver cannot map"):
+            KVPool(4, 16, 2, 8, torch.float32, torch.device("cpu"), pin_memory=True, host_memory="mapped")
 
 
 def test_a_failed_registration_stops_the_pool_where_it_is() -> None:
