@@ -10,9 +10,10 @@ blocks of its selections that are not in HBM): per layer, per session and KV hea
 (`h2d`) is what the floor of a step assumes for those bytes; this probe measures what
 `h3d.kernels.decode.paged_decode` gets instead, on the same bytes:
 
-- pools: `plain` (a host tensor registered by `h3d.kv.pool.Pinning`), `vmm` (the driver's pinned
-  pages mapped piece by piece into one range, `h3d.kv.hostmem`),
-  `hugepages` (the same with `madvise(MADV_HUGEPAGE)` before its pages are faulted in),
+- pools: `plain` (the daemon's DDR pool, `KVPool`, with `ddr_memory = registered`: pageable
+  memory registered in pieces by `h3d.kv.pool.Pinning`), `vmm` (the same with `ddr_memory =
+  mapped`: the driver's pinned pages mapped piece by piece into one range, `h3d.kv.hostmem`),
+  `hugepages` (registered, with `madvise(MADV_HUGEPAGE)` before its pages are faulted in),
   `hostalloc` (one `cudaHostAlloc`), and, on a host of several NUMA nodes, `plain` with its pages
   faulted in on each node (`node<N>`);
 - reads, `--layers` tables each (one per layer, as a step reads them): `scattered` (each
@@ -35,14 +36,12 @@ import json
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from h3d.kv.hostmem import HostRange
-from h3d.kv.pool import Pinning
+from h3d.kv.pool import KVPool, Pinning
 
 HEADS, QHEADS, BLOCK, DIM = 8, 32, 32, 128  # Llama-3-8B's KV and query heads, h3d's default block
 MADV_HUGEPAGE = 14
@@ -113,32 +112,29 @@ class Pool:
 
     def __init__(self, kind: str, slots: int, cpus: list[int] | None = None) -> None:
         self.kind, self.pinning = kind, None
+        self.pool: KVPool | None = None
         before, mask = _meminfo_kb("AnonHugePages"), os.sched_getaffinity(0)
         t0 = time.perf_counter()
         if cpus:
             os.sched_setaffinity(0, cpus)  # Pinning's threads (started below) inherit it
         try:
-            if kind == "vmm":  # h3d.kv.hostmem: the driver's pinned pages mapped into one range, 8 threads
-                slab = HEADS * slots * BLOCK * DIM * 2
-                self.range = HostRange(2 * slab, torch.device("cuda"))
-                piece = max(self.range.granularity, (256 << 20) // self.range.granularity * self.range.granularity)
-                with ThreadPoolExecutor(8) as ex:
-                    errs = list(ex.map(lambda at: self.range.map(at, min(piece, self.range.size - at)),
-                                       range(0, self.range.size, piece)))  # fmt: skip
-                if any(errs):
-                    raise RuntimeError(f"cuMemMap of host memory failed: {sorted(set(errs))}")
-                self.k = self.range.tensor(0, (HEADS, slots, BLOCK, DIM), torch.bfloat16)
-                self.v = self.range.tensor(slab, (HEADS, slots, BLOCK, DIM), torch.bfloat16)
-                ctypes.memset(self.range.base, 0, 2 * slab)
+            if kind in ("vmm", "plain"):  # the daemon's DDR pool, mapped (`h3d.kv.hostmem`) or registered
+                memory = "mapped" if kind == "vmm" else "registered"
+                self.pool = KVPool(slots, BLOCK, HEADS, DIM, torch.bfloat16, torch.device("cpu"), pin_memory=True,
+                                   host_memory=memory)  # fmt: skip
+                self.k, self.v, self.pinning = self.pool.k, self.pool.v, self.pool.pinning
+                if self.pinning is not None:
+                    self.pinning.wait(slots)
+                    if self.pinning.error:
+                        raise RuntimeError(self.pinning.error)
             elif kind == "hostalloc":
                 self.k = torch.empty(HEADS, slots, BLOCK, DIM, dtype=torch.bfloat16, pin_memory=True)
                 self.v = torch.empty_like(self.k, pin_memory=True)
-            else:
+            else:  # registered, with huge pages asked for first
                 self.k = torch.empty(HEADS, slots, BLOCK, DIM, dtype=torch.bfloat16)
                 self.v = torch.empty_like(self.k)
-                if kind == "hugepages":
-                    for t in (self.k, self.v):
-                        _madvise_huge(t)
+                for t in (self.k, self.v):
+                    _madvise_huge(t)
                 self.pinning = Pinning([self.k, self.v])
                 self.pinning.wait(slots)
                 if self.pinning.error:
@@ -151,9 +147,8 @@ class Pool:
     def close(self) -> None:
         if self.pinning is not None:
             self.pinning.close()
-        if getattr(self, "range", None) is not None:
-            del self.k, self.v
-            self.range.close()
+        del self.k, self.v  # (a mapped pool is unmapped once no tensor over it is left)
+        self.pool = None
 
 
 def _time(fn: Callable[[], object], reps: int) -> float:

@@ -12,8 +12,8 @@ range reserved up front, so that a pool is one tensor the kernels index by slot 
 slots are usable while the rest is still being mapped. The CPU reads and writes it as any memory
 (`cuMemSetAccess` for the host as well as the device), as NCCL's host buffers do.
 
-`HostRange(size)` reserves; `map(offset, size)` backs a piece (0, or the driver's error);
-`tensor(offset, shape, dtype)` is a CPU tensor over part of it; `close()` unmaps and frees.
+`HostRange(size)` reserves; `map(offset, size)` backs a piece (0, or the driver's error); `close()`
+unmaps and frees (`h3d.kv.pool` makes the tensors over it, and closes it once they are gone).
 `supported()` says whether this driver can (else the pool registers pageable memory instead).
 """
 
@@ -192,13 +192,6 @@ class HostRange:
         lib.cuMemUnmap(ptr, size)  # closed meanwhile
         lib.cuMemRelease(handle)
         return CLOSED
-
-    def tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A CPU tensor over the range from `offset` (its bytes must be mapped before they are used)."""
-        count = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        assert offset + count <= self.size
-        buf = (ctypes.c_ubyte * count).from_address(self.base + offset)
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
     def close(self) -> None:
         """Unmap and release every piece, then the addresses (no tensor over them may be used after)."""
