@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from h3d.bench.gpu_base import median_s
 from h3d.kv.pool import KVPool, Pinning
 
 HEADS, QHEADS, BLOCK, DIM = 8, 32, 32, 128  # Llama-3-8B's KV and query heads, h3d's default block
@@ -152,18 +153,8 @@ class Pool:
 
 
 def _time(fn: Callable[[], object], reps: int) -> float:
-    """Median seconds of fn() over `reps` passes after one untimed."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
+    """Median seconds of fn() over `reps` passes after one untimed (CUDA events)."""
+    return median_s(fn, reps, cuda=True, warm=1)
 
 
 def _tables(

@@ -174,6 +174,21 @@ def median_s(fn: Callable[[], object], reps: int, cuda: bool, warm: int = 3) -> 
     return statistics.median(times)
 
 
+def device_times_us(prof: Any) -> tuple[dict[str, float], float]:
+    """A finished `torch.profiler` run's device time: microseconds per kernel name, and of the
+    copies and memsets together."""
+    kernels: dict[str, float] = {}
+    copies = 0.0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us = e.time_range.elapsed_us()
+            if "memcpy" in e.name.lower() or "memset" in e.name.lower():
+                copies += us
+            else:
+                kernels[e.name] = kernels.get(e.name, 0.0) + us
+    return kernels, copies
+
+
 def copy_s(src: torch.Tensor, device: torch.device, reps: int) -> float:
     """Median seconds of one copy of `src` into a buffer on `device` (non-blocking from pinned memory)."""
     dst = torch.empty(src.shape, dtype=src.dtype, device=device)

@@ -36,7 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from h3d.bench import serve
-from h3d.bench.gpu_base import free_memory
+from h3d.bench.gpu_base import device_times_us, free_memory
 
 
 def log(msg: str) -> None:
@@ -58,14 +58,8 @@ class Profiled:
         key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         table = p.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
         (self.out / f"{name}.txt").write_text(table)
-        kernels = copies = 0.0
-        for e in p.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                us = e.time_range.elapsed_us()
-                if "memcpy" in e.name.lower() or "memset" in e.name.lower():
-                    copies += us
-                else:
-                    kernels += us
+        by_name, copies = device_times_us(p)
+        kernels = sum(by_name.values())
         self.figures.setdefault("copies_s", {})[name] = round(copies / 1e6, 3)
         return result, kernels / 1e6
 

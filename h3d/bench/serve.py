@@ -72,7 +72,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from h3d.bench.gpu_base import ceilings, free_memory, save, version
+from h3d.bench.gpu_base import ceilings, device_times_us, free_memory, save, version
 from h3d.bench.report import write_section
 from h3d.kv.sizing import slot_bytes
 
@@ -527,15 +527,7 @@ def trace_kernels(folder: Path, fn: Callable[[], list[Stream]]) -> dict[str, Any
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     (folder / "many-kernels.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40,
                                                                        max_name_column_width=90))  # fmt: skip
-    by_name: dict[str, float] = {}
-    copies = 0.0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            us = e.time_range.elapsed_us()
-            if "memcpy" in e.name.lower() or "memset" in e.name.lower():
-                copies += us
-            else:
-                by_name[e.name] = by_name.get(e.name, 0.0) + us
+    by_name, copies = device_times_us(prof)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
     return {
         "steps": steps,
