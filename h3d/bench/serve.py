@@ -374,17 +374,24 @@ class Client:
 
 
 def parallel(fn: Any, items: list[Any]) -> list[Any]:
-    """fn(item) for each item, each on a thread of its own (concurrent streams)."""
+    """fn(item) for each item, each on a thread of its own (concurrent streams); the first error
+    any of them met is raised here once all have ended."""
     out: list[Any] = [None] * len(items)
+    errors: list[BaseException] = []
 
     def run(i: int) -> None:
-        out[i] = fn(items[i])
+        try:
+            out[i] = fn(items[i])
+        except BaseException as e:  # (raised below, in the caller's thread)
+            errors.append(e)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(items))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
     return out
 
 
@@ -1100,10 +1107,18 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     phases = {"single": phase_single, "many": phase_many, "prefill-under-load": phase_prefill_under_load,
               "restart": phase_restart}  # fmt: skip
+    import grpc
+
     try:
         for phase in args.phase or ["single"]:
             t0 = time.perf_counter()
-            phases[phase](run)
+            try:
+                phases[phase](run)
+            except grpc.RpcError as e:  # the daemon refused: its status, not a traceback
+                run.record(phase, {"error": f"{e.code().name}: {e.details()}"})
+                print(f"h3d.bench.serve: phase {phase}: the daemon answered {e.code().name}: {e.details()}",
+                      file=sys.stderr)  # fmt: skip
+                return 1
             log(f"phase {phase}: {time.perf_counter() - t0:.0f} s")
     finally:
         for daemon in Daemon.running:  # a phase that failed leaves none behind

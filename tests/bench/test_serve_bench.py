@@ -126,3 +126,47 @@ def test_inter_token_figures_and_the_window_of_a_stream() -> None:
     f = serve.itl([10.0, 20.0, 1000.0])
     assert f["itl_ms_p50"] == 20.0 and f["itl_ms_mean"] == pytest.approx(343.333, abs=1e-3)
     assert serve.itl([]) == {"itl_ms_p50": None, "itl_ms_p99": None, "itl_ms_mean": None}
+
+
+def test_parallel_streams_raise_the_first_error_once_all_ended() -> None:
+    ended: list[int] = []
+
+    def fn(i: int) -> int:
+        if i == 2:
+            raise ValueError("stream 2")
+        ended.append(i)
+        return i * 10
+
+    assert serve.parallel(lambda i: i * 10, [0, 1, 2]) == [0, 10, 20]
+    with pytest.raises(ValueError, match="stream 2"):
+        serve.parallel(fn, [0, 1, 2, 3])
+    assert sorted(ended) == [0, 1, 3]
+
+
+def test_a_phase_the_daemon_refuses_ends_with_its_status(
+    checkpoint: Callable[[str], Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A phase whose requests the daemon refuses (32 sessions' digests on a card too small: RESOURCE_EXHAUSTED)
+    exits 1 with the status in one line and in the JSON, not a traceback."""
+    import grpc
+
+    class Refused(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        def details(self) -> str:
+            return "the device cannot hold the digests"
+
+    def phase(run: object) -> None:
+        raise Refused()
+
+    monkeypatch.setattr(serve, "phase_single", phase)
+    out = tmp_path / "serve.json"
+    argv = ["--tiny", "--phase", "single", "--no-hf", "--tokenizer", str(checkpoint("llama_gqa4_tied")),
+            "--work", str(tmp_path / "work"), "--out", str(out)]  # fmt: skip
+    assert serve.main(argv) == 1
+    assert "phase single: the daemon answered RESOURCE_EXHAUSTED" in capsys.readouterr().err
+    assert json.loads(out.read_text())["single"] == {"error": "RESOURCE_EXHAUSTED: the device cannot hold the digests"}
