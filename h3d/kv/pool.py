@@ -203,7 +203,8 @@ def _mapped_slabs(
     slab = -(-size // g) * g
     rng = hostmem.HostRange(2 * slab, device, node)
     buf = (ctypes.c_ubyte * (2 * slab)).from_address(rng.base)
-    weakref.finalize(buf, rng.close)  # (tensors keep `buf` alive; `rng` does not)
+    done = weakref.finalize(buf, rng.close)  # (tensors keep `buf` alive; `rng` does not)
+    done.atexit = False  # at exit the process's memory goes anyway: no driver calls while CUDA tears down
     k, v = (torch.frombuffer(buf, dtype=torch.uint8, count=size, offset=at).view(dtype).view(shape) for at in (0, slab))
     pinning = Pinning([k, v], lambda ptr, n: rng.map(ptr - rng.base, n), lambda ptr: None, align=g, zero=False)
     return k, v, pinning
