@@ -260,15 +260,19 @@ class KVCache:
         whose digests the device cannot (every open session's stay on it: `DigestStore.missing`)
         even once the idle sessions' digests are set aside (`set_aside_digests`; never those of
         `seq`, of the `active` sessions, which have requests, of pinned ones or of a long prompt
-        in flight). A session whose digests were set aside or parked counts their return too."""
+        in flight). A session whose digests were set aside or parked counts their return too, and
+        so does every `active` one's whose digests have not come back yet: their next step (the
+        one they share with this request) brings them all back at once."""
         self.tiers.admit(seq, n_tokens)
         d = self.digests
         record = self.sessions[seq]
         if d.free_bytes is None or not d.layers or not record.selection.policy.keeps_digests:
             return
         parts = -(-n_tokens // d.part_tokens) + d.parts  # (and the partial block's parts)
-        if record.stale_digests:  # they come back at its next step
-            parts += -(-record.table.num_tokens // d.part_tokens)
+        for s in {seq, *active}:
+            r = self.sessions.get(s)
+            if r is not None and r.stale_digests and r.selection.policy.keeps_digests:  # back at its next step
+                parts += -(-r.table.num_tokens // d.part_tokens)
         short = d.missing(parts)
         if short:
             keep = {seq, *active, *self.frozen}

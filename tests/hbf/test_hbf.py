@@ -952,6 +952,36 @@ def test_idle_sessions_digests_are_set_aside_for_a_request_and_come_back_exact(
         assert kv.digest_files is not None and kv.digest_files.bytes_read > 0  # taken from the snapshots
 
 
+def test_admission_counts_the_digests_active_sessions_take_back_at_their_next_step(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sessions whose digests were set aside take them back together at the step they share: a
+    request admitted beside active ones whose digests are still away counts theirs too (32
+    Generates on an H100 were each admitted alone, then one step brought back ten sessions'
+    digests at once, could not grow the arena, and failed all 32)."""
+    ckpt = checkpoint("llama_gqa4_tied")
+    hbf = {"policy": "attention_entropy", "window_tokens": 64, "window_min_tokens": 64, "window_max_tokens": 64,
+           "recent_tokens": 16, "dense_layers": 1}  # fmt: skip
+    engine = make_engine(ckpt, **hbf, ssd_path=str(tmp_path / "archive"))
+    kv, d = engine.kv, engine.kv.digests
+    seqs = []
+    for n in (300, 200, 100):
+        sid = engine.create_session()
+        engine.append(sid, token_ids=random_prompt(n, 512, seed=n))
+        seqs.append(engine.session(sid).seq)
+    a, b, c = seqs
+    kv.set_aside_digests(a)
+    kv.set_aside_digests(b)
+    asked: list[int] = []
+    missing = d.missing
+    monkeypatch.setattr(d, "missing", lambda parts: asked.append(parts) or missing(parts))
+    d.free_bytes = lambda: 1 << 40
+    kv.admit(b, 8)  # alone: its own return and growth
+    kv.admit(b, 8, active={a, c})  # beside a, whose digests are away too, and c, whose are here
+    back = {s: -(-kv.sessions[s].table.num_tokens // d.part_tokens) for s in (a, b)}
+    assert asked[1] - asked[0] == back[a]
+
+
 def test_an_arena_that_cannot_grow_keeps_every_extent_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     """The device out of memory while the arena grows: OutOfBlocks, and every session's digests
     where they were (the one growing too)."""
