@@ -123,7 +123,7 @@ ENGINE: tuple[Key, ...] = (
         "(scattered reads 2 x as fast on one H100 host; `cudaHostAlloc`'s pages, which mapped ones match, 1.5 x "
         "on another: docs/BENCHMARKS.md); `registered`: pageable memory "
         "page-locked by `cudaHostRegister`; `auto`: mapped where the driver can, else registered (a `ddr_not_mapped` "
-        "warning says why). Either way "
+        "warning says why; GetConfig shows the way used under `resolved`). Either way "
         "the first 4 GiB are pinned before ready and the rest in the background; the `ddr_pinned` event says "
         "which was used",
         help="how the DDR pool is pinned on CUDA: mapped (the driver's pinned pages, read in place faster), "

@@ -115,6 +115,8 @@ class Daemon:
         self.state.resolved = {k: getattr(sized, k) for k in AUTO_KEYS} | {"device": cfg.engine.resolved_device}
         if engine.kv.tiers.ssd_capacity is not None:
             self.state.resolved["ssd_capacity_mb"] = round(engine.kv.tiers.ssd_capacity / 2**20, 1)
+        if engine.kv.ddr.host_memory in ("mapped", "registered"):  # (a CPU host's DDR is not pinned)
+            self.state.resolved["ddr_memory"] = engine.kv.ddr.host_memory
         self.state.owners = {sid: s.owner or LOCAL for sid, s in engine.sessions.items()}
         if engine.restored:
             log.info(
