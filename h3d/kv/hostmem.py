@@ -152,7 +152,7 @@ class HostRange:
         g = self.granularity
         self.size = (size + g - 1) // g * g
         base = ctypes.c_uint64(0)
-        err = lib.cuMemAddressReserve(ctypes.byref(base), self.size, 2 << 20, 0, 0)
+        err = lib.cuMemAddressReserve(ctypes.byref(base), self.size, max(g, 2 << 20), 0, 0)
         if err:
             raise RuntimeError(f"reserving {self.size / 1e9:.1f} GB of addresses failed (CUDA error {err})")
         self.base = int(base.value)

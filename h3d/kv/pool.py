@@ -195,11 +195,11 @@ def _mapped_slabs(
     if not torch.cuda.is_available():
         raise RuntimeError("this CUDA driver cannot map pinned host memory (no CUDA device)")
     device = gpu if gpu is not None and gpu.index is not None else torch.device("cuda", torch.cuda.current_device())
-    if not hostmem.supported(hostmem.gpu_numa_node(device)):
-        raise RuntimeError("this CUDA driver cannot map pinned host memory (cuMemCreate on the host)")
-    size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     node = hostmem.gpu_numa_node(device)
     g = hostmem.granularity(node)
+    if not g:
+        raise RuntimeError("this CUDA driver cannot map pinned host memory (cuMemCreate on the host)")
+    size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     slab = -(-size // g) * g
     rng = hostmem.HostRange(2 * slab, device, node)
     buf = (ctypes.c_ubyte * (2 * slab)).from_address(rng.base)
