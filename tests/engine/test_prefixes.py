@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import VOCAB_SIZE, make_engine, random_prompt
+from helpers import TEST_DEVICE, VOCAB_SIZE, make_engine, random_prompt
 
 from h3d.engine.engine import Engine
 from h3d.engine.prefixes import PrefixIndex
@@ -217,3 +217,30 @@ def test_the_prefix_cache_leaves_nothing_in_the_archive(checkpoint: Callable[[st
     assert last.swept > 0 and last.kv.archive is not None and last.kv.archive.sessions() == {kept}
     assert last.complete(kept, "", GREEDY).token_ids  # the logged session's KV is kept
     last.close()
+
+
+def test_a_start_and_its_first_requests_import_no_dynamo(checkpoint: Callable[[str], Path]) -> None:
+    """torch._dynamo costs seconds to import: neither the start nor a prompt, a prefix reused
+    (a chunk over cached blocks) or a fork may bring it in (the first prefill over a cached prefix
+    once did, through torch's lower-right causal bias: 3.3 s of a chat's second turn on an H100)."""
+    import subprocess
+    import sys
+
+    # On a GPU test run, the card's path in bf16 (flash attention's lower-right mask).
+    on_device = {"device": TEST_DEVICE, "dtype": "bf16"} if TEST_DEVICE and TEST_DEVICE.startswith("cuda") else {}
+    code = (
+        "import sys\n"
+        "from h3d.config import EngineConfig\n"
+        "from h3d.engine.engine import Engine\n"
+        "from h3d.engine.sampling import SamplingParams\n"
+        f"e = Engine(EngineConfig.build(model={str(checkpoint(MODEL))!r}, hbm_mb=8.0, ddr_mb=16.0, block_size=16,\n"
+        f"                               prefill_chunk_tokens=64, **{on_device!r}))\n"
+        "assert 'torch._dynamo' not in sys.modules, 'the start imported torch._dynamo'\n"
+        f"doc, p = {DOC!r}, SamplingParams(max_tokens=4, ignore_eos=True)\n"
+        "a = e.create_session(); e.append(a, token_ids=doc); e.complete(a, '', p)\n"
+        "b = e.create_session(); e.append(b, token_ids=doc + [7, 8, 9]); e.complete(b, '', p)\n"
+        "assert e.counters.prefix_hits == 1, 'no prefix reused'\n"
+        "f = e.fork(a); e.complete(f, '', p)\n"
+        "assert 'torch._dynamo' not in sys.modules, 'a request imported torch._dynamo'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
