@@ -152,7 +152,7 @@ def _pinned(t: torch.Tensor) -> bool:
     """Pinned by torch's allocator or registered, or pinned pages mapped by `h3d.kv.hostmem`."""
     from h3d.kv import hostmem
 
-    return t.is_pinned() or hostmem.device_address(t.data_ptr())
+    return hostmem.mapped(t.data_ptr()) or t.is_pinned()
 
 
 def addressable(pool: torch.Tensor, device: torch.device) -> torch.Tensor:

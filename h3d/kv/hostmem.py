@@ -29,7 +29,6 @@ import torch
 _PINNED = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
 _DEVICE, _HOST_NUMA = 1, 3  # CU_MEM_LOCATION_TYPE_*
 _READWRITE = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-_DEVICE_POINTER = 2  # CU_POINTER_ATTRIBUTE_DEVICE_POINTER
 CLOSED = -1  # `map`'s answer once the range is closed
 
 
@@ -79,7 +78,6 @@ def _cuda() -> Any:
         "cuMemSetAccess": [u64, size, p(_Access), size],
         "cuCtxGetCurrent": [p(ctypes.c_void_p)],
         "cuCtxSetCurrent": [ctypes.c_void_p],
-        "cuPointerGetAttribute": [ctypes.c_void_p, ctypes.c_int, u64],
     }
     for name, args in sigs.items():
         fn = getattr(lib, name, None)
@@ -123,13 +121,15 @@ def supported(node: int = 0) -> bool:
     return granularity(node) > 0
 
 
-def device_address(ptr: int) -> bool:
-    """Whether the current device can address host pointer `ptr` in place."""
-    lib = _cuda()
-    if lib is None:
-        return False
-    out = ctypes.c_uint64(0)
-    return lib.cuPointerGetAttribute(ctypes.byref(out), _DEVICE_POINTER, ctypes.c_uint64(ptr)) == 0
+_live: dict[int, int] = {}  # base -> size of every open range (`mapped`)
+_live_lock = threading.Lock()
+
+
+def mapped(ptr: int) -> bool:
+    """Whether host pointer `ptr` lies in an open `HostRange` (the GPU addresses it in place): a
+    lookup of the ranges this process opened, no driver call (it runs at each kernel launch)."""
+    with _live_lock:
+        return any(base <= ptr < base + size for base, size in _live.items())
 
 
 class HostRange:
@@ -156,6 +156,8 @@ class HostRange:
         if err:
             raise RuntimeError(f"reserving {self.size / 1e9:.1f} GB of addresses failed (CUDA error {err})")
         self.base = int(base.value)
+        with _live_lock:
+            _live[self.base] = self.size
         self._lock = threading.Lock()
         self._mapped: list[tuple[int, int, int]] = []  # (offset, size, handle)
 
@@ -196,11 +198,13 @@ class HostRange:
     def close(self) -> None:
         """Unmap and release every piece, then the addresses (no tensor over them may be used after)."""
         with self._lock:
-            mapped, self._mapped = self._mapped, []
+            pieces, self._mapped = self._mapped, []
             size, self.size = self.size, 0
+        with _live_lock:
+            _live.pop(self.base, None)
         lib = self._lib
         lib.cuCtxSetCurrent(self._ctx)
-        for offset, n, handle in mapped:
+        for offset, n, handle in pieces:
             lib.cuMemUnmap(self.base + offset, n)
             lib.cuMemRelease(handle)
         if size:

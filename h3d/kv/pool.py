@@ -181,9 +181,6 @@ def _host_slab(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
     return torch.empty(shape, dtype=dtype, pin_memory=pin and size <= PIN_PIECE)
 
 
-HOST_MEMORY = DDR_MEMORY  # how a pinned host pool is made (`KVPool`)
-
-
 def _mapped_slabs(
     shape: tuple[int, ...], dtype: torch.dtype, gpu: torch.device | None
 ) -> tuple[torch.Tensor, torch.Tensor, Pinning]:
@@ -231,14 +228,14 @@ class KVPool:
         gpu: torch.device | None = None,
     ) -> None:
         """`pin_memory`: a host pool the GPU reads; a large one pinned in the background (`Pinning`,
-        `usable`). `host_memory` (`HOST_MEMORY`): how, where pinned: `registered` (pageable memory
+        `usable`). `host_memory` (`h3d.config.DDR_MEMORY`): how, where pinned: `registered` (pageable memory
         page-locked by `cudaHostRegister`), `mapped` (the driver's pinned pages mapped into one
         range, `h3d.kv.hostmem`: read in place faster), `auto` (mapped where the driver can, else
         registered: `host_memory_error` says why not). `gpu`: the card that reads a mapped pool.
         `register`: (register, unregister) instead of CUDA's (tests: a host pool registered the
         same way on a CPU)."""
-        if host_memory not in HOST_MEMORY:
-            raise ValueError(f"host_memory: one of {', '.join(HOST_MEMORY)}, got {host_memory!r}")
+        if host_memory not in DDR_MEMORY:
+            raise ValueError(f"host_memory: one of {', '.join(DDR_MEMORY)}, got {host_memory!r}")
         shape = (num_kv_heads, num_slots, block_size, head_dim)
         # empty, not zeros: a multi-GiB pool would be written in full at start (except a pinned slab
         # registered in pieces, whose pages are faulted in by zeroing: `_Registered`). Attention

@@ -253,3 +253,19 @@ def test_a_wait_returns_when_the_pool_is_closed() -> None:
     waiter.join(timeout=5)
     assert not waiter.is_alive() and got and got[0] < 256 and p.done_s is None
     assert cuda.ranges == {}
+
+
+def test_the_kernels_take_a_host_pool_in_an_open_mapped_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode kernels refuse host memory the GPU cannot address: a mapped pool (`hostmem`) is
+    known by the ranges this process opened (no driver call at each launch), the rest by torch."""
+    from h3d.kernels import loader
+    from h3d.kv import hostmem
+
+    t = torch.zeros(2, 8, 16, 4)
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match="must be pinned"):
+        loader.addressable(t, cuda)
+    monkeypatch.setitem(hostmem._live, t.data_ptr() - 64, t.numel() * t.element_size() + 64)  # an open range
+    assert hostmem.mapped(t[1].data_ptr()) and loader.addressable(t, cuda) is t
+    monkeypatch.delitem(hostmem._live, t.data_ptr() - 64)  # closed
+    assert not hostmem.mapped(t.data_ptr())
