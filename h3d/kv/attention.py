@@ -344,7 +344,7 @@ def _chunk_attention(
     Otherwise SDPA's CPU kernel accumulates in fp32 and reads the keys once per query tile, faster
     than materializing the [n, T] scores here (docs/BENCHMARKS.md, "CPU: h3d against transformers
     on the embedded model", layout choices); the unwritten tail of the last block is sliced off and
-    the boolean mask is causal.
+    the mask is causal, aligned to the lower right (`causal_lower_right_attention`).
     """
     n = q.shape[0]
     prior = kv_len - n if fresh is not None else kv_len  # keys read from the pools
@@ -360,20 +360,7 @@ def _chunk_attention(
         v = torch.cat([v.to(fresh[1].dtype), fresh[1].transpose(0, 1)], dim=1)
     if window is not None:
         return window_attention(q, k, v, scale, window)
-    if q.is_cuda:
-        return causal_lower_right_attention(q, k, v, scale)
-    kpos = torch.arange(kv_len, device=q.device)
-    qpos = torch.arange(kv_len - n, kv_len, device=q.device)
-    mask = kpos[None, :] <= qpos[:, None]  # [n, T]
-    res = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],  # [1, H, n, D]
-        k.to(q.dtype)[None],  # [1, Hkv, T, D]
-        v.to(q.dtype)[None],
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
-    )  # [1, H, n, D]
-    return res[0].transpose(0, 1)
+    return causal_lower_right_attention(q, k, v, scale)
 
 
 WINDOW_TILE = 256  # `window_attention`: queries per SDPA call, at least (a window's worth if larger)
@@ -465,7 +452,7 @@ def causal_sdpa(
 
 
 def causal_lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """A chunk's attention on CUDA. q: [n, H, D]; k, v: [Hkv, T, D] -> [n, H, D].
+    """A chunk's attention over its sequence's keys. q: [n, H, D]; k, v: [Hkv, T, D] -> [n, H, D].
 
     The chunk's queries are the sequence's last n tokens, so the causal mask is aligned to the
     lower right. Flash attention's own causal mask is aligned that way when n < T: its kernel is
@@ -475,10 +462,18 @@ def causal_lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     or the [H, n, T] scores (a boolean mask would send SDPA to its math path: 128 GiB of fp32
     scores per layer for 8,192 queries over 131,072 keys). Where flash cannot run (fp32, a head
     size it does not take, an older card), that bias does, through the memory-efficient kernel.
-    On a CPU, the mask it stands for. K and V are repeated over their group's query heads, as
-    those kernels' GQA support varies."""
+    On CUDA, K and V are repeated over their group's query heads, as those kernels' GQA support
+    varies. On a CPU, the boolean mask it stands for: SDPA's CPU kernel accumulates in fp32 and
+    reads the keys once per query tile, GQA without repeating K/V."""
     n, h, _ = q.shape
     hkv, t, _ = k.shape
+    if not q.is_cuda:
+        mask = torch.arange(t, device=q.device)[None, :] <= torch.arange(t - n, t, device=q.device)[:, None]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.to(q.dtype)[None], v.to(q.dtype)[None], attn_mask=mask, scale=scale,
+            enable_gqa=True,
+        )  # fmt: skip
+        return out[0].transpose(0, 1)  # [n, H, D]
     if h != hkv:
         k, v = k.repeat_interleave(h // hkv, dim=0), v.repeat_interleave(h // hkv, dim=0)
     qb, kb, vb = q.transpose(0, 1)[None], k.to(q.dtype)[None], v.to(q.dtype)[None]  # [1, H, n or T, D]
@@ -486,13 +481,10 @@ def causal_lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         out = torch.ops.aten._scaled_dot_product_flash_attention(
             qb, kb, vb, 0.0, is_causal=True, return_debug_mask=False, scale=scale
         )[0]
-    elif q.is_cuda:
+    else:
         from torch.nn.attention.bias import causal_lower_right
 
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(n, t), scale=scale)
-    else:
-        mask = torch.arange(t, device=q.device)[None, :] <= torch.arange(t - n, t, device=q.device)[:, None]
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
     return out[0].transpose(0, 1)  # [n, H, D]
 
 

@@ -378,22 +378,27 @@ def test_head_major_keys_are_each_tokens_own(table: list[int]) -> None:
 
 
 @pytest.mark.parametrize(("n", "t", "heads"), [(1, 40, (4, 4)), (16, 16, (8, 2)), (24, 100, (6, 2)), (64, 300, (4, 1))])
-def test_the_cuda_chunk_path_equals_the_masked_one(n: int, t: int, heads: tuple[int, int]) -> None:
-    """The CUDA prefill path (`causal_lower_right`, no mask tensor, K/V repeated per group) is the
-    same function as the CPU path's boolean-mask SDPA: run here on the CPU, where torch builds the
-    mask it stands for."""
+def test_the_chunk_path_equals_a_plain_softmax_over_the_keys_before_each_query(
+    n: int, t: int, heads: tuple[int, int]
+) -> None:
+    """A chunk's queries are its sequence's last n tokens: query i sees keys 0..t-n+i. The chunk
+    path (on a CPU SDPA with the boolean mask; on a GPU test run also flash's own lower-right mask,
+    in bf16) against a float64 softmax written out here."""
     g = torch.Generator().manual_seed(n + t)
     h, hkv = heads
     q = torch.randn(n, h, 32, generator=g)
     k, v = torch.randn(hkv, t, 32, generator=g), torch.randn(hkv, t, 32, generator=g)
-    mask = torch.arange(t)[None, :] <= torch.arange(t - n, t)[:, None]
-    want = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=0.2, enable_gqa=True
-    )[0].transpose(0, 1)
-    torch.testing.assert_close(A.causal_lower_right_attention(q, k, v, 0.2), want, rtol=1e-5, atol=1e-5)
-    if TEST_DEVICE and TEST_DEVICE.startswith("cuda"):  # flash's own lower-right mask, in bf16, against the same oracle
+    want = torch.empty(n, h, 32, dtype=torch.float64)
+    for i in range(n):
+        for head in range(h):
+            kh = head // (h // hkv)
+            seen = t - n + i + 1
+            w = torch.softmax(0.2 * (k[kh, :seen].double() @ q[i, head].double()), dim=0)
+            want[i, head] = w @ v[kh, :seen].double()
+    torch.testing.assert_close(A.causal_lower_right_attention(q, k, v, 0.2).double(), want, rtol=1e-4, atol=1e-5)
+    if TEST_DEVICE and TEST_DEVICE.startswith("cuda"):
         got = A.causal_lower_right_attention(*(x.to(TEST_DEVICE, torch.bfloat16) for x in (q, k, v)), 0.2)
-        torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got.double().cpu(), want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize(("layout", "tiers"), PLACEMENTS)
