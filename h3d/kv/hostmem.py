@@ -14,7 +14,8 @@ slots are usable while the rest is still being mapped. The CPU reads and writes 
 
 `HostRange(size)` reserves; `map(offset, size)` backs a piece (0, or the driver's error); `close()`
 unmaps and frees (`h3d.kv.pool` makes the tensors over it, and closes it once they are gone).
-`supported()` says whether this driver can (else the pool registers pageable memory instead).
+`supported()` says whether this driver can (else the pool registers pageable memory instead);
+`mapped(ptr)` whether a pointer lies in an open range (the kernels' check, `h3d.kernels.loader`).
 """
 
 from __future__ import annotations
