@@ -489,8 +489,11 @@ class Local:
                     current.update(dict.fromkeys(STEP_PHASES + COMMIT_PARTS, 0.0))
         return stream
 
-    def generate_many(self, sids: list[Any], firsts: list[int], tokens: int) -> list[Stream]:
-        """One Generate per session, all in flight together (the engine batches them)."""
+    def generate_many(
+        self, sids: list[Any], firsts: list[int], tokens: int, around: Any = contextlib.nullcontext
+    ) -> list[Stream]:
+        """One Generate per session, all in flight together (the engine batches them); `around()`
+        is a context the steps run in (not the first tokens' appends)."""
         from h3d.engine.session import TokenDelta
 
         for sid, first in zip(sids, firsts, strict=True):
@@ -499,7 +502,7 @@ class Local:
         streams = [Stream(time.perf_counter(), []) for _ in sids]
         current = dict.fromkeys(STEP_PHASES + COMMIT_PARTS, 0.0)
         self.phases = []  # per step, as `generate` keeps them per token
-        with timed_phases(self.engine, current):
+        with timed_phases(self.engine, current), around():
             while self.engine.has_work:
                 self.engine.upkeep()
                 for event in self.engine.step():
@@ -521,26 +524,54 @@ class Local:
 # ---- figures ------------------------------------------------------------------------------------
 
 
-def trace_kernels(folder: Path, fn: Callable[[], list[Stream]]) -> dict[str, Any]:
-    """fn()'s steps under torch.profiler: the table by device time to `folder`/many-kernels.txt;
-    the kernels' (and copies') milliseconds per step, and the ten longest kernels by name."""
+def trace_kernels(folder: Path, engine: Any, fn: Callable[[Any], list[Stream]]) -> dict[str, Any]:
+    """fn(around)'s steps under torch.profiler (fn runs its steps inside `around()`): the table by
+    device time to `folder`/many-kernels.txt; the kernels' (and copies') milliseconds per step, the
+    ten longest kernels by name, and the blocks `engine`'s tiers moved per step, by reason."""
     from torch.profiler import ProfilerActivity, profile
 
     folder.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        streams = fn()
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    tiers = engine.kv.tiers
+    before: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def around() -> Any:
+        before.update(moved(tiers))
+        with prof:
+            yield
+        if cuda:
+            torch.cuda.synchronize()
+
+    streams = fn(around)
     steps = max(1, max(len(s.arrivals) for s in streams))
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     (folder / "many-kernels.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40,
                                                                        max_name_column_width=90))  # fmt: skip
     by_name, copies = device_times_us(prof)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
+    after = moved(tiers)
     return {
         "steps": steps,
         "kernels_ms_per_step": round(sum(by_name.values()) / steps / 1e3, 3),
         "copies_ms_per_step": round(copies / steps / 1e3, 3),
         "top_ms_per_step": {name[:90]: round(us / steps / 1e3, 3) for name, us in top},
+        "blocks_per_step": {k: round((after[k] - before[k]) / steps, 1) for k in after},
+    }
+
+
+def moved(tiers: Any) -> dict[str, int]:
+    """The tiers' cumulative block moves and reads below HBM: copies by the mover (all reasons),
+    HBF's promotions, the fair shares' moves, demotions, blocks read from below HBM."""
+    c = tiers.counters
+    return {
+        "copied_up": tiers.mover.copied["up"],
+        "copied_down": tiers.mover.copied["down"],
+        "promoted": c.promote_count,
+        "rebalanced": c.hbm_rebalance_count,
+        "demoted": c.hbm_evict_count,
+        "read_below_hbm": c.hbm_misses,
     }
 
 
@@ -785,7 +816,9 @@ def phase_many(run: Run) -> None:
     out["engine_steps_phases_ms"] = local.phases
     log(f"engine many, step phases p50 (ms): {out['engine_phases_ms_p50']}")
     if run.args.trace is not None:  # a few more steps, their kernels under torch.profiler
-        out["engine_kernels"] = trace_kernels(run.args.trace, lambda: local.generate_many(lsids, [7] * n, 9))
+        out["engine_kernels"] = trace_kernels(
+            run.args.trace, local.engine, lambda around: local.generate_many(lsids, [7] * n, 9, around)
+        )
     local.shutdown()
     bw = bandwidths(run.device)
     element = torch.finfo(shape.dtype).bits // 8

@@ -69,6 +69,7 @@ class Mover:
         self._stream = torch.cuda.Stream(device=hbm.k.device) if cuda else None
         # HBM -> DDR and DDR -> HBM copies held back by `batched`: (source slots, destination slots)
         self._queued: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] | None = None
+        self.copied = {"down": 0, "up": 0}  # blocks copied HBM -> DDR and DDR -> HBM, for any reason
 
     @contextmanager
     def batched(self) -> Iterator[None]:
@@ -94,6 +95,7 @@ class Mover:
     def _copy(self, src: KVPool, src_slots: np.ndarray, dst: KVPool, dst_slots: np.ndarray) -> None:
         if not len(src_slots):
             return
+        self.copied["up" if src is self.ddr else "down"] += len(src_slots)
         if self._stream is None:
             s = torch.from_numpy(src_slots).to(src.k.device)
             dst.store(torch.from_numpy(dst_slots).to(dst.k.device), *src.read(s))
