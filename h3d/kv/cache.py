@@ -136,7 +136,6 @@ class KVCache:
             write_behind_dirty_mb, ssd_capacity,
         )  # fmt: skip
         self.promoter = Promoter(self.tiers, promote_bytes_per_step)
-        self.tiers.keep = self.keep
         self.hbf = hbf
         self.frozen: dict[SeqId, int] = {}  # seq -> its first block no step may move (ModelRunner.begin)
         # Closed sessions whose full blocks write-behind archives before they are parked (`park_later`),

@@ -82,9 +82,6 @@ class TierManager:
         self.ssd_capacity = ssd_capacity if archive is not None else None
         self.behind = WriteBehind(self, write_behind_dirty_mb)
         self.ahead = ReadAhead(self)
-        # The blocks of a session HBF never evicts from HBM (sinks, the recent window): the KV
-        # cache's rule (`KVCache.keep`); an idle session gives them up last.
-        self.keep: Callable[[SeqId], np.ndarray] = lambda seq: np.empty(0, dtype=np.int64)
 
     @property
     def block_bytes(self) -> int:
@@ -570,35 +567,17 @@ class TierManager:
     def _demote_idle(
         self, layer: int, count: int, idle: list[SeqId], batch: list[SeqId], protect: dict[SeqId, int]
     ) -> None:
-        """Move up to `count` HBM blocks of `layer` from idle sessions down to DDR, leveling them:
-        the sessions that hold the most blocks of the layer give first, down to a common level
-        (`drain`; the least recently used give the odd ones). A run of appends thus leaves the
-        sessions appended before equal parts of HBM, which is what the fair shares give them once
-        they decode (h3d.tiers.shares), instead of the first ones none and the last ones all: the
-        rebalancing at their first steps has little to copy back up. Inside a session its least
-        valuable blocks go first (HBF's rank), its sinks and recent window (`keep`) last; a shared
-        block stays put. What DDR cannot take (`demote_blocks` gives up) is asked of the next."""
+        """Move up to `count` HBM blocks of `layer` from idle sessions down to DDR."""
         b = self.blocks
-        idle = sorted(idle, key=lambda s: self.sessions[s].last_used)
-        ids = [b.table(s).ids[layer, : b.table(s).num_blocks] for s in idle]
-        movable = [np.flatnonzero((b.entries.hbm[x] != NONE) & ~b.shared(x)) for x in ids]  # a shared block stays put
-        take = drain(np.array([len(m) for m in movable], dtype=np.int64), count)
-        for seq, x, idx, n in zip(idle, ids, movable, take.tolist(), strict=True):
-            if count <= 0:
-                return
-            if n <= 0:
-                continue
-            keep = np.isin(idx, self.keep(seq))
-            order = np.lexsort((idx, b.entries.hotness[x[idx]], keep))  # kept blocks last, then by rank
-            count -= self.demote_blocks(seq, layer, np.sort(idx[order[:n]]), batch, protect)
-        for seq in idle:  # what was left (DDR could not take a session's copies): in turn
-            if count <= 0:
-                return
+        for seq in sorted(idle, key=lambda s: self.sessions[s].last_used):
             t = b.table(seq)
-            x = t.ids[layer, : t.num_blocks]
-            idx = np.flatnonzero((b.entries.hbm[x] != NONE) & ~b.shared(x))[:count]
-            if len(idx):
-                count -= self.demote_blocks(seq, layer, idx, batch, protect)
+            ids = t.ids[layer, : t.num_blocks]
+            idx = np.flatnonzero((b.entries.hbm[ids] != NONE) & ~b.shared(ids))[:count]  # a shared block stays put
+            if not len(idx):
+                continue
+            count -= self.demote_blocks(seq, layer, idx, batch, protect)
+            if count <= 0:
+                return
 
     def demote_blocks(
         self, seq: SeqId, layer: int, idx: np.ndarray, batch: list[SeqId], protect: dict[SeqId, int]
@@ -757,29 +736,6 @@ class TierManager:
         self.behind.close()
         self.ahead.close()
         self.mover.close()
-
-
-def drain(held: np.ndarray, count: int) -> np.ndarray:
-    """How many of `count` to take from each of `held` so that the largest come down to a common
-    level first: max(held - level, 0) for the lowest level that gives at least `count`, less the
-    surplus, given back by the last of those at the level (the first in order give one more).
-    All of `held` where `count` reaches its sum."""
-    total = int(held.sum())
-    if count >= total:
-        return held.copy()
-    if count <= 0:
-        return np.zeros_like(held)
-    lo, hi = 0, int(held.max())  # takes(lo) >= count > takes(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if int(np.maximum(held - mid, 0).sum()) >= count:
-            lo = mid
-        else:
-            hi = mid
-    take = np.maximum(held - hi, 0)  # fewer than count; those above lo give one more each, in order
-    more = np.flatnonzero(held > lo)[: count - int(take.sum())]
-    take[more] += 1
-    return take
 
 
 def torch_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

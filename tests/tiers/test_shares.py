@@ -24,8 +24,6 @@ from hypothesis import strategies as st
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import TokenDelta
-from h3d.kv.entries import NONE
-from h3d.tiers.manager import drain
 from h3d.tiers.shares import FLOOR_PART, shares
 
 MODEL = "llama_gqa4_tied"
@@ -60,21 +58,6 @@ def test_what_the_demands_leave_is_shared_equally_up_to_each_size(capacity: int,
     assert got.sum() == min(capacity, max(int(base.sum()), int(top.sum())))  # nothing left idle
     for j in np.flatnonzero(got < top):  # j wants more: nobody got more than one above j beyond its demand part
         assert (got <= np.maximum(base, got[j] + 1)).all(), (got, base, j)
-
-
-@given(st.lists(st.integers(0, 60), min_size=1, max_size=10), st.integers(-2, 700))
-def test_drain_takes_from_the_largest_first(held: list[int], count: int) -> None:
-    h = np.array(held)
-    take = drain(h, count)
-    assert take.sum() == min(max(count, 0), h.sum())
-    assert (take >= 0).all() and (take <= h).all()
-    left = h - take
-    # every one that gave is left at the largest part or one below it: the largest gave first
-    assert (left[take > 0] >= left.max() - 1).all(), (h, count, take)
-    # and the odd ones came from the first in order: once one that gave is left at the upper
-    # level, none after it that gave is left below
-    givers = left[take > 0]
-    assert (np.diff(givers) >= 0).all() or len(set(givers.tolist())) == 1, (h, count, take)
 
 
 def _params(n: int) -> SamplingParams:
@@ -191,35 +174,6 @@ def _hit_rates_after_late_arrivals(engine: Engine, vocab: int) -> tuple[list[flo
         c = kv.counters(s)
         rates.append((c.hbm_hits - hits) / max(1, c.hbm_hits - hits + c.hbm_misses - misses))
     return rates, w.out
-
-
-def test_appends_one_after_another_leave_the_sessions_before_equal_parts(checkpoint: Callable[[str], Path]) -> None:
-    """Each append makes room by taking HBM blocks from the idle sessions that hold the most
-    (h3d.tiers.manager.drain): once four sessions were appended one after another, the first
-    three hold equal parts of every layer (they had none and all before), each keeping its sinks
-    and recent window, and the last holds at least as much."""
-    path = checkpoint(MODEL)
-    probe = make_engine(path)
-    slot_mb = probe.runner.hbm.slot_bytes * probe.model.config.num_layers / 2**20
-    small = make_engine(path, hbm_mb=48 * slot_mb, ddr_mb=200 * slot_mb, policy="attention_entropy", dense_layers=1)
-    vocab = small.model.config.vocab_size
-    sids = [small.create_session() for _ in range(4)]
-    for i, sid in enumerate(sids):
-        small.append(sid, token_ids=random_prompt(640, vocab, seed=40 + i))
-    kv = small.kv
-    seqs = [small.session(sid).seq for sid in sids]
-    held = np.stack([kv.shares.held(s) for s in seqs])  # [4, L]
-    assert held[:3].sum() > 0 and (held[:3].max(axis=0) - held[:3].min(axis=0) <= 1).all(), held
-    assert (held[3] >= held[:3].max(axis=0)).all(), held
-    for seq in seqs[:3]:  # what each keeps is of its sinks and recent window first
-        t = kv.blocks.table(seq)
-        up = kv.blocks.entries.hbm[t.ids[:, : t.num_blocks]] != NONE  # [L, blocks]
-        kept = np.zeros(t.num_blocks, dtype=bool)
-        kept[kv.keep(seq)] = True
-        for layer in range(kv.blocks.num_layers):
-            assert up[layer, kept].all() or not up[layer, ~kept].any(), (layer, up[layer])
-        assert up[:, kept].any()
-    kv.check()
 
 
 def test_sessions_arriving_when_hbm_is_full_get_an_equal_part_of_it(checkpoint: Callable[[str], Path]) -> None:
