@@ -1122,7 +1122,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(slows the engine: its figures are then not comparable)")  # fmt: skip
     p.add_argument("--trace", type=Path, default=None,
                    help="the many phase's in-process engine decodes 8 more steps under torch.profiler: "
-                   "the kernels' table written to this folder, their time per step in the JSON")  # fmt: skip
+                   "the kernels' table written to this folder, their time and the blocks the tiers "
+                   "moved per step in the JSON")  # fmt: skip
     p.add_argument("--write", type=Path, default=None, help="update this markdown file's serve section")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

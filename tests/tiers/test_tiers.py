@@ -194,6 +194,10 @@ def test_batched_copies_move_the_same_bytes_as_one_call_each() -> None:
         _promotion_copies(mover)
         raise RuntimeError("a failure after the tables changed")
     assert torch.equal(hbm.k, want_hbm.k) and torch.equal(ddr.v, want_ddr.v)
+    assert mover.copied == {"down": 3, "up": 4}  # each block counted once, by its direction, batched or not
+    one_by_one = Mover(*_pools(3), None)
+    _promotion_copies(one_by_one)
+    assert one_by_one.copied == {"down": 3, "up": 4}
 
 
 @settings(max_examples=80, deadline=None)
