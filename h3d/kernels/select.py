@@ -41,6 +41,10 @@ import torch
 from h3d.kernels import loader
 
 TILE = 64  # blocks per `scores` program
+# `scores`' way of reading a block's parts: False, one [TILE, D] load and two dots per part in
+# turn; True, every part of the TILE blocks in one [TILE * P, D] load and two dots (a block's
+# parts are consecutive rows of the arena), the largest bound per block taken after.
+FLAT = False
 
 # Bound by `_kernels()` at the first launch (the kernels below refer to `tl` as a global).
 triton: Any = None
@@ -94,6 +98,10 @@ def scores(
     recent: int,
     raw: torch.Tensor | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    flat: bool | None = None,
+    tile: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Masked digest bounds of every slot of a batch into `out` [B, Hkv, W] fp32 (see the module
     docstring), one launch. q: [B, H, D]; arena: one layer of the digest arena [Hkv, rows, 2, D]
@@ -104,22 +112,26 @@ def scores(
     digest gives `block_scores`; a slot with no live part (parts_live 0: no selection) reads no
     digest and scores -inf. `shared` (src, parts) [B] int64: a slot's first `parts` parts lie at
     row src + p instead of base + p (a fork reading its parent's rows, `DigestStore.share`);
-    None: none shared."""
+    None: none shared. `flat`, `tile` (a power of two, at least 16 / `parts` when flat),
+    `num_warps`: how the kernel reads (`FLAT`, `TILE`; `python -m h3d.bench.scores` times them)."""
     k = _kernels()
+    flat = FLAT if flat is None else flat
+    tile = TILE if tile is None else tile
+    launch = {} if num_warps is None else {"num_warps": num_warps}
     src, shared_parts = shared if shared is not None else (base, torch.zeros_like(base))
     b, hkv, w = out.shape
     d = arena.shape[-1]
     h = q.shape[1]
     g = h // hkv
     a = anchors.shape[2]
-    k.scores[(b, hkv, triton.cdiv(w, TILE))](
+    k.scores[(b, hkv, triton.cdiv(w, tile))](
         q, arena, base, src, shared_parts, anchors, nb, parts_live, take, out, raw if raw is not None else out,
         q.stride(0), q.stride(1), arena.stride(0), arena.stride(1), anchors.stride(0), anchors.stride(1),
         out.stride(0), w, a,
-        SINKS=sinks, RECENT=recent, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, P=parts, TILE=TILE,
+        SINKS=sinks, RECENT=recent, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, P=parts, TILE=tile,
         A_PAD=max(16, triton.next_power_of_2(max(a, 1))), RAW=raw is not None,
         PRECISION="ieee" if arena.dtype == torch.float32 else "tf32",
-        DOT=loader.dot_dtype(arena.dtype),
+        DOT=loader.dot_dtype(arena.dtype), FLAT=flat, P_PAD=triton.next_power_of_2(parts), **launch,
     )  # fmt: skip
     return out
 
@@ -189,7 +201,7 @@ def _scores_kernel(  # type: ignore[no-untyped-def]
     q_stride_b, q_stride_h, dig_stride_h, dig_stride_part, anchors_stride_b, anchors_stride_h, out_stride_b, W, A,
     SINKS: tl.constexpr, RECENT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     P: tl.constexpr, TILE: tl.constexpr, A_PAD: tl.constexpr, RAW: tl.constexpr,
-    PRECISION: tl.constexpr, DOT: tl.constexpr,
+    PRECISION: tl.constexpr, DOT: tl.constexpr, FLAT: tl.constexpr, P_PAD: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1).to(tl.int64)
@@ -206,17 +218,30 @@ def _scores_kernel(  # type: ignore[no-untyped-def]
     qg = qg.to(tl.float32)  # [D, G_PAD]
     qpos = tl.maximum(qg, 0.0).to(DOT)
     qneg = tl.minimum(qg, 0.0).to(DOT)
-    best = tl.full([TILE], float("-inf"), tl.float32)
-    for p in tl.static_range(P):
-        part = j * P + p
-        live = part < parts_live
+    if FLAT:  # every part of the tile's blocks at once: row r is block r // P_PAD's part r % P_PAD
+        r = tl.arange(0, TILE * P_PAD)
+        p = r % P_PAD
+        part = (tl.program_id(2).to(tl.int64) * TILE + r // P_PAD) * P + p
+        live = (p < P) & (part < parts_live)
         drow = tl.where(part < shared, src, base) + part
-        at = kh * dig_stride_h + drow * dig_stride_part  # [TILE]: part p's (min, max) rows
+        at = kh * dig_stride_h + drow * dig_stride_part  # [TILE * P_PAD]
         lo = tl.load(dig + at[:, None] + d[None, :], mask=live[:, None], other=0.0).to(DOT)
         hi = tl.load(dig + at[:, None] + D + d[None, :], mask=live[:, None], other=0.0).to(DOT)
         s = tl.dot(hi, qpos, input_precision=PRECISION) + tl.dot(lo, qneg, input_precision=PRECISION)
-        s = tl.where((g < G)[None, :] & live[:, None], s, float("-inf"))  # [TILE, G_PAD]
-        best = tl.maximum(best, tl.max(s, axis=1))
+        s = tl.where((g < G)[None, :] & live[:, None], s, float("-inf"))  # [TILE * P_PAD, G_PAD]
+        best = tl.max(tl.reshape(tl.max(s, axis=1), (TILE, P_PAD)), axis=1)
+    else:
+        best = tl.full([TILE], float("-inf"), tl.float32)
+        for p in tl.static_range(P):
+            part = j * P + p
+            live = part < parts_live
+            drow = tl.where(part < shared, src, base) + part
+            at = kh * dig_stride_h + drow * dig_stride_part  # [TILE]: part p's (min, max) rows
+            lo = tl.load(dig + at[:, None] + d[None, :], mask=live[:, None], other=0.0).to(DOT)
+            hi = tl.load(dig + at[:, None] + D + d[None, :], mask=live[:, None], other=0.0).to(DOT)
+            s = tl.dot(hi, qpos, input_precision=PRECISION) + tl.dot(lo, qneg, input_precision=PRECISION)
+            s = tl.where((g < G)[None, :] & live[:, None], s, float("-inf"))  # [TILE, G_PAD]
+            best = tl.maximum(best, tl.max(s, axis=1))
     best = tl.where(j < nb, best, float("-inf"))
     row = b * out_stride_b + kh * W + j
     if RAW:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton (it reads the variable then)
 
@@ -532,12 +533,16 @@ def test_hbf_decode_graph_equals_the_eager_path(
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(("hkv", "group", "parts"), [(2, 4, 2), (1, 1, 1), (4, 8, 4)])
-def test_hbf_selection_kernels_pick_what_the_twin_picks(seed: int, hkv: int, group: int, parts: int) -> None:
+@pytest.mark.parametrize("way", [{}, {"flat": True, "tile": 16}, {"flat": False, "tile": 32, "num_warps": 2}])
+def test_hbf_selection_kernels_pick_what_the_twin_picks(
+    seed: int, hkv: int, group: int, parts: int, way: dict[str, Any]
+) -> None:
     """`h3d.kernels.select` (scores -> top_room -> lists) against `select_static`: the same lists per
     head (sinks first, the recent blocks last, the partial one at the end), their locations from
     the table, 0 past each list, the lengths; the raw
     bounds equal `block_scores` (past the context: -inf). Anchors past the context are clamped, a
-    room below the capacity leaves the top-k's tail unused, a 70-block table spans two programs."""
+    room below the capacity leaves the top-k's tail unused, a 70-block table spans two programs
+    (five with 16 blocks a program). `way`: how `scores` reads the digests (every way the same)."""
     from h3d.hbf.digests import block_scores
     from h3d.hbf.policy import HbfConfig, base_sizes, select_static
     from h3d.kernels import select
@@ -573,7 +578,7 @@ def test_hbf_selection_kernels_pick_what_the_twin_picks(seed: int, hkv: int, gro
     slot_anchors = torch.zeros(3, hkv, 6, dtype=torch.int64)
     slot_anchors[2] = anchors
     masked, raw = torch.empty(3, hkv, w), torch.empty(3, hkv, w)
-    select.scores(masked, qs, arena, parts, bases, nbs, lives, takes, slot_anchors, sinks, recent, raw)
+    select.scores(masked, qs, arena, parts, bases, nbs, lives, takes, slot_anchors, sinks, recent, raw, **way)
     assert torch.isneginf(masked[:2]).all() and torch.isneginf(raw[:2]).all()  # no live part: nothing read
     top = select.top_room(masked, rooms, k)  # [3, Hkv, k]: each row's room best, ascending
     assert not top[:2].any()
@@ -597,7 +602,8 @@ def test_hbf_selection_kernels_pick_what_the_twin_picks(seed: int, hkv: int, gro
 
 
 @pytest.mark.parametrize("shared_blocks", [0, 3, 40])
-def test_selection_scores_read_a_forks_first_parts_from_its_source(shared_blocks: int) -> None:
+@pytest.mark.parametrize("flat", [False, True])
+def test_selection_scores_read_a_forks_first_parts_from_its_source(shared_blocks: int, flat: bool) -> None:
     """A slot whose first parts are another session's rows (`DigestStore.share`: `src` below
     `shared`, its own rows from base + shared on) scores what the same digests in one run score,
     in the kernel and in the graphs' torch twin's row rule."""
@@ -618,7 +624,7 @@ def test_selection_scores_read_a_forks_first_parts_from_its_source(shared_blocks
     one = torch.ones(1, dtype=torch.int64)
     select.scores(
         masked, q, arena, parts, one * base, one * w, one * w * parts, one * 0,
-        torch.zeros(1, hkv, 0, dtype=torch.int64), 1, 1, raw, (one * src, one * shared),
+        torch.zeros(1, hkv, 0, dtype=torch.int64), 1, 1, raw, (one * src, one * shared), flat=flat, tile=16,
     )  # fmt: skip
     want = block_scores(q[0], digests.view(hkv, w, parts, 2, d), per_head=True)
     torch.testing.assert_close(raw[0], want, rtol=1e-5, atol=1e-5)
