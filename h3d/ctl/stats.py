@@ -68,6 +68,7 @@ def stats_text(stats: Any) -> str:
         ),
         ("digests_mib", f"{mib(g.digest_bytes)}"),
         ("digests_set_aside", f"{g.digests_set_aside}"),
+        ("hbm_ddr_copies_mib", f"{mib(g.copy_up_bytes)} up, {mib(g.copy_down_bytes)} down"),
         ("hbf_latency_us", f"p50 {g.hbf_latency_us_p50:.1f}  p99 {g.hbf_latency_us_p99:.1f}"),
         (
             "remote_tier",

@@ -154,6 +154,8 @@ def tier_stats_pb(engine: Engine) -> pb.TierStats:
         digest_bytes=t.digest_bytes,
         digest_shared_saved_bytes=t.digest_shared_saved_bytes,
         digests_set_aside=t.digests_set_aside,
+        copy_up_bytes=t.copy_up_bytes,
+        copy_down_bytes=t.copy_down_bytes,
         remote_on=engine.remote is not None,
         remote_degraded=engine.remote is not None and engine.remote.degraded is not None,
         remote_degraded_reason=(engine.remote.degraded or "") if engine.remote is not None else "",

@@ -143,6 +143,10 @@ class Metrics:
             "# TYPE h3d_tier_capacity_bytes gauge",
             f'h3d_tier_capacity_bytes{{tier="hbm"}} {g.hbm_capacity_bytes}',
             f'h3d_tier_capacity_bytes{{tier="ddr"}} {g.ddr_capacity_bytes}',
+            "# HELP h3d_tier_copy_bytes_total Bytes of KV copied between HBM and DDR (up: DDR to HBM).",
+            "# TYPE h3d_tier_copy_bytes_total counter",
+            f'h3d_tier_copy_bytes_total{{direction="up"}} {g.copy_up_bytes}',
+            f'h3d_tier_copy_bytes_total{{direction="down"}} {g.copy_down_bytes}',
         ]
         metric("h3d_tokens_per_second", "gauge", "Generated tokens per second (last 10 s).", t.tokens_per_s)
         metric("h3d_generated_tokens_total", "counter", "Tokens generated.", t.generated_tokens_total)

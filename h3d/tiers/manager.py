@@ -680,6 +680,8 @@ class TierManager:
             read_ahead_in_flight_bytes=self.ahead.in_flight * self.block_bytes,
             write_behind_lag_s=behind.lag_s,
             window_hbm_bytes=self._window_hbm() * self.block_bytes,
+            copy_up_bytes=self.mover.copied["up"] * self.block_bytes,
+            copy_down_bytes=self.mover.copied["down"] * self.block_bytes,
             **self._sharing(),
         )
 

@@ -95,6 +95,8 @@ class TierStats:
     digest_bytes: int = 0  # the sessions' block digests (h3d.hbf.digests), on the compute device
     digest_shared_saved_bytes: int = 0  # what digests shared with their blocks would take again in copies
     digests_set_aside: int = 0  # idle sessions' digests taken off the device for a request's, since start
+    copy_up_bytes: int = 0  # KV copied DDR -> HBM since start (promotions, fair shares' fills), `Mover.copied`
+    copy_down_bytes: int = 0  # KV copied HBM -> DDR since start (victims, demotions without a DDR copy)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -1261,6 +1261,10 @@ def test_metrics_and_log_events(main_daemon: RunningDaemon) -> None:
     text = wait_for(recorded, what="the Generate in h3d_rpc_total")
     assert 0.0 <= _metric(text, "h3d_hbm_hit_rate") <= 1.0
     assert _metric(text, "h3d_ddr_evict_total") >= 0
+    for direction in ("up", "down"):  # what the tiers copied between HBM and DDR, as GetStats says after
+        copied = _metric(text, f'h3d_tier_copy_bytes_total{{direction="{direction}"}}')
+        assert 0 <= copied <= getattr(getattr(h3.GetStats(pb.GetStatsRequest(), timeout=T), "global"),
+                                      f"copy_{direction}_bytes")  # fmt: skip
     assert _metric(text, "h3d_generated_tokens_total") >= 8
     assert _metric(text, 'h3d_rpc_total{api="grpc",method="Generate",code="OK"}') >= 1
     assert _metric(text, "h3d_sessions") >= 1

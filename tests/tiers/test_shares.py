@@ -148,7 +148,12 @@ def test_hbm_shares_as_sessions_come_go_idle_and_pin(checkpoint: Callable[[str],
 
     got = _walk(small, seed=5, check=check)
     assert checked["settled"] >= 10
-    assert small.tier_stats().hbm_rebalance_count > 0  # rebalancing moved blocks
+    stats = small.tier_stats()
+    assert stats.hbm_rebalance_count > 0  # rebalancing moved blocks
+    # Every copy up is a promotion or a fill (both counted in promote_count); demotions copied down
+    block = small.runner.hbm.slot_bytes
+    assert stats.copy_up_bytes == stats.promote_count * block > 0
+    assert stats.copy_down_bytes > 0 and stats.copy_down_bytes % block == 0
     roomy = make_engine(path, policy="exact")
     want = _walk(roomy, seed=5, check=None)
     assert got == want

@@ -150,6 +150,14 @@ export interface TierStats {
    * count that keeps rising means the device holds fewer sessions' digests than are in use.
    */
   'digestsSetAside'?: (number | string | Long);
+  /**
+   * Bytes of KV blocks copied between HBM and DDR since start, for any reason: up (DDR -> HBM:
+   * HBF's promotions, the fair shares' fills, DDR-only blocks brought back) and down (HBM -> DDR:
+   * victims and demoted blocks that had no DDR copy). They cross PCIe beside what attention reads
+   * from DDR in place (fetch_bytes); a rate near the link's bandwidth means HBM churns.
+   */
+  'copyUpBytes'?: (number | string | Long);
+  'copyDownBytes'?: (number | string | Long);
 }
 
 /**
@@ -300,4 +308,12 @@ export interface TierStats__Output {
    * count that keeps rising means the device holds fewer sessions' digests than are in use.
    */
   'digestsSetAside': (number);
+  /**
+   * Bytes of KV blocks copied between HBM and DDR since start, for any reason: up (DDR -> HBM:
+   * HBF's promotions, the fair shares' fills, DDR-only blocks brought back) and down (HBM -> DDR:
+   * victims and demoted blocks that had no DDR copy). They cross PCIe beside what attention reads
+   * from DDR in place (fetch_bytes); a rate near the link's bandwidth means HBM churns.
+   */
+  'copyUpBytes': (number);
+  'copyDownBytes': (number);
 }
