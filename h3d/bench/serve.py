@@ -603,7 +603,8 @@ def floor_fields(
     before: Any, after: Any, steps: int, weights: int, block: int, bw: dict[str, float | None]
 ) -> dict[str, Any]:
     """What a step read, from the daemon's counters (GetStats before and after `steps` steps),
-    and the time those bytes take at the measured bandwidths."""
+    and the time those bytes take at the measured bandwidths; beside it, what the tiers copied
+    between HBM and DDR per step (not in the floor: the reads' floor is what the step must do)."""
     g0, g1 = getattr(before, "global"), getattr(after, "global")
     steps = max(1, steps)
     hbm_kv = (g1.hbm_hits - g0.hbm_hits) * block / steps
@@ -616,6 +617,8 @@ def floor_fields(
         "weights_bytes": weights,
         "hbm_kv_bytes_read": int(hbm_kv),
         "pcie_bytes": int(pcie),
+        "copy_up_bytes": int((g1.copy_up_bytes - g0.copy_up_bytes) / steps),
+        "copy_down_bytes": int((g1.copy_down_bytes - g0.copy_down_bytes) / steps),
         "hbm_gbps": hbm_gbps,
         "pcie_gbps": pcie_gbps,
     }

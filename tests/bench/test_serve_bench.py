@@ -109,15 +109,17 @@ def test_the_engine_level_run_takes_the_daemons_resolved_configuration(tmp_path:
 
 
 def test_the_floor_is_the_bytes_a_step_read_at_the_measured_bandwidths() -> None:
-    def stats(hits: int, fetched: int) -> SimpleNamespace:
-        return SimpleNamespace(**{"global": SimpleNamespace(hbm_hits=hits, fetch_bytes=fetched)})
+    def stats(hits: int, fetched: int, up: int = 0, down: int = 0) -> SimpleNamespace:
+        g = SimpleNamespace(hbm_hits=hits, fetch_bytes=fetched, copy_up_bytes=up, copy_down_bytes=down)
+        return SimpleNamespace(**{"global": g})
 
     block = serve.block_bytes({"block_size": 32}, {"num_key_value_heads": 8, "head_dim": 128}, 2)
     assert block == 2 * 32 * 8 * 128 * 2
-    f = serve.floor_fields(stats(100, 0), stats(100 + 10 * 64, 10 * 2_000_000), 10, 4_000_000_000, block,
-                           {"hbm_gbps": 4000.0, "pcie_gbps": 50.0})  # fmt: skip
+    f = serve.floor_fields(stats(100, 0, 7, 3), stats(100 + 10 * 64, 10 * 2_000_000, 7 + 10 * block, 3), 10,
+                           4_000_000_000, block, {"hbm_gbps": 4000.0, "pcie_gbps": 50.0})  # fmt: skip
     assert f["hbm_kv_bytes_read"] == 64 * block and f["pcie_bytes"] == 2_000_000
-    want = (4e9 + 64 * block) / 4000e9 + 2e6 / 50e9
+    assert (f["copy_up_bytes"], f["copy_down_bytes"]) == (block, 0)  # per step, beside the floor
+    want = (4e9 + 64 * block) / 4000e9 + 2e6 / 50e9  # (the copies are not in it)
     assert f["floor_ms"] == pytest.approx(want * 1e3, abs=1e-3)
 
 
