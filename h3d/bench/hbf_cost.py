@@ -1,6 +1,7 @@
 """HBF decision cost: host-side planning per decode step, and the scoring + top-k per layer.
 
-    python -m h3d.bench.hbf_cost [--tokens 32768] [--steps 2000] [--write docs/BENCHMARKS.md]
+    python -m h3d.bench.hbf_cost [--tokens 32768] [--steps 2000] [--sessions 1] [--shape embedded]
+                                 [--write docs/BENCHMARKS.md]
 
 Synthetic metadata with the embedded model's shape (30 layers, 3 KV heads, head_dim 64,
 block_size 32): one session of `--tokens` tokens, an HBM budget of 1/6 of its blocks per layer,
@@ -11,6 +12,10 @@ as real selections do), and runs the tier manager's promotion/eviction of the he
 included), the copies excluded. The pools are 1
 element wide: planning never touches bytes. Scoring (digest bound over all blocks per KV head +
 top-k per head) is timed separately on real-sized digests.
+
+`--shape llama3-8b` plans for the Llama-3-8B shape instead (32 layers, 8 KV heads), with each
+session's picks handed over as a captured step hands them (`counted`: distinct and ascending, their
+reads counted by the step) and HBM for 3/5 of the blocks: what a `many` step's commit plans.
 """
 
 from __future__ import annotations
@@ -33,14 +38,21 @@ from h3d.kv.cache import KVCache
 LAYERS, KV_HEADS, HEAD_DIM, HEADS, BS = 30, 3, 64, 9, 32
 
 
-def planning(tokens: int, steps: int, seed: int = 0, sessions: int = 1) -> list[float]:
+SHAPES = {  # layers, KV heads, the part of the blocks HBM holds, picks handed over as a captured step does
+    "embedded": (LAYERS, KV_HEADS, 1 / 6, False),
+    "llama3-8b": (32, 8, 3 / 5, True),
+}
+
+
+def planning(tokens: int, steps: int, seed: int = 0, sessions: int = 1, shape: str = "embedded") -> list[float]:
     """`sessions` sessions of `tokens` tokens decoding together (one promotion call a step for
-    all of them, as a batch's commit makes it), HBM 1/6 of their blocks."""
+    all of them, as a batch's commit makes it), HBM 1/6 of their blocks (`SHAPES`)."""
+    layers, kv_heads, part, counted = SHAPES[shape]
     nb = tokens // BS
-    hbm_per_layer = nb * sessions // 6
+    hbm_per_layer = int(nb * sessions * part)
     kv = KVCache(
-        num_layers=LAYERS, num_kv_heads=1, head_dim=1, dtype=torch.float32, device=torch.device("cpu"),
-        hbm_regions=hbm_per_layer, ddr_slots=nb * LAYERS * sessions, block_size=BS, hbf=EngineConfig().hbf,
+        num_layers=layers, num_kv_heads=1, head_dim=1, dtype=torch.float32, device=torch.device("cpu"),
+        hbm_regions=hbm_per_layer, ddr_slots=nb * layers * sessions, block_size=BS, hbf=EngineConfig().hbf,
     )  # fmt: skip
     blocks, tiers = kv.blocks, kv.tiers
     seqs = [SeqId(1 + i) for i in range(sessions)]
@@ -51,9 +63,9 @@ def planning(tokens: int, steps: int, seed: int = 0, sessions: int = 1) -> list[
     base = np.union1d([0], np.arange(nb - 8, nb))
     # attention_entropy's selection: 55 top blocks per KV head beside the 9 base ones (a 2048-token
     # window); each head's picks drift 10 % per step. The tiers keep the union of the heads' picks.
-    picks = rng.integers(1, nb - 9, (sessions, LAYERS, KV_HEADS, 55))  # [S, L, Hkv, 55]
+    picks = rng.integers(1, nb - 9, (sessions, layers, kv_heads, 55))  # [S, L, Hkv, 55]
     width = blocks.table(seqs[0]).capacity
-    rows = np.arange(LAYERS)[:, None, None] * width
+    rows = np.arange(layers)[:, None, None] * width
     keep = {seq: base for seq in seqs}
     protect = {seq: nb - 1 for seq in seqs}
     for _ in range(steps):
@@ -64,8 +76,10 @@ def planning(tokens: int, steps: int, seed: int = 0, sessions: int = 1) -> list[
             seq: np.concatenate([(picks[i] + rows).ravel(), (base[None, :] + rows[:, 0]).ravel()])
             for i, seq in enumerate(seqs)
         }
+        if counted:  # the union of each session's heads, as the captured step's picks come back
+            keys = {seq: np.unique(k) for seq, k in keys.items()}
         tiers.begin_step(seqs)
-        kv.promoter.promote(keys, protect, keep)
+        kv.promoter.promote(keys, protect, keep, counted)
     return kv.promoter.latencies_us[100:]  # after warm-up (the first steps fill HBM)
 
 
@@ -88,9 +102,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--sessions", type=int, default=1, help="sessions decoding together (one promotion a step)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="embedded",
+                        help="layers and KV heads planned for (llama3-8b: also the captured step's picks)")  # fmt: skip
     parser.add_argument("--write", default=None)
     args = parser.parse_args()
-    lat = np.array(planning(args.tokens, args.steps, sessions=args.sessions))
+    lat = np.array(planning(args.tokens, args.steps, sessions=args.sessions, shape=args.shape))
     score = scoring_us(args.tokens)
     table = "\n".join(
         [
@@ -107,7 +123,7 @@ def main() -> None:
             f"Measured {dt.date.today().isoformat()} on the 2-core CPU host, {args.sessions} session(s) of "
             f"{args.tokens} tokens, {args.steps} steps (the first 100 dropped). Goal: p99 <= 200 µs (one session).\n\n"
             "Command: `python -m h3d.bench.hbf_cost "
-            f"--tokens {args.tokens} --steps {args.steps} --sessions {args.sessions}`"
+            f"--tokens {args.tokens} --steps {args.steps} --sessions {args.sessions} --shape {args.shape}`"
         )
         write_section(Path(args.write), f"{meta}\n\n{table}", "hbf-cost")
 
