@@ -112,7 +112,8 @@ def main() -> None:
         [
             "| figure | value |",
             "|---|---:|",
-            f"| hbf_latency_us p50 (host planning per step, all 30 layers) | {np.percentile(lat, 50):.0f} |",
+            f"| hbf_latency_us p50 (host planning per step, all {SHAPES[args.shape][0]} layers) "
+            f"| {np.percentile(lat, 50):.0f} |",
             f"| hbf_latency_us p99 | {np.percentile(lat, 99):.0f} |",
             f"| scoring + top-k per layer, CPU, {args.tokens // BS} blocks (µs, median) | {score:.0f} |",
         ]

@@ -792,6 +792,8 @@ def phase_many(run: Run) -> None:
     out["hbm_hit_rates"] = [round(h, 3) for h in hits]
     g0, g1 = getattr(before, "global"), getattr(after, "global")
     out["hbm_rebalance_blocks"] = g1.hbm_rebalance_count - g0.hbm_rebalance_count
+    # The daemon's own HBF planning per step (promotion, copies excluded), recent steps' quantiles
+    out["hbf_latency_us_p50"], out["hbf_latency_us_p99"] = g1.hbf_latency_us_p50, g1.hbf_latency_us_p99
     log(f"daemon many: {out}")
     log(f"daemon stopped in {daemon.stop():.1f} s")
 
