@@ -562,13 +562,13 @@ def trace_kernels(folder: Path, engine: Any, fn: Callable[[Any], list[Stream]]) 
 
 
 def moved(tiers: Any) -> dict[str, int]:
-    """The tiers' cumulative block moves and reads below HBM: copies by the mover (all reasons),
-    HBF's promotions, the fair shares' moves, demotions, blocks read from below HBM."""
+    """The tiers' cumulative block moves and reads below HBM: copies by the mover (all reasons; up
+    are HBF's promotions and the fair shares' fills), the fair shares' moves (both ways), demotions,
+    blocks read from below HBM."""
     c = tiers.counters
     return {
         "copied_up": tiers.mover.copied["up"],
         "copied_down": tiers.mover.copied["down"],
-        "promoted": c.promote_count,
         "rebalanced": c.hbm_rebalance_count,
         "demoted": c.hbm_evict_count,
         "read_below_hbm": c.hbm_misses,
