@@ -219,9 +219,9 @@ def _scores_kernel(  # type: ignore[no-untyped-def]
     qpos = tl.maximum(qg, 0.0).to(DOT)
     qneg = tl.minimum(qg, 0.0).to(DOT)
     if FLAT:  # every part of the tile's blocks at once: row r is block r // P_PAD's part r % P_PAD
-        r = tl.arange(0, TILE * P_PAD)
-        p = r % P_PAD
-        part = (tl.program_id(2).to(tl.int64) * TILE + r // P_PAD) * P + p
+        rows = tl.arange(0, TILE * P_PAD)  # (not `r`: the anchors' block below names another shape so)
+        p = rows % P_PAD
+        part = (tl.program_id(2).to(tl.int64) * TILE + rows // P_PAD) * P + p
         live = (p < P) & (part < parts_live)
         drow = tl.where(part < shared, src, base) + part
         at = kh * dig_stride_h + drow * dig_stride_part  # [TILE * P_PAD]
