@@ -33,7 +33,7 @@ WAYS: list[dict[str, Any]] = [
     {"flat": True, "tile": 32, "num_warps": 8},
     {"flat": True, "tile": 64, "num_warps": 8},
 ]
-INTERPRETED = [WAYS[0], {"flat": True, "tile": 16}]  # --tiny: the defaults' way and a flat one
+INTERPRETED = [WAYS[0], {"flat": True, "tile": 16}]  # --tiny: the parts in turn, and the defaults' way
 SPARSE_LAYERS = 30  # Llama-3-8B's 32 layers less the 2 dense ones
 
 

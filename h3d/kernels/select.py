@@ -40,11 +40,14 @@ import torch
 
 from h3d.kernels import loader
 
-TILE = 64  # blocks per `scores` program
+TILE = 16  # blocks per `scores` program
 # `scores`' way of reading a block's parts: False, one [TILE, D] load and two dots per part in
 # turn; True, every part of the TILE blocks in one [TILE * P, D] load and two dots (a block's
-# parts are consecutive rows of the arena), the largest bound per block taken after.
-FLAT = False
+# parts are consecutive rows of the arena), the largest bound per block taken after. Flat, 16
+# blocks, 4 warps read the digests 2.4 x faster than the parts in turn, 64 blocks, 4 warps (the
+# defaults before) on an H100: 131 against 315 µs a launch at 16 sessions of 32K, 249 against
+# 617 at 32 (`python -m h3d.bench.scores`, docs/BENCHMARKS.md).
+FLAT = True
 
 # Bound by `_kernels()` at the first launch (the kernels below refer to `tl` as a global).
 triton: Any = None

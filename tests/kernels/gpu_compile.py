@@ -9,9 +9,10 @@ without the interpreter, with Triton's active driver replaced by one that names 
 (no device is opened), and each launch turned into a compile only (`warmup`): every wrapper of
 `h3d.kernels` is called at the shapes of the named models, in bf16, as a step calls it (the
 decode kernels through `warm_decode`, every variant a decode of up to 128K tokens compiles; the
-digest scores in each way `python -m h3d.bench.scores` times), and each launch is compiled to a
-cubin by Triton's own ptxas. Prints one line per variant compiled; exits 1 on the first kernel
-that does not compile, with Triton's message. `tests/kernels/test_gpu_compile.py` runs it.
+digest scores in each way `python -m h3d.bench.scores` times at the first shape, their defaults
+at the others), and each launch is compiled to a cubin by Triton's own ptxas. Prints one line
+per launch; exits 1 on the first kernel that does not compile, with Triton's message.
+`tests/kernels/test_gpu_compile.py` runs it.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, name in enumerate(args.shapes):
         done = len(compiled)
         try:
-            launch_all(SHAPES[name], WAYS if i == 0 else WAYS[:1])
+            launch_all(SHAPES[name], WAYS if i == 0 else [{}])
         except Exception:
             print(f"{name}: a kernel did not compile for sm_{args.arch}:", file=sys.stderr)
             traceback.print_exc()

@@ -533,7 +533,7 @@ def test_hbf_decode_graph_equals_the_eager_path(
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(("hkv", "group", "parts"), [(2, 4, 2), (1, 1, 1), (4, 8, 4)])
-@pytest.mark.parametrize("way", [{}, {"flat": True, "tile": 16}, {"flat": False, "tile": 32, "num_warps": 2}])
+@pytest.mark.parametrize("way", [{}, {"flat": False, "tile": 64}, {"flat": False, "tile": 32, "num_warps": 2}])
 def test_hbf_selection_kernels_pick_what_the_twin_picks(
     seed: int, hkv: int, group: int, parts: int, way: dict[str, Any]
 ) -> None:
@@ -541,8 +541,8 @@ def test_hbf_selection_kernels_pick_what_the_twin_picks(
     head (sinks first, the recent blocks last, the partial one at the end), their locations from
     the table, 0 past each list, the lengths; the raw
     bounds equal `block_scores` (past the context: -inf). Anchors past the context are clamped, a
-    room below the capacity leaves the top-k's tail unused, a 70-block table spans two programs
-    (five with 16 blocks a program). `way`: how `scores` reads the digests (every way the same)."""
+    room below the capacity leaves the top-k's tail unused, a 70-block table spans five programs
+    (two with 64 blocks a program). `way`: how `scores` reads the digests (every way the same)."""
     from h3d.hbf.digests import block_scores
     from h3d.hbf.policy import HbfConfig, base_sizes, select_static
     from h3d.kernels import select
