@@ -657,6 +657,16 @@ class Run:
         return int(self.shape.model["vocab_size"])
 
 
+def sessions_in_memory(config: dict[str, Any], shape: Shape, tokens: int) -> int:
+    """How many sessions of `tokens` tokens the daemon's HBM and DDR (as it sized them) hold,
+    every layer's KV counted (a sliding-window layer's too: a bound from below)."""
+    resolved = config.get("resolved", {})
+    room = (float(resolved.get("hbm_mb", 0)) + float(resolved.get("ddr_mb", 0))) * 2**20
+    element = torch.finfo(shape.dtype).bits // 8
+    blocks = -(-tokens // int(config["block_size"])) * shape.model["num_hidden_layers"]
+    return int(room // (blocks * block_bytes(config, shape.model, element)))
+
+
 def start(run: Run, name: str) -> tuple[Daemon, Client, dict[str, Any]]:
     log(f"starting h3d serve ({name})")
     daemon = Daemon(run.model_dir, run.data_dir(name), flags=run.args.daemon_flag or ())
@@ -771,6 +781,14 @@ def phase_many(run: Run) -> None:
     shape, steps = run.shape, run.args.steps or run.shape.steps
     n, ctx = run.args.many or shape.many, shape.many_context
     daemon, client, config = start(run, "many")
+    fits = sessions_in_memory(config, shape, ctx)
+    if n > fits:
+        what = (f"{n} sessions of {ctx} tokens hold more KV than the daemon's HBM and DDR (at most {fits} fit; "
+                "the rest would be read from the archive)")  # fmt: skip
+        if not run.args.many:  # the shape's default: a host with less memory than it was chosen for
+            daemon.stop()
+            raise SystemExit(f"many: {what}; pass --many {fits} (or fewer), or --many {n} to run it anyway")
+        log(f"warning: {what}")
     sids = [client.session("attention_entropy") for _ in range(n)]
     t0 = time.perf_counter()
     for i, sid in enumerate(sids):
@@ -1115,7 +1133,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path(".bench/serve"), help="the daemons' data folders")
     p.add_argument("--out", type=Path, default=None, help="the JSON (default bench/results/<date>-<card>-serve.json)")
     p.add_argument("--steps", type=int, default=0, help="tokens timed per stream (default 64; --tiny 8)")
-    p.add_argument("--many", type=int, default=0, help="sessions of the many phase (default 32; --tiny 4)")
+    p.add_argument(
+        "--many",
+        type=int,
+        default=0,
+        help="sessions of the many phase (default 32, --tiny 4; the default is refused where the "
+        "daemon's HBM and DDR hold fewer, a number given runs with a warning)",
+    )
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--daemon-flag", action="append", metavar="FLAG",

@@ -124,6 +124,16 @@ def test_the_floor_is_the_bytes_a_step_read_at_the_measured_bandwidths() -> None
     assert f["floor_ms"] == pytest.approx(want * 1e3, abs=1e-3)
 
 
+def test_many_counts_the_sessions_that_the_daemons_memory_holds() -> None:
+    """An H100 host's `auto` sizing (45.9 GB of HBM and 51.5 GB of DDR for KV) holds 23 sessions
+    of 32K of the Llama-3-8B shape (4.3 GB each): `many`'s default of 32 is refused there."""
+    shape = serve.Shape.pick(False, {"vocab_size": 128256})
+    config = {"block_size": 32, "resolved": {"hbm_mb": 45933.1, "ddr_mb": 51547.6}}
+    assert serve.sessions_in_memory(config, shape, 32768) == 23
+    assert serve.sessions_in_memory(config, shape, 32768 - 31) == 23  # partial blocks count whole
+    assert serve.sessions_in_memory({"block_size": 32, "resolved": {}}, shape, 32768) == 0
+
+
 def test_inter_token_figures_and_the_window_of_a_stream() -> None:
     s = serve.Stream(sent=10.0, arrivals=[10.5, 10.51, 10.53, 11.53])
     assert s.ttft_s == pytest.approx(0.5)
