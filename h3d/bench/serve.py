@@ -418,8 +418,9 @@ def engine_config(daemon: dict[str, Any], data: Path) -> Any:
 # (reads counted, picks promoted, windows), the engine's (sampling: it waits for the device).
 STEP_PHASES = ("upkeep", "plan", "execute", "runner_commit", "commit")
 # Inside the runner's commit: the lagged picks read back, this step's picks resolved (to the host
-# now, or lagged), their promotion, DDR-only blocks back into HBM, the tiers' end of step.
-COMMIT_PARTS = ("picks", "resolve", "promote", "fill_hbm", "end_step")
+# now, or lagged), their promotion, DDR-only blocks back into HBM, the tiers' end of step; and the
+# launches of the mover's copies between HBM and DDR wherever they are made (most inside `promote`).
+COMMIT_PARTS = ("picks", "resolve", "promote", "fill_hbm", "end_step", "copies")
 
 
 @contextlib.contextmanager
@@ -428,8 +429,8 @@ def timed_phases(engine: Any, into: dict[str, float]) -> Any:
     runner = engine.runner
     owners = {"upkeep": engine, "plan": runner, "execute": runner, "runner_commit": runner, "commit": engine,
               "picks": runner.graphs, "resolve": runner.graphs, "promote": engine.kv,
-              "fill_hbm": engine.kv.promoter, "end_step": runner.tiers}  # fmt: skip
-    names = {"runner_commit": "commit"}
+              "fill_hbm": engine.kv.promoter, "end_step": runner.tiers, "copies": engine.kv.tiers.mover}  # fmt: skip
+    names = {"runner_commit": "commit", "copies": "_copy"}
     saved = []
     for phase, owner in owners.items():
         name = names.get(phase, phase)
@@ -837,6 +838,9 @@ def phase_many(run: Run) -> None:
     steady = local.phases[4:] or local.phases
     out["engine_phases_ms_p50"] = {p: round(float(np.median([x[i] for x in steady])), 2) for i, p in enumerate(names)}
     out["engine_steps_phases_ms"] = local.phases
+    # HBF's planning per step in process (`Promoter.latency_us`: promotion without its copies), to
+    # set beside the `promote` phase, which has the copies' launches (`copies`) too
+    out["engine_hbf_latency_us_p50"], out["engine_hbf_latency_us_p99"] = local.engine.kv.promoter.latency_us()
     log(f"engine many, step phases p50 (ms): {out['engine_phases_ms_p50']}")
     if run.args.trace is not None:  # a few more steps, their kernels under torch.profiler
         out["engine_kernels"] = trace_kernels(

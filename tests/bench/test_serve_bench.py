@@ -67,6 +67,10 @@ def test_tiny_many_phase_traces_its_kernels(checkpoint: Callable[[str], Path], t
     many = json.loads(out.read_text())["many"]
     assert many["sessions"] == 2 and many["engine_tokens_per_s"] > 0
     assert 0 <= many["hbf_latency_us_p50"] <= many["hbf_latency_us_p99"]  # (0: the tiny contexts promote nothing)
+    assert 0 <= many["engine_hbf_latency_us_p50"] <= many["engine_hbf_latency_us_p99"]
+    phases = many["engine_phases_ms_p50"]
+    assert set(phases) == set(serve.STEP_PHASES + serve.COMMIT_PARTS) and phases["copies"] >= 0
+    assert all(len(step) == len(phases) for step in many["engine_steps_phases_ms"])
     assert many["engine_kernels"]["steps"] == 9 and many["engine_kernels"]["kernels_ms_per_step"] == 0
     moves = many["engine_kernels"]["blocks_per_step"]
     assert set(moves) == {"copied_up", "copied_down", "rebalanced", "demoted", "read_below_hbm"}
