@@ -7,11 +7,12 @@ body; it never hands the kernel to Triton's compiler, which refuses some code th
 takes (a name given two shapes across a runtime `if`, for one). This script runs in a process
 without the interpreter, with Triton's active driver replaced by one that names a CUDA target
 (no device is opened), and each launch turned into a compile only (`warmup`): every wrapper of
-`h3d.kernels` is called at the shapes of the named models, in bf16, as a step calls it (the
-decode kernels through `warm_decode`, every variant a decode of up to 128K tokens compiles; the
-digest scores in each way `python -m h3d.bench.scores` times at the first shape, their defaults
-at the others), and each launch is compiled to a cubin by Triton's own ptxas. Prints one line
-per launch; exits 1 on the first kernel that does not compile, with Triton's message.
+`h3d.kernels` is called at the shapes of the named models, in bf16 (the first in fp16 too), as a
+step calls it (the decode kernels through `warm_decode`, every variant a decode of up to 128K
+tokens compiles; the digest scores in each way `python -m h3d.bench.scores` times at the first
+shape, their defaults at the others), and each launch is compiled to a cubin by Triton's own
+ptxas. Prints one line per launch; exits 1 on the first kernel that does not compile, with
+Triton's message.
 `tests/kernels/test_gpu_compile.py` runs it.
 """
 
@@ -93,11 +94,11 @@ def compile_only(arch: int, sms: int) -> list[tuple[str, float]]:
     return compiled
 
 
-def launch_all(shape: Shape, ways: list[dict[str, Any]]) -> None:
+def launch_all(shape: Shape, ways: list[dict[str, Any]], dt: torch.dtype = torch.bfloat16) -> None:
     """Every wrapper of `h3d.kernels` once per variant a step at `shape` launches (outputs unused)."""
     from h3d.kernels import copies, decode, fused, select
 
-    dt, bs, hkv, d = torch.bfloat16, BLOCK_SIZE, shape.kv_heads, shape.head_dim
+    bs, hkv, d = BLOCK_SIZE, shape.kv_heads, shape.head_dim
     h = hkv * shape.group
     pool = torch.zeros(hkv, 4, bs, d, dtype=dt)
     q = torch.zeros(1, h, d, dtype=dt)
@@ -141,16 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     compiled = compile_only(args.arch, args.sms)
     from h3d.bench.scores import WAYS
 
-    for i, name in enumerate(args.shapes):
-        done = len(compiled)
+    # every way at the first shape, the defaults at the others; the first again in fp16
+    runs = [(name, WAYS if i == 0 else [{}], torch.bfloat16) for i, name in enumerate(args.shapes)]
+    runs.append((args.shapes[0], [{}], torch.float16))
+    for name, ways, dt in runs:
+        done, label = len(compiled), f"{name} {str(dt).removeprefix('torch.')}"
         try:
-            launch_all(SHAPES[name], WAYS if i == 0 else [{}])
+            launch_all(SHAPES[name], ways, dt)
         except Exception:
-            print(f"{name}: a kernel did not compile for sm_{args.arch}:", file=sys.stderr)
+            print(f"{label}: a kernel did not compile for sm_{args.arch}:", file=sys.stderr)
             traceback.print_exc()
             return 1
         for kernel, seconds in compiled[done:]:
-            print(f"{name}: {kernel} compiled in {seconds:.2f} s")
+            print(f"{label}: {kernel} compiled in {seconds:.2f} s")
     from h3d.kernels.loader import COMPILES
 
     variants = f"{COMPILES.count} variants compiled for sm_{args.arch} in {COMPILES.seconds:.1f} s"
