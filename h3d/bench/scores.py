@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     for way in WAYS if cuda else INTERPRETED:
         got = run(way)
         diff = max(float((x - y).abs().nan_to_num(0.0).max()) for x, y in zip(got, want, strict=True))
-        row: dict[str, Any] = {**{"flat": False, "num_warps": 4}, **way, "max_diff": diff}
+        row: dict[str, Any] = {"flat": select.FLAT, "tile": select.TILE, "num_warps": 4, **way, "max_diff": diff}
         if cuda:
             for _ in range(10):
                 run(way)

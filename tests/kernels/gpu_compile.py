@@ -11,8 +11,8 @@ without the interpreter, with Triton's active driver replaced by one that names 
 step calls it (the decode kernels through `warm_decode`, every variant a decode of up to 128K
 tokens compiles; the digest scores in each way `python -m h3d.bench.scores` times at the first
 shape, their defaults at the others), and each launch is compiled to a cubin by Triton's own
-ptxas. Prints one line per launch; exits 1 on the first kernel that does not compile, with
-Triton's message.
+ptxas. Prints one line per variant compiled (or loaded from Triton's cache); exits 1 on the
+first kernel that does not compile, with Triton's message.
 `tests/kernels/test_gpu_compile.py` runs it.
 """
 
@@ -69,10 +69,11 @@ class _CompileOnlyDriver:
         return torch.device("cpu")
 
 
-def compile_only(arch: int, sms: int) -> list[tuple[str, float]]:
+def compile_only(arch: int, sms: int) -> list[tuple[str, float | None]]:
     """From now on each kernel launch compiles its variant for `arch` and launches nothing;
     the wrappers take the kernels' path for CPU tensors and split decode work as for a device
-    of `sms` SMs. Returns the list each launch is appended to (kernel name, seconds)."""
+    of `sms` SMs. Returns the list each launch is appended to (kernel name, seconds; None where
+    the launch met a variant compiled before in this process)."""
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -83,9 +84,10 @@ def compile_only(arch: int, sms: int) -> list[tuple[str, float]]:
     run = JITFunction.run
 
     def compile_instead(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), loader.COMPILES.count
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.fn.__name__, time.perf_counter() - t0))
+        new = loader.COMPILES.count > before  # (Triton's hook: compiled, or loaded from its cache)
+        compiled.append((self.fn.__name__, time.perf_counter() - t0 if new else None))
         return kernel
 
     JITFunction.run = compile_instead  # type: ignore[method-assign]
@@ -154,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             return 1
         for kernel, seconds in compiled[done:]:
-            print(f"{label}: {kernel} compiled in {seconds:.2f} s")
+            if seconds is not None:
+                print(f"{label}: {kernel} compiled in {seconds:.2f} s")
     from h3d.kernels.loader import COMPILES
 
     variants = f"{COMPILES.count} variants compiled for sm_{args.arch} in {COMPILES.seconds:.1f} s"
