@@ -40,6 +40,7 @@ import json
 import socket
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,12 @@ def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) 
     request = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})  # fmt: skip
     t0, first, texts, used = time.perf_counter(), None, [], {}
-    with urllib.request.urlopen(request, timeout=3600) as response:
+    try:
+        response = urllib.request.urlopen(request, timeout=3600)
+    except urllib.error.HTTPError as e:  # the daemon's status and message, not a traceback
+        message = e.read().decode(errors="replace")
+        raise SystemExit(f"h3d.bench.prefix: the chat request got HTTP {e.code}: {message}") from None
+    with response:
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
