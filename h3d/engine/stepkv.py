@@ -232,12 +232,11 @@ class HostStepKV(_Writes):
         gathered from their blocks."""
         r = self.runner
         seq, start, n, off = self.seqs[i], self.starts[i], self.query_lens[i], self.offsets[i]
-        k = self._fresh[1][off : off + n].transpose(0, 1)  # [Hkv, n, D]
+        keys = [self._fresh[1][off : off + n].transpose(0, 1)]  # [Hkv, n, D]
         if start:
             loc = r.blocks.table(seq).locations(index)[: -(-start // r.blocks.block_size)]
-            prior = head_major(self.pools.k, loc, start)  # [Hkv, start, D] (a view where it can)
-            k = torch.cat([prior.to(k.dtype), k], dim=1)
-        probe_anchors(r.kv.selection(seq), r.hbf, index, q[off : off + n], k, r.blocks.block_size, scale)
+            keys.insert(0, head_major(self.pools.k, loc, start))  # [Hkv, start, D] (a view where it can)
+        probe_anchors(r.kv.selection(seq), r.hbf, index, q[off : off + n], keys, r.blocks.block_size, scale)
 
     def resolve(self) -> None:
         """After the forward: the selections' reads into the report."""

@@ -36,6 +36,7 @@ last one read; `select_static` picks what `select` picks (tests); a session's st
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -44,6 +45,7 @@ import torch
 
 from h3d.errors import InvalidRequest, clip
 from h3d.hbf.digests import Digests, block_scores
+from h3d.kernels import probe
 from h3d.kernels.copies import to_device
 
 PROBE_QUERIES = 64
@@ -259,38 +261,57 @@ def record_entropy(state: SelectionState, entropy: float | torch.Tensor, current
 
 
 def probe_anchors(
-    state: SelectionState, cfg: HbfConfig, layer: int, q: torch.Tensor, k: torch.Tensor, block_size: int, scale: float
+    state: SelectionState,
+    cfg: HbfConfig,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor | Sequence[torch.Tensor],
+    block_size: int,
+    scale: float,
 ) -> None:
     """Record `layer`'s anchors from the chunk that ends a prompt (`layerwise`, `attention_entropy`).
 
     q: [n, H, D], the chunk's queries (its last tokens of the sequence); k: [Hkv, T, D], every key
-    of the layer so far per KV head (the chunk's included), in any dtype (scored in fp32, as many
-    KV heads at once as `PROBE_SCORES_BYTES` of scores hold). The mass each block draws from the
-    last queries ranks the blocks, outside sinks and the recent window. Summed over heads and
-    queries, the best ones that fill the token budget are `layerwise`'s `state.anchors`; per KV
-    head (its group's queries), the best ones that could fill the largest window, best first, are
-    `attention_entropy`'s `state.head_anchors` (both kept, so that a session may switch). A later
-    prompt's anchors replace these.
+    of the layer so far per KV head (the chunk's included), in any dtype, or such keys in segments
+    in order ([Hkv, T_i, D] each: the cached prefix's view of the pool, then the chunk's own, never
+    concatenated). The mass each block draws from the last queries ranks the blocks, outside sinks
+    and the recent window. Summed over heads and queries, the best ones that fill the token budget
+    are `layerwise`'s `state.anchors`; per KV head (its group's queries), the best ones that could
+    fill the largest window, best first, are `attention_entropy`'s `state.head_anchors` (both
+    kept, so that a session may switch). A later prompt's anchors replace these.
+
+    The mass per key: on CUDA `h3d.kernels.probe.key_mass`, which
+    reads the keys in their dtype and keeps no scores; elsewhere its twin here, which scores in
+    fp32, as many KV heads at once as `PROBE_SCORES_BYTES` of scores hold.
     """
     if not state.policy.probes_prompt or layer < cfg.dense_layers:
         return
+    segments = [k] if isinstance(k, torch.Tensor) else list(k)
     m = min(PROBE_QUERIES, q.shape[0])
-    hkv, t, d = k.shape
+    hkv, d = segments[0].shape[0], segments[0].shape[2]
+    t = sum(s.shape[1] for s in segments)
     qm = (q[-m:].float() * scale).view(m, hkv, -1, d)  # [m, Hkv, G, D]
     g = qm.shape[2]
     qh = qm.permute(1, 0, 2, 3).reshape(hkv, m * g, d)  # [Hkv, m * G, D], rows (query, head)
-    last = torch.arange(m, device=q.device)
-    late = (last[None, :] > last[:, None]).repeat_interleave(g, dim=0)  # [m * G, m]: the last m keys after each query
     nb = -(-t // block_size)
     per_key = torch.zeros(hkv, nb * block_size, device=q.device)
-    heads = max(1, PROBE_SCORES_BYTES // (m * g * t * 4))  # KV heads scored at once
-    for h in range(0, hkv, heads):
-        scores = torch.bmm(qh[h : h + heads], k[h : h + heads].float().transpose(1, 2))  # [h, m * G, T]
-        scores[:, :, t - m :].masked_fill_(late, float("-inf"))  # causal: only the last m keys can be later
-        per_key[h : h + heads, :t] = torch.softmax(scores, dim=-1).sum(dim=1)  # mass per key
+    if probe.applies(q.device):
+        per_key[:, :t] = probe.key_mass(qh, segments, m, g)
+    else:
+        keys = segments[0] if len(segments) == 1 else torch.cat([s.float() for s in segments], dim=1)
+        last = torch.arange(m, device=q.device)
+        late = (last[None, :] > last[:, None]).repeat_interleave(
+            g, dim=0
+        )  # [m * G, m]: the last m keys after each query
+        heads = max(1, PROBE_SCORES_BYTES // (m * g * t * 4))  # KV heads scored at once
+        for h in range(0, hkv, heads):
+            scores = torch.bmm(qh[h : h + heads], keys[h : h + heads].float().transpose(1, 2))  # [h, m * G, T]
+            scores[:, :, t - m :].masked_fill_(late, float("-inf"))  # causal: only the last m keys can be later
+            per_key[h : h + heads, :t] = torch.softmax(scores, dim=-1).sum(dim=1)  # mass per key
     per_block = per_key.view(hkv, nb, block_size).sum(-1)  # [Hkv, nb]
     base = base_blocks(nb, cfg, block_size)
-    per_block[:, to_device(base, per_block.device)] = float("-inf")
+    # (index_fill_: a scalar value set through indexing is a host tensor copied with a stream sync)
+    per_block.index_fill_(1, to_device(base, per_block.device), float("-inf"))
     most = max(0, cfg.window_max_tokens // block_size - len(base))
     state.head_anchors[layer] = torch.topk(per_block, min(most, nb - len(base)), dim=-1).indices
     state.anchors_version += 1

@@ -10,6 +10,8 @@
   blocks between pools).
 - `fused`: the decoder's small ops fused, `add_rms_norm` (residual add + RMSNorm) and `rotary`
   (RoPE).
+- `probe`: HBF's prompt probe (`key_mass`: the attention mass each key draws from a prompt's
+  last queries, without the scores in memory); its twin is in `h3d.hbf.policy.probe_anchors`.
 - `select`: HBF's selection inside a captured decode step (`scores`, `top_room`, `lists`,
   `fold`); its twin is `h3d.hbf.policy.select_static`.
 

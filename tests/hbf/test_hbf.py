@@ -408,24 +408,33 @@ def _probe_oracle(q: torch.Tensor, k: torch.Tensor, m: int, block_size: int, sca
     return out
 
 
-@pytest.mark.parametrize("scores_bytes", [256 << 20, 1])
+@pytest.mark.parametrize(
+    ("scores_bytes", "kernel", "cut"),
+    [(256 << 20, False, 0), (1, False, 0), (256 << 20, False, 7 * BS + 3), (0, True, 0), (0, True, 7 * BS + 3)],
+    ids=["twin", "twin-head-by-head", "twin-segments", "kernel", "kernel-segments"],
+)
 def test_the_prompt_probe_ranks_blocks_by_the_attention_they_draw(
-    scores_bytes: int, monkeypatch: pytest.MonkeyPatch
+    scores_bytes: int, kernel: bool, cut: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`probe_anchors` against a plain softmax per query and head (all KV heads scored at once, or
-    one at a time): each head's anchors are its best blocks by the mass they draw, best first,
+    """`probe_anchors` against a plain softmax per query and head (the torch twin with all KV heads
+    scored at once, or one at a time; the kernels of `h3d.kernels.probe` under Triton's
+    interpreter, as a GPU runs them; the keys whole or in two segments, as a prefill over a cached
+    prefix passes them): each head's anchors are its best blocks by the mass they draw, best first,
     outside sinks and the recent window; the summed ranking gives layerwise's, taken from the
     device only once they are read (a prefill's layers do not wait for them)."""
     from h3d.hbf import policy as policy_module
+    from h3d.kernels import loader, probe
 
     monkeypatch.setattr(policy_module, "PROBE_SCORES_BYTES", scores_bytes)
+    monkeypatch.setattr(probe, "applies", lambda device: kernel and loader.runs_on(device))
     g = torch.Generator().manual_seed(3)
     hkv, heads, d, t, m = 2, 4, 16, 13 * BS + 5, policy_module.PROBE_QUERIES  # (the chunk's last m queries)
     q, k = torch.randn(m + 3, heads, d, generator=g), torch.randn(hkv, t, d, generator=g)
     cfg = replace(EngineConfig(), window_tokens=5 * BS, window_max_tokens=8 * BS, sink_blocks=1,
                   recent_tokens=BS, dense_layers=0).hbf  # fmt: skip
     state = SelectionState(POLICIES["attention_entropy"], cfg.window_tokens)
-    policy_module.probe_anchors(state, cfg, 0, q, k, BS, 0.25)
+    keys = [k[:, :cut], k[:, cut:]] if cut else k
+    policy_module.probe_anchors(state, cfg, 0, q, keys, BS, 0.25)
     want = _probe_oracle(q, k, m, BS, 0.25)
     base = [0, 13]  # the sink and the recent (partial) block
     want[:, base] = -1.0

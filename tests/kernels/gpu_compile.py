@@ -98,7 +98,7 @@ def compile_only(arch: int, sms: int) -> list[tuple[str, float | None]]:
 
 def launch_all(shape: Shape, ways: list[dict[str, Any]], dt: torch.dtype = torch.bfloat16) -> None:
     """Every wrapper of `h3d.kernels` once per variant a step at `shape` launches (outputs unused)."""
-    from h3d.kernels import copies, decode, fused, select
+    from h3d.kernels import copies, decode, fused, probe, select
 
     bs, hkv, d = BLOCK_SIZE, shape.kv_heads, shape.head_dim
     h = hkv * shape.group
@@ -114,6 +114,9 @@ def launch_all(shape: Shape, ways: list[dict[str, Any]], dt: torch.dtype = torch
     fused.add_rms_norm(x, x, torch.ones(shape.hidden, dtype=dt), 1e-6)
     cos = torch.zeros(n, d, dtype=torch.float32)
     fused.rotary(torch.zeros(n, h, d, dtype=dt), cos, cos)
+    # the prompt probe: the cached prefix's keys (a view of the pool) and the chunk's own
+    prefix, own = pool[:, :3].flatten(1, 2), k.transpose(0, 1)
+    probe.key_mass(torch.zeros(hkv, 64 * shape.group, d), [prefix, own], 64, shape.group)
 
     b, w, parts, anchors = 16, 1024, 4, 8
     i64 = dict(dtype=torch.int64)

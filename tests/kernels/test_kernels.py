@@ -24,6 +24,7 @@ well inside 1e-2.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -686,6 +687,44 @@ def test_digest_fold_kernel_equals_the_store_update(pos: int) -> None:
     want[:, part, 1] = torch.maximum(ref[:, part, 1], keys[0])
     assert torch.equal(store.layer(seq, 1), want) and torch.equal(twin.layer(seq, 1), want)
     assert torch.equal(store.layer(other, 1), ref_other) and torch.equal(twin.layer(other, 1), ref_other)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "group", "d", "keys", "cuts"),
+    [
+        (torch.float32, 4, 16, 13 * 16 + 5, ()),  # rows past one tile, keys past a tile's end
+        (torch.float32, 1, 24, 200, (70, 199)),  # a head size that is no power of two; three segments
+        (torch.bfloat16, 4, 16, 300, (250,)),  # the prefix's view and the chunk's own keys
+        (torch.bfloat16, 2, 32, 40, ()),  # fewer keys than queries' rows
+    ],
+)
+def test_probe_key_mass_kernel_equals_the_oracle(
+    dtype: torch.dtype, group: int, d: int, keys: int, cuts: tuple[int, ...]
+) -> None:
+    """`h3d.kernels.probe.key_mass`: the softmax mass each key draws from the last m queries' rows
+    of its KV head (a key after a row's query draws none), summed over the rows, against a float64
+    softmax over the same values (the queries rounded to the keys' dtype, as the kernel rounds
+    them); the keys in segments (strided views) give the same as whole. Each row's mass sums to
+    1, so a head's keys sum to its rows."""
+    from h3d.kernels import probe
+
+    g = torch.Generator().manual_seed(keys + d)
+    hkv, m = 2, min(64, keys)
+    q = torch.randn(hkv, m * group, d, generator=g) * 0.3
+    pool = torch.randn(keys, hkv, d, generator=g).to(dtype)  # [T, Hkv, D]: as the chunk's K is laid out
+    k = pool.transpose(0, 1)  # [Hkv, T, D], a strided view
+    bounds = (0, *cuts, keys)
+    segments = [k[:, a:b] for a, b in itertools.pairwise(bounds)]
+    got = probe.key_mass(q, segments, m, group)
+    s = torch.einsum("hrd,htd->hrt", q.to(dtype).double(), k.double())
+    qpos = keys - m + torch.arange(m * group) // group
+    s = s.masked_fill(torch.arange(keys)[None, None, :] > qpos[None, :, None], float("-inf"))
+    want = torch.softmax(s, dim=-1).sum(dim=1)
+    assert got.shape == (hkv, keys) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.sum(dim=1).double(), torch.full((hkv,), float(m * group), dtype=torch.float64))
+    whole = probe.key_mass(q, [k], m, group)
+    torch.testing.assert_close(got, whole, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
