@@ -139,10 +139,14 @@ def state_to_meta(state: SelectionState) -> dict[str, Any]:
 
 def anchors_to_meta(state: SelectionState) -> dict[str, Any]:
     """The prompt's anchors of `state` (JSON), read back by `state_from_meta`."""
-    return {
-        "anchors": {str(layer): a.tolist() for layer, a in state.anchors.items()},
-        "head_anchors": {str(layer): a.tolist() for layer, a in state.head_anchors.items()},
-    }
+    heads = state.head_anchors
+    # one copy to the host for every layer's (device) tensors of one shape, not one sync a layer
+    if heads and len({(a.shape, a.device) for a in heads.values()}) == 1:
+        rows = torch.stack(list(heads.values())).tolist()
+        per_head = {str(layer): row for layer, row in zip(heads, rows, strict=True)}
+    else:
+        per_head = {str(layer): a.tolist() for layer, a in heads.items()}
+    return {"anchors": {str(layer): a.tolist() for layer, a in state.anchors.items()}, "head_anchors": per_head}
 
 
 def state_from_meta(state: SelectionState, meta: dict[str, Any], device: torch.device) -> None:

@@ -255,13 +255,13 @@ def reference_attention(
 
 def _segments(pools: tuple[torch.Tensor, ...], runs: Runs) -> list[torch.Tensor]:
     """Views of the pools for each run, [Hkv, t, D] each: every head's keys of a run are one
-    contiguous matrix. One gathered tensor instead if the runs are many."""
+    contiguous matrix. One gathered tensor instead if the runs are many (`head_major`: in the
+    pools' dtype, no host sync; a block table written layer after layer has one run a block)."""
     hkv, _, bs, d = pools[0].shape
     device = pools[0].device
     if len(runs) > MAX_RUNS:
         loc = np.concatenate([np.arange(s, s + c) if t == 0 else -np.arange(s, s + c) - 1 for t, s, c in runs])
-        g = gather_blocks(pools, to_device(loc, device))  # [T, Hkv, D] fp32
-        return [g.transpose(0, 1)]
+        return [head_major(pools, loc, len(loc) * bs)]
     return [pools[t][:, s : s + c].view(hkv, c * bs, d).to(device, non_blocking=True) for t, s, c in runs]
 
 
