@@ -415,8 +415,10 @@ def engine_config(daemon: dict[str, Any], data: Path) -> Any:
 
 # Where an in-process step's time goes: between steps (`Engine.upkeep`), the plan (allocations,
 # HBF's selections), the forward's launch or replay (`ModelRunner.execute`), the runner's commit
-# (reads counted, picks promoted, windows), the engine's (sampling: it waits for the device).
-STEP_PHASES = ("upkeep", "plan", "execute", "runner_commit", "commit")
+# (reads counted, picks promoted, windows), the engine's (sampling: it waits for the device), and
+# Python's garbage collection after it (the daemon's `Collector`: frozen at warm, collected between
+# steps, as the daemon's engine thread collects).
+STEP_PHASES = ("upkeep", "plan", "execute", "runner_commit", "commit", "gc")
 # Inside the runner's commit: the lagged picks read back, this step's picks resolved (to the host
 # now, or lagged), their promotion, DDR-only blocks back into HBM, the tiers' end of step; and the
 # launches of the mover's copies between HBM and DDR wherever they are made (most inside `promote`).
@@ -456,11 +458,34 @@ class Local:
     """The same requests on an in-process `Engine` (no daemon, no gRPC)."""
 
     def __init__(self, config: Any) -> None:
+        from h3d.daemon.collector import Collector
         from h3d.engine.engine import Engine
 
         self.engine = Engine(config)
         self.warmup = self.engine.warm()
         self.sync = torch.cuda.synchronize if self.engine.runner.device.type == "cuda" else (lambda: None)
+        self.collector = Collector()
+
+    @contextlib.contextmanager
+    def collecting(self) -> Any:
+        """Python's collector as the daemon runs it while the block runs: what exists frozen and
+        automatic collection off (`Collector.start`), the due generation collected between steps
+        (`collect`), so that the engine's figures and the daemon's pay for collection alike; as
+        before after it."""
+        import gc
+
+        self.collector.start()
+        try:
+            yield
+        finally:
+            self.collector.stop()
+            gc.unfreeze()  # (else what the engine drops later, its device memory too, would never be freed)
+
+    def collect(self, into: dict[str, float]) -> None:
+        """Between steps: the generation due, if any (the daemon's `Collector.due`), timed as `gc`."""
+        t0 = time.perf_counter()
+        self.collector.due()
+        into["gc"] += time.perf_counter() - t0
 
     def session(self, policy: str) -> Any:
         return self.engine.create_session(policy=policy)
@@ -479,15 +504,16 @@ class Local:
         token before (`STEP_PHASES`, ms): a slow gap's phase says whether the host or the device took it."""
         from h3d.engine.session import TokenDelta
 
-        stream = Stream(time.perf_counter(), [])
         current = dict.fromkeys(STEP_PHASES + COMMIT_PARTS, 0.0)
         self.phases: list[list[float]] = []
-        with timed_phases(self.engine, current):
+        with self.collecting(), timed_phases(self.engine, current):
+            stream = Stream(time.perf_counter(), [])
             for event in self.engine.generate(sid, token_ids=[first], params=self.params(tokens)):
                 if isinstance(event, TokenDelta):
                     stream.arrivals.append(time.perf_counter())
                     self.phases.append([round(current[p] * 1e3, 3) for p in STEP_PHASES + COMMIT_PARTS])
                     current.update(dict.fromkeys(STEP_PHASES + COMMIT_PARTS, 0.0))
+                    self.collect(current)  # between steps: the next token's gap
         return stream
 
     def generate_many(
@@ -499,18 +525,20 @@ class Local:
 
         for sid, first in zip(sids, firsts, strict=True):
             self.engine.append(sid, token_ids=[first])
-        rids = {self.engine.submit(sid, generate=True, params=self.params(tokens)): i for i, sid in enumerate(sids)}
-        streams = [Stream(time.perf_counter(), []) for _ in sids]
         current = dict.fromkeys(STEP_PHASES + COMMIT_PARTS, 0.0)
         self.phases = []  # per step, as `generate` keeps them per token
-        with timed_phases(self.engine, current), around():
-            while self.engine.has_work:
-                self.engine.upkeep()
-                for event in self.engine.step():
-                    if isinstance(event, TokenDelta) and event.request_id in rids:
-                        streams[rids[event.request_id]].arrivals.append(time.perf_counter())
-                self.phases.append([round(current[p] * 1e3, 3) for p in STEP_PHASES + COMMIT_PARTS])
-                current.update(dict.fromkeys(STEP_PHASES + COMMIT_PARTS, 0.0))
+        with self.collecting():
+            rids = {self.engine.submit(sid, generate=True, params=self.params(tokens)): i for i, sid in enumerate(sids)}
+            streams = [Stream(time.perf_counter(), []) for _ in sids]
+            with timed_phases(self.engine, current), around():
+                while self.engine.has_work:
+                    self.engine.upkeep()
+                    for event in self.engine.step():
+                        if isinstance(event, TokenDelta) and event.request_id in rids:
+                            streams[rids[event.request_id]].arrivals.append(time.perf_counter())
+                    self.phases.append([round(current[p] * 1e3, 3) for p in STEP_PHASES + COMMIT_PARTS])
+                    current.update(dict.fromkeys(STEP_PHASES + COMMIT_PARTS, 0.0))
+                    self.collect(current)  # between steps: the next step's
         return streams
 
     def close(self, sid: Any) -> None:

@@ -5,6 +5,7 @@ nothing and are not kept). And its arithmetic: the engine-level configuration, t
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -70,6 +71,8 @@ def test_tiny_many_phase_traces_its_kernels(checkpoint: Callable[[str], Path], t
     assert 0 <= many["engine_hbf_latency_us_p50"] <= many["engine_hbf_latency_us_p99"]
     phases = many["engine_phases_ms_p50"]
     assert set(phases) == set(serve.STEP_PHASES + serve.COMMIT_PARTS) and phases["copies"] >= 0
+    # the in-process engine collected garbage between its steps, as the daemon does, and no longer
+    assert phases["gc"] >= 0 and gc.isenabled() and gc.get_freeze_count() == 0
     assert all(len(step) == len(phases) for step in many["engine_steps_phases_ms"])
     assert many["engine_kernels"]["steps"] == 9 and many["engine_kernels"]["kernels_ms_per_step"] == 0
     moves = many["engine_kernels"]["blocks_per_step"]
