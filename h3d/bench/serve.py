@@ -416,8 +416,8 @@ def engine_config(daemon: dict[str, Any], data: Path) -> Any:
 # Where an in-process step's time goes: between steps (`Engine.upkeep`), the plan (allocations,
 # HBF's selections), the forward's launch or replay (`ModelRunner.execute`), the runner's commit
 # (reads counted, picks promoted, windows), the engine's (sampling: it waits for the device), and
-# Python's garbage collection after it (the daemon's `Collector`: frozen at warm, collected between
-# steps, as the daemon's engine thread collects).
+# Python's garbage collection after it (the daemon's `Collector`: what exists frozen as the timed
+# loop begins, the due generation collected between steps, as the daemon's engine thread collects).
 STEP_PHASES = ("upkeep", "plan", "execute", "runner_commit", "commit", "gc")
 # Inside the runner's commit: the lagged picks read back, this step's picks resolved (to the host
 # now, or lagged), their promotion, DDR-only blocks back into HBM, the tiers' end of step; and the

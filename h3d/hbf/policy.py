@@ -284,9 +284,9 @@ def probe_anchors(
     fill the largest window, best first, are `attention_entropy`'s `state.head_anchors` (both
     kept, so that a session may switch). A later prompt's anchors replace these.
 
-    The mass per key: on CUDA `h3d.kernels.probe.key_mass`, which
-    reads the keys in their dtype and keeps no scores; elsewhere its twin here, which scores in
-    fp32, as many KV heads at once as `PROBE_SCORES_BYTES` of scores hold.
+    The mass per key: on CUDA `h3d.kernels.probe.key_mass`, which reads the keys in their dtype
+    and keeps no scores; elsewhere its twin here, which scores in fp32, as many KV heads at once
+    as `PROBE_SCORES_BYTES` of scores hold.
     """
     if not state.policy.probes_prompt or layer < cfg.dense_layers:
         return
@@ -304,9 +304,8 @@ def probe_anchors(
     else:
         keys = segments[0] if len(segments) == 1 else torch.cat([s.float() for s in segments], dim=1)
         last = torch.arange(m, device=q.device)
-        late = (last[None, :] > last[:, None]).repeat_interleave(
-            g, dim=0
-        )  # [m * G, m]: the last m keys after each query
+        # [m * G, m]: the last m keys after each query
+        late = (last[None, :] > last[:, None]).repeat_interleave(g, dim=0)
         heads = max(1, PROBE_SCORES_BYTES // (m * g * t * 4))  # KV heads scored at once
         for h in range(0, hkv, heads):
             scores = torch.bmm(qh[h : h + heads], keys[h : h + heads].float().transpose(1, 2))  # [h, m * G, T]

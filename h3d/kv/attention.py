@@ -256,7 +256,7 @@ def reference_attention(
 def _segments(pools: tuple[torch.Tensor, ...], runs: Runs) -> list[torch.Tensor]:
     """Views of the pools for each run, [Hkv, t, D] each: every head's keys of a run are one
     contiguous matrix. One gathered tensor instead if the runs are many (`head_major`: in the
-    pools' dtype, no host sync; a block table written layer after layer has one run a block)."""
+    pools' dtype, no host sync)."""
     hkv, _, bs, d = pools[0].shape
     device = pools[0].device
     if len(runs) > MAX_RUNS:
