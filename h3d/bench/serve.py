@@ -34,7 +34,7 @@ them):
 - `restart`: the disk's bandwidth (`df`, a file written and fsynced, read back cold and warm);
   sessions of 128K and 4 x 32K appended, decoding together (after a few tokens that capture the
   batch's graphs) while write-behind writes their KV and again once it has (the inter-token p99
-  ratio), SIGTERM with no stream in flight (its time,
+  ratio), each session's HBF window then, SIGTERM with no stream in flight (its time,
   the blocks left to recompute), the archive's pages dropped from the page cache, a restart on the
   same data folder: start to ready, tokens lost, the first token of each session (the 128K one
   first: cold), the share of blocks the archive gave back, the 128K session closed, parked and reopened
@@ -359,6 +359,9 @@ class Client:
 
     def tokens(self, sid: str) -> list[int]:
         return list(self.h3.GetSession(self.pb.GetSessionRequest(session_id=sid, with_tokens=True)).token_ids)
+
+    def window_tokens(self, sid: str) -> int:
+        return int(self.h3.GetSession(self.pb.GetSessionRequest(session_id=sid)).window_tokens)
 
     def parked(self, sid: str, timeout_s: float = 300.0) -> float:
         """Wait until a closed session's KV is in the archive only (the daemon parks it once
@@ -1031,6 +1034,9 @@ def phase_restart(run: Run) -> None:
     if on["itl_ms_p99"] and off["itl_ms_p99"]:
         out["write_behind_itl_p99_ratio"] = round(on["itl_ms_p99"] / off["itl_ms_p99"], 3)
     before = [client.tokens(sid) for sid in sids]
+    # HBF's window of each session as the steps above left it: what the first step after the
+    # restart selects within (and stages from the archive), the 128K session first
+    out["window_tokens_at_sigterm"] = [client.window_tokens(sid) for sid in sids]
     g = getattr(client.stats(), "global")
     out["dirty_gb_at_sigterm"] = round(g.dirty_bytes / 1e9, 2)
     out["sigterm_s"] = round(daemon.stop(), 1)

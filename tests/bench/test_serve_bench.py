@@ -101,6 +101,7 @@ def test_tiny_restart_phase_writes_the_specified_json(checkpoint: Callable[[str]
     assert r["kv_rebuild_blocks"] == 0 and r["ssd_read_count"] > 0  # the sessions' KV came from the archive
     assert r["disk"]["write_gbps"] > 0 and r["sessions"] == [2048, 512, 512, 512, 512]
     assert r["reprefill_reused_tokens"] == 0  # the re-prefill computes its prompt: no cached prefix matches it
+    assert len(r["window_tokens_at_sigterm"]) == 5 and all(w > 0 for w in r["window_tokens_at_sigterm"])
 
 
 def test_the_engine_level_run_takes_the_daemons_resolved_configuration(tmp_path: Path) -> None:
