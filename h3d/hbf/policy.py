@@ -300,7 +300,7 @@ def probe_anchors(
     nb = -(-t // block_size)
     per_key = torch.zeros(hkv, nb * block_size, device=q.device)
     if probe.applies(q.device):
-        per_key[:, :t] = probe.key_mass(qh, segments, m, g)
+        probe.key_mass(qh, segments, m, g, out=per_key[:, :t])  # (written in place)
     else:
         keys = segments[0] if len(segments) == 1 else torch.cat([s.float() for s in segments], dim=1)
         last = torch.arange(m, device=q.device)

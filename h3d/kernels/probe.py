@@ -62,7 +62,7 @@ def _kernels() -> SimpleNamespace:
     return loader.jit(
         globals(),
         {
-            "lse": (*strides, "sb_h", "sb_r", *lengths, "split0", "splits", "per_split"),
+            "lse": (*strides, "sb_h", "sb_r", *lengths, "split0", "per_split"),
             "mass": (*strides, "so_h", *lengths),
         },
         lse=_lse_kernel,
@@ -70,13 +70,17 @@ def _kernels() -> SimpleNamespace:
     )
 
 
-def key_mass(q: torch.Tensor, keys: Sequence[torch.Tensor], last: int, group: int) -> torch.Tensor:
+def key_mass(
+    q: torch.Tensor, keys: Sequence[torch.Tensor], last: int, group: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The softmax mass each key draws, summed over its KV head's rows: [Hkv, T] fp32.
 
     q: [Hkv, R, D], row r = (query r // `group`, query head r % `group`), already scaled; the
     queries are the sequence's last `last`. keys: [Hkv, T_i, D] segments in order (T = their sum;
     rows of D contiguous), the queries' own among the last. A key after a row's query draws
-    nothing. Launches the kernels (CUDA, or the interpreter); see `probe_anchors` for the twin."""
+    nothing. `out`: where to write it (a [Hkv, T] fp32 view with contiguous rows, such as the first
+    T columns of a wider buffer); a new tensor if None. Launches the kernels (CUDA, or the
+    interpreter); see `probe_anchors` for the twin."""
     kern = _kernels()
     hkv, rows, d = q.shape
     total = sum(k.shape[1] for k in keys)
@@ -101,13 +105,16 @@ def key_mass(q: torch.Tensor, keys: Sequence[torch.Tensor], last: int, group: in
     for k, (n, per_split) in zip(segs, splits, strict=True):
         kern.lse[(hkv, row_tiles, n)](
             qd, k, best, sums, qd.stride(0), qd.stride(1), k.stride(0), k.stride(1), best.stride(0), best.stride(1),
-            rows, k.shape[1], key0, total, last, split0, s_total, per_split, G=group, **consts,
+            rows, k.shape[1], key0, total, last, split0, per_split, G=group, **consts,
         )  # fmt: skip
         key0 += k.shape[1]
         split0 += n
     top = best.amax(dim=-1, keepdim=True)  # (every row sees key 0: finite)
     lse = (top + torch.log((sums * torch.exp(best - top)).sum(dim=-1, keepdim=True))).squeeze(-1).contiguous()
-    out = torch.empty((hkv, total), dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty((hkv, total), dtype=torch.float32, device=q.device)
+    elif out.shape != (hkv, total) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"key_mass: out must be [{hkv}, {total}] fp32 with contiguous rows")
     key0 = 0
     for k in segs:
         kern.mass[(hkv, max(1, triton.cdiv(k.shape[1], BLOCK_KEYS)))](
@@ -123,12 +130,12 @@ def key_mass(q: torch.Tensor, keys: Sequence[torch.Tensor], last: int, group: in
 
 def _lse_kernel(  # type: ignore[no-untyped-def]
     q, k, best, sums, sq_h, sq_r, sk_h, sk_t, sb_h, sb_r,
-    rows, seg_len, key0, total, last, split0, splits, per_split,
+    rows, seg_len, key0, total, last, split0, per_split,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (h, row tile, split): each row's maximum score over the split's keys and its sum
-    of exp(score - maximum), into best / sums [Hkv, rows, splits] at split0 + split."""
+    of exp(score - maximum), into best / sums [Hkv, rows, all splits] at split0 + split."""
     h = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BM + tl.arange(0, BM)
     sp = tl.program_id(2)

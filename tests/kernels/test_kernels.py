@@ -725,6 +725,9 @@ def test_probe_key_mass_kernel_equals_the_oracle(
     torch.testing.assert_close(got.sum(dim=1).double(), torch.full((hkv,), float(m * group), dtype=torch.float64))
     whole = probe.key_mass(q, [k], m, group)
     torch.testing.assert_close(got, whole, rtol=1e-6, atol=1e-6)
+    wide = torch.full((hkv, keys + 7), -1.0)  # written in place: the first columns of a wider buffer
+    assert probe.key_mass(q, segments, m, group, out=wide[:, :keys]).data_ptr() == wide.data_ptr()
+    assert torch.equal(wide[:, :keys], got) and bool((wide[:, keys:] == -1.0).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
