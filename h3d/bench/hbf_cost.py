@@ -1,7 +1,7 @@
 """HBF decision cost: host-side planning per decode step, and the scoring + top-k per layer.
 
     python -m h3d.bench.hbf_cost [--tokens 32768] [--steps 2000] [--sessions 1] [--shape embedded]
-                                 [--write docs/BENCHMARKS.md]
+                                 [--picks 55] [--drift 0.1] [--write docs/BENCHMARKS.md]
 
 Synthetic metadata with the embedded model's shape (30 layers, 3 KV heads, head_dim 64,
 block_size 32): one session of `--tokens` tokens, an HBM budget of 1/6 of its blocks per layer,
@@ -16,6 +16,11 @@ top-k per head) is timed separately on real-sized digests.
 `--shape llama3-8b` plans for the Llama-3-8B shape instead (32 layers, 8 KV heads), with each
 session's picks handed over as a captured step hands them (`counted`: distinct and ascending, their
 reads counted by the step) and HBM for 3/5 of the blocks: what a `many` step's commit plans.
+
+`--picks` and `--drift` widen the selection and make it move: a model of random weights (the GPU
+benchmarks' Llama-3-8B shape) attends almost uniformly, so `attention_entropy` widens its window
+and each step's picks are nearly new. `--picks 186 --drift 0.5` hands over about 25,000 pairs a
+step for each 32K session, about as many as a `many` step of `h3d.bench.serve` read on an H100.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +43,8 @@ from h3d.kv.cache import KVCache
 
 LAYERS, KV_HEADS, HEAD_DIM, HEADS, BS = 30, 3, 64, 9, 32
 WARM_STEPS = 100  # planned before the timing starts: they fill HBM
+PICKS = 55  # blocks each KV head picks beside the base ones: a 2,048-token window of 32-token blocks
+DRIFT = 0.1  # the part of a head's picks that changes from one step to the next
 
 
 SHAPES = {  # layers, KV heads, the part of the blocks HBM holds, picks handed over as a captured step does
@@ -45,9 +53,24 @@ SHAPES = {  # layers, KV heads, the part of the blocks HBM holds, picks handed o
 }
 
 
-def planning(tokens: int, steps: int, seed: int = 0, sessions: int = 1, shape: str = "embedded") -> list[float]:
+@dataclass
+class Planned:
+    latencies_us: list[float]  # each timed step's planning
+    keys_per_step: float  # (layer, block) pairs handed to the promotion a step, all sessions (mean)
+
+
+def planning(
+    tokens: int,
+    steps: int,
+    seed: int = 0,
+    sessions: int = 1,
+    shape: str = "embedded",
+    picks_per_head: int = PICKS,
+    drift: float = DRIFT,
+) -> Planned:
     """`sessions` sessions of `tokens` tokens decoding together (one promotion call a step for
-    all of them, as a batch's commit makes it), HBM 1/6 of their blocks (`SHAPES`)."""
+    all of them, as a batch's commit makes it), HBM a part of their blocks (`SHAPES`); each KV
+    head picks `picks_per_head` blocks beside the base ones, `drift` of them new each step."""
     layers, kv_heads, part, counted = SHAPES[shape]
     nb = tokens // BS
     hbm_per_layer = int(nb * sessions * part)
@@ -62,16 +85,18 @@ def planning(tokens: int, steps: int, seed: int = 0, sessions: int = 1, shape: s
         blocks.append(seq, tokens)
     rng = np.random.default_rng(seed)
     base = np.union1d([0], np.arange(nb - 8, nb))
-    # attention_entropy's selection: 55 top blocks per KV head beside the 9 base ones (a 2048-token
-    # window); each head's picks drift 10 % per step. The tiers keep the union of the heads' picks.
-    picks = rng.integers(1, nb - 9, (sessions, layers, kv_heads, 55))  # [S, L, Hkv, 55]
+    # attention_entropy's selection: `picks_per_head` top blocks per KV head beside the 9 base ones
+    # (55: a 2048-token window); each head's picks drift by `drift` per step. The tiers keep the
+    # union of the heads' picks.
+    picks = rng.integers(1, nb - 9, (sessions, layers, kv_heads, picks_per_head))  # [S, L, Hkv, picks]
     width = blocks.table(seqs[0]).capacity
     rows = np.arange(layers)[:, None, None] * width
     keep = {seq: base for seq in seqs}
     protect = {seq: nb - 1 for seq in seqs}
+    handed = 0
     for _ in range(steps):
-        drift = rng.random(picks.shape) < 0.1
-        picks[drift] = rng.integers(1, nb - 9, int(drift.sum()))
+        moved = rng.random(picks.shape) < drift
+        picks[moved] = rng.integers(1, nb - 9, int(moved.sum()))
         # What the device hands the host: every head's list, base included, as (layer, block) keys.
         keys = {
             seq: np.concatenate([(picks[i] + rows).ravel(), (base[None, :] + rows[:, 0]).ravel()])
@@ -79,9 +104,11 @@ def planning(tokens: int, steps: int, seed: int = 0, sessions: int = 1, shape: s
         }
         if counted:  # the union of each session's heads, as the captured step's picks come back
             keys = {seq: np.unique(k) for seq, k in keys.items()}
+        handed += sum(len(k) for k in keys.values())
         tiers.begin_step(seqs)
         kv.promoter.promote(keys, protect, keep, counted)
-    return kv.promoter.latencies_us[WARM_STEPS:]  # after warm-up (the first steps fill HBM)
+    # after warm-up (the first steps fill HBM)
+    return Planned(kv.promoter.latencies_us[WARM_STEPS:], handed / steps)
 
 
 def scoring_us(tokens: int, repeats: int = 50) -> float:
@@ -105,11 +132,30 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=1, help="sessions decoding together (one promotion a step)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="embedded",
                         help="layers and KV heads planned for (llama3-8b: also the captured step's picks)")  # fmt: skip
+    parser.add_argument(
+        "--picks",
+        type=int,
+        default=PICKS,
+        help=f"blocks each KV head picks per layer beside the sink and recent ones (default {PICKS})",
+    )
+    parser.add_argument(
+        "--drift",
+        type=float,
+        default=DRIFT,
+        help=f"the part of a head's picks that changes each step, 0 to 1 (default {DRIFT})",
+    )
     parser.add_argument("--write", default=None)
     args = parser.parse_args()
     if args.steps <= WARM_STEPS:
         parser.error(f"--steps must be more than the {WARM_STEPS} steps that fill HBM first (not timed)")
-    lat = np.array(planning(args.tokens, args.steps, sessions=args.sessions, shape=args.shape))
+    if not 0 <= args.drift <= 1:
+        parser.error(f"--drift must be within 0 and 1, got {args.drift}")
+    if not 1 <= args.picks <= args.tokens // BS - 10:
+        most = args.tokens // BS - 10
+        parser.error(f"--picks must be within 1 and {most} (the blocks of --tokens less the base ones)")
+    planned = planning(args.tokens, args.steps, sessions=args.sessions, shape=args.shape, picks_per_head=args.picks,
+                       drift=args.drift)  # fmt: skip
+    lat = np.array(planned.latencies_us)
     score = scoring_us(args.tokens)
     table = "\n".join(
         [
@@ -118,6 +164,7 @@ def main() -> None:
             f"| hbf_latency_us p50 (host planning per step, all {SHAPES[args.shape][0]} layers) "
             f"| {np.percentile(lat, 50):.0f} |",
             f"| hbf_latency_us p99 | {np.percentile(lat, 99):.0f} |",
+            f"| (layer, block) pairs planned per step, all sessions | {planned.keys_per_step:.0f} |",
             f"| scoring + top-k per layer, CPU, {args.tokens // BS} blocks (µs, median) | {score:.0f} |",
         ]
     )
