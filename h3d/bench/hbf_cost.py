@@ -9,8 +9,9 @@ the rest in DDR. Each step selects, per layer and per KV head, the sink, the rec
 more blocks (a 2,048-token window per head) that drift slowly (90 % kept from the previous step,
 as real selections do), and runs the tier manager's promotion/eviction of the heads' union
 (`TierManager.promote`): `hbf_latency_us` is that planning (the union of the heads' lists
-included), the copies excluded. The pools are 1
-element wide: planning never touches bytes. Scoring (digest bound over all blocks per KV head +
+included), the copies excluded. The pools are 1 element wide: planning never touches bytes.
+Promotions are capped as the engine caps them: the default `promote_mb_per_step` of the shape's
+real blocks (bf16), shared by the sessions. Scoring (digest bound over all blocks per KV head +
 top-k per head) is timed separately on real-sized digests.
 
 `--shape llama3-8b` plans for the Llama-3-8B shape instead (32 layers, 8 KV heads), with each
@@ -47,9 +48,9 @@ PICKS = 55  # blocks each KV head picks beside the base ones: a 2,048-token wind
 DRIFT = 0.1  # the part of a head's picks that changes from one step to the next
 
 
-SHAPES = {  # layers, KV heads, the part of the blocks HBM holds, picks handed over as a captured step does
-    "embedded": (LAYERS, KV_HEADS, 1 / 6, False),
-    "llama3-8b": (32, 8, 3 / 5, True),
+SHAPES = {  # layers, KV heads, head size, the part of the blocks HBM holds, picks handed over as a captured step does
+    "embedded": (LAYERS, KV_HEADS, HEAD_DIM, 1 / 6, False),
+    "llama3-8b": (32, 8, 128, 3 / 5, True),
 }
 
 
@@ -57,6 +58,8 @@ SHAPES = {  # layers, KV heads, the part of the blocks HBM holds, picks handed o
 class Planned:
     latencies_us: list[float]  # each timed step's planning
     keys_per_step: float  # (layer, block) pairs handed to the promotion a step, all sessions (mean)
+    promotions_per_step: float  # blocks promoted a step, the timed steps' mean
+    promotion_cap: int  # at most this many a step: the default `promote_mb_per_step` of the shape's blocks
 
 
 def planning(
@@ -71,7 +74,7 @@ def planning(
     """`sessions` sessions of `tokens` tokens decoding together (one promotion call a step for
     all of them, as a batch's commit makes it), HBM a part of their blocks (`SHAPES`); each KV
     head picks `picks_per_head` blocks beside the base ones, `drift` of them new each step."""
-    layers, kv_heads, part, counted = SHAPES[shape]
+    layers, kv_heads, head_dim, part, counted = SHAPES[shape]
     nb = tokens // BS
     hbm_per_layer = int(nb * sessions * part)
     kv = KVCache(
@@ -79,10 +82,19 @@ def planning(
         hbm_regions=hbm_per_layer, ddr_slots=nb * layers * sessions, block_size=BS, hbf=EngineConfig().hbf,
     )  # fmt: skip
     blocks, tiers = kv.blocks, kv.tiers
+    # The pools are one element wide; promotions are capped as the engine caps them: the default
+    # `promote_mb_per_step` over the shape's real block (bf16 K and V).
+    block_bytes = BS * kv_heads * head_dim * 2 * 2
+    cap = kv.promoter.promote_blocks_per_step = int(EngineConfig().promote_mb_per_step * 2**20) // block_bytes
     seqs = [SeqId(1 + i) for i in range(sessions)]
     for seq in seqs:
         kv.open(seq, "bench", policy_named("attention_entropy"))
-        blocks.append(seq, tokens)
+    # Appended in turns of 32 blocks, so that each session holds an equal part of HBM (as the
+    # engine's fair shares leave them; one after the other, the first sessions would hold all of
+    # it, and only the session that found HBM full midway would have misses to promote).
+    for start in range(0, tokens, 32 * BS):
+        for seq in seqs:
+            blocks.append(seq, min(32 * BS, tokens - start))
     rng = np.random.default_rng(seed)
     base = np.union1d([0], np.arange(nb - 8, nb))
     # attention_entropy's selection: `picks_per_head` top blocks per KV head beside the 9 base ones
@@ -93,8 +105,8 @@ def planning(
     rows = np.arange(layers)[:, None, None] * width
     keep = {seq: base for seq in seqs}
     protect = {seq: nb - 1 for seq in seqs}
-    handed = 0
-    for _ in range(steps):
+    handed = promoted = 0
+    for step in range(steps):
         moved = rng.random(picks.shape) < drift
         picks[moved] = rng.integers(1, nb - 9, int(moved.sum()))
         # What the device hands the host: every head's list, base included, as (layer, block) keys.
@@ -106,9 +118,13 @@ def planning(
             keys = {seq: np.unique(k) for seq, k in keys.items()}
         handed += sum(len(k) for k in keys.values())
         tiers.begin_step(seqs)
+        before = tiers.counters.promote_count
         kv.promoter.promote(keys, protect, keep, counted)
+        if step >= WARM_STEPS:
+            promoted += tiers.counters.promote_count - before
     # after warm-up (the first steps fill HBM)
-    return Planned(kv.promoter.latencies_us[WARM_STEPS:], handed / steps)
+    timed = max(1, steps - WARM_STEPS)
+    return Planned(kv.promoter.latencies_us[WARM_STEPS:], handed / steps, promoted / timed, cap)
 
 
 def scoring_us(tokens: int, repeats: int = 50) -> float:
@@ -165,6 +181,8 @@ def main() -> None:
             f"| {np.percentile(lat, 50):.0f} |",
             f"| hbf_latency_us p99 | {np.percentile(lat, 99):.0f} |",
             f"| (layer, block) pairs planned per step, all sessions | {planned.keys_per_step:.0f} |",
+            f"| blocks promoted per step, all sessions (at most {planned.promotion_cap}) "
+            f"| {planned.promotions_per_step:.0f} |",
             f"| scoring + top-k per layer, CPU, {args.tokens // BS} blocks (µs, median) | {score:.0f} |",
         ]
     )

@@ -27,6 +27,15 @@ def test_a_wide_selection_hands_over_more_pairs() -> None:
     assert counts[1] > 2 * counts[0], counts
 
 
+def test_promotions_are_capped_as_the_engine_caps_them() -> None:
+    """The pools are one element wide, but a step promotes at most the default
+    `promote_mb_per_step` of the shape's real blocks (64 MiB of 128 KiB blocks: 512), as a
+    `many` step does; picks that all move every step would promote more."""
+    planned = hbf_cost.planning(32768, 130, sessions=4, shape="llama3-8b", picks_per_head=186, drift=1.0)
+    assert planned.promotion_cap == 512
+    assert 0.9 * 512 <= planned.promotions_per_step <= 512
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
