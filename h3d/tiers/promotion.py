@@ -22,6 +22,9 @@ import numpy as np
 from h3d.kv.blocks import NONE, SeqId
 from h3d.tiers.manager import TierManager
 
+# A victim's sort key packed in 64 bits (`lowest_per_layer`): its layer, its rank's float32 bits
+# (a rank is never negative: its bits order as the numbers do), its HBM slot.
+KEY_LAYER_SHIFT, KEY_RANK_SHIFT = 58, 26
 HOT_DECAY = 0.99  # per step: a use counts ~1/e after 100 steps
 RESCALE_STEPS = 4096  # HOT_DECAY ** -4096 ~ 1e18: far from float32's limit even summed over 100 uses
 LATENCY_WINDOW = 4096
@@ -253,14 +256,13 @@ class Promoter:
         # further only among them.
         flat = np.flatnonzero(slots != NONE)  # grouped by layer (np.nonzero of 2-d is 4x slower)
         r = flat // limit
-        c_blocks = flat - r * limit
         ids, cand = ids.ravel().take(flat), slots.ravel().take(flat)
         ok = e.refs.take(ids) <= 1  # a block shared with other sessions stays put
         kept = keep[keep < limit]
         if len(kept):
             col = np.zeros(limit, dtype=bool)
             col[kept] = True
-            ok &= ~col.take(c_blocks)
+            ok &= ~col.take(flat - r * limit)  # (the candidates' blocks)
         if len(sel_slots):
             # The selection's blocks (those in HBM: their slots) are never victims.
             mask = self._slot_mask(len(b.hbm_block))
@@ -273,14 +275,9 @@ class Promoter:
         ok &= value <= worth.take(rows).take(r)
         if not ok.any():
             return none, none, none, 0.0
-        c_layers, c_blocks, cand, value = rows.take(r[ok]), c_blocks[ok], cand[ok], value[ok]
-        # Within each layer the lowest values first (lexsort is stable: ties keep the lower slot),
-        # at most count[l] of them.
-        order = np.lexsort((cand, value, c_layers))  # per layer the lowest values, ties: the lowest slot
-        c_layers, c_blocks, cand = c_layers[order], c_blocks[order], cand[order]
-        per = np.bincount(c_layers, minlength=b.num_layers)
-        take = np.flatnonzero(np.arange(len(cand)) - (np.cumsum(per) - per).take(c_layers) < count.take(c_layers))
-        victims, v_layers, v_blocks = cand[take], c_layers[take], c_blocks[take]
+        # Within each layer the lowest values first, ties to the lowest slot, at most count[l].
+        v_layers, victims = lowest_per_layer(rows.take(r[ok]), value[ok], cand[ok], count)
+        v_blocks = b.hbm_block.take(victims)  # (an unshared block's slot: the session's block index)
         copy = t.take(e.ddr, v_layers * width + v_blocks) < 0
         n_copy = np.count_nonzero(copy)
         if n_copy > b.ddr_free:
@@ -355,3 +352,31 @@ class Promoter:
         src = b.entries.ddr[t.ids[lay, blocks]]
         self.copy_up(src, b.add_hbm_many(seq, lay, blocks))
         return lay
+
+
+def lowest_per_layer(
+    layers: np.ndarray, values: np.ndarray, slots: np.ndarray, count: np.ndarray, packed: bool | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Of candidate HBM slots (one each, in `layers`, with non-negative float32 `values`), the
+    `count[l]` of lowest value in each layer l, ties to the lowest slot: their layers and slots,
+    by layer, then value, then slot. Where the layer and the slot fit one 64-bit key with the
+    value's bits (under 64 layers and 2**26 slots) that is one sort of packed keys, 10 to 20 times
+    faster than `np.lexsort` over the three (a promotion's choice of victims ran it over every
+    candidate of each session at every step); else, or with `packed=False`, `np.lexsort`."""
+    if not len(slots):
+        return slots.astype(np.int64), slots.astype(np.int64)
+    if packed is None:
+        packed = int(layers.max()) < 1 << (64 - KEY_LAYER_SHIFT) and int(slots.max()) < 1 << KEY_RANK_SHIFT
+    if packed:
+        key = layers.astype(np.uint64) << np.uint64(KEY_LAYER_SHIFT)
+        key |= values.astype(np.float32).view(np.uint32).astype(np.uint64) << np.uint64(KEY_RANK_SHIFT)
+        key |= slots.astype(np.uint64)
+        key.sort()
+        layers = (key >> np.uint64(KEY_LAYER_SHIFT)).astype(np.int64)
+        slots = (key & np.uint64((1 << KEY_RANK_SHIFT) - 1)).astype(np.int64)
+    else:
+        order = np.lexsort((slots, values, layers))
+        layers, slots = layers[order].astype(np.int64), slots[order].astype(np.int64)
+    per = np.bincount(layers, minlength=len(count))
+    take = np.flatnonzero(np.arange(len(slots)) - (np.cumsum(per) - per).take(layers) < count.take(layers))
+    return layers[take], slots[take]

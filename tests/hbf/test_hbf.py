@@ -649,6 +649,40 @@ def test_vectorized_promotion_matches_a_per_block_oracle(seed: int, steps: int, 
     _promotion_against_oracle(seed, steps, ddr_spare, rescale)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(0, 400),
+    layers=st.integers(1, 40),
+    top=st.sampled_from([2**12, 2**26 - 1, 2**27]),
+)
+def test_the_victims_packed_sort_equals_lexsort(seed: int, n: int, layers: int, top: int) -> None:
+    """`lowest_per_layer` sorts packed 64-bit keys (layer, rank bits, slot) where they fit: the
+    layers and slots it returns equal `np.lexsort`'s over the three, with ranks tied (many zeros,
+    repeated values), counts above, below and at a layer's candidates, and slots past 2**26 (where
+    it falls back to lexsort)."""
+    from h3d.tiers.promotion import lowest_per_layer
+
+    rng = np.random.default_rng(seed)
+    cand_layers = np.sort(rng.integers(0, layers, n))
+    values = rng.choice(np.array([0.0, 0.5, 1.0, 3.25, 1e18], dtype=np.float32), n)
+    spread = rng.random(n) < 0.3  # and some distinct ranks
+    values[spread] = rng.random(int(spread.sum())).astype(np.float32)
+    slots = rng.choice(top + 1, n, replace=False) if n else np.empty(0, dtype=np.int64)
+    count = rng.integers(0, 6, layers)
+    fast = lowest_per_layer(cand_layers, values, slots, count)
+    oracle = lowest_per_layer(cand_layers, values, slots, count, packed=False)
+    for got, want in zip(fast, oracle, strict=True):
+        np.testing.assert_array_equal(got, want)
+    # per layer: min(count, candidates) of them, the lowest ranks (ties to the lowest slot) first
+    per = np.bincount(cand_layers, minlength=layers)
+    np.testing.assert_array_equal(np.bincount(fast[0], minlength=layers), np.minimum(count, per))
+    for layer in range(layers):
+        mine = cand_layers == layer
+        order = sorted(zip(values[mine].tolist(), slots[mine].tolist(), strict=True))[: count[layer]]
+        assert fast[1][fast[0] == layer].tolist() == [slot for _, slot in order]
+
+
 def bare_cache(layers: int, bs: int, hbm_per_layer: int, ddr: int, hkv: int = 1, promote_bytes: int | None = None):  # type: ignore[no-untyped-def]
     """A KV cache with pools one element wide (planning never reads bytes), no model, one session (1)."""
     from h3d.kv.cache import KVCache
