@@ -419,8 +419,9 @@ class TierManager:
         out += [(s, (current - 1 - i) % L) for i in range(L) for s in batch]
         return out
 
-    def _candidates(self, pair: Pair, protect: dict[SeqId, int]) -> tuple[np.ndarray, np.ndarray]:
-        """Full, unprotected blocks of `pair` with a DDR copy: (droppable now, needing an archive write)."""
+    def _candidates(self, pair: Pair, protect: dict[SeqId, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Full, unprotected blocks of `pair` with a DDR copy: (beside an HBM copy, archived and
+        not in HBM: both droppable now; needing an archive write)."""
         seq, layer = pair
         t = self.blocks.table(seq)
         limit = min(t.num_tokens // self.blocks.block_size, protect.get(seq, t.num_blocks))
@@ -430,8 +431,9 @@ class TierManager:
         ddr = (e.ddr[ids] != NONE) & (~self.blocks.shared(ids) | (e.hbm[ids] != NONE))
         if self.rewriting is not None and self.rewriting[0] == seq and self.rewriting[1] < limit:
             ddr[self.rewriting[1]] = False
-        spare = (t.layer_hbm(layer)[:limit] != NONE) | t.layer_archived(layer)[:limit]
-        return np.flatnonzero(ddr & spare), np.flatnonzero(ddr & ~spare)
+        in_hbm = t.layer_hbm(layer)[:limit] != NONE
+        archived = ddr & ~in_hbm & t.layer_archived(layer)[:limit]
+        return np.flatnonzero(ddr & in_hbm), np.flatnonzero(archived), np.flatnonzero(ddr & ~in_hbm & ~archived)
 
     def free_ddr(self, need: int, order: list[Pair], protect: dict[SeqId, int], spare: Iterable[SeqId] = ()) -> None:
         """Free `need` DDR slots now: drop redundant copies first, then archive and drop (write-behind
@@ -499,20 +501,32 @@ class TierManager:
 
     def _drop_cheap(self, need: int, order: list[Pair], protect: dict[SeqId, int], plans: list) -> int:
         """`drop_cheap`, recording in `plans` each pair it reached with its costly blocks (those
-        only DDR holds)."""
+        only DDR holds). First the copies beside an HBM copy, in every pair of `order`: the block
+        is still read from HBM (if it leaves HBM later, it is copied down again); only then copies
+        of archived blocks, whose next read stages them back from the archive. With HBM and DDR
+        nearly full, taking both kinds in one pass left DDR full of copies of HBM blocks while
+        blocks a step reads went to the archive only, to be staged back (and dropped again) at
+        every step."""
         freed = 0
+        reached: list[tuple[Pair, np.ndarray, np.ndarray]] = []
         for pair in order:
-            cheap, costly = self._candidates(pair, protect)
-            plans.append((pair, costly))
-            seq, layer = pair
-            take = cheap[: need - freed]
-            if len(take):
-                self.blocks.drop_ddr(seq, layer, take)
-                self.counters.ddr_evict_count += len(take)
-                freed += len(take)
+            beside, archived, costly = self._candidates(pair, protect)
+            reached.append((pair, archived, costly))
+            freed += self._drop_copies(pair, beside[: need - freed])
             if freed >= need:
                 break
+        for pair, archived, _ in reached:
+            if freed >= need:
+                break
+            freed += self._drop_copies(pair, archived[: need - freed])
+        plans.extend((pair, costly) for pair, _, costly in reached)
         return freed
+
+    def _drop_copies(self, pair: Pair, idx: np.ndarray) -> int:
+        if len(idx):
+            self.blocks.drop_ddr(pair[0], pair[1], idx)
+            self.counters.ddr_evict_count += len(idx)
+        return len(idx)
 
     def _spill(self, need: int, order: list[Pair], protect: dict[SeqId, int], wait: bool = False) -> int:
         plans: list[tuple[Pair, np.ndarray]] = []  # the pairs the first pass reached, with their costly blocks

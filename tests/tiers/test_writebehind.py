@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
-from h3d.engine.session import SessionId
+from h3d.engine.session import SessionId, TokenDelta
 from h3d.errors import ConfigError, SsdDegraded
 from h3d.kv.blocks import NONE, SeqId
 from h3d.store.files import FileOps
@@ -528,3 +528,51 @@ def test_forks_closed_later_write_their_shared_blocks_once(checkpoint: Callable[
         assert engine.complete(sid, "", GREEDY).token_ids == want
     engine.close()
     plain.close()
+
+
+def test_full_ddr_drops_copies_of_hbm_blocks_before_blocks_a_step_reads(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Sessions whose KV fits HBM and DDR together, with little to spare: when DDR passes its
+    watermark, the copies it holds of blocks also in HBM go first, so that no block is left in the
+    archive only to be staged back by the next steps (and dropped again: with both kinds dropped
+    in one pass, every decode step staged blocks from the archive). Tokens equal an engine whose
+    HBM holds everything."""
+    n, tokens = 6, 320
+    blocks = n * (tokens // 16 + 2) * 3  # every layer's blocks, with the decode's
+    kw: dict[str, Any] = {
+        "hbm_mb": 0.75 * blocks * SLOT_BYTES / 2**20,
+        "ddr_mb": 0.40 * blocks * SLOT_BYTES / 2**20,
+        "prefill_chunk_tokens": 512,
+        "check_invariants": True,
+    }
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run(engine: Engine) -> tuple[list[list[int]], int]:
+        vocab = engine.model.config.vocab_size
+        sids = [engine.create_session() for _ in range(n)]
+        for i, sid in enumerate(sids):
+            engine.append(sid, token_ids=random_prompt(tokens, vocab, seed=70 + i))
+        _drain(engine)
+        rids = {engine.submit(sid, generate=True, params=params): i for i, sid in enumerate(sids)}
+        out: list[list[int]] = [[] for _ in sids]
+        steps, reads = 0, 0
+        while engine.requests():
+            engine.upkeep()
+            for event in engine.step():
+                if isinstance(event, TokenDelta):
+                    out[rids[event.request_id]].append(event.token_id)
+            steps += 1
+            if steps == 4:  # (the first steps read back what the appends left in the archive only)
+                reads = engine.tier_stats().ssd_read_count
+        return out, engine.tier_stats().ssd_read_count - reads
+
+    tight = _engine(checkpoint(MODEL), tmp_path / "tight", **kw)
+    got, staged = run(tight)
+    stats = tight.tier_stats()
+    assert (
+        stats.ddr_evict_count > 0 and stats.hbm_rebalance_count + stats.promote_count > 0
+    )  # DDR was full, blocks moved
+    assert staged == 0, f"{staged} blocks staged from the archive after the first steps"
+    want, _ = run(make_engine(checkpoint(MODEL), hbm_mb=64.0, ddr_mb=16.0))
+    assert got == want
