@@ -164,7 +164,8 @@ ENGINE: tuple[Key, ...] = (
     ),
     Key(
         "ddr_high_watermark",
-        "fraction of DDR above which blocks spill to the archive (coldest first) after a step",
+        "fraction of DDR above which, after a step, DDR copies go: first those of blocks also in HBM, then those "
+        "of blocks archived already, then the coldest blocks are written to the archive and dropped",
     ),
     Key("ssd_retry_interval_s", "how often a degraded SSD tier (full disk, I/O error) is tried again"),
     Key(
