@@ -37,6 +37,7 @@ import numpy as np
 
 from h3d.kv.blocks import NONE, SeqId
 from h3d.kv.entries import NULL_ENTRY
+from h3d.tiers.promotion import sort_by_layer_and_rank
 
 if TYPE_CHECKING:
     from h3d.tiers.manager import TierManager
@@ -216,8 +217,9 @@ class HbmShares:
         if not len(layers):
             return gone
         value = e.hotness.take(ids[layers, blocks])
-        order = np.lexsort((-blocks, value, layers))  # per layer the lowest ranks; ties: the last blocks
-        layers, blocks = layers[order], blocks[order]
+        # per layer the lowest ranks; ties: the last blocks
+        layers, last = sort_by_layer_and_rank(layers, value, limit - 1 - blocks)
+        blocks = limit - 1 - last
         per = np.bincount(layers, minlength=b.num_layers)
         take = np.arange(len(layers)) - (np.cumsum(per) - per).take(layers) < count.take(layers)
         layers, blocks = layers[take], blocks[take]

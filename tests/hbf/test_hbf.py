@@ -683,6 +683,35 @@ def test_the_victims_packed_sort_equals_lexsort(seed: int, n: int, layers: int, 
         assert fast[1][fast[0] == layer].tolist() == [slot for _, slot in order]
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(0, 300),
+    layers=st.integers(1, 70),
+    top=st.sampled_from([2**10, 2**26 - 1, 2**27]),
+    descending=st.booleans(),
+)
+def test_the_packed_sort_by_layer_and_rank_equals_lexsort(
+    seed: int, n: int, layers: int, top: int, descending: bool
+) -> None:
+    """`sort_by_layer_and_rank` (the fair shares' demotions and fills, the promotion's victims):
+    by layer, rank ascending or descending, then tie, as `np.lexsort` orders them, with ranks
+    tied, 64 layers or more and ties past 2**26 (both of which fall back to lexsort)."""
+    from h3d.tiers.promotion import sort_by_layer_and_rank
+
+    rng = np.random.default_rng(seed)
+    cand_layers = rng.integers(0, layers, n)
+    values = rng.choice(np.array([0.0, 0.25, 7.0, 1e30], dtype=np.float32), n)
+    ties = rng.choice(top + 1, n, replace=False) if n else np.empty(0, dtype=np.int64)
+    got = sort_by_layer_and_rank(cand_layers, values, ties, descending)
+    order = np.lexsort((ties, -values if descending else values, cand_layers))
+    np.testing.assert_array_equal(got[0], cand_layers[order])
+    np.testing.assert_array_equal(got[1], ties[order])
+    slow = sort_by_layer_and_rank(cand_layers, values, ties, descending, packed=False)
+    for a, b in zip(got, slow, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def bare_cache(layers: int, bs: int, hbm_per_layer: int, ddr: int, hkv: int = 1, promote_bytes: int | None = None):  # type: ignore[no-untyped-def]
     """A KV cache with pools one element wide (planning never reads bytes), no model, one session (1)."""
     from h3d.kv.cache import KVCache
