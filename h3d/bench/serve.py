@@ -846,6 +846,8 @@ def phase_many(run: Run) -> None:
     out["hbf_latency_us_p50"], out["hbf_latency_us_p99"] = g1.hbf_latency_us_p50, g1.hbf_latency_us_p99
     log(f"daemon many: {out}")
     log(f"daemon stopped in {daemon.stop():.1f} s")
+    # The daemon's half recorded now: a run cut short in the in-process half keeps it.
+    run.record("many", {**out, "in_process": "not ended"})
 
     local = Local(engine_config(config, run.data_dir("many-engine")))
     lsids = [local.session("attention_entropy") for _ in range(n)]

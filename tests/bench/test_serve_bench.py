@@ -10,6 +10,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -79,6 +80,26 @@ def test_tiny_many_phase_traces_its_kernels(checkpoint: Callable[[str], Path], t
     assert set(moves) == {"copied_up", "copied_down", "rebalanced", "demoted", "read_below_hbm"}
     assert all(v >= 0 for v in moves.values())
     assert "aten::" in (trace / "many-kernels.txt").read_text()
+
+
+def test_many_keeps_the_daemons_half_when_the_in_process_half_fails(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's figures are in the JSON before the in-process half starts, marked as such: a
+    run cut short there (a time limit, a failure) keeps them."""
+    out = tmp_path / "serve.json"
+    argv = ["--tiny", "--phase", "many", "--many", "2", "--no-hf", "--steps", "3", "--tokenizer",
+            str(checkpoint("llama_gqa4_tied")), "--work", str(tmp_path / "work"), "--out", str(out)]  # fmt: skip
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the in-process half")
+
+    monkeypatch.setattr(serve, "Local", fail)
+    with pytest.raises(RuntimeError, match="the in-process half"):
+        serve.main(argv)
+    many = json.loads(out.read_text())["many"]
+    assert many["sessions"] == 2 and many["tokens_per_s"] > 0 and many["in_process"] == "not ended"
+    assert "engine_tokens_per_s" not in many
 
 
 RESTART = {
