@@ -353,7 +353,8 @@ class Engine:
         files, remote, bs = self.kv.digest_files, self.remote, self.kv.block_size
         if files is None or remote is None:
             return 0
-        meta = files.header(session_id)  # (waits for a write on its way)
+        files.settle(session_id)  # a snapshot on its way (`save_digests_later`) written first
+        meta = files.header(session_id)
         n = int(meta.get("blocks", 0)) if meta is not None else 0
         if not 0 < n <= len(tokens) // bs:
             return 0

@@ -161,7 +161,8 @@ class DigestFiles:
         with self._staged_lock:
             self._staged[session] = staged
         future = self._writer.submit(self.write, session, blocks, part_tokens, rows, layers)
-        self._pending[session] = future
+        with self._staged_lock:
+            self._pending[session] = future
 
         def done(_: Future[int]) -> None:
             with self._staged_lock:
@@ -171,16 +172,27 @@ class DigestFiles:
         future.add_done_callback(done)
 
     def settle(self, session: str | None = None) -> None:
-        """Wait for `write_later`'s writes (of `session`, or all): one that failed is logged and
-        leaves the old snapshot, or none (the digests are then rebuilt from the keys)."""
+        """Wait for `write_later`'s writes (of `session`, or all), from any thread: one that failed
+        is logged and leaves the old snapshot, or none (the digests are then rebuilt from the keys)."""
         for name in [session] if session is not None else list(self._pending):
-            future = self._pending.pop(name, None)
+            future = self._pending.get(name)
             if future is None:
                 continue
-            try:
+            try:  # (every caller waits for it, whichever thread calls: a hand-over sends the file)
                 future.result()
             except OSError as e:
-                log.warning("digest snapshot %s not written: %s", self.path(name), e)
+                if self._done(name, future):  # (logged once)
+                    log.warning("digest snapshot %s not written: %s", self.path(name), e)
+            else:
+                self._done(name, future)
+
+    def _done(self, session: str, future: Future[int]) -> bool:
+        """Forget `session`'s write `future` if it is still the one pending (not a later one)."""
+        with self._staged_lock:
+            if self._pending.get(session) is future:
+                del self._pending[session]
+                return True
+        return False
 
     def close(self) -> None:
         self.settle()

@@ -233,6 +233,32 @@ def test_a_sessions_digests_travel_with_it_and_only_to_its_tokens(
         e.remote.close()
 
 
+def test_a_hand_over_sends_a_digest_snapshot_still_being_written(
+    checkpoint: Callable[[str], Path], tmp_path: Path, redis_server: LocalRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hand-over's snapshot is written on a thread (`save_digests_later`) while the KV is sent:
+    a slow disk must not leave the store without it (reading the header of a write under way, then
+    the file not renamed into place yet, left the digests behind)."""
+    from h3d.tiers.digestfile import DigestFiles
+
+    write = DigestFiles.write
+
+    def slow(self: DigestFiles, *args: object, **kwargs: object) -> int:
+        time.sleep(0.3)
+        return write(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DigestFiles, "write", slow)
+    ckpt = checkpoint(MODEL)
+    prompt = random_prompt(200, VOCAB_SIZE, seed=9)
+    ref, _, a, sid = _handed_over(ckpt, tmp_path, redis_server, prompt)
+    head = redis.Redis.from_url(redis_server.url).get(a.remote.store._key(sid, "digests"))  # type: ignore[union-attr]
+    assert head is not None and json.loads(head)["blocks"] == (len(prompt) - 1) // 16
+    for e in (ref, a):
+        e.close()
+        assert e.remote is not None
+        e.remote.close()
+
+
 @pytest.mark.parametrize(
     "mode", ["auto, the store slower", "auto, measured on the digests' first piece", "auto, unmeasured", "recompute",
              "store"],
