@@ -22,8 +22,8 @@ import numpy as np
 from h3d.kv.blocks import NONE, SeqId
 from h3d.tiers.manager import TierManager
 
-# A victim's sort key packed in 64 bits (`lowest_per_layer`): its layer, its rank's float32 bits
-# (a rank is never negative: its bits order as the numbers do), its HBM slot.
+# A candidate's sort key packed in 64 bits (`sort_by_layer_and_rank`): its layer, its rank's float32
+# bits (a rank is never negative: its bits order as the numbers do), its tie (an HBM slot, a block).
 KEY_LAYER_SHIFT, KEY_RANK_SHIFT = 58, 26
 HOT_DECAY = 0.99  # per step: a use counts ~1/e after 100 steps
 RESCALE_STEPS = 4096  # HOT_DECAY ** -4096 ~ 1e18: far from float32's limit even summed over 100 uses
