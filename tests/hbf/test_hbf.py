@@ -649,44 +649,10 @@ def test_vectorized_promotion_matches_a_per_block_oracle(seed: int, steps: int, 
     _promotion_against_oracle(seed, steps, ddr_spare, rescale)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
     n=st.integers(0, 400),
-    layers=st.integers(1, 40),
-    top=st.sampled_from([2**12, 2**26 - 1, 2**27]),
-)
-def test_the_victims_packed_sort_equals_lexsort(seed: int, n: int, layers: int, top: int) -> None:
-    """`lowest_per_layer` sorts packed 64-bit keys (layer, rank bits, slot) where they fit: the
-    layers and slots it returns equal `np.lexsort`'s over the three, with ranks tied (many zeros,
-    repeated values), counts above, below and at a layer's candidates, and slots past 2**26 (where
-    it falls back to lexsort)."""
-    from h3d.tiers.promotion import lowest_per_layer
-
-    rng = np.random.default_rng(seed)
-    cand_layers = np.sort(rng.integers(0, layers, n))
-    values = rng.choice(np.array([0.0, 0.5, 1.0, 3.25, 1e18], dtype=np.float32), n)
-    spread = rng.random(n) < 0.3  # and some distinct ranks
-    values[spread] = rng.random(int(spread.sum())).astype(np.float32)
-    slots = rng.choice(top + 1, n, replace=False) if n else np.empty(0, dtype=np.int64)
-    count = rng.integers(0, 6, layers)
-    fast = lowest_per_layer(cand_layers, values, slots, count)
-    oracle = lowest_per_layer(cand_layers, values, slots, count, packed=False)
-    for got, want in zip(fast, oracle, strict=True):
-        np.testing.assert_array_equal(got, want)
-    # per layer: min(count, candidates) of them, the lowest ranks (ties to the lowest slot) first
-    per = np.bincount(cand_layers, minlength=layers)
-    np.testing.assert_array_equal(np.bincount(fast[0], minlength=layers), np.minimum(count, per))
-    for layer in range(layers):
-        mine = cand_layers == layer
-        order = sorted(zip(values[mine].tolist(), slots[mine].tolist(), strict=True))[: count[layer]]
-        assert fast[1][fast[0] == layer].tolist() == [slot for _, slot in order]
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    n=st.integers(0, 300),
     layers=st.integers(1, 70),
     top=st.sampled_from([2**10, 2**26 - 1, 2**27]),
     descending=st.booleans(),
@@ -694,14 +660,18 @@ def test_the_victims_packed_sort_equals_lexsort(seed: int, n: int, layers: int, 
 def test_the_packed_sort_by_layer_and_rank_equals_lexsort(
     seed: int, n: int, layers: int, top: int, descending: bool
 ) -> None:
-    """`sort_by_layer_and_rank` (the fair shares' demotions and fills, the promotion's victims):
+    """`sort_by_layer_and_rank` (the promotion's victims, the fair shares' demotions and fills):
     by layer, rank ascending or descending, then tie, as `np.lexsort` orders them, with ranks
-    tied, 64 layers or more and ties past 2**26 (both of which fall back to lexsort)."""
-    from h3d.tiers.promotion import sort_by_layer_and_rank
+    tied (many zeros, repeated values), 64 layers or more and ties past 2**26 (both of which fall
+    back to lexsort). `lowest_per_layer` (the victims) takes min(count, candidates) of each layer,
+    the lowest ranks first, ties to the lowest slot."""
+    from h3d.tiers.promotion import lowest_per_layer, sort_by_layer_and_rank
 
     rng = np.random.default_rng(seed)
     cand_layers = rng.integers(0, layers, n)
     values = rng.choice(np.array([0.0, 0.25, 7.0, 1e30], dtype=np.float32), n)
+    spread = rng.random(n) < 0.3  # and some distinct ranks
+    values[spread] = rng.random(int(spread.sum())).astype(np.float32)
     ties = rng.choice(top + 1, n, replace=False) if n else np.empty(0, dtype=np.int64)
     got = sort_by_layer_and_rank(cand_layers, values, ties, descending)
     order = np.lexsort((ties, -values if descending else values, cand_layers))
@@ -710,6 +680,15 @@ def test_the_packed_sort_by_layer_and_rank_equals_lexsort(
     slow = sort_by_layer_and_rank(cand_layers, values, ties, descending, packed=False)
     for a, b in zip(got, slow, strict=True):
         np.testing.assert_array_equal(a, b)
+    count = rng.integers(0, 6, layers)
+    v_layers, slots = lowest_per_layer(cand_layers, values, ties, count)
+    np.testing.assert_array_equal(
+        np.bincount(v_layers, minlength=layers), np.minimum(count, np.bincount(cand_layers, minlength=layers))
+    )
+    for layer in range(layers):
+        mine = cand_layers == layer
+        lowest = sorted(zip(values[mine].tolist(), ties[mine].tolist(), strict=True))[: count[layer]]
+        assert slots[v_layers == layer].tolist() == [slot for _, slot in lowest]
 
 
 def bare_cache(layers: int, bs: int, hbm_per_layer: int, ddr: int, hkv: int = 1, promote_bytes: int | None = None):  # type: ignore[no-untyped-def]
