@@ -370,7 +370,7 @@ def sort_by_layer_and_rank(
     if not packed:
         order = np.lexsort((ties, -values if descending else values, layers))
         return layers[order].astype(np.int64), ties[order].astype(np.int64)
-    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)  # (no copy of ranks)
     if descending:
         bits ^= np.uint64(0xFFFFFFFF)  # (a larger rank, a smaller key)
     key = layers.astype(np.uint64) << np.uint64(KEY_LAYER_SHIFT)
