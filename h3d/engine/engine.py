@@ -31,7 +31,7 @@ from h3d.engine.build import budgets, build_runner
 from h3d.engine.chat import Conversation, chat_piece, end_of_turn
 from h3d.engine.detok import IncrementalDetokenizer
 from h3d.engine.graphs import GraphKey
-from h3d.engine.journal import log_piece, replay_chat, restore_session, restore_sessions, session_meta
+from h3d.engine.journal import log_piece, meta_of, replay_chat, restore_session, restore_sessions, session_meta
 from h3d.engine.prefill import Interleave
 from h3d.engine.prefixes import PrefixIndex
 from h3d.engine.sampling import SamplingParams, make_generator, sample_batch
@@ -40,6 +40,7 @@ from h3d.engine.session import (
     Event,
     FinishReason,
     GenerationDone,
+    NewSession,
     PrefillProgress,
     Request,
     RequestFailed,
@@ -597,7 +598,20 @@ class Engine:
     ) -> SessionId:
         """A new session. `chat`: what is appended are messages rendered through the model's chat
         template (`system_prompt` is its system message; see h3d.engine.chat)."""
-        self.kv.tiers.behind.hold_back()  # (a request for it comes next, most likely)
+        return self.add_session(self.prepare_session(system_prompt, sampling, policy, owner, chat))
+
+    def prepare_session(
+        self,
+        system_prompt: str | None = None,
+        sampling: SamplingParams | None = None,
+        policy: str | None = None,
+        owner: str = "",
+        chat: bool = False,
+    ) -> NewSession:
+        """`create_session`'s first half, which any thread may run (it reads the configuration
+        and the tokenizer only): the request checked, the system prompt tokenized, and the token
+        log written, durable before the session is known. `add_session` (the engine's thread)
+        takes it in; a request for it must come after that (the daemon's commands run in order)."""
         chosen = policy_named(policy or self.config.policy)
         if chat and self.tokenizer.chat_template is None:
             raise NoChatTemplate("this model has no chat template: create a plain session (chat off)")
@@ -617,21 +631,30 @@ class Engine:
             assert session.chat is not None
             system_prompt = session.chat.add(self.tokenizer, "system", system_prompt, [])
             message = {"role": "system", "content": session.chat.messages[-1]["content"]}
-        first = self._tokenize(session, system_prompt) if system_prompt else []
+        # Without the encoding memo (`scope`): it belongs to the engine's thread.
+        first = self.tokenizer.encode(system_prompt, add_special_tokens=True) if system_prompt else []
         self._check_tokens(session, first)
-        self.kv.open(session.seq, session.id, chosen)
+        selection = self.kv.new_selection(chosen)
+        size = 0
+        if self.journal is not None:  # durable before it is known
+            meta = meta_of(session, selection, None)
+            size = self.journal.write_new(session.id, meta, first, {**message, "n": len(first)} if message else None)
+            session.anchors_logged = selection.anchors_version
+        session.tokens.extend(first)
+        session.pieces += bool(first)
+        return NewSession(session, selection, size)
+
+    def add_session(self, new: NewSession) -> SessionId:
+        """Take in a session `prepare_session` made (on the engine's thread)."""
+        self.kv.tiers.behind.hold_back()  # (a request for it comes next, most likely)
+        session = new.session
+        self.kv.open(session.seq, session.id, state=new.selection)
         try:
-            if self.journal is not None:  # durable before it is known
-                self.journal.create(session.id, session_meta(session, self.kv), [] if message else first)
-                session.anchors_logged = self.kv.selection(session.seq).anchors_version
-                if message:
-                    log_piece(self.journal, session.id, first, message)
-                    self.journal.sync(session.id)
+            if self.journal is not None:
+                self.journal.open_new(session.id)
         except BaseException:
             self.kv.release(session.seq, purge_archive=False)
             raise
-        session.tokens.extend(first)
-        session.pieces += bool(first)
         self.sessions[session.id] = session
         return session.id
 

@@ -20,7 +20,15 @@ import torch
 from h3d.engine.chat import Conversation
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import Session, SessionId
-from h3d.hbf.policy import POLICIES, anchors_to_meta, hot_to_meta, policy_named, state_from_meta, state_to_meta
+from h3d.hbf.policy import (
+    POLICIES,
+    SelectionState,
+    anchors_to_meta,
+    hot_to_meta,
+    policy_named,
+    state_from_meta,
+    state_to_meta,
+)
 from h3d.kv.blocks import SeqId
 from h3d.kv.cache import KVCache
 from h3d.model.tokenizer import Tokenizer
@@ -32,12 +40,18 @@ def session_meta(session: Session, kv: KVCache, anchors: bool = True, hot: bool 
     records add up (each one's keys replace the earlier ones': `TokenStore`), so that `anchors`
     False leaves out the HBF anchors, which keep the value last written; `hot`: with the blocks
     its last steps read most, as last noted (`KVCache.note_hot`: a checkpoint, a close)."""
+    return meta_of(session, kv.selection(session.seq), kv.pinned_until(session.seq), anchors, hot)
+
+
+def meta_of(
+    session: Session, state: SelectionState, pin: float | None, anchors: bool = True, hot: bool = False
+) -> dict[str, object]:
+    """`session_meta` from the session's HBF state and pin (a session the KV cache does not hold yet)."""
     sampling = asdict(session.sampling)
     sampling["stop"], sampling["stop_token_ids"] = list(sampling["stop"]), list(sampling["stop_token_ids"])
-    pin = kv.pinned_until(session.seq)
     return (
         {
-            "policy": kv.policy(session.seq).name,
+            "policy": state.policy.name,
             "owner": session.owner,
             "closed": session.closed,
             "created_at": session.created_at,
@@ -45,11 +59,11 @@ def session_meta(session: Session, kv: KVCache, anchors: bool = True, hot: bool 
             "pinned_until": "forever" if pin == math.inf else pin,
             "chat": session.chat is not None,
             "sampling": sampling,
-            "hbf": state_to_meta(kv.selection(session.seq)),
+            "hbf": state_to_meta(state),
             "extra": session.extra,
         }
-        | ({"hbf_anchors": anchors_to_meta(kv.selection(session.seq))} if anchors else {})
-        | ({"hbf_hot": hot_to_meta(kv.selection(session.seq))} if hot else {})
+        | ({"hbf_anchors": anchors_to_meta(state)} if anchors else {})
+        | ({"hbf_hot": hot_to_meta(state)} if hot else {})
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, NewType
+from typing import TYPE_CHECKING, Any, NewType
 
 import torch
 
@@ -19,6 +19,9 @@ from h3d.engine.detok import IncrementalDetokenizer
 from h3d.engine.sampling import SamplingParams
 from h3d.errors import H3Error
 from h3d.kv.blocks import SeqId
+
+if TYPE_CHECKING:
+    from h3d.hbf.policy import SelectionState
 
 SessionId = NewType("SessionId", str)
 RequestId = NewType("RequestId", int)
@@ -52,6 +55,16 @@ class Session:
     # responses (h3d.daemon.http.responses). The engine only keeps it.
     extra: dict[str, Any] = field(default_factory=dict)
     anchors_logged: int = -1  # the HBF anchors' version its log holds (written again only once they change)
+
+
+@dataclass(frozen=True, slots=True)
+class NewSession:
+    """A session `Engine.prepare_session` made (off the engine's thread: its token log is already
+    durable) that `Engine.add_session` takes in: its HBF state, and its log's size in bytes."""
+
+    session: Session
+    selection: SelectionState
+    log_bytes: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -349,12 +349,19 @@ class KVCache:
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
-    def open(self, seq: SeqId, name: str | None = None, policy: Policy | None = None) -> None:
+    def open(
+        self, seq: SeqId, name: str | None = None, policy: Policy | None = None, state: SelectionState | None = None
+    ) -> None:
         """An empty cache for `seq`; `name` keys its blocks in the archive (the session id;
-        `seq-N` by default); `policy`: the configured one by default."""
+        `seq-N` by default); `policy`: the configured one by default; `state`: a `new_selection`
+        made beforehand (its policy then)."""
         table = self.blocks.allocate(seq)
-        state = SelectionState(policy or policy_named(self.hbf.policy), self.hbf.window_tokens)
-        self.sessions[seq] = SessionKV(seq, name or f"seq-{seq}", table, state)
+        self.sessions[seq] = SessionKV(seq, name or f"seq-{seq}", table, state or self.new_selection(policy))
+
+    def new_selection(self, policy: Policy | None = None) -> SelectionState:
+        """A new session's HBF state (`policy`: the configured one by default). Reads only the
+        configuration: any thread may call it."""
+        return SelectionState(policy or policy_named(self.hbf.policy), self.hbf.window_tokens)
 
     def pin(self, seq: SeqId, until: float | None) -> None:
         """Keep `seq`'s HBM blocks while it is idle until the Unix time `until` (math.inf: until

@@ -126,10 +126,33 @@ class TokenStore:
 
     # ---- writing ----------------------------------------------------------------------------
 
-    def create(self, session_id: str, meta: dict[str, Any], tokens: list[int]) -> None:
-        """A new session's log: its metadata and first tokens, durable before this returns."""
-        first = record(TOKENS, _pack(tokens)) if tokens else b""
-        self._create(session_id, record(META, json.dumps(meta).encode()) + first)
+    def create(
+        self, session_id: str, meta: dict[str, Any], tokens: list[int], message: dict[str, Any] | None = None
+    ) -> None:
+        """A new session's log: its metadata and first tokens (with the chat message they render,
+        as `append_message` writes one), durable before this returns."""
+        self.write_new(session_id, meta, tokens, message)
+        self.open_new(session_id)
+
+    def write_new(
+        self, session_id: str, meta: dict[str, Any], tokens: list[int], message: dict[str, Any] | None = None
+    ) -> int:
+        """`create`'s file, durable when this returns, written from any thread: the logs' writer
+        takes it up with `open_new`. Until then it is a session all the same (a start loads it).
+        Returns its size in bytes."""
+        data = [record(META, json.dumps(meta).encode())]
+        if message is not None:
+            head = json.dumps(message).encode()
+            data.append(record(MESSAGE, struct.pack("<I", len(head)) + head + _pack(tokens)))
+        elif tokens:
+            data.append(record(TOKENS, _pack(tokens)))
+        joined = b"".join(data)
+        self._write_file(session_id, joined)
+        return len(joined)
+
+    def open_new(self, session_id: str) -> None:
+        """Take up a log `write_new` wrote (on the thread that writes the logs)."""
+        self._open(session_id, self._path(session_id))
 
     def fork(self, source: str, session_id: str, meta: dict[str, Any], num_tokens: int) -> Restored:
         """A new session's log holding the first `num_tokens` tokens of `source`'s (a fork), with the
@@ -161,6 +184,11 @@ class TokenStore:
         return Restored(session_id, meta, tokens, False, 0, messages)
 
     def _create(self, session_id: str, data: bytes, mirrored: bool = True) -> None:
+        self._write_file(session_id, data, mirrored)
+        self._open(session_id, self._path(session_id))
+
+    def _write_file(self, session_id: str, data: bytes, mirrored: bool = True) -> None:
+        """A new log's file, written and renamed into place durably (its copy told, `mirrored`)."""
         path = self._path(session_id)
         if session_id in self._logs or path.exists():
             raise ValueError(f"session {session_id} already has a token log")
@@ -180,7 +208,6 @@ class TokenStore:
                 os.close(fd)
             files.replace(tmp, path)
             files.fsync_dir(self.folder)
-            self._open(session_id, path)
         except BaseException:
             if mirrored and self.mirror is not None:
                 self.mirror.deleted(session_id)  # (the copy it had begun: nothing of it is kept)
