@@ -1,8 +1,9 @@
 """Engine state into protobuf messages, and request fields into engine values (`sampling_from`).
 
-Everything here runs on the engine thread (`EngineWorker.call`): it reads engine state, and
-`expire_pin` drops a pin whose TTL has passed whenever a session is read. What must stay true:
-a request's values are checked before the engine sees them (InvalidRequest names the field).
+What reads engine state runs on the engine thread (`EngineWorker.call`), and `expire_pin` drops a
+pin whose TTL has passed whenever a session is read; the request checks (`sampling_from`,
+`sampling_with`) and `new_session_pb` read none, and run on any thread. What must stay true: a
+request's values are checked before the engine sees them (InvalidRequest names the field).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.daemon.auth import LOCAL, Caller
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
-from h3d.engine.session import FinishReason, GenerationDone, Session, SessionId
+from h3d.engine.session import FinishReason, GenerationDone, NewSession, Session, SessionId
 from h3d.errors import InvalidRequest, SessionNotFound
 from h3d.store.tokenlog import parse_log
 
 if TYPE_CHECKING:
     from h3d.daemon.rpc import State
+    from h3d.hbf.policy import SelectionState
 
 FINISH = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -46,13 +48,29 @@ def expire_pin(engine: Engine, session: Session) -> None:
 
 def session_pb(engine: Engine, session: Session, with_tokens: bool = False) -> pb.Session:
     expire_pin(engine, session)
+    kv = engine.kv
+    pin = kv.pinned_until(session.seq)
+    out = session_message(session, kv.selection(session.seq), pin, kv.cached_tokens(session.seq))
+    out.residency.CopyFrom(residency_pb(engine, session))
+    if with_tokens:
+        out.token_ids.extend(session.tokens)
+        out.text = engine.tokenizer.decode(session.tokens)
+    return out
+
+
+def new_session_pb(new: NewSession) -> pb.Session:
+    """A session `Engine.prepare_session` made, as `session_pb` will read it once the engine
+    has taken it in (no KV, no pin): built off the engine's thread, from what the session holds."""
+    return session_message(new.session, new.selection, None, 0)
+
+
+def session_message(session: Session, selection: SelectionState, pin: float | None, cached: int) -> pb.Session:
     s = session.sampling
-    pin = engine.kv.pinned_until(session.seq)
     out = pb.Session(
         session_id=session.id,
         num_tokens=len(session.tokens),
-        cached_tokens=engine.kv.cached_tokens(session.seq),
-        policy=engine.kv.policy(session.seq).name,
+        cached_tokens=cached,
+        policy=selection.policy.name,
         created_at=session.created_at,
         last_used_at=session.last_used_at,
         busy=session.busy,
@@ -69,17 +87,14 @@ def session_pb(engine: Engine, session: Session, with_tokens: bool = False) -> p
             presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty,
         ),
-        residency=residency_pb(engine, session),
-        window_tokens=engine.kv.window_tokens(session.seq),
+        residency=pb.TierResidency(),
+        window_tokens=selection.window_tokens,
         closed=session.closed,
         chat=session.chat is not None,
         num_messages=len(session.chat.messages) + (session.chat.open_at is not None) if session.chat else 0,
     )
     if s.seed is not None:
         out.sampling.seed = s.seed
-    if with_tokens:
-        out.token_ids.extend(session.tokens)
-        out.text = engine.tokenizer.decode(session.tokens)
     return out
 
 

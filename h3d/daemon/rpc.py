@@ -30,7 +30,7 @@ from h3d.daemon.config import DaemonConfig
 from h3d.daemon.metrics import Metrics
 from h3d.daemon.status import Draining, Overloaded, status_of
 from h3d.daemon.worker import EngineWorker
-from h3d.engine.session import SessionId
+from h3d.engine.session import NewSession, SessionId
 from h3d.errors import H3Error, InvalidRequest, SessionNotFound, clip
 from h3d.store.tokenlog import parse_log
 
@@ -124,14 +124,31 @@ class State:
                  kv_blocks_read=taken.kv_blocks, kv_bytes_read=taken.kv_bytes, kv_read_s=round(taken.kv_s, 3),
                  digest_blocks_read=taken.digest_blocks, digest_read_s=round(taken.digest_s, 3), **est)  # fmt: skip
 
-    async def stored(self, sid: SessionId) -> None:
-        """With the remote tier in `sync` mode: once the store holds `sid`'s log as it is now (a
-        session made here is answered only then); RemoteUnavailable past the timeout."""
+    async def make_session(self, prepare: Callable[[], NewSession]) -> NewSession:
+        """Run `prepare` (the request's checks and `Engine.prepare_session`: the token log written,
+        durable) off the engine's thread, and hand the session to the engine, which takes it in
+        between two steps, before any command posted after this returns: a session is made
+        without waiting for a step boundary. A caller that leaves meanwhile leaves the session
+        made all the same, as a command on the engine's thread would have."""
+        made = asyncio.get_running_loop().run_in_executor(None, prepare)
+
+        def take_in(done: asyncio.Future[NewSession]) -> None:  # (before the awaiting handler resumes)
+            if not done.cancelled() and done.exception() is None:
+                new = done.result()
+                self.worker.post(lambda e: e.add_session(new))
+
+        made.add_done_callback(take_in)
+        return await asyncio.shield(made)
+
+    async def stored(self, sid: SessionId, size: int | None = None) -> None:
+        """With the remote tier in `sync` mode: once the store holds `sid`'s log as it is now, or
+        its first `size` bytes (a session made here is answered only then); RemoteUnavailable
+        past the timeout."""
         engine = self.worker.engine
         remote, journal = engine.remote, engine.journal
         if remote is None or not remote.sync or journal is None:
             return
-        await asyncio.wrap_future(remote.durable(sid, journal.size(sid)))
+        await asyncio.wrap_future(remote.durable(sid, journal.size(sid) if size is None else size))
 
     def check_id(self, session_id: str) -> SessionId:
         if not SESSION_ID.fullmatch(session_id):

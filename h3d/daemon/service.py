@@ -20,12 +20,19 @@ import structlog
 from h3d._proto.h3.v1 import h3_pb2 as pb
 from h3d.config import POLICIES
 from h3d.daemon.auth import Caller
-from h3d.daemon.convert import check_token_ids, remote_session_pb, sampling_from, session_pb, stats_pb
+from h3d.daemon.convert import (
+    check_token_ids,
+    new_session_pb,
+    remote_session_pb,
+    sampling_from,
+    session_pb,
+    stats_pb,
+)
 from h3d.daemon.generation import stream_append, stream_generation
 from h3d.daemon.rpc import State
 from h3d.daemon.worker import Finished
 from h3d.engine.engine import Engine
-from h3d.engine.session import PrefillProgress, RequestId, Session, SessionId
+from h3d.engine.session import NewSession, PrefillProgress, RequestId, Session, SessionId
 from h3d.errors import InvalidRequest, SessionBusy, SessionNotFound, clip
 
 log = structlog.get_logger("h3d.service")
@@ -44,20 +51,21 @@ class H3Servicer:
         if policy is not None and policy not in POLICIES:
             raise InvalidRequest(f"policy: {clip(policy)!r} is not one of {', '.join(POLICIES)}")
         limit = self.s.config.max_tokens_limit
+        engine = self.s.worker.engine
 
-        def create(engine: Engine) -> pb.Session:
-            defaults = engine.with_sampling()
-            params = sampling_from(defaults, request.sampling, limit)  # an unset message sets no field
-            sid = engine.create_session(
+        def prepare() -> NewSession:  # (reads the configuration and the tokenizer only)
+            params = sampling_from(engine.with_sampling(), request.sampling, limit)  # an unset message sets no field
+            return engine.prepare_session(
                 request.system_prompt or None, params, policy, owner=caller.owner, chat=request.chat
             )
-            return session_pb(engine, engine.session(sid))
 
-        session = await self.s.worker.call(create)
-        made = SessionId(session.session_id)
+        # Answered without waiting for a step boundary (`State.make_session`).
+        new = await self.s.make_session(prepare)
+        session = new_session_pb(new)
+        made = new.session.id
         self.s.owners[made] = caller.owner  # on the loop, which owns the map
         try:
-            await self.s.stored(made)
+            await self.s.stored(made, new.log_bytes)
         except BaseException:  # a session the store does not hold is not made (sync)
             self.s.owners.pop(made, None)
             self.s.worker.post(lambda e: e.close_session(made, purge=True))

@@ -147,3 +147,56 @@ def test_the_owner_map_is_written_on_the_event_loop_only(model: Path) -> None:
     writers, loop_thread, engine_thread = asyncio.run(main())
     assert writers == {loop_thread} and engine_thread != loop_thread
     engine.close()
+
+
+def test_create_session_is_answered_while_the_engine_thread_is_busy(model: Path, tmp_path: Path) -> None:
+    """CreateSession waits for no step boundary: with the engine thread held in a command (as in
+    a long step), a chat session with a system prompt is made, its token log durable, and the
+    answer is the Session that GetSession reads once the engine took it in. A request for it
+    (GetSession, AppendContext) runs after the engine took it in; a restart restores it from
+    its log as a session made on the engine thread would be."""
+    logs = tmp_path / "logs"
+    engine = Engine(EngineConfig.build(model=str(model), session_log_path=str(logs)))
+    config = DaemonConfig(engine=engine.config)
+    system = "You answer in one short sentence."
+    sampling = pb.SamplingParams(max_tokens=7, temperature=0.0)
+
+    async def main() -> tuple[pb.Session, pb.Session, bool, list[int]]:
+        worker = EngineWorker(engine, asyncio.get_running_loop())
+        worker.start()
+        held, release = threading.Event(), threading.Event()
+        try:
+            state = State(config, worker, Auth(config), Metrics())
+            servicer = H3Servicer(state)
+            worker.post(lambda e: (held.set(), release.wait(30)))  # the engine thread, busy
+            assert await asyncio.to_thread(held.wait, 30)
+            request = pb.CreateSessionRequest(system_prompt=system, chat=True, policy="exact", sampling=sampling)
+            made = await asyncio.wait_for(servicer.CreateSession(request, None, Caller(LOCAL, admin=False)), 30)
+            durable = (logs / f"{made.session_id}.h3log").exists()
+            taken_in = made.session_id in engine.sessions  # (read while the engine thread still waits)
+            release.set()
+            asked = pb.GetSessionRequest(session_id=made.session_id)
+            got = await servicer.GetSession(asked, None, Caller(LOCAL, admin=False))
+            assert not taken_in
+            tokens = await worker.call(lambda e: list(e.session(made.session_id).tokens))  # type: ignore[arg-type]
+            return made, got, durable, tokens
+        finally:
+            release.set()
+            worker.stop(30)
+
+    made, got, durable, tokens = asyncio.run(main())
+    assert durable
+    assert made == got  # the answer made off the engine thread is what the engine reads
+    assert made.chat and made.num_messages == 1 and made.num_tokens == len(tokens) > 0 and made.policy == "exact"
+    assert made.sampling.max_tokens == 7
+    oracle = Engine(EngineConfig.build(model=str(model)))
+    sid = oracle.create_session(system, chat=True)
+    assert oracle.session(sid).tokens == tokens  # tokenized as on the engine thread
+    engine.close()
+    again = Engine(EngineConfig.build(model=str(model), session_log_path=str(logs)))
+    restored = again.session(made.session_id)  # type: ignore[arg-type]
+    assert restored.tokens == tokens and restored.chat is not None
+    assert restored.chat.messages == oracle.session(sid).chat.messages  # type: ignore[union-attr]
+    assert again.kv.policy(restored.seq).name == "exact" and restored.sampling.max_tokens == 7
+    again.close()
+    oracle.close()

@@ -45,7 +45,7 @@ from h3d.daemon.status import Draining, http_status_of
 from h3d.daemon.worker import Finished
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
-from h3d.engine.session import RequestId, SessionId
+from h3d.engine.session import NewSession, RequestId
 from h3d.errors import H3Error, InvalidRequest, NoChatTemplate
 
 if TYPE_CHECKING:
@@ -146,15 +146,22 @@ class Completions:
         self.s.accepting()
         limit = self.s.config.max_tokens_limit
 
-        def create(engine: Engine) -> tuple[SessionId, str | None, list[int] | None, SamplingParams]:
-            text, ids = prompt(engine)
-            params = sampling.apply(engine.with_sampling(), limit)
-            if chat:
-                params = with_end_of_turn(engine, params)
-            sid = engine.create_session(sampling=params, owner=caller.owner)
-            return sid, text, ids, params
+        engine = self.s.worker.engine
 
-        sid, text, ids, params = await self.s.worker.call(create)
+        params = sampling.apply(engine.with_sampling(), limit)
+        if chat:
+            params = with_end_of_turn(engine, params)
+        text: str | None = None
+        ids: list[int] | None = None
+
+        def prepare() -> NewSession:
+            # Off the engine's thread (the configuration and the tokenizer only): the session is
+            # taken in at the step boundary where its append starts, not one before.
+            nonlocal text, ids
+            text, ids = prompt(engine)
+            return engine.prepare_session(sampling=params, owner=caller.owner)
+
+        sid = (await self.s.make_session(prepare)).session.id
         request["session_id"] = sid
         try:
             reused = [0]  # tokens whose KV came from another session (`share_prefixes`)
