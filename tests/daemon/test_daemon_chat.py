@@ -27,6 +27,7 @@ from h3d.daemon.rpc import State
 from h3d.daemon.service import H3Servicer
 from h3d.daemon.worker import EngineWorker
 from h3d.engine.engine import Engine
+from h3d.engine.session import NewSession
 
 MODEL = "llama_gqa4_tied"
 
@@ -200,3 +201,45 @@ def test_create_session_is_answered_while_the_engine_thread_is_busy(model: Path,
     assert again.kv.policy(restored.seq).name == "exact" and restored.sampling.max_tokens == 7
     again.close()
     oracle.close()
+
+
+def test_a_session_whose_caller_left_while_it_was_made_is_taken_in_all_the_same(model: Path, tmp_path: Path) -> None:
+    """`State.make_session`: a caller cancelled while its session's log is being written leaves a
+    session that is durable, so the engine takes it in as well (as a command on the engine's
+    thread would have made it): never a log on disk that the engine does not list."""
+    logs = tmp_path / "logs"
+    engine = Engine(EngineConfig.build(model=str(model), session_log_path=str(logs)))
+    config = DaemonConfig(engine=engine.config)
+
+    async def main() -> tuple[str, bool, bool]:
+        worker = EngineWorker(engine, asyncio.get_running_loop())
+        worker.start()
+        entered, release = threading.Event(), threading.Event()
+        try:
+            state = State(config, worker, Auth(config), Metrics())
+
+            def prepare() -> NewSession:
+                entered.set()
+                assert release.wait(30)
+                return engine.prepare_session(owner=LOCAL)
+
+            task = asyncio.ensure_future(state.make_session(prepare))
+            assert await asyncio.to_thread(entered.wait, 30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            release.set()
+            for _ in range(300):  # the log written, then the engine takes the session in
+                known = await worker.call(lambda e: sorted(e.sessions))
+                if known:
+                    break
+                await asyncio.sleep(0.1)
+            return known[0] if known else "", len(list(logs.glob("*.h3log"))) == 1, bool(known)
+        finally:
+            release.set()
+            worker.stop(30)
+
+    sid, durable, taken_in = asyncio.run(main())
+    assert durable and taken_in
+    assert (logs / f"{sid}.h3log").exists()
+    engine.close()
