@@ -126,12 +126,9 @@ class TokenStore:
 
     # ---- writing ----------------------------------------------------------------------------
 
-    def create(
-        self, session_id: str, meta: dict[str, Any], tokens: list[int], message: dict[str, Any] | None = None
-    ) -> None:
-        """A new session's log: its metadata and first tokens (with the chat message they render,
-        as `append_message` writes one), durable before this returns."""
-        self.write_new(session_id, meta, tokens, message)
+    def create(self, session_id: str, meta: dict[str, Any], tokens: list[int]) -> None:
+        """A new session's log: its metadata and first tokens, durable before this returns."""
+        self.write_new(session_id, meta, tokens)
         self.open_new(session_id)
 
     def write_new(
@@ -142,8 +139,7 @@ class TokenStore:
         Returns its size in bytes."""
         data = [record(META, json.dumps(meta).encode())]
         if message is not None:
-            head = json.dumps(message).encode()
-            data.append(record(MESSAGE, struct.pack("<I", len(head)) + head + _pack(tokens)))
+            data.append(_message_record(message, tokens))
         elif tokens:
             data.append(record(TOKENS, _pack(tokens)))
         joined = b"".join(data)
@@ -174,8 +170,7 @@ class TokenStore:
                 raise ValueError(f"token {num_tokens} is inside a chat message (tokens {start} to {end})")
             if start > at:
                 data.append(record(TOKENS, _pack(tokens[at:start])))
-            head = json.dumps(message).encode()
-            data.append(record(MESSAGE, struct.pack("<I", len(head)) + head + _pack(tokens[start:end])))
+            data.append(_message_record(message, tokens[start:end]))
             messages.append((message, start))
             at = end
         if at < num_tokens:
@@ -243,8 +238,7 @@ class TokenStore:
 
     def append_message(self, session_id: str, message: dict[str, Any], tokens: list[int]) -> None:
         """A chat message and the tokens it adds to the context, as one record."""
-        head = json.dumps(message).encode()
-        self._write(session_id, record(MESSAGE, struct.pack("<I", len(head)) + head + _pack(tokens)))
+        self._write(session_id, _message_record(message, tokens))
 
     def set_meta(self, session_id: str, meta: dict[str, Any]) -> None:
         self._write(session_id, record(META, json.dumps(meta).encode()))
@@ -497,3 +491,9 @@ def record(kind: int, payload: bytes) -> bytes:
 
 def _pack(tokens: list[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+def _message_record(message: dict[str, Any], tokens: list[int]) -> bytes:
+    """A chat message and the tokens it adds to the context, as one record."""
+    head = json.dumps(message).encode()
+    return record(MESSAGE, struct.pack("<I", len(head)) + head + _pack(tokens))
