@@ -163,7 +163,8 @@ class HbmShares:
         if not self.target or budget <= 0 or self._settled:
             return 0
         b, sessions = self.blocks, self.tiers.sessions
-        under = {s: np.maximum(share - self.held(s), 0) for s, share in self.target.items()}
+        held = _Held(self)
+        under = {s: np.maximum(share - held[s], 0) for s, share in self.target.items()}
         wanted = sum(under.values(), np.zeros(b.num_layers, dtype=np.int64))  # [L]
         need = np.maximum(wanted - b.hbm_alloc.free, 0)  # [L] slots to free first
         moved = 0
@@ -171,14 +172,17 @@ class HbmShares:
             # Idle unpinned sessions first, then active ones above their shares; at most half the
             # budget, so that the slots freed are filled in the same call.
             half = max(1, budget // 2)
-            givers = [(s, self.held(s)) for s in b.tables() if s not in self.target and not sessions[s].pinned]
-            givers += [(s, np.maximum(self.held(s) - share, 0)) for s, share in self.target.items()]
-            for seq, excess in givers:
-                count = np.minimum(excess, need)
+            givers = [s for s in b.tables() if s not in self.target and not sessions[s].pinned]
+            givers += list(self.target)
+            for seq in givers:
                 if moved >= half or not need.any():
                     break
+                share = self.target.get(seq)
+                excess = held[seq] if share is None else np.maximum(held[seq] - share, 0)
+                count = np.minimum(excess, need)
                 if count.any():
                     gone = self._demote(seq, _within(count, half - moved), protect)
+                    held.lose(seq, gone)
                     need -= gone
                     moved += int(gone.sum())
         if moved < budget and wanted.any():
@@ -191,12 +195,12 @@ class HbmShares:
                 * min(1.0, (budget - moved) / max(1, int(np.minimum(wanted, free).sum())))
             )
             for seq, lack in under.items():
-                moved += self._fill(seq, (lack * scale).astype(np.int64), budget - moved, protect)
+                moved += held.gain(seq, self._fill(seq, (lack * scale).astype(np.int64), budget - moved, protect))
             for seq, share in self.target.items():
                 if moved >= budget:
                     break
-                lack = np.maximum(share - self.held(seq), 0)
-                moved += self._fill(seq, np.minimum(lack, b.hbm_alloc.free), budget - moved, protect)
+                lack = np.maximum(share - held[seq], 0)
+                moved += held.gain(seq, self._fill(seq, np.minimum(lack, b.hbm_alloc.free), budget - moved, protect))
         self.tiers.counters.hbm_rebalance_count += moved
         self._settled = moved == 0
         return moved
@@ -238,10 +242,41 @@ class HbmShares:
         self.tiers.counters.hbm_evict_count += len(layers)
         return np.bincount(layers, minlength=b.num_layers)
 
-    def _fill(self, seq: SeqId, room: np.ndarray, budget: int, protect: dict[SeqId, int]) -> int:
+    def _fill(self, seq: SeqId, room: np.ndarray, budget: int, protect: dict[SeqId, int]) -> np.ndarray:
         """Copy `seq`'s most valuable DDR-only full blocks up into free HBM slots, at most `room[l]`
-        in layer l and `budget` in all; how many went."""
-        return len(self.promoter.copy_up_ddr_only(seq, room, budget, protect))
+        in layer l and `budget` in all; the layers of those that went."""
+        return self.promoter.copy_up_ddr_only(seq, room, budget, protect)
+
+
+class _Held:
+    """`HbmShares.held` of each session, read once in a `rebalance` and kept up to date with its
+    moves: a demotion moves only blocks a session has alone (each counts 1), a fill may copy up
+    blocks it shares (each counts a part for each of its sessions: theirs are read again)."""
+
+    def __init__(self, shares: HbmShares) -> None:
+        self._shares = shares
+        self._held: dict[SeqId, np.ndarray] = {}
+
+    def __getitem__(self, seq: SeqId) -> np.ndarray:
+        held = self._held.get(seq)
+        if held is None:
+            held = self._held[seq] = self._shares.held(seq)
+        return held
+
+    def lose(self, seq: SeqId, gone: np.ndarray) -> None:
+        self._held[seq] = self[seq] - gone
+
+    def gain(self, seq: SeqId, layers: np.ndarray) -> int:
+        """`seq`'s blocks copied up into `layers`; how many."""
+        if not len(layers):
+            return 0
+        peers = self._shares.blocks.peers(seq)
+        if peers:
+            for s in peers | {seq}:
+                self._held.pop(s, None)
+        else:
+            self._held[seq] = self[seq] + np.bincount(layers, minlength=len(self[seq]))
+        return len(layers)
 
 
 def _within(count: np.ndarray, budget: int) -> np.ndarray:
