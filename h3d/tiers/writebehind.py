@@ -120,6 +120,7 @@ class WriteBehind:
         self.max_in_flight = max(1, (WRITE_BEHIND_IN_FLIGHT_MB << 20) // block)
         self.cursor: dict[SeqId, int] = {}  # blocks before it: archived or in flight in every layer
         self.batches: list[_Batch] = []
+        self._writing = np.zeros(0, dtype=bool)  # [E] the entries of the batches in flight
         self.written_blocks = 0
         self.wants_room = 0  # archive bytes it was refused for want of capacity (the upkeep makes room)
         self._over_since: float | None = None
@@ -251,7 +252,7 @@ class WriteBehind:
         ids = t.ids[full_layers, start : start + cols]  # [L, cols]
         todo = ~e.archived[ids]  # (a block shared with other sessions: written once, its record this session's)
         if self.batches:  # nor again while another session's batch writes it
-            todo &= ~np.isin(ids, np.concatenate([x.ids for x in self.batches]))
+            todo &= ~self._in_flight(ids)
         # DDR room for the copies down: what lies below the watermark, cheap copies dropped for it
         # (perhaps of these blocks too: which need a copy down is read after the drops)
         free = self._ddr_room(int((todo & (e.ddr[ids] == NONE)).sum()), batch, protect)
@@ -290,8 +291,24 @@ class WriteBehind:
             digests = self.copy_up.digests(name, bl) if self.copy_up is not None else None
             future = self._pool.submit(self._write, ready, name, ly, bl, slots, digests)
             self.batches.append(_Batch(seq, ly, bl, slots, future, len(bl) * tiers.block_bytes, t.ids[ly, bl]))
+            self._mark(self.batches[-1].ids, True)
         self.cursor[seq] = start + cols
         return len(blocks)
+
+    def _in_flight(self, ids: np.ndarray) -> np.ndarray:
+        """Which of the entries `ids` a batch in flight writes (a mask kept as batches come and
+        go: a lookup, where a set test against every batch's entries sorted them all each call)."""
+        if not len(self._writing):
+            return np.zeros(ids.shape, dtype=bool)
+        inside = ids < len(self._writing)
+        return inside & self._writing[np.where(inside, ids, 0)]
+
+    def _mark(self, ids: np.ndarray, writing: bool) -> None:
+        if writing and len(ids) and int(ids.max()) >= len(self._writing):
+            grown = np.zeros(max(int(ids.max()) + 1, 2 * len(self._writing)), dtype=bool)
+            grown[: len(self._writing)] = self._writing
+            self._writing = grown
+        self._writing[ids] = writing
 
     def _ddr_room(self, want: int, batch: list[SeqId], protect: dict[SeqId, int]) -> int:
         """DDR slots the copies down may take now: those below the high watermark, cheap copies
@@ -346,6 +363,7 @@ class WriteBehind:
                 continue
             error = x.future.exception()  # waits
             b.ddr_alloc.let_go(x.slots)
+            self._mark(x.ids, False)
             if error is not None:
                 if not isinstance(error, ArchiveWriteFailed):
                     raise error
