@@ -1059,6 +1059,8 @@ class Engine:
         out = self.schedule()
         events += self._ended
         self._ended = []
+        if out.chunks:
+            self._capture_ahead(out)
         t0 = time.perf_counter()
         host = self.runner.host_times = HostTimes()
         if out.chunks:
@@ -1077,6 +1079,35 @@ class Engine:
             host if host.layers else None,
         )
         return events
+
+    def _capture_ahead(self, out: SchedulerOutput) -> None:
+        """Before a step that gives requests their first token (their prompt's last chunk): the
+        decode graph of the batch they then join, captured now if it would not replay
+        (`DecodeGraphs.ahead`): its stall falls on this step, which the newcomers' prompts make
+        long for the decoding streams anyway, not on a later step of every stream."""
+        graphs = self.runner.graphs
+        if not graphs.deferring:
+            return
+        joining = {
+            r.id
+            for r, c in zip(out.requests, out.chunks, strict=True)
+            if r.generate and c.want_logits and r.first_token_at is None
+        }
+        if not joining:
+            return
+        bs = self.kv.block_size
+        batch = [  # the requests that decode at the next step: those decoding and the newcomers, bar the ending
+            r
+            for r in self._requests.values()
+            if r.generate
+            and not r.cancelled
+            and (r.id in joining or r.first_token_at is not None)
+            and r.params.max_tokens - len(r.output_ids) > 1
+        ]
+        # The next step's tables: the token sampled now appended (a decoding stream's last one too).
+        key = graphs.ahead([r.session.seq for r in batch], [-(-(len(r.session.tokens) + 1) // bs) for r in batch])
+        if key is not None:
+            self.captured.append(key)
 
     def _run(self, out: SchedulerOutput, begin: bool = False) -> list[Event]:
         """Plan, run and commit `out`'s chunks; their events. With `begin`, a lone long chunk that

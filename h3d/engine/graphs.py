@@ -386,6 +386,7 @@ class DecodeGraphs:
         self.deferred: OrderedDict[GraphKey, int] = OrderedDict()
         self.eager_steps = 0  # steps run uncaptured while their graph waited to be captured
         self.captures_after_ready = 0
+        self.captures_ahead = 0  # of those, before the step that joined sessions to a batch (`ahead`)
         self.capture_s: dict[GraphKey, float] = {}  # how long each graph's last capture took
 
     @property
@@ -402,18 +403,48 @@ class DecodeGraphs:
             return 0
         return min(budget - sinks - recent, num_blocks - sinks - recent)
 
-    def _key(self, seqs: list[SeqId], tables: list[BlockTable]) -> GraphKey:
-        """The graph a step of these sessions replays (their shapes only). Gives every selecting
-        session's digests room for the new key's part (their extents may move: read after)."""
+    def _key(self, seqs: list[SeqId], blocks: list[int]) -> GraphKey:
+        """The graph a step of these sessions replays, their tables `blocks` blocks wide (their
+        shapes only). Gives every selecting session's digests room for the new key's part (their
+        extents may move: read after)."""
         r = self.runner
-        batch, width = batch_bucket(len(seqs)), width_bucket(max(t.num_blocks for t in tables))
+        batch, width = batch_bucket(len(seqs)), width_bucket(max(blocks))
         selecting = [i for i, s in enumerate(seqs) if r.kv.policy(s).selects]
         if not selecting:
             return GraphKey(batch, width)
         for i in selecting:
-            r.digests.ensure(seqs[i], tables[i].num_blocks * r.digests.parts)
-        k = max(self.capacity, room_bucket(max(self._room(seqs[i], tables[i].num_blocks) for i in selecting)))
+            r.digests.ensure(seqs[i], blocks[i] * r.digests.parts)
+        k = max(self.capacity, room_bucket(max(self._room(seqs[i], blocks[i]) for i in selecting)))
         return GraphKey(batch, width, k, mixed=len(selecting) < len(seqs))
+
+    def ahead(self, seqs: list[SeqId], blocks: list[int]) -> GraphKey | None:
+        """Before the step that gives some of `seqs` their first token: the graph of the decode
+        step after it, where `seqs` (the batch then, more than one) have tables `blocks` blocks
+        wide, captured now unless it would replay already; the key captured, or None. The capture
+        stalls the step that computes the newcomers' prompts (which delays the decoding streams
+        anyway) instead of a later decode step of every stream, after `DEFER_STEPS` uncaptured
+        ones. As `applies` (a selecting session needs its digests: a newcomer whose prompt was
+        appended before, not one whose prompt this step computes), but nothing is counted."""
+        r = self.runner
+        if not (self.enabled and self.deferring) or not 1 < len(seqs) <= MAX_BATCH:
+            return None
+        if r.model.model.layers[0].self_attn.attention is not kernel_attention:  # type: ignore[union-attr]
+            return None
+        for seq, n in zip(seqs, blocks, strict=True):
+            policy = r.kv.policy(seq)
+            if not policy.graphable:
+                return None
+            if policy.selects and (
+                r.hbf.dense_layers >= r.blocks.num_layers or not r.digests.has(seq) or self._room(seq, n) <= 0
+            ):
+                return None
+        key = self._key(seqs, blocks)
+        if self._current(key) or not self.prepare(key):
+            return None
+        self.deferred.pop(key, None)
+        self.captures_after_ready += 1
+        self.captures_ahead += 1
+        return key
 
     def applies(self, seqs: list[SeqId]) -> GraphKey | None:
         """The graph a decode step of these sessions runs (replayed; uncaptured while it waits in
@@ -434,7 +465,7 @@ class DecodeGraphs:
                     return None
                 if self._room(seq, t.num_blocks) <= 0:
                     return None  # a context within its window reads every block: eager
-        key = self._key(seqs, tables)
+        key = self._key(seqs, [t.num_blocks for t in tables])
         if self.deferring and not self._current(key):
             self.deferred[key] = self.deferred.get(key, 0) + 1
             self.eager_steps += 1  # its forward runs uncaptured (`run`), captured between steps (`capture_deferred`)

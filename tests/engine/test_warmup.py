@@ -155,6 +155,67 @@ def test_a_batch_whose_graph_waits_decodes_through_it_uncaptured_as_the_eager_pa
     assert list(deferred) == [GraphKey(2, width_bucket(300 // BS + 1), 16)] and deferred[next(iter(deferred))] == waited
 
 
+def test_sessions_joining_a_batch_find_its_graph_captured_before_their_first_token(
+    checkpoint: Callable[[str], FsPath],
+) -> None:
+    """A session decodes alone (batch 1: the warm set); two more, their prompts appended before,
+    join it. The graph of the three (batch 4) is captured before the step that gives the newcomers
+    their first token (`DecodeGraphs.ahead`), so that every later step replays it: no step runs
+    uncaptured, none waits for a capture. Greedy tokens: an engine's without graphs. A newcomer
+    whose prompt that step computes has no digests yet: nothing is captured ahead for it."""
+    prompts = [random_prompt(300, VOCAB_SIZE, seed=s) for s in (1, 2, 3)]
+    out = []
+    for graphs in (True, False):
+        engine = _engine(checkpoint, graphs=graphs)
+        g = engine.runner.graphs
+        if graphs:
+            engine.warm(kernels=False)
+            while g.deferred:  # the warm set captured, as an idle daemon does after ready
+                engine.upkeep(idle=True)
+            engine.captured.clear()
+        sids = [engine.create_session() for _ in prompts]
+        for sid, ids in zip(sids, prompts, strict=True):
+            engine.append(sid, token_ids=ids)
+        tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        rids = {engine.submit(sids[0], params=engine.with_sampling(max_tokens=10, ignore_eos=True)): 0}
+
+        def step(rids: dict[int, int] = rids, tokens: dict[int, list[int]] = tokens, engine=engine) -> None:  # type: ignore[no-untyped-def]
+            for event in engine.step():
+                if isinstance(event, TokenDelta) and event.request_id in rids:
+                    tokens[rids[event.request_id]].append(event.token_id)
+
+        for _ in range(3):
+            step()
+        replays, eager = g.replays, g.eager_steps
+        for i in (1, 2):
+            rids[engine.submit(sids[i], params=engine.with_sampling(max_tokens=6, ignore_eos=True))] = i
+        step()  # the newcomers' first tokens, the first session's fourth
+        ahead = list(engine.captured), g.captures_ahead
+        while engine.has_work:
+            step()
+        out.append((tokens, ahead, g.replays - replays, g.eager_steps - eager, dict(g.deferred)))
+        engine.close()
+    (tokens, ahead, replays, eager, deferred), (e_tokens, *_) = out
+    assert tokens == e_tokens and [len(t) for t in tokens.values()] == [10, 6, 6]
+    key = GraphKey(4, width_bucket(-(-(300 + 5) // BS)), 16)  # 3 sessions; the first one's table 4 tokens on
+    assert ahead == ([key], 1) and key not in deferred
+    # the newcomers' first step (their prompts' last token: a decode step's shape) and five more of
+    # the three, then the first session's last token alone (batch 1)
+    assert eager == 0 and replays == 1 + 5 + 1
+
+    engine = _engine(checkpoint, graphs=True)
+    engine.warm(kernels=False)
+    a, b = engine.create_session(), engine.create_session()
+    engine.append(a, token_ids=prompts[0])
+    engine.submit(a, params=engine.with_sampling(max_tokens=4, ignore_eos=True))
+    engine.step()
+    engine.submit(b, token_ids=prompts[1], params=engine.with_sampling(max_tokens=4, ignore_eos=True))
+    while engine.has_work:
+        engine.step()
+    assert engine.runner.graphs.captures_ahead == 0  # b's prompt computed with its first token: no digests before
+    engine.close()
+
+
 @pytest.mark.parametrize("policy", ["exact", "attention_entropy"])
 def test_graphs_made_from_padding_replay_real_steps_as_the_eager_path_does(
     checkpoint: Callable[[str], FsPath], policy: str
