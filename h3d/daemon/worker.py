@@ -176,7 +176,7 @@ class EngineWorker:
                 self._warm_captured.append(ms)
                 continue
             log.info("graph_captured", batch=key.batch, width=key.width, k=key.k, mixed=key.mixed,
-                     after_ready=True, ms=ms)  # fmt: skip
+                     after_ready=True, ahead=key in graphs.ahead_keys, ms=ms)  # fmt: skip
         engine.captured.clear()
         if self._warm_captured and not graphs.warm_waiting:
             log.info("graphs_warmed", graphs=len(self._warm_captured),

@@ -387,6 +387,7 @@ class DecodeGraphs:
         self.eager_steps = 0  # steps run uncaptured while their graph waited to be captured
         self.captures_after_ready = 0
         self.captures_ahead = 0  # of those, before the step that joined sessions to a batch (`ahead`)
+        self.ahead_keys: set[GraphKey] = set()  # the graphs `ahead` captured
         self.capture_s: dict[GraphKey, float] = {}  # how long each graph's last capture took
 
     @property
@@ -444,6 +445,7 @@ class DecodeGraphs:
         self.deferred.pop(key, None)
         self.captures_after_ready += 1
         self.captures_ahead += 1
+        self.ahead_keys.add(key)
         return key
 
     def applies(self, seqs: list[SeqId]) -> GraphKey | None:

@@ -190,7 +190,7 @@ def test_sessions_joining_a_batch_find_its_graph_captured_before_their_first_tok
         for i in (1, 2):
             rids[engine.submit(sids[i], params=engine.with_sampling(max_tokens=6, ignore_eos=True))] = i
         step()  # the newcomers' first tokens, the first session's fourth
-        ahead = list(engine.captured), g.captures_ahead
+        ahead = list(engine.captured), g.captures_ahead, set(g.ahead_keys)
         while engine.has_work:
             step()
         out.append((tokens, ahead, g.replays - replays, g.eager_steps - eager, dict(g.deferred)))
@@ -198,7 +198,7 @@ def test_sessions_joining_a_batch_find_its_graph_captured_before_their_first_tok
     (tokens, ahead, replays, eager, deferred), (e_tokens, *_) = out
     assert tokens == e_tokens and [len(t) for t in tokens.values()] == [10, 6, 6]
     key = GraphKey(4, width_bucket(-(-(300 + 5) // BS)), 16)  # 3 sessions; the first one's table 4 tokens on
-    assert ahead == ([key], 1) and key not in deferred
+    assert ahead == ([key], 1, {key}) and key not in deferred
     # the newcomers' first step (their prompts' last token: a decode step's shape) and five more of
     # the three, then the first session's last token alone (batch 1)
     assert eager == 0 and replays == 1 + 5 + 1
