@@ -304,13 +304,14 @@ class Promoter:
         b = self.blocks
         free = b.hbm_alloc.free  # [L] (a copy)
         budget = self.promote_blocks_per_step or b.hbm_capacity
-        for seq in batch:
-            if budget <= 0 or not free.any():
-                return
-            room = self.room(seq)
-            lay = self.copy_up_ddr_only(seq, free if room is None else np.minimum(free, room), budget, protect)
-            free -= np.bincount(lay, minlength=b.num_layers)
-            budget -= len(lay)
+        with self.tiers.mover.batched():  # every session's copies up in one launch
+            for seq in batch:
+                if budget <= 0 or not free.any():
+                    return
+                room = self.room(seq)
+                lay = self.copy_up_ddr_only(seq, free if room is None else np.minimum(free, room), budget, protect)
+                free -= np.bincount(lay, minlength=b.num_layers)
+                budget -= len(lay)
 
     def copy_up_ddr_only(self, seq: SeqId, room: np.ndarray, budget: int, protect: dict[SeqId, int]) -> np.ndarray:
         """Copy `seq`'s most valuable full blocks that only DDR holds into free HBM slots, at most

@@ -162,6 +162,15 @@ class HbmShares:
         """At most `budget` blocks moved toward the shares; returns how many."""
         if not self.target or budget <= 0 or self._settled:
             return 0
+        # Every session's copies in two launches, all those down (givers' blocks out of their
+        # slots), then all those up (fills into free slots, some just freed).
+        with self.tiers.mover.batched():
+            moved = self._rebalance(budget, protect)
+        self.tiers.counters.hbm_rebalance_count += moved
+        self._settled = moved == 0
+        return moved
+
+    def _rebalance(self, budget: int, protect: dict[SeqId, int]) -> int:
         b, sessions = self.blocks, self.tiers.sessions
         held = _Held(self)
         under = {s: np.maximum(share - held[s], 0) for s, share in self.target.items()}
@@ -201,8 +210,6 @@ class HbmShares:
                     break
                 lack = np.maximum(share - held[seq], 0)
                 moved += held.gain(seq, self._fill(seq, np.minimum(lack, b.hbm_alloc.free), budget - moved, protect))
-        self.tiers.counters.hbm_rebalance_count += moved
-        self._settled = moved == 0
         return moved
 
     def _demote(self, seq: SeqId, count: np.ndarray, protect: dict[SeqId, int]) -> np.ndarray:
