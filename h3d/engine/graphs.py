@@ -387,6 +387,7 @@ class DecodeGraphs:
         self.eager_steps = 0  # steps run uncaptured while their graph waited to be captured
         self.captures_after_ready = 0
         self.captures_ahead = 0  # of those, before the step that joined sessions to a batch (`ahead`)
+        self.table_writes = {"moved": 0, "whole": 0}  # slots' locations written: the blocks moved, or all
         self.ahead_keys: set[GraphKey] = set()  # the graphs `ahead` captured
         self.capture_s: dict[GraphKey, float] = {}  # how long each graph's last capture took
 
@@ -418,6 +419,7 @@ class DecodeGraphs:
         k = max(self.capacity, room_bucket(max(self._room(seqs[i], blocks[i]) for i in selecting)))
         return GraphKey(batch, width, k, mixed=len(selecting) < len(seqs))
 
+    @torch.inference_mode()
     def ahead(self, seqs: list[SeqId], blocks: list[int]) -> GraphKey | None:
         """Before the step that gives some of `seqs` their first token: the graph of the decode
         step after it, where `seqs` (the batch then, more than one) have tables `blocks` blocks
@@ -781,17 +783,25 @@ class DecodeGraphs:
                 g.below[i] = g.whole[i] = 0
                 continue
             t, nb = tables[i], entry[2]
-            if self._appended_only(seen, entry, t):  # the blocks it saw are where they were
-                new = t.all_locations(seen[2])  # (not a long context's whole table, every 16 tokens)
-                locs[:, i, seen[2] : nb] = new
-                rows = self._whole_layers if entry[3] else slice(None)
+            moves = self._moves(seen, entry, t)
+            if moves is not None:  # the blocks it saw are where they were, bar those moved or added
+                layers, blocks = moves
+                if len(blocks):  # (not a long context's whole table: a step's promotions)
+                    cell = np.unique(layers * t.capacity + blocks)
+                    layers, blocks = cell // t.capacity, cell % t.capacity
+                    old, new = locs[layers, i, blocks], t.locations_at(layers, blocks)
+                    locs[layers, i, blocks] = new
+                    read = self._whole_layers[layers] if entry[3] else True  # the blocks it reads whole
+                    g.below[i] += int(np.count_nonzero(read & (new < 0))) - int(np.count_nonzero(read & (old < 0)))
                 g.whole[i] = int(np.count_nonzero(self._whole_layers)) * nb if entry[3] else len(locs) * nb
-                g.below[i] += int(np.count_nonzero(new[rows] < 0))
                 if self.runner.check_invariants:  # the tests: as the whole table gives them
+                    rows = self._whole_layers if entry[3] else slice(None)
                     where = t.all_locations()
-                    assert (locs[:, i, :nb] == where).all() and not locs[:, i, nb:].any(), "appended locations"
-                    assert g.below[i] == int(np.count_nonzero(where[rows] < 0)), "appended blocks read below HBM"
+                    assert (locs[:, i, :nb] == where).all() and not locs[:, i, nb:].any(), "moved locations"
+                    assert g.below[i] == int(np.count_nonzero(where[rows] < 0)), "moved blocks read below HBM"
+                self.table_writes["moved"] += 1
                 continue
+            self.table_writes["whole"] += 1
             where = t.all_locations()
             locs[:, i, :nb] = where
             locs[:, i, nb:] = 0
@@ -802,15 +812,14 @@ class DecodeGraphs:
             g.below[i] = int(np.count_nonzero(whole & (where < 0)))
         return changed
 
-    def _appended_only(self, seen: tuple, entry: tuple, t: BlockTable) -> bool:
-        """Whether a slot's table moved from what the graph saw (`seen`: session, version, blocks,
-        selects) to `entry` by blocks appended alone (`BlockTable.appended`), in a model without
-        window layers (whose blocks read whole change with every token): then only the new
-        blocks' locations need writing."""
-        return (
-            seen[0] == entry[0] and seen[3] == entry[3] and seen[1] + 1 == entry[1]
-            and t.appended == (entry[1], seen[2]) and not len(self.runner.blocks.window_layers)
-        )  # fmt: skip
+    def _moves(self, seen: tuple, entry: tuple, t: BlockTable) -> tuple[np.ndarray, np.ndarray] | None:
+        """The blocks whose locations need writing where a slot's table went from what the graph
+        saw (`seen`: session, version, blocks, selects) to `entry` by moves and appends alone
+        (`BlockTable.moves_since`: a step's promotions, evictions, new blocks), in a model without
+        window layers (whose blocks read whole change with every token); None: all of them."""
+        if seen[0] != entry[0] or seen[3] != entry[3] or seen[2] > entry[2] or len(self.runner.blocks.window_layers):
+            return None
+        return t.moves_since(seen[1])
 
     def _forward(self, g: _Graph) -> torch.Tensor:
         r = self.runner

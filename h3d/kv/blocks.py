@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -101,6 +101,9 @@ def first_blocks(runs: Runs, n: int) -> Runs:
     return out
 
 
+MOVES_KEPT = 64  # versions a table's log of moved blocks spans at most (`BlockTable.moved`)
+
+
 @dataclass(slots=True)
 class BlockTable:
     """One session's blocks per layer: block j holds tokens [j*bs, (j+1)*bs).
@@ -120,7 +123,10 @@ class BlockTable:
     runs_cache: dict[int, tuple[int, Runs]] | None = None  # layer -> (version, runs)
     homeless_at: tuple[int, bool] | None = None  # (version, whether a block is in the archive only)
     ddr_only_at: tuple[int, int] | None = None  # (version, n): none of the first n blocks was in DDR only
-    appended: tuple[int, int] | None = None  # (version, n): that version only added blocks from n on
+    # The (layers, blocks) each version from `moves_from` on changed the locations of (`moved`);
+    # a change made otherwise (`version` set alone) ends the log.
+    moves_from: int = -1
+    moves: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
     @property
     def capacity(self) -> int:
@@ -167,6 +173,12 @@ class BlockTable:
         hbm = self.entries.hbm[ids]
         return np.where(hbm >= 0, hbm, ddr_loc(self.entries.ddr[ids]))
 
+    def locations_at(self, layers: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """`locations` of the blocks `blocks` of `layers` (one each): [n]."""
+        ids = self.ids[layers, blocks]
+        hbm = self.entries.hbm[ids]
+        return np.where(hbm >= 0, hbm, ddr_loc(self.entries.ddr[ids]))
+
     def all_locations(self, first: int = 0) -> np.ndarray:
         """`locations` of every layer: [L, num_blocks], or of the blocks from `first` on."""
         ids = self.ids[:, first : self.num_blocks]
@@ -180,14 +192,42 @@ class BlockTable:
         ids = self.ids[:, :n] if layer is None else self.ids[layer, :n]
         return (self.entries.hbm[ids] == NONE) & (self.entries.ddr[ids] == NONE) & (ids != NULL_ENTRY)
 
+    def moved(self, layers: np.ndarray | int, blocks: np.ndarray) -> None:
+        """A change of where attention reads the blocks `blocks` of `layers` (one layer, or one
+        each) and of no other: a new version, the blocks kept for `moves_since`."""
+        blocks = np.array(blocks, dtype=np.int64).ravel()
+        if self.moves_from < 0 or self.moves_from + len(self.moves) != self.version:
+            self.moves_from, self.moves = self.version, []  # (a change outside the log came between)
+        elif len(self.moves) >= MOVES_KEPT:
+            del self.moves[: MOVES_KEPT // 2]
+            self.moves_from += MOVES_KEPT // 2
+        if np.ndim(layers) == 0:
+            layers = np.full(len(blocks), layers, dtype=np.int64)
+        self.moves.append((np.array(layers, dtype=np.int64).ravel(), blocks))
+        self.version += 1
+
+    def moves_since(self, version: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The (layers, blocks) whose locations may have changed since `version` (some perhaps
+        more than once), or None where that is not known: read the whole table then."""
+        first = self.moves_from
+        if first < 0 or first + len(self.moves) != self.version or not first <= version <= self.version:
+            return None
+        since = self.moves[version - first :]
+        if not since:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        return np.concatenate([m[0] for m in since]), np.concatenate([m[1] for m in since])
+
     def bump(self, appended_from: int | None = None) -> None:
         """A change of where attention reads a block: a new version. `appended_from`: blocks were
         only added, each with a home, from that block on, so that what is cached of the older
-        blocks' copies still holds (carried to the new version; `appended` says so)."""
+        blocks' copies still holds (carried to the new version; `moves_since` lists the new ones)."""
         was = self.version
-        self.version += 1
         if appended_from is not None:
-            self.appended = (self.version, appended_from)
+            L, new = self.ids.shape[0], np.arange(appended_from, self.num_blocks, dtype=np.int64)
+            self.moved(np.repeat(np.arange(L, dtype=np.int64), len(new)), np.tile(new, L))
+        else:
+            self.version += 1
+        if appended_from is not None:
             if self.homeless_at is not None and self.homeless_at[0] == was:
                 self.homeless_at = (self.version, self.homeless_at[1])
             if self.ddr_only_at is not None and self.ddr_only_at[0] == was:
@@ -647,7 +687,7 @@ class BlockManager:
         slots = self.hbm_alloc[layer].allocate(len(blocks), seq)
         self.entries.hbm[ids] = slots
         self.hbm_block[slots] = blocks
-        table.version += 1
+        table.moved(layer, blocks)
         self._touched(seq, ids)
         return slots
 
@@ -662,7 +702,7 @@ class BlockManager:
         self._check_other_copy(layer, blocks, (e.ddr[ids] != NONE) | (e.archived[ids] & full), "HBM")
         self.hbm_alloc[layer].release(e.hbm[ids])
         e.hbm[ids] = NONE
-        table.version += 1
+        table.moved(layer, blocks)
 
     def drop_hbm_many(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray) -> None:
         """`drop_hbm` for (layer, block) pairs of several layers at once, `layers` sorted."""
@@ -675,7 +715,7 @@ class BlockManager:
             raise RuntimeError(f"dropping the only usable copy of block {blocks[i]} of layer {layers[i]} from HBM")
         self.hbm_alloc.release_many(layers, e.hbm[ids])
         e.hbm[ids] = NONE
-        table.version += 1
+        table.moved(layers, blocks)
 
     def add_hbm_many(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray) -> np.ndarray:
         """`add_hbm` for (layer, block) pairs of several layers at once, `layers` sorted; the
@@ -685,7 +725,7 @@ class BlockManager:
         ids = table.ids[layers, blocks]
         self.entries.hbm[ids] = slots
         self.hbm_block[slots] = blocks
-        table.version += 1
+        table.moved(layers, blocks)
         self._touched(seq, ids)
         return slots
 
@@ -695,8 +735,9 @@ class BlockManager:
         ids = table.ids[layers, blocks]
         assert (self.entries.ddr[ids] == NONE).all(), "block already in DDR"
         slots = self.ddr_alloc.allocate(len(blocks), seq)
-        if (self.entries.hbm[ids] == NONE).any():  # a DDR copy beside an HBM one changes no location
-            table.version += 1
+        ddr_only = self.entries.hbm[ids] == NONE  # (a DDR copy beside an HBM one changes no location)
+        if ddr_only.any():
+            table.moved(layers[ddr_only], blocks[ddr_only])
         self.entries.ddr[ids] = slots
         self._touched(seq, ids)
         return slots
@@ -709,7 +750,7 @@ class BlockManager:
         assert ((self.entries.ddr[ids] == NONE) & (self.entries.hbm[ids] == NONE)).all(), "block has a copy"
         self.ddr_alloc.claim(slots, seq)
         self.entries.ddr[ids] = slots
-        table.version += 1
+        table.moved(layers, blocks)
         self._touched(seq, ids)
 
     def move_hbm_many(
@@ -729,7 +770,7 @@ class BlockManager:
         e.hbm[was] = NONE
         e.hbm[now] = slots
         self.hbm_block[slots] = new
-        table.version += 1
+        table.moved(np.concatenate([layers, layers]), np.concatenate([old, new]))
         self._touched(seq, now)
 
     def drop_ddr(self, seq: SeqId, layer: int, blocks: np.ndarray) -> None:
@@ -741,7 +782,7 @@ class BlockManager:
         self._check_other_copy(layer, blocks, (e.hbm[ids] != NONE) | (e.archived[ids] & full), "DDR")
         self.ddr_alloc.release(e.ddr[ids])
         e.ddr[ids] = NONE
-        table.version += 1
+        table.moved(layer, blocks)
 
     def drop_to_archive(self, seq: SeqId) -> None:
         """Drop every HBM and DDR copy of `seq`'s blocks, all of which the archive holds (its
@@ -767,7 +808,7 @@ class BlockManager:
         ids = table.ids[layer, blocks]
         self.ddr_alloc.release(self.entries.ddr[ids])
         self.entries.ddr[ids] = NONE
-        table.version += 1
+        table.moved(layer, blocks)
 
     def set_archived(self, seq: SeqId, layer: int, blocks: np.ndarray, value: bool = True) -> None:
         table = self._tables[seq]
@@ -778,7 +819,7 @@ class BlockManager:
         e.num_archived += len(ids) * value - int(np.count_nonzero(e.archived[ids]))
         e.archived[ids] = value
         e.home[ids] = seq if value else NONE
-        table.version += 1
+        table.moved(layer, blocks[:0])  # (where attention reads them does not change)
 
     def set_archived_many(self, seq: SeqId, layers: np.ndarray, blocks: np.ndarray) -> None:
         """(layer, block) pairs of `seq` have a durable archive copy now (write-behind): where
@@ -855,8 +896,8 @@ class BlockManager:
         assert (pointed == e.refs).all(), "an entry's reference count is not the number of cells pointing to it"
         free = e.free_ids()
         assert len(free) + e.num_used == e.capacity - 1 and not (pointed[free] > 0).any(), "a free entry is in use"
-        for name, field, empty in (("hbm", e.hbm, NONE), ("ddr", e.ddr, NONE), ("archived", e.archived, False)):
-            assert (field[free] == empty).all() and field[NULL_ENTRY] == empty, f"a free entry has a {name} copy"
+        for name, column, empty in (("hbm", e.hbm, NONE), ("ddr", e.ddr, NONE), ("archived", e.archived, False)):
+            assert (column[free] == empty).all() and column[NULL_ENTRY] == empty, f"a free entry has a {name} copy"
         for table in self._tables.values():
             assert (table.ids[:, table.num_blocks :] == NULL_ENTRY).all(), "a table points past its blocks"
         assert e.num_archived == int(np.count_nonzero(e.archived)), "the count of archived entries is off"

@@ -251,6 +251,46 @@ def test_graphs_made_from_padding_replay_real_steps_as_the_eager_path_does(
         np.testing.assert_allclose(x.cpu().numpy(), y.cpu().numpy(), rtol=2e-4, atol=2e-4)
 
 
+def test_a_graph_writes_only_the_moved_blocks_locations_of_tables_that_changed(
+    checkpoint: Callable[[str], FsPath],
+) -> None:
+    """Two sessions decode together through one graph with HBM for about half their blocks: each
+    step's promotions move blocks, and a new block comes every 16 tokens. The graph writes the
+    locations of those blocks alone (`BlockTable.moves_since`), and the invariant checks after
+    every step compare the graph's tables with the whole tables; the greedy tokens are an
+    engine's without graphs, with the same tiers."""
+    prompts = [random_prompt(400, VOCAB_SIZE, seed=s) for s in (5, 6)]
+    probe = _engine(checkpoint, graphs=False)
+    block, layers = probe.kv.tiers.block_bytes, probe.kv.blocks.num_layers
+    probe.close()
+    hbm_mb = 26 * layers * block / 2**20  # half of two 400-token sessions' blocks (and their growth)
+    out = []
+    for graphs in (True, False):
+        engine = _engine(checkpoint, graphs=graphs, hbm_mb=hbm_mb)
+        g = engine.runner.graphs
+        if graphs:
+            engine.warm(kernels=False)
+        sids = [engine.create_session() for _ in prompts]
+        for sid, ids in zip(sids, prompts, strict=True):
+            engine.append(sid, token_ids=ids)
+        rids = {
+            engine.submit(sid, params=engine.with_sampling(max_tokens=40, ignore_eos=True)): i
+            for i, sid in enumerate(sids)
+        }
+        tokens: list[list[int]] = [[], []]
+        while engine.has_work:
+            for event in engine.step():
+                if isinstance(event, TokenDelta):
+                    tokens[rids[event.request_id]].append(event.token_id)
+            engine.upkeep()
+        out.append((tokens, dict(g.table_writes), g.replays + g.eager_steps, engine.kv.tiers.counters.promote_count))
+        engine.close()
+    (tokens, writes, graph_steps, promoted), (e_tokens, *_) = out
+    assert tokens == e_tokens and all(len(t) == 40 for t in tokens)
+    assert graph_steps >= 39 and promoted > 0  # the decode through the graph, blocks promoted into HBM
+    assert writes["moved"] > 3 * writes["whole"]  # most slots' updates were their moved blocks alone
+
+
 def _engine_keys(checkpoint: Callable[[str], FsPath]) -> list[GraphKey]:
     engine = _engine(checkpoint, graphs=True)
     keys = engine.runner.graphs.warm_set(engine.max_context)
