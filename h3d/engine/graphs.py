@@ -819,7 +819,10 @@ class DecodeGraphs:
         window layers (whose blocks read whole change with every token); None: all of them."""
         if seen[0] != entry[0] or seen[3] != entry[3] or seen[2] > entry[2] or len(self.runner.blocks.window_layers):
             return None
-        return t.moves_since(seen[1])
+        moves = t.moves_since(seen[1])
+        if moves is not None and len(moves[1]) > t.ids.shape[0] * entry[2] // 4:
+            return None  # (a large part of the table: written whole, without the sort)
+        return moves
 
     def _forward(self, g: _Graph) -> torch.Tensor:
         r = self.runner
