@@ -109,7 +109,8 @@ def stats_text(stats: Any) -> str:
         (
             "graphs",
             f"{stats.graphs.captures_total} captured ({stats.graphs.warm_graphs} warm in {stats.graphs.warm_s:.1f}s, "
-            f"{stats.graphs.captures_after_ready} after ready, {stats.graphs.deferred} waiting); "
+            f"{stats.graphs.captures_after_ready} after ready, {stats.graphs.captures_ahead} of them ahead, "
+            f"{stats.graphs.deferred} waiting); "
             f"{stats.graphs.replays_total} steps replayed, {stats.graphs.eager_steps_total} uncaptured while waiting",
         ),
     ]

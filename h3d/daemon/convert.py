@@ -297,6 +297,7 @@ def graph_stats_pb(engine: Engine) -> pb.GraphStats:
     return pb.GraphStats(
         captures_total=g.captures,
         captures_after_ready=g.captures_after_ready,
+        captures_ahead=g.captures_ahead,
         replays_total=g.replays,
         eager_steps_total=g.eager_steps,
         warm_graphs=len(g.warm_keys),

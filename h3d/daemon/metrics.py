@@ -171,6 +171,10 @@ class Metrics:
                "Decode graphs captured after ready (between steps: the warm set left for after ready, and those steps "
                "wanted, which ran uncaptured meanwhile).",
                gr.captures_after_ready)  # fmt: skip
+        metric("h3d_graph_captures_ahead_total", "counter",
+               "Decode graphs captured ahead: before the step that joined sessions (their prompts appended before) to "
+               "a batch, for that batch.",
+               gr.captures_ahead)  # fmt: skip
         metric("h3d_graph_replays_total", "counter", "Decode steps replayed through a graph.", gr.replays_total)
         metric("h3d_graph_eager_steps_total", "counter", "Decode steps run uncaptured while their graph waited.",
                gr.eager_steps_total)  # fmt: skip

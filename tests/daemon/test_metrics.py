@@ -70,6 +70,7 @@ def test_render_passes_promtool() -> None:
     g.hbf_latency_us_p50, g.hbf_latency_us_p99 = 125.0, 2500.0
     stats.throughput.tokens_per_s = 42.0
     stats.throughput.generated_tokens_total = 100
+    stats.graphs.captures_after_ready, stats.graphs.captures_ahead = 5, 3
     text = m.render(stats, in_flight=2)
 
     promtool_check(text)
@@ -78,6 +79,8 @@ def test_render_passes_promtool() -> None:
     assert "# TYPE h3d_hbf_latency_seconds summary" in text and "h3d_hbf_latency_us" not in text
     assert value(text, 'h3d_rpc_duration_seconds_count{api="grpc",method="Generate"}') == 2
     assert value(text, "h3d_ttft_seconds_count") == 1
+    assert value(text, "h3d_graph_captures_after_ready_total") == 5
+    assert value(text, "h3d_graph_captures_ahead_total") == 3
 
 
 def test_daemon_metrics_pass_promtool(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:

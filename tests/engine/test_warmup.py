@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from h3d.daemon.convert import graph_stats_pb
 from h3d.engine import warmup
 from h3d.engine.graphs import MAX_GRAPHS, GraphKey, room_bucket, width_bucket
 from h3d.engine.session import TokenDelta
@@ -190,7 +191,7 @@ def test_sessions_joining_a_batch_find_its_graph_captured_before_their_first_tok
         for i in (1, 2):
             rids[engine.submit(sids[i], params=engine.with_sampling(max_tokens=6, ignore_eos=True))] = i
         step()  # the newcomers' first tokens, the first session's fourth
-        ahead = list(engine.captured), g.captures_ahead, set(g.ahead_keys)
+        ahead = list(engine.captured), graph_stats_pb(engine).captures_ahead, set(g.ahead_keys)
         while engine.has_work:
             step()
         out.append((tokens, ahead, g.replays - replays, g.eager_steps - eager, dict(g.deferred)))

@@ -408,7 +408,7 @@ class Throughput(_message.Message):
     def __init__(self, tokens_per_s: _Optional[float] = ..., window_s: _Optional[float] = ..., generated_tokens_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., sessions: _Optional[int] = ..., steps_total: _Optional[int] = ..., prefix_queries_total: _Optional[int] = ..., prefix_hits_total: _Optional[int] = ..., prefix_reused_tokens_total: _Optional[int] = ..., prefix_cache_sessions: _Optional[int] = ...) -> None: ...
 
 class GraphStats(_message.Message):
-    __slots__ = ("captures_total", "captures_after_ready", "replays_total", "eager_steps_total", "warm_graphs", "warm_s", "deferred")
+    __slots__ = ("captures_total", "captures_after_ready", "replays_total", "eager_steps_total", "warm_graphs", "warm_s", "deferred", "captures_ahead")
     CAPTURES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     CAPTURES_AFTER_READY_FIELD_NUMBER: _ClassVar[int]
     REPLAYS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +416,7 @@ class GraphStats(_message.Message):
     WARM_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     WARM_S_FIELD_NUMBER: _ClassVar[int]
     DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    CAPTURES_AHEAD_FIELD_NUMBER: _ClassVar[int]
     captures_total: int
     captures_after_ready: int
     replays_total: int
@@ -423,7 +424,8 @@ class GraphStats(_message.Message):
     warm_graphs: int
     warm_s: float
     deferred: int
-    def __init__(self, captures_total: _Optional[int] = ..., captures_after_ready: _Optional[int] = ..., replays_total: _Optional[int] = ..., eager_steps_total: _Optional[int] = ..., warm_graphs: _Optional[int] = ..., warm_s: _Optional[float] = ..., deferred: _Optional[int] = ...) -> None: ...
+    captures_ahead: int
+    def __init__(self, captures_total: _Optional[int] = ..., captures_after_ready: _Optional[int] = ..., replays_total: _Optional[int] = ..., eager_steps_total: _Optional[int] = ..., warm_graphs: _Optional[int] = ..., warm_s: _Optional[float] = ..., deferred: _Optional[int] = ..., captures_ahead: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
     __slots__ = ("sessions", "throughput", "uptime_s", "draining", "graphs")

@@ -34,6 +34,11 @@ export interface GraphStats {
    * Graphs waiting to be captured now.
    */
   'deferred'?: (number);
+  /**
+   * Of those captured after ready, those captured ahead: before the step that gave sessions whose
+   * prompts were appended before their first token, for the batch they then joined.
+   */
+  'capturesAhead'?: (number | string | Long);
 }
 
 /**
@@ -68,4 +73,9 @@ export interface GraphStats__Output {
    * Graphs waiting to be captured now.
    */
   'deferred': (number);
+  /**
+   * Of those captured after ready, those captured ahead: before the step that gave sessions whose
+   * prompts were appended before their first token, for the batch they then joined.
+   */
+  'capturesAhead': (number);
 }
