@@ -169,19 +169,18 @@ class BlockTable:
 
     def locations(self, layer: int) -> np.ndarray:
         """Where attention reads each block of `layer`: [num_blocks] (see module docstring)."""
-        ids = self.ids[layer, : self.num_blocks]
-        hbm = self.entries.hbm[ids]
-        return np.where(hbm >= 0, hbm, ddr_loc(self.entries.ddr[ids]))
+        return self._located(self.ids[layer, : self.num_blocks])
 
     def locations_at(self, layers: np.ndarray, blocks: np.ndarray) -> np.ndarray:
         """`locations` of the blocks `blocks` of `layers` (one each): [n]."""
-        ids = self.ids[layers, blocks]
-        hbm = self.entries.hbm[ids]
-        return np.where(hbm >= 0, hbm, ddr_loc(self.entries.ddr[ids]))
+        return self._located(self.ids[layers, blocks])
 
     def all_locations(self, first: int = 0) -> np.ndarray:
         """`locations` of every layer: [L, num_blocks], or of the blocks from `first` on."""
-        ids = self.ids[:, first : self.num_blocks]
+        return self._located(self.ids[:, first : self.num_blocks])
+
+    def _located(self, ids: np.ndarray) -> np.ndarray:
+        """Where attention reads the entries `ids`: the HBM slot, else the DDR slot as `ddr_loc`."""
         hbm = self.entries.hbm[ids]
         return np.where(hbm >= 0, hbm, ddr_loc(self.entries.ddr[ids]))
 
@@ -222,12 +221,11 @@ class BlockTable:
         only added, each with a home, from that block on, so that what is cached of the older
         blocks' copies still holds (carried to the new version; `moves_since` lists the new ones)."""
         was = self.version
-        if appended_from is not None:
+        if appended_from is None:
+            self.version += 1
+        else:
             L, new = self.ids.shape[0], np.arange(appended_from, self.num_blocks, dtype=np.int64)
             self.moved(np.repeat(np.arange(L, dtype=np.int64), len(new)), np.tile(new, L))
-        else:
-            self.version += 1
-        if appended_from is not None:
             if self.homeless_at is not None and self.homeless_at[0] == was:
                 self.homeless_at = (self.version, self.homeless_at[1])
             if self.ddr_only_at is not None and self.ddr_only_at[0] == was:
