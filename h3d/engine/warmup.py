@@ -30,6 +30,7 @@ loop pumps it without that bound.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from h3d.engine.step import Chunk
+from h3d.errors import InvalidRequest
 from h3d.hbf.policy import policy_named
 from h3d.kernels import decode, loader
 from h3d.kv.blocks import SeqId
@@ -98,6 +100,7 @@ def warm_up(engine: Engine, kernels: bool | None = None, graphs_now: bool = True
     if runner.device.type == "cuda":
         torch.cuda.synchronize()
     widths = sorted(k.width for k in keys)
+    _chat_template(engine)
     return Warmup(
         prompt_tokens=prompt,
         kernels_s=t1 - t0,
@@ -110,6 +113,15 @@ def warm_up(engine: Engine, kernels: bool | None = None, graphs_now: bool = True
         parts=parts,
         compiles=loader.COMPILES.count,
     )
+
+
+def _chat_template(engine: Engine) -> None:
+    """The chat template compiled and its end of turn found (`Engine.end_of_turn`); a template
+    that does not render is left to fail the chat requests that need it, with their status."""
+    if engine.tokenizer.chat_template is None:
+        return
+    with contextlib.suppress(InvalidRequest):
+        engine.end_of_turn  # noqa: B018  (the cached property is the point)
 
 
 @torch.inference_mode()

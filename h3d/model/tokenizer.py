@@ -38,6 +38,7 @@ class Tokenizer:
         template_file = path / "chat_template.jinja"
         template = template_file.read_text() if template_file.is_file() else self._config.get("chat_template")
         self.chat_template: str | None = template if isinstance(template, str) else None
+        self._compiled: tuple[str, Any] | None = None  # (the template, compiled: `compiled_template`)
         self.special_ids = frozenset(int(i) for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self.memo = EncodeMemo(self._tok)
 
@@ -63,31 +64,48 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render `messages` ([{role, content}]) with the model's chat template, as text."""
-        if self.chat_template is None:
+        import jinja2
+
+        try:
+            return str(
+                self.compiled_template().render(
+                    messages=messages,
+                    tools=None,
+                    documents=None,
+                    add_generation_prompt=add_generation_prompt,
+                    bos_token=self._token_text("bos_token") or "",
+                    eos_token=self._token_text("eos_token") or "",
+                )
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidRequest(f"chat template failed: {exc}") from exc
+
+    def compiled_template(self) -> Any:
+        """`chat_template`, compiled once (a jinja2 `Template`: its renders are thread-safe), as
+        transformers renders it: undefined names are falsy (Qwen's templates test `tools`), `tools`
+        and `documents` are None, `raise_exception` fails the render, loops may break.
+        InvalidRequest without a template, or where it does not compile."""
+        template = self.chat_template
+        if template is None:
             raise InvalidRequest("this model has no chat template")
+        compiled = self._compiled
+        if compiled is not None and compiled[0] == template:
+            return compiled[1]
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise jinja2.TemplateError(message)
 
-        # As transformers renders them: undefined names are falsy (Qwen's templates test `tools`),
-        # `tools` and `documents` are None, `raise_exception` fails the render, loops may break.
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         env.globals["raise_exception"] = raise_exception
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._token_text("bos_token") or "",
-                eos_token=self._token_text("eos_token") or "",
-            )
+            self._compiled = (template, env.from_string(template))
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"chat template failed: {exc}") from exc
+        return self._compiled[1]
 
 
 MEMO_MIN_CHARS = 4096  # shorter texts are encoded whole (the memo's bookkeeping would cost more)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from h3d.config import EngineConfig
+from h3d.engine.chat import end_of_turn
 from h3d.engine.engine import Engine
 from h3d.engine.session import GenerationDone
 from h3d.errors import InvalidRequest, NoChatTemplate
@@ -157,3 +158,30 @@ def test_templates_render_as_transformers_renders_them(engine: Engine, monkeypat
     assert tok.apply_chat_template(messages) == "NO TOOLS\n<user>a\n<assistant>b\n<assistant>"
     with pytest.raises(InvalidRequest, match="bad role robot"):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
+def test_the_template_is_compiled_once_and_again_when_it_changes(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tok = engine.tokenizer
+    messages = [{"role": "user", "content": "a"}]
+    first = tok.apply_chat_template(messages)
+    compiled = tok.compiled_template()
+    assert tok.apply_chat_template(messages) == first and tok.compiled_template() is compiled  # reused
+    monkeypatch.setattr(tok, "chat_template", QWEN_LIKE)
+    assert tok.apply_chat_template(messages) == "NO TOOLS\n<user>a\n<assistant>"  # compiled again
+    assert tok.compiled_template() is not compiled
+    monkeypatch.setattr(tok, "chat_template", "{% if %}")
+    with pytest.raises(InvalidRequest, match="chat template failed"):
+        tok.apply_chat_template(messages)
+
+
+def test_the_warm_up_finds_the_end_of_turn_before_a_request_does(checkpoint: Callable[[str], Path]) -> None:
+    """A first chat request found the end-of-turn token (jinja2 imported, the template compiled)
+    on the daemon's event loop; the warm-up does it before ready."""
+    cold = Engine(EngineConfig.build(model=str(checkpoint(MODEL)), policy="exact"))
+    assert cold.tokenizer.chat_template is not None and "end_of_turn" not in vars(cold)
+    cold.warm()
+    assert "end_of_turn" in vars(cold) and cold.tokenizer._compiled is not None
+    assert vars(cold)["end_of_turn"] == end_of_turn(cold.tokenizer) is not None  # (the template's eos)
+    cold.close()
