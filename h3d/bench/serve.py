@@ -416,16 +416,18 @@ def engine_config(daemon: dict[str, Any], data: Path) -> Any:
     return EngineConfig.build(**keys)
 
 
-# Where an in-process step's time goes: between steps (`Engine.upkeep`), the plan (allocations,
+# Where an in-process step's time goes: between steps (`Engine.upkeep`: graphs captured, parked
+# sessions, the archive's capacity), the plan (allocations,
 # HBF's selections), the forward's launch or replay (`ModelRunner.execute`), the runner's commit
 # (reads counted, picks promoted, windows), the engine's (sampling: it waits for the device), and
 # Python's garbage collection after it (the daemon's `Collector`: what exists frozen as the timed
 # loop begins, the due generation collected between steps, as the daemon's engine thread collects).
 STEP_PHASES = ("upkeep", "plan", "execute", "runner_commit", "commit", "gc")
 # Inside the runner's commit: the lagged picks read back, this step's picks resolved (to the host
-# now, or lagged), their promotion, DDR-only blocks back into HBM, the tiers' end of step; and the
-# launches of the mover's copies between HBM and DDR wherever they are made (most inside `promote`).
-COMMIT_PARTS = ("picks", "resolve", "promote", "fill_hbm", "end_step", "copies")
+# now, or lagged), their promotion, DDR-only blocks back into HBM, the tiers' end of step; the
+# launches of the mover's copies between HBM and DDR wherever they are made (most inside `promote`);
+# and, between the two commits, HBM moved toward the fair shares (`Engine._rebalance`).
+COMMIT_PARTS = ("picks", "resolve", "promote", "fill_hbm", "end_step", "copies", "rebalance")
 
 
 @contextlib.contextmanager
@@ -434,7 +436,8 @@ def timed_phases(engine: Any, into: dict[str, float]) -> Any:
     runner = engine.runner
     owners = {"upkeep": engine, "plan": runner, "execute": runner, "runner_commit": runner, "commit": engine,
               "picks": runner.graphs, "resolve": runner.graphs, "promote": engine.kv,
-              "fill_hbm": engine.kv.promoter, "end_step": runner.tiers, "copies": engine.kv.tiers.mover}  # fmt: skip
+              "fill_hbm": engine.kv.promoter, "end_step": runner.tiers, "copies": engine.kv.tiers.mover,
+              "rebalance": engine.kv}  # fmt: skip
     names = {"runner_commit": "commit", "copies": "_copy"}
     saved = []
     for phase, owner in owners.items():

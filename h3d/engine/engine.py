@@ -34,7 +34,7 @@ from h3d.engine.graphs import GraphKey
 from h3d.engine.journal import log_piece, meta_of, replay_chat, restore_session, restore_sessions, session_meta
 from h3d.engine.prefill import Interleave
 from h3d.engine.prefixes import PrefixIndex
-from h3d.engine.sampling import SamplingParams, make_generator, sample_batch
+from h3d.engine.sampling import Argmax, SamplingParams, make_generator, sample_batch
 from h3d.engine.session import (
     AppendDone,
     Event,
@@ -185,6 +185,7 @@ class Engine:
         self.interleave = Interleave(self.runner, config.prefill_step_ms)  # a long prompt beside decoding
         self.timing = StepTiming()  # where the last step's time went (the daemon logs slow ones)
         self._upkept = 0  # the step of the last upkeep
+        self._rebalanced = False  # this step has rebalanced HBM (`_rebalance`)
         self._touched: dict[SessionId, None] = {}  # sessions whose requests ended: their metadata to write
         # Every Generate ends durable: its session's log fsynced at the step that ends it, on this
         # thread; the daemon turns it off and waits for it off the engine's thread instead
@@ -1049,6 +1050,7 @@ class Engine:
         `RequestFailed` event; the others go on. Anything else is a bug and propagates."""
         events: list[Event] = []
         held = self.interleave
+        self._rebalanced = False
         if any(r.first_token_at is None for r in self._requests.values()):
             self.kv.tiers.behind.hold_back()  # a prompt waits for its first token: write-behind makes way
         for req in list(self._requests.values()):
@@ -1071,6 +1073,7 @@ class Engine:
             events += self._run(SchedulerOutput((out.long[1],), (out.long[0],)), begin=True)
         if held.current is not None:
             events += self._advance_long()
+        self._rebalance()  # (where no chunk ran: after the step)
         self.timing = StepTiming(
             len(out.chunks),
             t1 - t0,
@@ -1079,6 +1082,18 @@ class Engine:
             host if host.layers else None,
         )
         return events
+
+    def _rebalance(self) -> None:
+        """HBM moved toward the fair shares of the sessions with a request in flight
+        (`KVCache.rebalance`), once a step: where the step runs chunks, once their forward is
+        queued and before its tokens are read, so that the host plans the moves while the device
+        computes. The moves' copies queue behind the forward (the mover's stream waits for the
+        compute stream, `h3d.tiers.mover`), as the promotions of the runner's commit do."""
+        if self._rebalanced:
+            return
+        self._rebalanced = True
+        if self._requests:
+            self.kv.rebalance([r.session.seq for r in self._requests.values()])
 
     def _capture_ahead(self, out: SchedulerOutput) -> None:
         """Before a step that gives requests their first token (their prompt's last chunk): the
@@ -1128,7 +1143,9 @@ class Engine:
             # The runner left no half-written KV behind; the sessions keep their tokens.
             return [self._fail(req, exc) for req in out.requests]
         self.runner.commit(report)
-        return self.commit(out, report)
+        argmax = Argmax(report.logits)  # (queued before the rebalance's copies: they do not delay it)
+        self._rebalance()
+        return self.commit(out, report, argmax)
 
     def _advance_long(self) -> list[Event]:
         """The long chunk in flight, run for this step's budget (`Interleave.run`): its progress,
@@ -1153,16 +1170,13 @@ class Engine:
         return self.warmup
 
     def upkeep(self, idle: bool = False) -> None:
-        """Between steps: HBM moved toward the active sessions' fair shares (`KVCache.rebalance`);
-        a decode graph that steps wanted since the warm-up, or one of the warm set left for after
+        """Between steps: a decode graph that steps wanted since the warm-up, or one of the warm set left for after
         ready, captured (when `idle`, else one that waited long: `DecodeGraphs.capture_deferred`);
         every 64th step the archive kept within `ssd_capacity_mb` (closed sessions' KV evicted,
         coldest first). The daemon's engine thread and `run` call it."""
         self.save_touched()
         if self.kv.parking:
             self._park_ready()
-        if self._requests:  # HBM toward the fair shares of the sessions with a request in flight
-            self.kv.rebalance([r.session.seq for r in self._requests.values()])
         graphs = self.runner.graphs
         if graphs.deferred:
             for key in graphs.capture_deferred(idle):
@@ -1286,7 +1300,7 @@ class Engine:
             budget -= take
         return SchedulerOutput(tuple(chunks), tuple(reqs), long)
 
-    def commit(self, out: SchedulerOutput, report: StepReport) -> list[Event]:
+    def commit(self, out: SchedulerOutput, report: StepReport, argmax: Argmax | None = None) -> list[Event]:
         """The engine's half of a step's commit (the runner's came first): counters, anchors kept
         in the token log, sampling where a chunk reached the end of its context, stop rules, and
         the events."""
@@ -1300,7 +1314,11 @@ class Engine:
         events: list[Event] = []
         sampling = [r for r, c in zip(reqs, chunks, strict=True) if c.want_logits]
         tokens = sample_batch(
-            logits, [r.params for r in sampling], [r.generator for r in sampling], [r.output_ids for r in sampling]
+            logits,
+            [r.params for r in sampling],
+            [r.generator for r in sampling],
+            [r.output_ids for r in sampling],
+            argmax,
         )
         for req, chunk in zip(reqs, chunks, strict=True):
             if not req.generate or not chunk.want_logits:

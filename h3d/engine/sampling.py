@@ -103,15 +103,39 @@ def penalize(logits: torch.Tensor, params: SamplingParams, output_ids: Sequence[
     return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+class Argmax:
+    """Each row's argmax, queued now and read when the tokens are needed: on a GPU the host goes
+    on with other work (the step's rebalance, `Engine._run`) while the device finishes the forward
+    and copies the ids into pinned memory; work queued after it does not delay the read."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        ids = torch.argmax(logits, dim=-1)
+        self._done: torch.cuda.Event | None = None
+        if ids.is_cuda:
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+            ids = host
+        self._ids = ids
+
+    def tolist(self) -> list[int]:
+        if self._done is not None:
+            self._done.synchronize()
+        return list(self._ids.tolist())
+
+
 def sample_batch(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     outputs: Sequence[Sequence[int]] | None = None,
+    argmax: Argmax | None = None,
 ) -> list[int]:
-    """logits: [B, vocab] -> B token ids; greedy rows without penalties in one argmax. `outputs`:
-    each row's generated tokens so far (what the penalties count)."""
-    greedy = torch.argmax(logits, dim=-1).tolist()
+    """logits: [B, vocab] -> B token ids; greedy rows without penalties in one argmax (`argmax`,
+    where it was queued before). `outputs`: each row's generated tokens so far (what the
+    penalties count)."""
+    greedy = (argmax or Argmax(logits)).tolist()
     picked = []
     for i, (p, g) in enumerate(zip(params, generators, strict=True)):
         if p.penalized and outputs is not None and outputs[i]:

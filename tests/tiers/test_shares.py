@@ -17,10 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from helpers import make_engine, random_prompt
 from hypothesis import given
 from hypothesis import strategies as st
 
+from h3d.engine import engine as engine_module
+from h3d.engine import sampling
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import TokenDelta
@@ -215,3 +218,46 @@ def test_sessions_arriving_when_hbm_is_full_get_an_equal_part_of_it(checkpoint: 
     assert small.tier_stats().hbm_rebalance_count > 0
     _, want = _hit_rates_after_late_arrivals(make_engine(path, **sparse), vocab)
     assert got == want
+
+
+def test_a_step_rebalances_once_between_queuing_its_argmax_and_reading_its_tokens(
+    checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step's rebalance runs while the device computes (`Engine._run`): after the forward and
+    its tokens' argmax are queued, before the tokens are read, once a step; upkeep no longer does
+    it. (Its moves, and tokens equal to an engine whose HBM holds everything, are the tests above.)"""
+    path = checkpoint(MODEL)
+    probe = make_engine(path)
+    slot_mb = probe.runner.hbm.slot_bytes * probe.model.config.num_layers / 2**20
+    engine = make_engine(path, policy="exact", hbm_mb=12 * slot_mb, ddr_mb=200 * slot_mb)
+    order: list[str] = []
+
+    class Logged(sampling.Argmax):
+        def __init__(self, logits: Any) -> None:
+            order.append("argmax")
+            super().__init__(logits)
+
+        def tolist(self) -> list[int]:
+            order.append("read")
+            return super().tolist()
+
+    monkeypatch.setattr(engine_module, "Argmax", Logged)
+    rebalance = engine.kv.rebalance
+    monkeypatch.setattr(engine.kv, "rebalance", lambda active: order.append("rebalance") or rebalance(active))
+    vocab = engine.model.config.vocab_size
+    sids = [engine.create_session() for _ in range(2)]
+    for i, sid in enumerate(sids):
+        engine.append(sid, token_ids=random_prompt(vocab, 100, seed=i))
+    for sid in sids:
+        engine.submit(sid, generate=True, params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert order.count("rebalance") == order.count("read") >= 2  # (the appends' steps: the same)
+    order.clear()
+    steps = 0
+    while engine.has_work:
+        engine.upkeep()
+        assert order == [], order  # (upkeep moved nothing toward the shares)
+        engine.step()
+        steps += 1
+        assert order == ["argmax", "rebalance", "read"], order
+        order.clear()
+    assert steps == 4
