@@ -10,7 +10,7 @@
 #
 # Environment: OUT (default bench/results/gpu), TOK (default .bench/tok), LIMIT_S (the phase's
 # time limit, default 300), MANY and STEPS (the serve bench's --many and --steps), TRACE=1 (its
-# --trace), DFLAG (one --daemon-flag: not the defaults, so not the product's figures), TAG (the
+# --trace), DFLAG (one --daemon-flag, the chat phase's too: not the defaults, so not the product's figures), TAG (the
 # files' name, default the phase), TINY=1 (the serve phases at --tiny: the script's check on a
 # CPU), SPY=1 (chat: py-spy, from a wheel in .bench/spy/, samples the
 # daemon for the whole phase in speedscope's format, each thread's samples in time order).
@@ -34,7 +34,7 @@ case $ph in
     [ -d $M ] || python3 -c "
 from pathlib import Path; from h3d.bench.serve import Shape, tokenizer_config, write_model
 tok = Path('$TOK'); write_model(Path('$M'), Shape.pick(False, tokenizer_config(tok)), tok, 0)"
-    timeout -s INT "$lim" python3 -m h3d.bench.prefix --shape llama3-8b --model $M --tokens 32768 --tokenizer "$TOK" --phase chat --out "$OUT/$tag.json" 2>&1 | tee "$OUT/$tag.log" &
+    timeout -s INT "$lim" python3 -m h3d.bench.prefix --shape llama3-8b --model $M --tokens 32768 --tokenizer "$TOK" --phase chat --out "$OUT/$tag.json" ${DFLAG:+"--daemon-flag=$DFLAG"} 2>&1 | tee "$OUT/$tag.log" &
     if [ -n "${SPY:-}" ]; then
       [ -x /tmp/spy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/spy .bench/spy/*.whl
       p=""; for _ in $(seq 120); do p=$(pgrep -f "h3d.cli serve" | head -1); [ -n "$p" ] && break; sleep 1; done
