@@ -1074,6 +1074,8 @@ class Engine:
         if held.current is not None:
             events += self._advance_long()
         self._rebalance()  # (where no chunk ran: after the step)
+        if not self._requests and self.kv.shares.target:
+            self.kv.shares.plan([])  # nothing in flight: no session is owed a share (Stats, `h3ctl top`)
         self.timing = StepTiming(
             len(out.chunks),
             t1 - t0,
@@ -1170,10 +1172,11 @@ class Engine:
         return self.warmup
 
     def upkeep(self, idle: bool = False) -> None:
-        """Between steps: a decode graph that steps wanted since the warm-up, or one of the warm set left for after
-        ready, captured (when `idle`, else one that waited long: `DecodeGraphs.capture_deferred`);
-        every 64th step the archive kept within `ssd_capacity_mb` (closed sessions' KV evicted,
-        coldest first). The daemon's engine thread and `run` call it."""
+        """Between steps (the fair shares are the step's own, `_rebalance`): a decode graph that
+        steps wanted since the warm-up, or one of the warm set left for after ready, captured (when
+        `idle`, else one that waited long: `DecodeGraphs.capture_deferred`); every 64th step the
+        archive kept within `ssd_capacity_mb` (closed sessions' KV evicted, coldest first). The
+        daemon's engine thread and `run` call it."""
         self.save_touched()
         if self.kv.parking:
             self._park_ready()
