@@ -88,10 +88,14 @@ class TierManager:
         return self.hbm.slot_bytes
 
     def release(self, seq: SeqId, purge_archive: bool = True) -> None:
-        """Give back `seq`'s slots (after the writes in flight), and delete its archived records
-        with `purge_archive` (the KV cache forgets the rest of it)."""
+        """Give back `seq`'s slots, and delete its archived records with `purge_archive` (the KV
+        cache forgets the rest of it). Its write-behind batches in flight are waited for, unless
+        its records go: then they are abandoned (`WriteBehind.abandon`), not waited for."""
         self.settle_spills()
-        self.behind.forget(seq)  # its write-behind batches in flight: waited for
+        if purge_archive and self.archive is not None and self.writable:
+            self.behind.abandon(seq, self.sessions[seq].name)
+        else:
+            self.behind.forget(seq)  # waited for: their blocks stay archived
         self.ahead.drop(seq)
         self.behind.look_again(self.blocks.peers(seq))  # what it shared may be theirs alone now
         self._hand_over(seq)

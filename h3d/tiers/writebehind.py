@@ -86,6 +86,7 @@ class _Batch:
     future: Future[None]
     bytes: int
     ids: np.ndarray  # their entries (a shared block is in flight for every session that points to it)
+    abandoned: bool = False  # its session was purged meanwhile (`WriteBehind.abandon`)
 
 
 class CopyUp(Protocol):
@@ -126,6 +127,7 @@ class WriteBehind:
         self._over_since: float | None = None
         self.pump_due = False  # dirty KV was left past the budget at the last `pump`
         self.urgent: set[SeqId] = set()  # closed sessions being parked: all their dirty blocks, first
+        self._abandoned: dict[SeqId, str] = {}  # purged sessions with batches still under way: their names
         self.copy_up: CopyUp | None = None
         self._pool = (
             ThreadPoolExecutor(WRITE_BEHIND_THREADS, thread_name_prefix="h3d-write-behind") if self.enabled else None
@@ -363,6 +365,12 @@ class WriteBehind:
                 continue
             error = x.future.exception()  # waits
             b.ddr_alloc.let_go(x.slots)
+            if x.abandoned:  # its session is gone: nothing to apply, its records deleted again
+                if error is not None and not isinstance(error, ArchiveWriteFailed):
+                    raise error
+                if error is not None:
+                    tiers.degrade(error)
+                continue
             self._mark(x.ids, False)
             if error is not None:
                 if not isinstance(error, ArchiveWriteFailed):
@@ -376,6 +384,8 @@ class WriteBehind:
             self.written_blocks += len(x.blocks)
             tiers.counters.ssd_write_count += len(x.blocks)
         self.batches = keep
+        if self._abandoned:
+            self._bury()
 
     def flush(self, seq: SeqId, deadline: float | None = None) -> int:
         """Write `seq`'s dirty full blocks now on the write-behind threads, without the budget or
@@ -400,6 +410,42 @@ class WriteBehind:
             mine[0].future.exception()  # the oldest done; the next poll applies it
         self.wait(seq)
         return int(np.count_nonzero(t.archived[:, :full])) - before
+
+    def abandon(self, seq: SeqId, name: str) -> None:
+        """`seq` (archived as `name`) is about to be purged: a purge does not wait for KV it
+        deletes. Its batches not started yet are cancelled; those under way finish on their
+        threads, their DDR slots held until then (released slots go back only once let go:
+        `SlotAllocator.hold`), and nothing of theirs is applied. The records they write after the
+        purge's tombstone are deleted again once the last of them is done (`poll`)."""
+        keep: list[_Batch] = []
+        for x in self.batches:
+            if x.seq != seq:
+                keep.append(x)
+                continue
+            self._mark(x.ids, False)  # (its entries are freed: others may write them meanwhile)
+            if x.future.cancel():
+                self.tiers.blocks.ddr_alloc.let_go(x.slots)
+                continue
+            x.abandoned = True
+            keep.append(x)
+        self.batches = keep
+        if any(x.seq == seq for x in keep):
+            self._abandoned[seq] = name
+        self.cursor.pop(seq, None)
+        self.urgent.discard(seq)
+
+    def _bury(self) -> None:
+        """Purged sessions whose last abandoned batch is done: their records deleted again (one
+        tombstone each, where the batches wrote any)."""
+        left = {x.seq for x in self.batches if x.abandoned}
+        archive = self.tiers.archive
+        for seq in [s for s in self._abandoned if s not in left]:
+            name = self._abandoned.pop(seq)
+            if archive is not None and self.tiers.writable:
+                try:
+                    archive.remove(name)
+                except ArchiveWriteFailed as err:
+                    self.tiers.degrade(err)
 
     def wait(self, seq: SeqId) -> None:
         """`seq`'s batches in flight done and applied (the others' applied if done)."""

@@ -8,7 +8,8 @@
   marked archived only when the archive holds its bytes (checked for every block, not settled
   first), no block is ever in no tier, and the tokens equal the untiered engine's.
 - A rewind waits for its session's writes in flight, so no record of a cut block stands for the
-  block that replaces it; the archive's capacity stops write-behind (the blocks stay dirty).
+  block that replaces it; a purge does not (it abandons them, and deletes what they wrote); the
+  archive's capacity stops write-behind (the blocks stay dirty).
 - A session resumed after a restart reads its archived KV back on several threads.
 - Write-behind makes way for a prompt: while a request waits for its first token nothing is
   submitted and the batches not started wait, for at most `WRITE_BEHIND_HOLD_S` in a row.
@@ -40,6 +41,7 @@ from h3d.kv.blocks import NONE, SeqId
 from h3d.store.files import FileOps
 from h3d.tiers.digestfile import DigestFiles
 from h3d.tiers.identity import BlockKey
+from h3d.tiers.writebehind import WRITE_BEHIND_THREADS
 
 MODEL = "llama_gqa4_tied"  # 3 layers, 2 KV heads of 16: 4 KiB per block of 16 tokens (fp32)
 SLOT_BYTES = 2 * 16 * 2 * 16 * 4
@@ -293,6 +295,61 @@ def test_a_rewind_waits_for_its_writes_in_flight(checkpoint: Callable[[str], Pat
     plain.append(twin, token_ids=ids[:100] + other)
     _drain(engine)
     _check_archived_blocks(engine)
+    assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
+    engine.close()
+    plain.close()
+
+
+def test_a_purge_does_not_wait_for_the_writes_of_what_it_deletes(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writes held back (each batch waits to read its DDR slots): purging their session returns
+    at once (its batches not started are cancelled, those under way abandoned), its DDR slots come
+    back once the writes end, the records they write after the purge are deleted too, and the
+    other session's writes and tokens go on as an untiered engine's."""
+    engine = _engine(checkpoint(MODEL), tmp_path)
+    plain = make_engine(checkpoint(MODEL))
+    gate = threading.Event()
+    tiers = engine.runner.tiers
+    archive = tiers.archive
+    assert archive is not None
+    ids, other = random_prompt(300, VOCAB_SIZE, seed=7), random_prompt(150, VOCAB_SIZE, seed=8)
+    gone, sid, twin = engine.create_session(), engine.create_session(), plain.create_session()
+    engine.append(gone, token_ids=ids)
+    seq = engine.session(gone).seq
+    name = tiers.sessions[seq].name
+    read = tiers.ddr.read
+
+    def held(slots: Any) -> Any:
+        if threading.current_thread().name.startswith("h3d-write-behind"):
+            gate.wait(30)
+        return read(slots)
+
+    monkeypatch.setattr(tiers.ddr, "read", held)
+    behind = tiers.behind
+    behind.per_batch = 4  # (blocks a batch: more batches than write-behind's threads)
+    behind.release()
+    engine.write_behind()
+    mine = [x for x in behind.batches if x.seq == seq]
+    assert len(mine) > WRITE_BEHIND_THREADS  # some under way (held), the others queued
+    free = tiers.blocks.ddr_alloc.num_free
+    purged = threading.Event()
+    closer = threading.Thread(target=lambda: (engine.close_session(gone, purge=True), purged.set()))
+    closer.start()
+    if not purged.wait(5):  # it waits for the writes: let them go, then fail
+        gate.set()
+        closer.join()
+        pytest.fail("the purge waited for the writes of the KV it deletes")
+    assert all(x.abandoned for x in behind.batches)  # the cancelled ones are gone
+    assert 0 < len(behind.batches) < len(mine)
+    assert tiers.blocks.ddr_alloc.num_held > 0 and tiers.blocks.ddr_alloc.num_free > free
+    engine.append(sid, token_ids=other)  # another session goes on meanwhile
+    plain.append(twin, token_ids=other)
+    gate.set()
+    _drain(engine)
+    assert not behind.batches and tiers.blocks.ddr_alloc.num_held == 0
+    assert name not in archive.sessions()  # what the abandoned batches wrote: deleted again
+    assert _all_full_blocks_archived(engine) and _check_archived_blocks(engine) > 0
     assert engine.complete(sid, "", GREEDY).token_ids == plain.complete(twin, "", GREEDY).token_ids
     engine.close()
     plain.close()
