@@ -6,6 +6,10 @@ a timeline: per bucket of BUCKET_S seconds of that thread's samples, its two mos
 
 THREAD: part of the thread's name as py-spy wrote it (its id will do). Times count from the
 thread's first sample; with `--idle` every tick is a sample, so they are the thread's wall time.
+py-spy names a thread by the first one that had its id: the daemon's engine thread, started
+once the DDR pool's pinning threads have ended, comes under one of their names (`h3d-pin_N`, the
+one whose samples run to the end), and its times count from that pinning thread's start. Threads
+that run to the end line up by their ends (each profile's `endValue`).
 """
 
 from __future__ import annotations
