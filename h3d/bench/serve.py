@@ -417,8 +417,8 @@ def engine_config(daemon: dict[str, Any], data: Path) -> Any:
 
 
 # Where an in-process step's time goes: between steps (`Engine.upkeep`: graphs captured, parked
-# sessions, the archive's capacity), the plan (allocations,
-# HBF's selections), the forward's launch or replay (`ModelRunner.execute`), the runner's commit
+# sessions, the archive's capacity), the plan (allocations, HBF's selections), the forward's launch
+# or replay (`ModelRunner.execute`), the runner's commit
 # (reads counted, picks promoted, windows), the engine's (sampling: it waits for the device), and
 # Python's garbage collection after it (the daemon's `Collector`: what exists frozen as the timed
 # loop begins, the due generation collected between steps, as the daemon's engine thread collects).
