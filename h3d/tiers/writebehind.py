@@ -30,9 +30,10 @@ chat's next turn is a short prefill over a long cached context), the batches not
 and no new one is submitted, so that the threads' compression, fsyncs and GIL turns stay off the
 time to first token (on an H200, a 32K chat's second turn took 0.60 s with write-behind busy
 archiving the first turn's KV, against 0.27 s once it had settled: docs/BENCHMARKS.md). A hold
-lasts while requests keep waiting, at most `WRITE_BEHIND_HOLD_S` in a row, and the next one may
-begin only as long after it: under a steady stream of new requests write-behind still writes at
-least half of the time, and a step that waits for a batch releases the hold first.
+lasts while requests keep waiting, at most `WRITE_BEHIND_HOLD_S` in a row: holds spend a budget of
+hold time that unheld time earns back second for second, so that under a steady stream of new
+requests write-behind still writes at least half of the time. A step that waits for a batch
+releases the hold first.
 
 With the remote tier on, each batch made durable is also offered to `copy_up` (`CopyUp`:
 `h3d.remote.copyup`), its records as written and its blocks' content digests taken when it was
@@ -48,7 +49,6 @@ engine's upkeep to evict closed sessions' archived KV first).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -132,40 +132,57 @@ class WriteBehind:
         self._pool = (
             ThreadPoolExecutor(WRITE_BEHIND_THREADS, thread_name_prefix="h3d-write-behind") if self.enabled else None
         )
-        # `hold_back`: until when batches wait (time.monotonic(); read by the threads), when the
-        # hold in force began, and how many holds there were (tests).
+        # `hold_back`: until when batches wait (`clock()`, time.monotonic(); read by the threads),
+        # the hold time left (`_credit`, seconds) as of `_at`, and how many holds began (tests).
+        self.clock = time.monotonic
         self._held_until = 0.0
-        self._hold_began = -math.inf
+        self._credit = WRITE_BEHIND_HOLD_S
+        self._at = 0.0
         self.holds = 0
 
     # ---- making way for prompts ------------------------------------------------------------
 
     def hold_back(self) -> None:
         """A request waits for its first token (or a session was just made for one): hold the
-        batches not started yet and submit none, until `HOLD_MARGIN_S` after the last call, at
-        most `WRITE_BEHIND_HOLD_S` in a row; a hold that reached that begins again only as long
-        after it ended (the module docstring)."""
+        batches not started yet and submit none, until `HOLD_MARGIN_S` after the last call.
+
+        Holds draw on a budget of hold time (`_credit`, at most `WRITE_BEHIND_HOLD_S`) that held
+        time spends and unheld time earns back, second for second: a hold lasts at most
+        `WRITE_BEHIND_HOLD_S` in a row, and under a steady stream of prompts write-behind still
+        writes at least half of the time. A new hold needs `HOLD_MARGIN_S` of budget. (The budget
+        replaced a rule that let a hold begin only `2 * WRITE_BEHIND_HOLD_S` after the last one
+        began, however short: a chat's next turn, a few tenths of a second after the first turn's
+        first token, found the first turn's hold too recent and had write-behind beside its
+        prefill.)"""
         if not self.enabled:
             return
-        now = time.monotonic()
-        if now >= self._held_until:  # a new hold, unless the last one ran its course too recently
-            if now < self._hold_began + 2 * WRITE_BEHIND_HOLD_S:
+        now = self._account()
+        if now >= self._held_until:  # a new hold
+            if self._credit < HOLD_MARGIN_S:
                 return
-            self._hold_began = now
             self.holds += 1
-        self._held_until = min(now + HOLD_MARGIN_S, self._hold_began + WRITE_BEHIND_HOLD_S)
+        self._held_until = now + min(HOLD_MARGIN_S, self._credit)
+
+    def _account(self) -> float:
+        """Bring the hold budget up to now (returned): the held time since `_at` spent, the rest earned."""
+        now = self.clock()
+        held = min(max(min(now, self._held_until) - self._at, 0.0), now - self._at)
+        self._credit = max(0.0, min(WRITE_BEHIND_HOLD_S, self._credit - held + (now - self._at - held)))
+        self._at = now
+        return now
 
     @property
     def held(self) -> bool:
-        return time.monotonic() < self._held_until
+        return self.clock() < self._held_until
 
     def release(self) -> None:
         """End the hold in force (the engine thread is about to wait for a batch)."""
+        self._account()
         self._held_until = 0.0
 
     def _wait_turn(self) -> None:
         """A write-behind thread, before it starts a batch: the hold in force over."""
-        while (left := self._held_until - time.monotonic()) > 0:
+        while (left := self._held_until - self.clock()) > 0:
             time.sleep(min(left, 0.02))
 
     @property
