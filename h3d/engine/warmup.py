@@ -13,7 +13,10 @@ A first request should not pay for compiling kernels or capturing graphs. `warm_
    its own width, and the merge of its splits comes in one variant per power of two of their
    count). Triton keeps what it compiled under `TRITON_CACHE_DIR` (the daemon puts it under its
    data folder), so a restart compiles nothing, and loads every variant before ready;
-2. the named set of decode graphs (`DecodeGraphs.warm_set`): batch 1 at every width bucket up to
+2. on CUDA, a check that a chunk over cached keys attended segment by segment, nothing copied
+   (`h3d.kv.attention.segmented_attention`), equals the copying path: if not, the copying path
+   serves (`chunk_segments` 0 in the `warmed` event);
+3. the named set of decode graphs (`DecodeGraphs.warm_set`): batch 1 at every width bucket up to
    the longest context, exact and selecting; captured here where `graphs_now` (the daemon's
    `graphs_before_ready`), else left waiting and captured after ready, one graph per turn of the
    engine's idle loop (the 66 graphs of a Llama-8B shape at 128K took 8-13 s on H100s, a third of
@@ -41,6 +44,7 @@ from h3d.engine.step import Chunk
 from h3d.errors import InvalidRequest
 from h3d.hbf.policy import policy_named
 from h3d.kernels import decode, loader
+from h3d.kv import attention
 from h3d.kv.blocks import SeqId
 
 if TYPE_CHECKING:
@@ -94,6 +98,8 @@ def warm_up(engine: Engine, kernels: bool | None = None, graphs_now: bool = True
     parts: dict[str, float] = {}
     if kernels if kernels is not None else runner.device.type == "cuda":
         prompt = _scratch(engine, parts)
+    if runner.device.type == "cuda":
+        _check_segments(engine, parts)
     t1 = time.perf_counter()
     keys = runner.graphs.warm_set(engine.max_context)
     made = runner.graphs.warm(keys, now=graphs_now)
@@ -113,6 +119,17 @@ def warm_up(engine: Engine, kernels: bool | None = None, graphs_now: bool = True
         parts=parts,
         compiles=loader.COMPILES.count,
     )
+
+
+def _check_segments(engine: Engine, parts: dict[str, float]) -> None:
+    """A chunk over cached keys is attended segment by segment (`attention.segmented_attention`)
+    only if, on this device, that equals the copying path; `chunk_segments` in the `warmed` event
+    says which (1: segments)."""
+    model = engine.model.config
+    dtype = next(engine.model.parameters()).dtype
+    agree = attention.segments_agree(engine.runner.device, dtype, model.num_heads, model.num_kv_heads, model.head_dim)
+    attention.chunk_segments = agree
+    parts["chunk_segments"] = float(agree)
 
 
 def _chat_template(engine: Engine) -> None:

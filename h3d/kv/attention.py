@@ -353,6 +353,8 @@ def _chunk_attention(
             return window_attention(q, fresh[0].transpose(0, 1), fresh[1].transpose(0, 1), scale, window)
         return causal_attention(q, fresh[0], fresh[1], scale, out)
     keys, values = _segments(pools.k, runs), _segments(pools.v, runs)
+    if fresh is not None and window is None and _segmented(q, keys):
+        return segmented_attention(q, keys, values, prior, fresh, scale)
     k = (keys[0] if len(keys) == 1 else torch.cat(keys, dim=1))[:, :prior]  # [Hkv, T, D]
     v = (values[0] if len(values) == 1 else torch.cat(values, dim=1))[:, :prior]  # [Hkv, T, D]
     if fresh is not None:
@@ -361,6 +363,110 @@ def _chunk_attention(
     if window is not None:
         return window_attention(q, k, v, scale, window)
     return causal_lower_right_attention(q, k, v, scale)
+
+
+# Whether a chunk over cached keys is attended segment by segment (`segmented_attention`) where
+# flash attention runs; the warm-up turns it off if the device disagrees with the copying path
+# (`segments_agree`).
+chunk_segments = True
+
+
+def _segmented(q: torch.Tensor, keys: list[torch.Tensor]) -> bool:
+    return chunk_segments and _flash_lower_right(q) and all(k.dtype == q.dtype for k in keys)
+
+
+def segmented_attention(
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    prior: int,
+    fresh: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """A chunk's attention over its cached keys and its own, with nothing copied: q [n, H, D] (the
+    sequence's last n tokens); keys, values: the cached segments [Hkv, t, D] (views of the pool, or
+    one gathered tensor), of which the first `prior` rows count; fresh: the chunk's K/V [n, Hkv, D]
+    -> [n, H, D]. Every query sees every cached key, so each segment is one attention without a
+    mask, and the chunk's own keys one with the causal mask; the parts are merged by their
+    log-sum-exps. The copying path concatenates the cached keys and the chunk's (a copy of the
+    whole context a layer) and repeats K/V over the query heads (four more for a GQA of 4): on an
+    H100, 30 of the 64 ms of the device a chat's second turn over 32K of history took
+    (docs/BENCHMARKS.md). Flash attention reads grouped K/V as they are."""
+    parts = []
+    left = prior
+    for k, v in zip(keys, values, strict=True):
+        t = min(k.shape[1], left)
+        if t > 0:
+            parts.append(attend_lse(q, k[:, :t], v[:, :t], scale, causal=False))
+        left -= t
+    parts.append(attend_lse(q, fresh[0].transpose(0, 1), fresh[1].transpose(0, 1), scale, causal=True))
+    return merge_parts(parts).to(q.dtype)
+
+
+def attend_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n, H, D] over k, v [Hkv, t, D] (query head j reads KV head j // (H / Hkv)) -> (out
+    [n, H, D], log-sum-exp of each row's scaled scores [H, n], fp32). `causal`: the queries are
+    the keys' last n (lower right). Flash attention where it runs (`_flash_lower_right`, K/V of
+    q's dtype); its twin, the scores written out in fp32, elsewhere (the tests' CPU)."""
+    n, h, d = q.shape
+    hkv, t, _ = k.shape
+    if _flash_lower_right(q) and k.dtype == q.dtype and v.dtype == q.dtype:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q.transpose(0, 1)[None], k[None], v[None], 0.0, is_causal=causal, return_debug_mask=False, scale=scale
+        )[:2]
+        return out[0].transpose(0, 1), lse[0]
+    g = h // hkv
+    qh = q.float().transpose(0, 1).reshape(hkv, g * n, d)  # [Hkv, G*n, D]: head j = kv j // g, row (j % g, i)
+    scores = torch.bmm(qh, k.float().transpose(1, 2)) * scale  # [Hkv, G*n, t]
+    if causal:
+        seen = torch.arange(t, device=q.device)[None, :] <= torch.arange(t - n, t, device=q.device)[:, None]  # [n, t]
+        scores = scores.masked_fill(~seen.repeat(g, 1)[None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G*n]
+    out = torch.bmm(torch.exp(scores - lse[..., None]), v.float())  # [Hkv, G*n, D]
+    return out.reshape(h, n, d).transpose(0, 1), lse.reshape(h, n)
+
+
+def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Attention over disjoint sets of keys, (out [n, H, D], lse [H, n]) each -> the attention over
+    their union [n, H, D] (fp32): each part weighted by exp(its lse - the union's)."""
+    if len(parts) == 1:
+        return parts[0][0].float()
+    lse = torch.logsumexp(torch.stack([x for _, x in parts]), dim=0)  # [H, n]
+    out = None
+    for o, x in parts:
+        term = o.float() * torch.exp(x - lse).transpose(0, 1)[..., None]
+        out = term if out is None else out + term
+    assert out is not None
+    return out
+
+
+def segments_agree(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether `segmented_attention` equals the copying path on `device` (the warm-up's check on
+    CUDA, once): a chunk of 37 queries over 3 cached segments, views of a pool as `_segments`
+    makes them, and its own keys. False too if a kernel refuses the inputs."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    n, bs = 37, 16
+    pool_k, pool_v = rand(kv_heads, 40, bs, head_dim), rand(kv_heads, 40, bs, head_dim)
+    runs = ((2, 8), (20, 4), (26, 13))  # (first slot, blocks)
+    keys = [pool_k[:, s : s + c].view(kv_heads, c * bs, head_dim) for s, c in runs]
+    values = [pool_v[:, s : s + c].view(kv_heads, c * bs, head_dim) for s, c in runs]
+    fresh = (rand(n, kv_heads, head_dim), rand(n, kv_heads, head_dim))
+    prior = 25 * bs - 10  # (the last block's tail unwritten)
+    q, scale = 3 * rand(n, heads, head_dim), head_dim**-0.5  # (peaked: the parts' weights matter)
+    try:
+        got = segmented_attention(q, keys, values, prior, fresh, scale)
+    except RuntimeError:
+        return False
+    k = torch.cat([torch.cat(keys, dim=1)[:, :prior], fresh[0].transpose(0, 1)], dim=1)
+    v = torch.cat([torch.cat(values, dim=1)[:, :prior], fresh[1].transpose(0, 1)], dim=1)
+    want = causal_lower_right_attention(q, k, v, scale)
+    return bool((got.float() - want.float()).abs().max() <= 0.03 * want.float().abs().max())
 
 
 WINDOW_TILE = 256  # `window_attention`: queries per SDPA call, at least (a window's worth if larger)

@@ -341,3 +341,22 @@ def test_a_warm_set_left_for_after_ready_is_captured_one_graph_a_turn_wanted_one
     assert tokens == [e.token_id for e in events if isinstance(e, TokenDelta)] and len(tokens) == 4
     other.close()
     engine.close()
+
+
+def test_the_warm_up_keeps_segments_only_where_they_agree_with_the_copying_path(
+    checkpoint: Callable[[str], FsPath], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_check_segments` (on CUDA, in `warm_up`): a chunk over cached keys is attended segment by
+    segment only where the device agrees with the copying path; the `warmed` event says which."""
+    from h3d.kv import attention
+
+    engine = _engine(checkpoint, graphs=False)
+    monkeypatch.setattr(attention, "chunk_segments", True)
+    parts: dict[str, float] = {}
+    warmup._check_segments(engine, parts)
+    assert attention.chunk_segments and parts["chunk_segments"] == 1.0
+    merge = attention.merge_parts
+    monkeypatch.setattr(attention, "merge_parts", lambda p: merge(p[1:]))  # (a device that disagrees)
+    warmup._check_segments(engine, parts)
+    assert not attention.chunk_segments and parts["chunk_segments"] == 0.0
+    engine.close()

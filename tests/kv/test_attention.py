@@ -401,16 +401,24 @@ def test_the_chunk_path_equals_a_plain_softmax_over_the_keys_before_each_query(
         torch.testing.assert_close(got.double().cpu(), want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("path", ["copies", "segments"])
 @pytest.mark.parametrize(("layout", "tiers"), PLACEMENTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", GQA, ids=["gqa1", "gqa4"])
 def test_chunks_attend_to_their_own_kv_as_written(
-    heads: tuple[int, int], dtype: torch.dtype, layout: str, tiers: str
+    heads: tuple[int, int], dtype: torch.dtype, layout: str, tiers: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With `fresh` (the forward's new K/V), a prefill chunk reads only the blocks before it from
     the pools: the new tokens' rows are poisoned after the oracle has read them, and the result
     still equals the oracle. Chunks that start their sequence take `causal_attention`; the others
-    (some starting mid-block) read their earlier tokens' blocks in place."""
+    (some starting mid-block) read their earlier tokens' blocks in place: concatenated with the
+    chunk's own (`copies`), or segment by segment, merged by their log-sum-exps (`segments`, what
+    CUDA runs with flash attention; here its twin)."""
+    if path == "segments":
+        monkeypatch.setattr(A, "_segmented", lambda q, keys: True)
+        calls = []
+        inner = A.segmented_attention
+        monkeypatch.setattr(A, "segmented_attention", lambda *a: calls.append(1) or inner(*a))
     h, hkv = heads
     bs = 16
     g = torch.Generator().manual_seed(h + len(layout) + 7 * len(tiers))
@@ -446,6 +454,19 @@ def test_chunks_attend_to_their_own_kv_as_written(
     got = A.paged_attention(q, p.pools, layer_kv, SCALE)
     assert got.dtype == dtype
     assert_close_to_oracle(got, want)
+    if path == "segments":
+        assert len(calls) == 2  # (the two chunks over cached keys)
+
+
+def test_segments_agree_with_the_copying_path_and_a_broken_merge_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up's check (`segments_agree`) passes where the segments are right (the CPU twin; on
+    a GPU test run, flash attention in bf16) and fails where a part is left out of the merge."""
+    assert A.segments_agree(torch.device("cpu"), torch.float32, 8, 2, 32)
+    if TEST_DEVICE and TEST_DEVICE.startswith("cuda"):
+        assert A.segments_agree(torch.device(TEST_DEVICE), torch.bfloat16, 32, 8, 128)
+    merge = A.merge_parts
+    monkeypatch.setattr(A, "merge_parts", lambda parts: merge(parts[:-1]))
+    assert not A.segments_agree(torch.device("cpu"), torch.float32, 8, 2, 32)
 
 
 @pytest.mark.parametrize(
