@@ -166,8 +166,8 @@ class WriteBehind:
     def _account(self) -> float:
         """Bring the hold budget up to now (returned): the held time since `_at` spent, the rest earned."""
         now = self.clock()
-        held = min(max(min(now, self._held_until) - self._at, 0.0), now - self._at)
-        self._credit = max(0.0, min(WRITE_BEHIND_HOLD_S, self._credit - held + (now - self._at - held)))
+        held = max(min(now, self._held_until) - self._at, 0.0)
+        self._credit = max(0.0, min(WRITE_BEHIND_HOLD_S, self._credit - 2 * held + (now - self._at)))
         self._at = now
         return now
 
