@@ -101,6 +101,7 @@ def first_blocks(runs: Runs, n: int) -> Runs:
     return out
 
 
+TIDY_BLOCKS = 16  # `append`: this many new blocks a layer or more take the lowest free slots in order (`h3d.kv.slots`)
 MOVES_KEPT = 64  # versions a table's log of moved blocks spans at most (`BlockTable.moved`)
 
 
@@ -554,6 +555,9 @@ class BlockManager:
             if not self.can_append(seq, n_tokens):
                 raise OutOfBlocks(f"KV pools exhausted: need {new} blocks per layer")
             self._grow(table, table.num_blocks + new)
+            if new >= TIDY_BLOCKS:  # the free slots in order first: the new blocks in few runs
+                self.hbm_alloc.tidy()
+                self.ddr_alloc.tidy()
             first = table.num_blocks
             ids = e.allocate(self.num_layers * new).reshape(self.num_layers, new)
             table.ids[:, first : first + new] = ids

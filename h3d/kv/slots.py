@@ -6,6 +6,16 @@ Owner: `h3d.kv.blocks.BlockManager` is the only caller. What must stay true: a s
 free (on exactly one stack, its owner `FREE`), owned (by a session, or `SHARED`), or released
 while held (`HELD`: a DDR slot that an archive write still reads, free again once it is let go);
 the null slot (0) is never handed out; a lone session gets ascending, contiguous slots.
+
+Sessions that decode side by side take their blocks' slots by turns, and give them back in any
+order: a prompt that takes them next lies in dozens of runs of the pool (63 for a 32K-token
+prompt on an H100, after the warm-up's sessions), and a chunk that reads it attends run by run
+or gathers it (`h3d.kv.attention.MAX_RUNS`). So slots given back together go on their stack
+lowest on top, and before a long append (`BlockManager.append`, `TIDY_BLOCKS` blocks a layer or
+more) the stacks that took slots back since are sorted, `tidy`: the lowest free slots are handed
+out first, ascending, contiguous where they are. (Not at every allocation: a decode step's
+demotions give slots back and its fills take them, and a sort of each layer's stack would cost
+more than it saves there.)
 """
 
 from __future__ import annotations
@@ -42,6 +52,13 @@ class SlotAllocator:
         self._top = self.capacity
         self.owner = owner
         self._holds = np.zeros(len(owner), dtype=np.int32)  # readers of each slot (`hold`)
+        self._untidy = False  # slots came back since the last `tidy`
+
+    def tidy(self) -> None:
+        """The free slots in order, the lowest on top (the module's docstring)."""
+        if self._untidy:
+            self._stack[: self._top] = np.sort(self._stack[: self._top])[::-1]
+            self._untidy = False
 
     @property
     def num_free(self) -> int:
@@ -77,6 +94,7 @@ class SlotAllocator:
         self.owner[done] = FREE
         self._stack[self._top : self._top + len(done)] = done[::-1]
         self._top += len(done)
+        self._untidy |= len(done) > 0
 
     def take(self, n: int) -> np.ndarray:
         """`n` slots for a reader that fills them before they belong to anyone (an archive read
@@ -99,7 +117,7 @@ class SlotAllocator:
         return slots
 
     def release(self, slots: np.ndarray) -> None:
-        slots = slots[slots > NULL_SLOT]
+        slots = np.sort(slots[slots > NULL_SLOT])  # the lowest on top (the module's docstring)
         held = self._holds[slots] > 0
         if held.any():
             self.owner[slots[held]] = HELD
@@ -107,6 +125,7 @@ class SlotAllocator:
         self.owner[slots] = FREE
         self._stack[self._top : self._top + len(slots)] = slots[::-1]
         self._top += len(slots)
+        self._untidy |= len(slots) > 0
 
     def free_slots(self) -> np.ndarray:
         return self._stack[: self._top]
@@ -130,7 +149,15 @@ class LayeredAllocator:
         self._top = capacities.copy()
         self.first = first
         self.owner = owner
+        self._untidy = np.zeros(len(capacities), dtype=bool)  # per layer: slots came back since `tidy`
         self._views = [_LayerView(self, layer) for layer in range(len(capacities))]
+
+    def tidy(self) -> None:
+        """Each layer's free slots in order, the lowest on top (the module's docstring)."""
+        for layer in np.flatnonzero(self._untidy).tolist():
+            top = int(self._top[layer])
+            self._stack[layer, :top] = np.sort(self._stack[layer, :top])[::-1]
+        self._untidy[:] = False
 
     def __getitem__(self, layer: int) -> _LayerView:
         return self._views[layer]
@@ -167,11 +194,14 @@ class LayeredAllocator:
         layers, slots = layers[real], slots[real]
         if not len(slots):
             return
+        order = np.lexsort((slots, layers))  # in each layer the lowest on top (the module's docstring)
+        layers, slots = layers[order], slots[order]
         counts = np.bincount(layers, minlength=len(self._top))
         rank = np.arange(len(layers)) - (np.cumsum(counts) - counts)[layers]
         self._stack[layers, self._top[layers] + counts[layers] - 1 - rank] = slots
         self._top += counts
         self.owner[slots] = FREE
+        self._untidy |= counts > 0
 
 
 class _LayerView:
