@@ -430,15 +430,16 @@ def attend_lse(
 
 def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Attention over disjoint sets of keys, (out [n, H, D], lse [H, n]) each -> the attention over
-    their union [n, H, D] (fp32): each part weighted by exp(its lse - the union's)."""
-    if len(parts) == 1:
-        return parts[0][0].float()
-    lse = torch.logsumexp(torch.stack([x for _, x in parts]), dim=0)  # [H, n]
-    out = None
-    for o, x in parts:
-        term = o.float() * torch.exp(x - lse).transpose(0, 1)[..., None]
-        out = term if out is None else out + term
-    assert out is not None
+    their union [n, H, D] (fp32). Folded part by part: the union so far weighs sigmoid(its lse -
+    the next part's), exp(its lse - their union's); five launches a part, where weighting each
+    part by exp(its lse - the log-sum-exp of all) took about twenty a layer, and the chunk's
+    launches, not the device, set its time (docs/BENCHMARKS.md, a chat's second turn)."""
+    out, lse = parts[0][0].float(), parts[0][1]
+    for i, (o, x) in enumerate(parts[1:], start=2):
+        w = torch.sigmoid(lse - x).transpose(0, 1)[..., None]  # [n, H, 1]: the union so far's weight
+        out = torch.lerp(o.float(), out, w)  # o + w (out - o)
+        if i < len(parts):
+            lse = torch.logaddexp(lse, x)
     return out
 
 
