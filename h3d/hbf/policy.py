@@ -294,12 +294,16 @@ def probe_anchors(
     m = min(PROBE_QUERIES, q.shape[0])
     hkv, d = segments[0].shape[0], segments[0].shape[2]
     t = sum(s.shape[1] for s in segments)
-    qm = (q[-m:].float() * scale).view(m, hkv, -1, d)  # [m, Hkv, G, D]
+    kernels = probe.applies(q.device)
+    if kernels and q.dtype == segments[0].dtype:
+        qm = (q[-m:] * scale).view(m, hkv, -1, d)  # (the product in fp32 rounded once: what the kernels would round)
+    else:
+        qm = (q[-m:].float() * scale).view(m, hkv, -1, d)  # [m, Hkv, G, D]
     g = qm.shape[2]
     qh = qm.permute(1, 0, 2, 3).reshape(hkv, m * g, d)  # [Hkv, m * G, D], rows (query, head)
     nb = -(-t // block_size)
     per_key = torch.zeros(hkv, nb * block_size, device=q.device)
-    if probe.applies(q.device):
+    if kernels:
         probe.key_mass(qh, segments, m, g, out=per_key[:, :t])  # (written in place)
     else:
         keys = segments[0] if len(segments) == 1 else torch.cat([s.float() for s in segments], dim=1)

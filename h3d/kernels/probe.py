@@ -1,5 +1,5 @@
-"""HBF's prompt probe on the device in two launches: the attention mass each key draws from a
-prompt's last queries (`key_mass`), without the [Hkv, rows, T] scores in memory.
+"""HBF's prompt probe on the device in three launches a segment or fewer: the attention mass each
+key draws from a prompt's last queries (`key_mass`), without the [Hkv, rows, T] scores in memory.
 
 `h3d.hbf.policy.probe_anchors` ranks a layer's blocks by the softmax mass they draw from the last
 `PROBE_QUERIES` queries of a prompt, per KV head. Its torch twin widens every key to fp32, scores
@@ -10,8 +10,10 @@ keep only a row's running maximum and sum, then a key's sum:
 
 - `_lse_kernel`, program (KV head, tile of rows, split of the keys): each row's maximum score and
   its sum of exponentials over the split's keys (the keys past each query masked: the query of
-  row r, the (r // G)-th of the last m, sits at position T - m + r // G); the splits' partial
-  figures are combined on the device into each row's log-sum-exp.
+  row r, the (r // G)-th of the last m, sits at position T - m + r // G).
+- `_combine_kernel`, program (KV head, tile of rows): the splits' partial figures into each row's
+  log-sum-exp (in one launch: torch's ops took seven, and a chunk over a cached prefix is bound
+  by its launches, docs/BENCHMARKS.md).
 - `_mass_kernel`, program (KV head, tile of keys): each key's exp(score - lse) summed over every
   row of its head.
 
@@ -64,9 +66,11 @@ def _kernels() -> SimpleNamespace:
         {
             "lse": (*strides, "sb_h", "sb_r", *lengths, "split0", "per_split"),
             "mass": (*strides, "so_h", *lengths),
+            "combine": ("sb_h", "sb_r", "rows", "splits"),
         },
         lse=_lse_kernel,
         mass=_mass_kernel,
+        combine=_combine_kernel,
     )
 
 
@@ -109,8 +113,8 @@ def key_mass(
         )  # fmt: skip
         key0 += k.shape[1]
         split0 += n
-    top = best.amax(dim=-1, keepdim=True)  # (every row sees key 0: finite)
-    lse = (top + torch.log((sums * torch.exp(best - top)).sum(dim=-1, keepdim=True))).squeeze(-1).contiguous()
+    lse = torch.empty((hkv, rows), dtype=torch.float32, device=q.device)
+    kern.combine[(hkv, row_tiles)](best, sums, lse, best.stride(0), best.stride(1), rows, s_total, BM=BLOCK_ROWS)
     if out is None:
         out = torch.empty((hkv, total), dtype=torch.float32, device=q.device)
     elif out.shape != (hkv, total) or out.dtype != torch.float32 or out.stride(-1) != 1:
@@ -166,6 +170,26 @@ def _lse_kernel(  # type: ignore[no-untyped-def]
     at = h * sb_h + r.to(tl.int64) * sb_r + split0 + sp
     tl.store(best + at, m_i, mask=live)
     tl.store(sums + at, l_i, mask=live)
+
+
+def _combine_kernel(best, sums, lse, sb_h, sb_r, rows, splits, BM: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Program (h, row tile): each row's log-sum-exp over all keys, lse [Hkv, rows], from its
+    splits' maxima and sums in best / sums [Hkv, rows, splits] (`_lse_kernel`'s)."""
+    h = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1) * BM + tl.arange(0, BM)
+    live = r < rows
+    at = h * sb_h + r.to(tl.int64) * sb_r
+    m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BM,), dtype=tl.float32)
+    for sp in range(0, splits):
+        b = tl.load(best + at + sp, mask=live, other=float("-inf"))
+        x = tl.load(sums + at + sp, mask=live, other=0.0)
+        m_new = tl.maximum(m_i, b)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (no key in the splits so far)
+        l_i = l_i * tl.exp(m_i - m_safe) + x * tl.exp(b - m_safe)
+        m_i = m_new
+    l_i = tl.where(live, l_i, 1.0)  # (rows past the end: nothing summed, nothing stored)
+    tl.store(lse + h * rows + r, m_i + tl.log(l_i), mask=live)  # (every row sees key 0: finite)
 
 
 def _mass_kernel(  # type: ignore[no-untyped-def]

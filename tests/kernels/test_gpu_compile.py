@@ -28,5 +28,5 @@ def test_every_kernel_compiles_for_sm90() -> None:
     kernels = {line.split(": ")[1].split()[0] for line in lines if " compiled in " in line}
     expected = {"_split_kernel", "_merge_kernel", "_write_kernel", "_copy_kernel", "_add_norm_kernel",
                 "_rope_kernel", "_scores_kernel", "_top_kernel", "_lists_kernel", "_fold_kernel",
-                "_lse_kernel", "_mass_kernel"}  # fmt: skip
+                "_lse_kernel", "_mass_kernel", "_combine_kernel"}  # fmt: skip
     assert kernels == expected, lines[-1]
