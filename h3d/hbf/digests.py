@@ -55,6 +55,9 @@ from h3d.errors import OutOfBlocks
 from h3d.kv.blocks import SeqId
 
 DIGEST_TOKENS = 8  # tokens per digest by default: a block of block_size tokens has block_size / 8 parts
+# `DigestStore.update`: a chunk of this many keys or fewer folds them all by scatter (a chat's next
+# turn: launches, not the device, set its time, docs/BENCHMARKS.md)
+SCATTER_KEYS = 256
 # A session's digests of its first blocks, [Hkv, nb, parts, 2, D]: one view of the arena, or two
 # (its source's rows, then its own: `DigestStore.share`), read as one by `block_scores`
 Digests = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -488,7 +491,8 @@ class DigestStore:
         """Fold the keys of positions start, start + 1, ... into their parts' digests. k: [n, Hkv, D].
 
         Whole parts (a long chunk's) take one min/max reduction each; the partial parts at either
-        end fold their keys in by scatter, so a partial part grows token by token. No host sync."""
+        end fold their keys in by scatter, so a partial part grows token by token; a short chunk's
+        keys (`SCATTER_KEYS` or fewer) all go by scatter. No host sync."""
         n = k.shape[0]
         if not n:
             return
@@ -506,6 +510,8 @@ class DigestStore:
         kt = k.transpose(0, 1).to(self.dtype)  # [Hkv, n, D]
         a = min(n, -start % pt)  # keys before the first part boundary
         b = a + (n - a) // pt * pt  # the end of the whole parts
+        if n <= SCATTER_KEYS:
+            a = b = n  # every key by scatter: two launches, where whole parts take six more
         if b > a:
             first, whole = (start + a) // pt, kt[:, a:b].unflatten(1, (-1, pt))  # [Hkv, m, pt, D]
             span = slice(first, first + whole.shape[1])

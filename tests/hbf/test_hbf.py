@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import unittest.mock
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -60,16 +61,21 @@ def test_digest_bound_is_at_least_every_true_score(hkv: int, group: int, n: int,
     cuts=st.lists(st.integers(0, 90), max_size=3),
     part=st.sampled_from([4, 8, 16]),
     seed=st.integers(0, 2**31 - 1),
+    scatter=st.sampled_from([0, 256]),
 )
-def test_digests_are_each_parts_min_and_max(n: int, cuts: list[int], part: int, seed: int) -> None:
+def test_digests_are_each_parts_min_and_max(n: int, cuts: list[int], part: int, seed: int, scatter: int) -> None:
     """Keys written in pieces of any length (whole parts reduced at once, partial ones folded in
-    by scatter) give exactly each part's element-wise min and max of its keys."""
+    by scatter; or, `SCATTER_KEYS` at most, every key by scatter) give exactly each part's
+    element-wise min and max of its keys."""
+    from h3d.hbf import digests
+
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(n, 2, 8, generator=g)  # [n, Hkv, D]
     store = DigestStore(1, 2, 8, BS, torch.float32, torch.device("cpu"), part)
     edges = sorted({0, n, *(c for c in cuts if c < n)})
-    for a, b in itertools.pairwise(edges):
-        store.update(SeqId(1), 0, a, k[a:b])
+    with unittest.mock.patch.object(digests, "SCATTER_KEYS", scatter):
+        for a, b in itertools.pairwise(edges):
+            store.update(SeqId(1), 0, a, k[a:b])
     nb = -(-n // BS)
     got = store.get(SeqId(1), 0, nb).reshape(2, -1, 2, 8)  # [Hkv, parts, (min, max), D]
     for j in range(-(-n // part)):
