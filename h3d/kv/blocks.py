@@ -557,7 +557,8 @@ class BlockManager:
             self._grow(table, table.num_blocks + new)
             if new >= TIDY_BLOCKS:  # the free slots in order first: the new blocks in few runs
                 self.hbm_alloc.tidy()
-                self.ddr_alloc.tidy()
+                if new - int(self.hbm_alloc.free.min()) >= TIDY_BLOCKS:  # (DDR's only where they spill there)
+                    self.ddr_alloc.tidy()
             first = table.num_blocks
             ids = e.allocate(self.num_layers * new).reshape(self.num_layers, new)
             table.ids[:, first : first + new] = ids

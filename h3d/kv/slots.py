@@ -13,9 +13,11 @@ prompt on an H100, after the warm-up's sessions), and a chunk that reads it atte
 or gathers it (`h3d.kv.attention.MAX_RUNS`). So slots given back together go on their stack
 lowest on top, and before a long append (`BlockManager.append`, `TIDY_BLOCKS` blocks a layer or
 more) the stacks that took slots back since are sorted, `tidy`: the lowest free slots are handed
-out first, ascending, contiguous where they are. (Not at every allocation: a decode step's
-demotions give slots back and its fills take them, and a sort of each layer's stack would cost
-more than it saves there.)
+out first, ascending, contiguous where they are; DDR's stack only where the append spills that
+many there. (Not at every allocation: a decode step's demotions give slots back and its fills
+take them, and a sort of each layer's stack would cost more than it saves there. A sort costs
+about 2 ms for 32 layers of 11,600 slots and 5 ms for 800,000 DDR slots, 100 GB of an 8B
+model's blocks, with numpy on one core.)
 """
 
 from __future__ import annotations

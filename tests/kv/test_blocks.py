@@ -775,19 +775,19 @@ def test_a_long_append_takes_the_slots_of_sessions_that_took_turns_in_order() ->
     first prompt after the warm-up read a 32K-token prompt in 63 runs.)"""
     from h3d.kv.blocks import TIDY_BLOCKS
 
-    bm = BlockManager(hbm_slots_per_layer=16, ddr_slots=16, num_layers=2, block_size=4)
+    bm = BlockManager(hbm_slots_per_layer=16, ddr_slots=32, num_layers=2, block_size=4)
     for seq in (1, 2, 3):
         bm.allocate(SeqId(seq))
-    for _ in range(12):  # 8 blocks each in HBM, then 4 each in DDR
+    for _ in range(16):  # 8 blocks each in HBM, then 8 each in DDR
         bm.append(SeqId(1), 4)
         bm.append(SeqId(2), 4)
-    assert len(bm.runs(SeqId(1), 0)) == 12  # every other slot
+    assert len(bm.runs(SeqId(1), 0)) == 16  # every other slot
     bm.free(SeqId(2))
     bm.free(SeqId(1))
-    assert TIDY_BLOCKS <= 24
-    bm.append(SeqId(3), 24 * 4)
+    assert TIDY_BLOCKS <= 16
+    bm.append(SeqId(3), 32 * 4)  # 16 blocks a layer in HBM, 16 spilled to DDR
     for layer in range(2):
         runs = bm.runs(SeqId(3), layer)
-        assert [(t, c) for t, _, c in runs] == [(Tier.HBM, 16), (Tier.DDR, 8)], runs
+        assert [(t, c) for t, _, c in runs] == [(Tier.HBM, 16), (Tier.DDR, 16)], runs
         assert runs[0][1] == 1 + 16 * layer
     bm.check_invariants()
