@@ -1,5 +1,6 @@
-"""HBF's prompt probe on the device in three launches a segment or fewer: the attention mass each
-key draws from a prompt's last queries (`key_mass`), without the [Hkv, rows, T] scores in memory.
+"""HBF's prompt probe on the device in two launches a segment and one more: the attention mass
+each key draws from a prompt's last queries (`key_mass`), without the [Hkv, rows, T] scores in
+memory.
 
 `h3d.hbf.policy.probe_anchors` ranks a layer's blocks by the softmax mass they draw from the last
 `PROBE_QUERIES` queries of a prompt, per KV head. Its torch twin widens every key to fp32, scores
