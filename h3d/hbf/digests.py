@@ -511,7 +511,7 @@ class DigestStore:
         a = min(n, -start % pt)  # keys before the first part boundary
         b = a + (n - a) // pt * pt  # the end of the whole parts
         if n <= SCATTER_KEYS:
-            a = b = n  # every key by scatter: two launches, where whole parts take six more
+            a = b = n  # every key by scatter: four launches, where whole parts and their ends took ten
         if b > a:
             first, whole = (start + a) // pt, kt[:, a:b].unflatten(1, (-1, pt))  # [Hkv, m, pt, D]
             span = slice(first, first + whole.shape[1])
