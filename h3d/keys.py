@@ -170,14 +170,17 @@ ENGINE: tuple[Key, ...] = (
     Key("ssd_retry_interval_s", "how often a degraded SSD tier (full disk, I/O error) is tried again"),
     Key(
         "ssd_capacity_mb",
-        "live archive records the archive may hold (MiB). Write-behind writes no batch past it; open sessions' "
+        "live archive records and digest snapshots the archive may hold (MiB): the snapshots on disk count, and "
+        "room for the next one of each session whose digests are on the device (an eighth of its KV by default, "
+        "written when it is closed, when its digests are set aside and at shutdown). Write-behind writes no batch "
+        "past it; open sessions' "
         "blocks come first: closed sessions' archived KV is evicted, coldest first, to make room, and the archive "
         "compacted. Spills past `ddr_high_watermark` and the shutdown checkpoint may pass it (they must free DDR "
         "or save the sessions). `auto`: the free space of the archive's file system at start plus what the "
         "archive takes there, less 5 % of the file system (at least 1 GiB), so that write-behind never fills the "
         "disk (GetConfig shows the value it resolved to)",
-        help="live archive records the archive may hold (MiB), or auto: the file system's free space at start "
-        "less a margin",
+        help="live archive records and digest snapshots the archive may hold (MiB), or auto: the file system's "
+        "free space at start less a margin",
     ),
     Key(
         "write_behind",

@@ -106,8 +106,9 @@ SSD_MARGIN_MIN = 1 << 30  # and at least this much
 
 
 def ssd_capacity(config: EngineConfig, archive: Archive | None) -> int | None:
-    """The archive's capacity in bytes of live records: `ssd_capacity_mb`, or with `auto` the free
-    space of its file system at start plus what the archive takes there already, less a margin
+    """The archive's capacity in bytes of live records and digest snapshots
+    (`TierManager.ssd_used`): `ssd_capacity_mb`, or with `auto` the free space of its file system
+    at start plus what the archive and its snapshots take there already, less a margin
     (`SSD_MARGIN_SHARE` of the file system, at least `SSD_MARGIN_MIN`), so that write-behind never
     fills the disk. None without an archive."""
     if archive is None:
@@ -116,7 +117,8 @@ def ssd_capacity(config: EngineConfig, archive: Archive | None) -> int | None:
         return int(float(config.ssd_capacity_mb) * 2**20)
     fs = os.statvfs(archive.path)
     margin = max(SSD_MARGIN_MIN, int(SSD_MARGIN_SHARE * fs.f_blocks * fs.f_frsize))
-    return max(0, fs.f_bavail * fs.f_frsize + archive.disk_bytes() - margin)
+    snapshots = sum(p.stat().st_size for p in (archive.path / "digests").glob("*.h3dg"))
+    return max(0, fs.f_bavail * fs.f_frsize + archive.disk_bytes() + snapshots - margin)
 
 
 def open_archive(cfg: EngineConfig, mc: ModelConfig) -> Archive | None:

@@ -60,7 +60,8 @@ def sweep_archive(kv: KVCache, sessions: set[str]) -> int:
 
 def enforce_ssd_capacity(kv: KVCache, sessions: Iterable[Session], evictions: list[SessionId]) -> None:
     """Past the archive's capacity (`ssd_capacity_mb`, resolved: `TierManager.ssd_capacity`) of
-    live records, or short of the room write-behind asked for (open sessions' blocks come first):
+    live records and digest snapshots (`TierManager.ssd_used`), or short of the room write-behind
+    asked for (open sessions' blocks come first):
     forget the archived KV of closed sessions, least recently used first (their tokens stay; the
     KV is computed again if they are reopened); then reclaim the disk space of dead records."""
     archive = kv.archive
@@ -70,16 +71,17 @@ def enforce_ssd_capacity(kv: KVCache, sessions: Iterable[Session], evictions: li
     wanted = kv.tiers.behind.wants_room
     limit = capacity - wanted
     try:
-        if archive.live_bytes() > limit:
+        used = kv.tiers.ssd_used
+        if used() > limit:
             closed = sorted((s for s in sessions if s.closed), key=lambda s: s.last_used_at)
             for session in closed:
                 if kv.cached_tokens(session.seq) == 0:
                     continue
                 kv.forget(session.seq)
                 evictions.append(session.id)
-                if archive.live_bytes() <= limit:
+                if used() <= limit:
                     break
-        if wanted and archive.live_bytes() <= limit:
+        if wanted and used() <= limit:
             kv.tiers.behind.wants_room = 0
         disk = archive.disk_bytes()
         # Worth copying the live records; on the archive's own thread (the engine thread only

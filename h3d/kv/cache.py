@@ -44,7 +44,7 @@ from h3d.kv.pool import KVPool, Registrar
 from h3d.kv.slots import SlotAllocator
 from h3d.tiers import lifecycle
 from h3d.tiers.archive import Archive, ArchiveWriteFailed
-from h3d.tiers.digestfile import DigestFiles, Layout, host_copy
+from h3d.tiers.digestfile import DATA_ALIGN, DigestFiles, Layout, host_copy
 from h3d.tiers.identity import ArchiveCorrupt
 from h3d.tiers.manager import TierManager
 from h3d.tiers.promotion import Promoter
@@ -168,6 +168,7 @@ class KVCache:
         )
         if self.digest_files is not None:
             self.digest_files.clean()
+            self.tiers.side_bytes = self.snapshot_bytes
         # The HBF picks of the last step replayed as a CUDA graph, not yet promoted (the runner's
         # graphs hand them over: `DecodeGraphs.take_lagged`).
         self.lagged: Callable[[], dict[SeqId, np.ndarray]] = dict
@@ -849,6 +850,23 @@ class KVCache:
         rows = self.digests.head(seq, full)
         d = self.digests
         return self.digest_files.write(self.sessions[seq].name, full, d.part_tokens, rows, d.layers)
+
+    def snapshot_bytes(self) -> int:
+        """The digest snapshots' bytes beside the archive's records, counted against
+        `ssd_capacity_mb` (`TierManager.ssd_used`): those on disk, and for each session whose
+        digests are on the device what its next snapshot would add (one is written when it is
+        closed, when its digests are set aside, at a shutdown's checkpoint: an eighth of its KV
+        by default, `digest_tokens`), so that write-behind leaves them room."""
+        files, d = self.digest_files, self.digests
+        if files is None:
+            return 0
+        total = files.disk_bytes()
+        per_block = d.row_bytes * d.parts
+        for seq, record in self.sessions.items():
+            if d.has(seq) and record.selection.policy.keeps_digests:
+                full = record.table.num_tokens // self.block_size
+                total += max(0, full * per_block + DATA_ALIGN - files.disk_bytes(record.name))  # (its header)
+        return total
 
     def save_digests_later(self, seq: SeqId) -> None:
         """`save_digests` with the write on a thread (`DigestFiles.write_later`): only the copy to

@@ -90,6 +90,10 @@ class DigestFiles:
         # read then takes the rows (a session closed and reopened at once waits for no write)
         self._staged: dict[str, tuple[int, int, torch.Tensor, list[int]]] = {}
         self._staged_lock = threading.Lock()
+        # file name -> bytes on disk of each snapshot (counted against `ssd_capacity_mb`:
+        # `disk_bytes`), from the folder at start, then kept as snapshots are written and removed
+        self._sizes = {p.name: p.stat().st_size for p in self.folder.glob("*.h3dg")} if self.folder.is_dir() else {}
+        self._total = sum(self._sizes.values())
 
     def path(self, session: str) -> Path:
         name = session if _SAFE_NAME.fullmatch(session) else hashlib.sha256(session.encode()).hexdigest()
@@ -142,7 +146,21 @@ class DigestFiles:
             raise
         os.close(fd)
         os.replace(tmp, final)
+        self._resized(final.name, sum(memoryview(part).nbytes for part in parts))
         fsync_dir(self.folder)
+
+    def disk_bytes(self, session: str | None = None) -> int:
+        """Bytes the snapshots (of `session`, or all) take on disk, from any thread."""
+        if session is None:
+            return self._total
+        with self._staged_lock:
+            return self._sizes.get(self.path(session).name, 0)
+
+    def _resized(self, name: str, size: int) -> None:
+        with self._staged_lock:
+            self._total += size - self._sizes.pop(name, 0)
+            if size:
+                self._sizes[name] = size
 
     def install(self, session: str, data: bytes) -> None:
         """Make `data` (a snapshot file's bytes, as another daemon wrote it: checked when read)
@@ -370,6 +388,7 @@ class DigestFiles:
     def remove(self, session: str) -> None:
         self.settle(session)
         path = self.path(session)
+        self._resized(path.name, 0)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
             fsync_dir(self.folder)

@@ -80,12 +80,19 @@ class TierManager:
         self._ssd_retry_at = 0.0
         self.notices: list[tuple[str, dict[str, object]]] = []  # (log event, fields) for the daemon's log
         self.ssd_capacity = ssd_capacity if archive is not None else None
+        # Bytes the archive's folder holds beside its records, counted against `ssd_capacity` too
+        # (the KV cache's digest snapshots: `KVCache.snapshot_bytes`)
+        self.side_bytes: Callable[[], int] = lambda: 0
         self.behind = WriteBehind(self, write_behind_dirty_mb)
         self.ahead = ReadAhead(self)
 
     @property
     def block_bytes(self) -> int:
         return self.hbm.slot_bytes
+
+    def ssd_used(self) -> int:
+        """What counts against `ssd_capacity`: the archive's live records and `side_bytes`."""
+        return (self.archive.live_bytes() if self.archive is not None else 0) + self.side_bytes()
 
     def release(self, seq: SeqId, purge_archive: bool = True) -> None:
         """Give back `seq`'s slots, and delete its archived records with `purge_archive` (the KV
@@ -680,7 +687,7 @@ class TierManager:
         hbm_cap = b.hbm_capacity
         hbm_used = hbm_cap - int(b.hbm_alloc.free.sum())
         ddr_used = b.ddr_alloc.capacity - b.ddr_free
-        ssd = self.archive.live_bytes() if self.archive is not None else 0
+        ssd = self.ssd_used()
         behind = self.behind.stats()
         return TierStats(
             **asdict(c),

@@ -289,7 +289,7 @@ class WriteBehind:
         layers, blocks = layers[order], blocks[order]
         nbytes = len(blocks) * tiers.block_bytes
         if tiers.ssd_capacity is not None and tiers.archive is not None:
-            live = tiers.archive.live_bytes() + sum(x.bytes for x in self.batches)
+            live = tiers.ssd_used() + sum(x.bytes for x in self.batches)
             if live + nbytes > tiers.ssd_capacity:
                 self.wants_room = live + nbytes - tiers.ssd_capacity
                 return None

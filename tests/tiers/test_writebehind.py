@@ -672,3 +672,38 @@ def test_full_ddr_drops_copies_of_hbm_blocks_before_blocks_a_step_reads(
     assert staged == 0, f"{staged} blocks staged from the archive after the first steps"
     want, _ = run(make_engine(checkpoint(MODEL), hbm_mb=64.0, ddr_mb=16.0))
     assert got == want
+
+
+def test_digest_snapshots_count_against_the_archive_capacity(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    """The digest snapshots beside the archive (a closed session's, written when it is parked)
+    and room for the next snapshot of each session whose digests are on the device count
+    against ssd_capacity_mb with the records: with a capacity the records alone fit in,
+    write-behind stops short of the snapshots (where only the records counted, a run of 32
+    sessions filled the disk: their snapshots took 16 GB beside the records)."""
+    engine = _engine(checkpoint(MODEL), tmp_path, ddr_mb=64.0)
+    kv, tiers = engine.runner.kv, engine.runner.tiers
+    files, archive = kv.digest_files, tiers.archive
+    assert files is not None and archive is not None
+    first = engine.create_session()
+    engine.append(first, token_ids=random_prompt(200, VOCAB_SIZE, seed=3))
+    seq = engine.session(first).seq
+    room = 200 // kv.block_size * kv.digests.row_bytes * kv.digests.parts
+    assert kv.digests.has(seq) and room > 0
+    assert kv.snapshot_bytes() >= room  # its digests are on the device: room for its snapshot
+    engine.close_session(first)  # parked: its KV archived, its snapshot written
+    files.settle()
+    assert files.disk_bytes() == files.path(first).stat().st_size >= room
+    assert kv.snapshot_bytes() == files.disk_bytes()
+    kept = engine.cached_tokens(first)
+    second = engine.create_session()
+    prompt = random_prompt(300, VOCAB_SIZE, seed=4)
+    records = 300 // kv.block_size * tiers.blocks.num_layers * SLOT_BYTES
+    tiers.ssd_capacity = archive.live_bytes() + records + SLOT_BYTES  # the records fit, not the snapshots
+    engine.append(second, token_ids=prompt)
+    _drain(engine)
+    assert archive.live_bytes() + kv.snapshot_bytes() <= tiers.ssd_capacity
+    assert tiers.ssd_used() == archive.live_bytes() + kv.snapshot_bytes()
+    assert tiers.behind.wants_room > 0 and engine.tier_stats().dirty_bytes > 0
+    assert engine.tier_stats().ssd_used_bytes == tiers.ssd_used()
+    assert engine.cached_tokens(first) == kept > 0  # (the closed session's archived KV was not evicted for it)
+    engine.close()

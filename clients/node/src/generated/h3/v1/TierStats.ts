@@ -36,9 +36,10 @@ export interface TierStats {
   'ddrUsedBytes'?: (number | string | Long);
   'ddrCapacityBytes'?: (number | string | Long);
   /**
-   * Bytes of the records the archive holds now (a record several sessions share counted once):
-   * what ssd_capacity_mb counts. The segments on disk hold up to a third more until a compaction
-   * gives back the space of deleted records.
+   * What ssd_capacity_mb counts: the bytes of the records the archive holds now (a record several
+   * sessions share counted once) and of the digest snapshots beside them, with room for the next
+   * snapshot of each session whose digests are on the device. The segments on disk hold up to a
+   * third more until a compaction gives back the space of deleted records.
    */
   'ssdUsedBytes'?: (number | string | Long);
   /**
@@ -194,9 +195,10 @@ export interface TierStats__Output {
   'ddrUsedBytes': (number);
   'ddrCapacityBytes': (number);
   /**
-   * Bytes of the records the archive holds now (a record several sessions share counted once):
-   * what ssd_capacity_mb counts. The segments on disk hold up to a third more until a compaction
-   * gives back the space of deleted records.
+   * What ssd_capacity_mb counts: the bytes of the records the archive holds now (a record several
+   * sessions share counted once) and of the digest snapshots beside them, with room for the next
+   * snapshot of each session whose digests are on the device. The segments on disk hold up to a
+   * third more until a compaction gives back the space of deleted records.
    */
   'ssdUsedBytes': (number);
   /**
