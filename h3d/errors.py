@@ -33,6 +33,11 @@ class OutOfBlocks(H3Error):
     """The KV pool has no free slot left for the request (maps to RESOURCE_EXHAUSTED)."""
 
 
+class TiersFull(OutOfBlocks):
+    """HBM, DDR and the archive (within `ssd_capacity_mb`) together cannot hold the sessions' KV
+    with the request's: the engine forgets cold KV (the prefix cache's, closed sessions') first."""
+
+
 class NoArchive(H3Error):
     """The operation needs the SSD archive and none is configured (maps to FAILED_PRECONDITION)."""
 

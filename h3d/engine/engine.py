@@ -64,6 +64,7 @@ from h3d.errors import (
     SessionBusy,
     SessionNotFound,
     SsdDegraded,
+    TiersFull,
     clip,
 )
 from h3d.hbf.policy import PROBE_QUERIES, policy_named
@@ -71,7 +72,7 @@ from h3d.kv.blocks import SeqId
 from h3d.model.loader import Weights, start_model
 from h3d.model.tokenizer import Tokenizer
 from h3d.store.tokenlog import TokenStore, parse_log
-from h3d.tiers.identity import ArchiveCorrupt, ArchiveError
+from h3d.tiers.identity import ArchiveCorrupt, ArchiveError, ArchiveWriteFailed
 from h3d.tiers.stats import TierStats
 
 if TYPE_CHECKING:
@@ -734,7 +735,7 @@ class Engine:
             return None
         if session.closed:
             self._reopen(session)
-        self.kv.admit(session.seq, target - cached, self._active())
+        self._admit(session, target - cached)
         req = Request(
             id=RequestId(next(self._request_ids)), session=session, generate=False, params=session.sampling,
             generator=None, detok=None, tokens_added=0, prefill_total=target - cached,
@@ -838,6 +839,33 @@ class Engine:
         self.prefix_cache[session_id] = session
         while len(self.prefix_cache) > keep:
             self._drop_cached(self.prefix_cache.popitem(last=False)[1])
+
+    def _admit(self, session: Session, n_tokens: int) -> None:
+        """`KVCache.admit` `n_tokens` more of `session`'s tokens. Where the tiers cannot hold them
+        (`TiersFull`: HBM, DDR and the archive within `ssd_capacity_mb` together), cold KV is
+        forgotten until they can: the prefix cache's sessions', then closed sessions', least
+        recently used first (their tokens stay; the KV is computed again if they are used), as
+        `ssd_capacity_mb` evicts it. Raises TiersFull where nothing cold is left."""
+        while True:
+            try:
+                self.kv.admit(session.seq, n_tokens, self._active())
+                return
+            except TiersFull:
+                if self.prefix_cache:
+                    self._drop_cached(self.prefix_cache.popitem(last=False)[1])
+                    continue
+                closed = [
+                    s for s in self.sessions.values() if s.closed and s is not session and self.kv.cached_tokens(s.seq)
+                ]
+                if not closed:
+                    raise
+                coldest = min(closed, key=lambda s: s.last_used_at)
+                try:
+                    self.kv.forget(coldest.seq)
+                except ArchiveWriteFailed as e:  # (its records' tombstone refused: they stay)
+                    self.kv.degrade(e)
+                    raise TiersFull(f"{e}: the archive takes no writes, so no closed session's KV can make room") from e
+                self.evictions.append(coldest.id)
 
     def _active(self) -> set[SeqId]:
         """The sessions with a request queued or running (their digests are never set aside)."""
@@ -999,7 +1027,7 @@ class Engine:
             )
         growth = len(ids) + (params.max_tokens if generate else 0)
         total = min(len(session.tokens) + growth, self.max_context)
-        self.kv.admit(session.seq, total - self.kv.cached_tokens(session.seq), self._active())
+        self._admit(session, total - self.kv.cached_tokens(session.seq))
         if ids:
             self._extend(session, ids, message)
         if chat is not None:

@@ -1024,6 +1024,37 @@ def test_an_archive_write_from_no_slot_is_refused(checkpoint: Callable[[str], Pa
     engine.close()
 
 
+def test_the_tiers_refuse_kv_they_cannot_hold_once_cold_kv_is_forgotten(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """With an archive, admission counts every session's blocks (once each) against HBM, DDR and
+    the archive within ssd_capacity_mb (less its digest snapshots): a request past that first
+    forgets closed sessions' KV, coldest first; where nothing cold is left it is refused
+    (RESOURCE_EXHAUSTED) before its tokens are logged, where spills would have filled the disk."""
+    engine = _closing_engine(checkpoint(MODEL), tmp_path, hbm_mb=0.25, ddr_mb=0.25, ssd_capacity_mb=0.5)
+    tiers = engine.runner.tiers
+    b = tiers.blocks
+    assert tiers.ssd_capacity is not None
+    room = b.hbm_capacity + b.ddr_alloc.size + tiers.ssd_capacity // tiers.block_bytes  # one-layer blocks
+
+    def tokens(share: float) -> int:  # a prompt whose KV takes `share` of the room
+        return int(share * room / b.num_layers) * b.block_size
+
+    cold, hot, late = (engine.create_session() for _ in range(3))
+    engine.append(cold, token_ids=random_prompt(tokens(0.5), VOCAB_SIZE, seed=1))
+    engine.close_session(cold)
+    assert engine.cached_tokens(cold) > 0 and not engine.evictions
+    engine.append(hot, token_ids=random_prompt(tokens(0.65), VOCAB_SIZE, seed=2))
+    assert engine.evictions == [cold] and engine.cached_tokens(cold) == 0  # forgotten to make room
+    assert engine.cached_tokens(hot) == tokens(0.65) - 1
+    with pytest.raises(OutOfBlocks, match="the tiers cannot hold"):
+        engine.append(late, token_ids=random_prompt(tokens(0.65), VOCAB_SIZE, seed=3))
+    assert engine.session(late).tokens == [] and engine.cached_tokens(late) == 0  # nothing logged
+    assert b.entries.num_used <= room
+    engine.runner.tiers.check()
+    engine.close()
+
+
 def test_ssd_capacity_evicts_closed_sessions_coldest_first_and_reclaims_disk(
     checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
