@@ -176,7 +176,10 @@ ENGINE: tuple[Key, ...] = (
         "past it; open sessions' "
         "blocks come first: closed sessions' archived KV is evicted, coldest first, to make room, and the archive "
         "compacted. Spills past `ddr_high_watermark` and the shutdown checkpoint may pass it (they must free DDR "
-        "or save the sessions). `auto`: the free space of the archive's file system at start plus what the "
+        "or save the sessions), so admission counts it too: a request whose KV HBM, DDR and the archive within it "
+        "cannot hold together (a record counted at a block's raw size) is refused (RESOURCE_EXHAUSTED) once the "
+        "prefix cache's and closed sessions' KV is forgotten, coldest first. `auto`: the free space of the "
+        "archive's file system at start plus what the "
         "archive takes there, less 5 % of the file system (at least 1 GiB), so that write-behind never fills the "
         "disk (GetConfig shows the value it resolved to)",
         help="live archive records and digest snapshots the archive may hold (MiB), or auto: the file system's "
