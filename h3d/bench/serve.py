@@ -333,6 +333,20 @@ class Client:
     def session(self, policy: str) -> str:
         return self.h3.CreateSession(self.pb.CreateSessionRequest(policy=policy)).session_id
 
+    def refused(self, what: str, call: Any, *args: Any) -> bool:
+        """call(*args); True where the daemon refused it for want of room (RESOURCE_EXHAUSTED: the tiers
+        or the device's digests cannot hold it), logged with its message; other errors raised."""
+        import grpc
+
+        try:
+            call(*args)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            log(f"{what} refused: {e.details()}")
+            return True
+        return False
+
     def append(self, sid: str, ids: list[int]) -> float:
         t0 = time.perf_counter()
         for _ in self.h3.AppendContext(self.pb.AppendContextRequest(session_id=sid, token_ids=ids)):
@@ -826,21 +840,38 @@ def phase_many(run: Run) -> None:
         log(f"warning: {what}")
     sids = [client.session("attention_entropy") for _ in range(n)]
     t0 = time.perf_counter()
+    refused: dict[str, list[int]] = {"appends": [], "generates": []}  # sessions the daemon refused (1-based)
     for i, sid in enumerate(sids):
-        client.append(sid, prompt(run.vocab(), ctx, 1000 + i))
-    log(f"{n} appends of {ctx} in {time.perf_counter() - t0:.1f} s")
+        if client.refused(f"session {i + 1}", client.append, sid, prompt(run.vocab(), ctx, 1000 + i)):
+            refused["appends"].append(i + 1)
+    log(f"{n} appends of {ctx} in {time.perf_counter() - t0:.1f} s ({len(refused['appends'])} refused)")
     before = client.stats()
     t0 = time.perf_counter()
-    streams = parallel(lambda i: client.generate(sids[i], 100 + i, steps + 1), list(range(n)))
+    todo = [i for i in range(n) if i + 1 not in refused["appends"]]
+
+    def one(i: int) -> Stream | None:
+        stream: list[Stream] = []
+        if client.refused(f"session {i + 1}", lambda: stream.append(client.generate(sids[i], 100 + i, steps + 1))):
+            refused["generates"].append(i + 1)
+            return None
+        return stream[0]
+
+    streams = [s for s in parallel(one, todo) if s is not None]
     wall = time.perf_counter() - t0
+    if not streams:
+        raise SystemExit(f"many: the daemon refused every session ({refused})")
     after = client.stats()
     tokens = sum(len(s.arrivals) for s in streams)
     gaps = [g for s in streams for g in s.gaps_ms()]
     rate = {s.session_id: s.hbm_hit_rate for s in after.sessions}
-    hits = [rate[sid] for sid in sids if sid in rate]  # in the sessions' order of arrival
+    decoded = [sids[i] for i in todo if i + 1 not in refused["generates"]]
+    hits = [rate[sid] for sid in decoded if sid in rate]  # in the sessions' order of arrival
     for sid in sids:
         client.close(sid)
     out: dict[str, Any] = {"sessions": n, "context": ctx, "tokens_per_s": round(tokens / wall, 2), **itl(gaps)}
+    if refused["appends"] or refused["generates"]:  # (the in-process half runs as many as decoded here)
+        out["refused"] = {k: sorted(v) for k, v in refused.items()}
+        n = out["decoding"] = len(streams)
     out.update(hbm_hit_rate_min=round(min(hits), 4), hbm_hit_rate_mean=round(float(np.mean(hits)), 4))
     out["hbm_hit_rates"] = [round(h, 3) for h in hits]
     g0, g1 = getattr(before, "global"), getattr(after, "global")

@@ -102,6 +102,47 @@ def test_many_keeps_the_daemons_half_when_the_in_process_half_fails(
     assert "engine_tokens_per_s" not in many
 
 
+def test_many_leaves_out_the_sessions_the_daemon_refuses(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An append or a generation the daemon refuses for want of room (RESOURCE_EXHAUSTED: the
+    tiers or the device's digests cannot hold it) leaves its session out, logged and listed in the
+    JSON (`refused`), not a traceback; the in-process half runs as many sessions as decoded."""
+    import grpc
+
+    class Refused(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        def details(self) -> str:
+            return "the tiers cannot hold 1.00 GiB more KV"
+
+    calls = {"append": 0, "generate": 0}
+
+    def refusing(name: str, nth: int) -> Any:
+        real = getattr(serve.Client, name)
+
+        def call(self: Any, *args: Any) -> Any:
+            calls[name] += 1
+            if calls[name] == nth:
+                raise Refused()
+            return real(self, *args)
+
+        return call
+
+    monkeypatch.setattr(serve.Client, "append", refusing("append", 2))  # the second session's append
+    monkeypatch.setattr(serve.Client, "generate", refusing("generate", 2))  # one of the other two's generation
+    out = tmp_path / "serve.json"
+    argv = ["--tiny", "--phase", "many", "--many", "3", "--no-hf", "--steps", "3", "--tokenizer",
+            str(checkpoint("llama_gqa4_tied")), "--work", str(tmp_path / "work"), "--out", str(out)]  # fmt: skip
+    assert serve.main(argv) == 0
+    many = json.loads(out.read_text())["many"]
+    assert many["sessions"] == 3 and many["decoding"] == 1 and many["tokens_per_s"] > 0
+    assert many["refused"]["appends"] == [2] and len(many["refused"]["generates"]) == 1
+    assert many["refused"]["generates"][0] in (1, 3) and len(many["hbm_hit_rates"]) == 1
+    assert many["engine_tokens_per_s"] > 0
+
+
 RESTART = {
     "sigterm_s", "blocks_left_to_recompute", "ready_s", "resume_first_token_s_128k", "resume_warm_s_128k",
     "reprefill_s_128k", "archive_resume_share", "tokens_lost", "ddr_pinned_gb", "write_behind_itl_p99_ratio",
