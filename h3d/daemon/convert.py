@@ -260,6 +260,7 @@ def stats_pb(state: State, engine: Engine, ids: list[SessionId]) -> pb.Stats:
             )
         )
     active = len(engine.requests())
+    waiting = len(engine.waiting_for_memory.intersection(engine.requests()))  # (their KV past HBM and DDR)
     return pb.Stats(
         **{"global": tier_stats_pb(engine)},
         sessions=sessions,
@@ -268,8 +269,8 @@ def stats_pb(state: State, engine: Engine, ids: list[SessionId]) -> pb.Stats:
             window_s=10.0,
             generated_tokens_total=engine.counters.generated_tokens,
             prefill_tokens_total=engine.counters.prefill_tokens,
-            active_requests=min(active, engine.config.max_batch_size),
-            queued_requests=max(active - engine.config.max_batch_size, 0),
+            active_requests=min(active, engine.config.max_batch_size) - waiting,
+            queued_requests=max(active - engine.config.max_batch_size, 0) + waiting,
             sessions=len(engine.sessions),
             steps_total=engine.counters.steps,
             prefix_queries_total=engine.counters.prefix_queries,

@@ -180,6 +180,8 @@ class Engine:
         self.swept = 0  # archived blocks at start of sessions without a token log (deleted)
         self.rebuilds: list[str] = []  # why KV was dropped to be prefilled again (the daemon logs them)
         self.evictions: list[SessionId] = []  # closed sessions whose archived KV ssd_capacity_mb evicted
+        # Decoding requests the last step left out, their sessions' KV past what HBM and DDR hold (`schedule`)
+        self.waiting_for_memory: set[RequestId] = set()
         self.warmup: Warmup | None = None  # what `warm` did (the daemon warms before it is ready)
         self.captured: list[GraphKey] = []  # decode graphs captured between steps (the daemon logs them)
         self._repairer = BlockRepair(self.runner, self.rebuilds)  # damaged blocks' KV computed again
@@ -1079,7 +1081,7 @@ class Engine:
         events: list[Event] = []
         held = self.interleave
         self._rebalanced = False
-        if any(r.first_token_at is None for r in self._requests.values()):
+        if any(r.first_token_at is None and r.id not in self.waiting_for_memory for r in self._requests.values()):
             self.kv.tiers.behind.hold_back()  # a prompt waits for its first token: write-behind makes way
         for req in list(self._requests.values()):
             if req.cancelled:
@@ -1122,8 +1124,8 @@ class Engine:
         if self._rebalanced:
             return
         self._rebalanced = True
-        if self._requests:
-            self.kv.rebalance([r.session.seq for r in self._requests.values()])
+        if self._requests:  # (not those waiting for memory: the sessions that decode share HBM)
+            self.kv.rebalance([r.session.seq for r in self._requests.values() if r.id not in self.waiting_for_memory])
 
     def _capture_ahead(self, out: SchedulerOutput) -> None:
         """Before a step that gives requests their first token (their prompt's last chunk): the
@@ -1290,6 +1292,9 @@ class Engine:
         reqs: list[Request] = []
         long: tuple[Request, Chunk] | None = None
         busy = self.interleave.current is not None
+        memory = self._memory_blocks()  # None: every session's KV fits HBM and DDR
+        held = 0  # the decoding sessions' blocks so far, against `memory`
+        waited, self.waiting_for_memory = self.waiting_for_memory, set()
         # Decoding requests first (one token each), then prefill chunks within the budget.
         ordered = sorted(
             (r for r in self._requests.values() if not self.interleave.holds(r)),
@@ -1305,6 +1310,12 @@ class Engine:
             take = 1 if pending == 1 else whole if is_long else min(pending, budget, limit)
             if take <= 0 or (pending > 1 and budget <= 0 and not is_long):
                 continue
+            if pending == 1 and memory is not None:
+                need = self.kv.footprint(req.session.seq)
+                if self.waiting_for_memory or (held and held + need > memory):
+                    self.waiting_for_memory.add(req.id)  # oldest first: its turn comes as earlier ones end
+                    continue
+                held += need
             cached = self.kv.cached_tokens(req.session.seq)
             chunk = Chunk(
                 seq=req.session.seq,
@@ -1329,7 +1340,27 @@ class Engine:
             chunks.append(chunk)
             reqs.append(req)
             budget -= take
+        if self.waiting_for_memory and not waited and memory is not None:
+            gib = self.kv.tiers.block_bytes / 2**30
+            self.kv.tiers.notices.append(("decode_waiting_for_memory", {
+                "waiting": len(self.waiting_for_memory), "decoding": sum(len(c.token_ids) == 1 for c in chunks),
+                "kv_gib": round(self.kv.blocks.entries.num_used * gib, 2), "memory_gib": round(memory * gib, 2),
+            }))  # fmt: skip
         return SchedulerOutput(tuple(chunks), tuple(reqs), long)
+
+    def _memory_blocks(self) -> int | None:
+        """The blocks HBM and DDR (below its high watermark) hold, where the KV the tiers hold is
+        more than that (an archive holds the rest): a decode step then runs the oldest decoding
+        requests whose sessions' KV fits there, and the others wait (`waiting_for_memory`), so
+        that no step reads the archive for most of its batch (32 sessions of 32K on an H100 host,
+        137 GB against 102 GB of HBM and DDR, staged 17 GB a step from the disk, 11 s a step).
+        None where everything fits (the common case: nothing waits)."""
+        tiers = self.kv.tiers
+        if tiers.archive is None:
+            return None
+        b = tiers.blocks
+        room = b.hbm_capacity + int(tiers.high_watermark * b.ddr_alloc.capacity)
+        return room if b.entries.num_used > room else None
 
     def commit(self, out: SchedulerOutput, report: StepReport, argmax: Argmax | None = None) -> list[Event]:
         """The engine's half of a step's commit (the runner's came first): counters, anchors kept

@@ -39,7 +39,7 @@ import torch
 from h3d.errors import OutOfBlocks, SsdDegraded
 from h3d.hbf.digests import DIGEST_ROOM_ADVICE, DigestStore, digest_layers
 from h3d.hbf.policy import HbfConfig, Policy, SelectionState, base_blocks, policy_named, take_state
-from h3d.kv.blocks import BlockManager, BlockTable, SeqId
+from h3d.kv.blocks import NULL_ENTRY, BlockManager, BlockTable, SeqId
 from h3d.kv.pool import KVPool, Registrar
 from h3d.kv.slots import SlotAllocator
 from h3d.tiers import lifecycle
@@ -317,6 +317,12 @@ class KVCache:
     def count_rebuilt(self, blocks: int) -> None:
         """Blocks (all layers) computed again: missing or damaged in the archive."""
         self.tiers.counters.kv_rebuild_blocks += blocks
+
+    def footprint(self, seq: SeqId) -> int:
+        """The blocks (one layer's each) `seq`'s table holds: what its steps may read, in every
+        layer (a sliding-window layer's freed blocks not counted)."""
+        t = self.blocks.table(seq)
+        return int((t.ids[:, : t.num_blocks] != NULL_ENTRY).sum())
 
     def demand(self, seq: SeqId) -> np.ndarray:
         """The blocks `seq`'s policy reads in each layer per step, [L] (its claim on HBM,

@@ -11,7 +11,9 @@ export interface Throughput {
   'generatedTokensTotal'?: (number | string | Long);
   'prefillTokensTotal'?: (number | string | Long);
   /**
-   * Requests running in the engine, and waiting for a batch slot.
+   * Requests running in the engine, and waiting: for a batch slot (max_batch_size), or, where the
+   * sessions' KV is more than HBM and DDR hold, for earlier requests to end (a decode step runs the
+   * oldest whose KV fits there, so that it does not read the rest from the archive).
    */
   'activeRequests'?: (number);
   'queuedRequests'?: (number);
@@ -45,7 +47,9 @@ export interface Throughput__Output {
   'generatedTokensTotal': (number);
   'prefillTokensTotal': (number);
   /**
-   * Requests running in the engine, and waiting for a batch slot.
+   * Requests running in the engine, and waiting: for a batch slot (max_batch_size), or, where the
+   * sessions' KV is more than HBM and DDR hold, for earlier requests to end (a decode step runs the
+   * oldest whose KV fits there, so that it does not read the rest from the archive).
    */
   'activeRequests': (number);
   'queuedRequests': (number);
