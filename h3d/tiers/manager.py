@@ -357,6 +357,13 @@ class TierManager:
             if short > 0:
                 order = [p for p in self.eviction_order(batch, layer) if not (p[1] == layer and p[0] in batch)]
                 self.free_ddr(short, order, protect, batch)
+                # Freeing DDR lands the spills in flight, and a spill begun before this step (its
+                # blocks not protected then) leaves this layer's blocks of the batch in the
+                # archive only: what to read is counted again, and room made for the rest.
+                missing = [(seq, gone) for seq in batch if len(gone := archived(seq))]
+                staged = sum(len(g) for _, g in missing)
+                if staged > b.ddr_free:
+                    self.free_ddr(staged - b.ddr_free, order, protect, batch)
             for seq, gone in missing:
                 slots = b.add_ddr(seq, layer, gone)
                 b.entries.staged_at[b.table(seq).ids[layer, gone]] = self.step

@@ -1105,6 +1105,52 @@ def test_a_decode_step_runs_the_oldest_requests_whose_kv_fits_hbm_and_ddr(
     engine.close()
 
 
+@pytest.mark.parametrize("bounded", [True, False])
+def test_decoding_more_kv_than_hbm_and_ddr_hold_reads_the_rest_back_and_decodes_the_same(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bounded: bool
+) -> None:
+    """Six sessions whose KV is 1.25 x HBM and DDR decode together with the tokens an untiered
+    engine gives, where the steps are bounded by HBM and DDR (`Engine.waiting_for_memory`).
+    Unbounded, a step stages what the archive alone holds, layer by layer, and freeing DDR for it
+    lands the spills in flight: one begun before the step (the last append's) left blocks of the
+    layer it stages in the archive only. They are counted again and read too (they were not: "a
+    block is in neither HBM nor DDR", the step broken); a step that cannot make room for its
+    dense layers fails its requests cleanly (OutOfBlocks: here, all six), where bounded they decode."""
+    if not bounded:
+        monkeypatch.setattr(Engine, "_memory_blocks", lambda self: None)
+    kv_mb = 6 * 256 * 3 * SLOT_BYTES / BS / 2**20  # six sessions of 256 tokens, three layers
+    engine = _closing_engine(
+        checkpoint(MODEL), tmp_path, hbm_mb=0.45 * kv_mb, ddr_mb=0.35 * kv_mb, prefill_chunk_tokens=256,
+        block_size=32, check_invariants=False,  # (its passes after each step land the spills in flight)
+    )  # fmt: skip
+    twin = make_engine(checkpoint(MODEL))
+    prompts = [random_prompt(256, VOCAB_SIZE, seed=60 + i) for i in range(6)]
+    sids = [engine.create_session() for _ in prompts]
+    for sid, ids in zip(sids, prompts, strict=True):
+        engine.append(sid, token_ids=ids)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    rids = [engine.submit(sid, generate=True, params=params) for sid in sids]
+    tokens: dict[int, list[int]] = {r: [] for r in rids}
+    failed: dict[int, H3Error] = {}
+    reads = engine.tier_stats().ssd_read_count
+    while engine.has_work:
+        for event in engine.step():
+            if isinstance(event, TokenDelta):
+                tokens[event.request_id].append(event.token_id)
+            elif isinstance(event, RequestFailed):
+                failed[event.request_id] = event.error
+    assert engine.tier_stats().ssd_read_count > reads  # (the archive held part of what they read)
+    assert all(isinstance(e, OutOfBlocks) for e in failed.values())  # (unbounded: here, every one of them)
+    assert not failed or not bounded
+    for r, ids in zip(rids, prompts, strict=True):
+        if r not in failed:
+            t = twin.create_session()
+            twin.append(t, token_ids=ids)
+            assert tokens[r] == list(twin.complete(t, "", params).token_ids)
+    engine.runner.tiers.check()
+    engine.close()
+
+
 def test_ssd_capacity_evicts_closed_sessions_coldest_first_and_reclaims_disk(
     checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
