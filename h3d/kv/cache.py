@@ -39,7 +39,7 @@ import torch
 from h3d.errors import OutOfBlocks, SsdDegraded
 from h3d.hbf.digests import DIGEST_ROOM_ADVICE, DigestStore, digest_layers
 from h3d.hbf.policy import HbfConfig, Policy, SelectionState, base_blocks, policy_named, take_state
-from h3d.kv.blocks import NULL_ENTRY, BlockManager, BlockTable, SeqId
+from h3d.kv.blocks import BlockManager, BlockTable, SeqId
 from h3d.kv.pool import KVPool, Registrar
 from h3d.kv.slots import SlotAllocator
 from h3d.tiers import lifecycle
@@ -319,10 +319,10 @@ class KVCache:
         self.tiers.counters.kv_rebuild_blocks += blocks
 
     def footprint(self, seq: SeqId) -> int:
-        """The blocks (one layer's each) `seq`'s table holds: what its steps may read, in every
-        layer (a sliding-window layer's freed blocks not counted)."""
+        """The blocks (one layer's each) `seq` keeps: what its steps may read, in every layer (a
+        sliding-window layer's blocks behind its floor, freed, not counted). O(layers)."""
         t = self.blocks.table(seq)
-        return int((t.ids[:, : t.num_blocks] != NULL_ENTRY).sum())
+        return int((t.num_blocks - np.minimum(self.blocks.floors(t.num_tokens), t.num_blocks)).sum())
 
     def demand(self, seq: SeqId) -> np.ndarray:
         """The blocks `seq`'s policy reads in each layer per step, [L] (its claim on HBM,

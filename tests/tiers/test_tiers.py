@@ -50,6 +50,7 @@ from h3d.engine.session import GenerationDone, RequestFailed, SessionId, TokenDe
 from h3d.engine.step import Chunk, StepPlan, StepReport
 from h3d.errors import H3Error, OutOfBlocks, SessionNotFound, SsdDegraded
 from h3d.kv.blocks import NONE, SeqId
+from h3d.kv.entries import NULL_ENTRY
 from h3d.kv.pool import KVPool
 from h3d.tiers import lifecycle
 from h3d.tiers.archive import Archive
@@ -1102,6 +1103,22 @@ def test_a_decode_step_runs_the_oldest_requests_whose_kv_fits_hbm_and_ddr(
         assert tokens[r] == list(twin.complete(t, "", params).token_ids)
     assert not engine.waiting_for_memory
     engine.runner.tiers.check()
+    engine.close()
+
+
+@pytest.mark.parametrize("name", [MODEL, "gemma3_window"])
+def test_a_sessions_footprint_counts_the_blocks_it_keeps(checkpoint: Callable[[str], Path], name: str) -> None:
+    """`KVCache.footprint`, the blocks a decode step bounds by HBM and DDR, is the blocks its table
+    points at in every layer: a sliding-window layer's freed ones behind its floor left out."""
+    engine = make_engine(checkpoint(name), window_keep_tokens=0)
+    sid = engine.create_session()
+    engine.append(sid, token_ids=random_prompt(300, VOCAB_SIZE, seed=5))
+    engine.complete(sid, "", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    seq = engine.session(sid).seq
+    t = engine.runner.blocks.table(seq)
+    kept = int((t.ids[:, : t.num_blocks] != NULL_ENTRY).sum())
+    assert engine.kv.footprint(seq) == kept
+    assert (kept < t.num_blocks * engine.runner.blocks.num_layers) == (name != MODEL)
     engine.close()
 
 
