@@ -162,6 +162,9 @@ class Metrics:
                t.prefix_cache_sessions)  # fmt: skip
         metric("h3d_sessions", "gauge", "Open sessions.", t.sessions)
         metric("h3d_requests_in_flight", "gauge", "AppendContext and Generate streams admitted.", in_flight)
+        metric("h3d_requests_queued", "gauge",
+               "Requests waiting: for a batch slot, or for memory (the tiers' KV past HBM and DDR).",
+               t.queued_requests)  # fmt: skip
         metric("h3d_draining", "gauge", "1 while the daemon drains.", int(stats.draining))
         metric("h3d_uptime_seconds", "gauge", "Seconds since the daemon started.", stats.uptime_s)
         gr = stats.graphs

@@ -123,6 +123,7 @@ def _rendered() -> str:
     stats.__getattribute__("global").hbm_hit_rate = 0.75
     stats.__getattribute__("global").ddr_evict_count = 12
     stats.throughput.generated_tokens_total = 40
+    stats.throughput.queued_requests = 2
     return m.render(stats, in_flight=3)
 
 
@@ -131,6 +132,7 @@ def test_metrics_text_carries_the_figures() -> None:
     values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     assert values["h3d_hbm_hit_rate"] == "0.75" and values["h3d_ddr_evict_total"] == "12"
     assert values["h3d_generated_tokens_total"] == "40" and values["h3d_requests_in_flight"] == "3"
+    assert values["h3d_requests_queued"] == "2"
     assert values['h3d_rpc_total{api="grpc",method="Generate",code="OK"}'] == "1"
     assert values["h3d_ttft_seconds_count"] == "1" and values["h3d_inter_token_seconds_count"] == "1"
     names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}

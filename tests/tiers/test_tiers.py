@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from h3d.config import EngineConfig
+from h3d.daemon.convert import stats_pb
 from h3d.engine.engine import Engine
 from h3d.engine.sampling import SamplingParams
 from h3d.engine.session import GenerationDone, RequestFailed, SessionId, TokenDelta
@@ -1085,6 +1087,9 @@ def test_a_decode_step_runs_the_oldest_requests_whose_kv_fits_hbm_and_ddr(
         step += 1
         events = engine.step()
         decoding = [r for r in rids if r in engine.requests() and r not in engine.waiting_for_memory]
+        if step == 1:  # GetStats counts the request waiting as queued
+            state = SimpleNamespace(worker=SimpleNamespace(throughput=lambda: 0.0), started=0.0, draining=False)
+            assert stats_pb(state, engine, []).throughput.queued_requests == 1  # type: ignore[arg-type]
         if len(decoding) > 1:
             assert sum(engine.kv.footprint(engine.requests()[r].session.seq) for r in decoding) <= memory
         for event in events:
