@@ -1283,8 +1283,10 @@ class Engine:
         return target - self.kv.cached_tokens(req.session.seq)
 
     def schedule(self) -> SchedulerOutput:
-        """This step's chunks: every decoding request's next token (up to `max_batch_size`), then
-        prefill chunks of the others within `prefill_chunk_tokens`. A chunk long enough for the
+        """This step's chunks: every decoding request's next token (up to `max_batch_size`; where
+        the tiers' KV passes HBM and DDR, the oldest whose sessions' KV fits there, the others
+        `waiting_for_memory`: `_memory_blocks`), then prefill chunks of the others within
+        `prefill_chunk_tokens`. A chunk long enough for the
         layer-by-layer path is not batched: it runs in pieces beside the batch (`long`, one at a
         time; the others wait for it: h3d.engine.prefill)."""
         budget = self.budgets.prefill_chunk_tokens
