@@ -170,22 +170,24 @@ class TierManager:
             self._admit_archived(per_layer - table.num_blocks, self.ssd_capacity)
 
     def _admit_archived(self, new_blocks: int, ssd_capacity: int) -> None:
-        """With an archive, the blocks of every session, once each, must fit HBM, DDR (all of it,
-        pinned or not yet) and the archive within `ssd_capacity` less `side_bytes` (a record
-        counted at a block's raw size: the codec may not shrink it), else TiersFull: past that,
-        the spills that make room in DDR would fill the disk."""
+        """With an archive, the blocks of every session, once each, must fit HBM, DDR below its high
+        watermark (all of it, pinned or not yet: what spills leave it holding) and the archive
+        within `ssd_capacity` less `side_bytes` (a record counted at a block's raw size: the codec
+        may not shrink it), else TiersFull: past that, the spills that make room in DDR would fill
+        the disk, or steps would read from the archive what DDR cannot keep."""
         b = self.blocks
         new = new_blocks * b.num_layers
         used = b.entries.num_used  # (a block several sessions share counts once)
+        ddr = int(self.high_watermark * b.ddr_alloc.size)
         archive = max(0, ssd_capacity - self.side_bytes()) // self.block_bytes
-        capacity = b.hbm_capacity + b.ddr_alloc.size + archive
+        capacity = b.hbm_capacity + ddr + archive
         if new > 0 and used + new > capacity:
             gib = self.block_bytes / 2**30
             raise TiersFull(
                 f"the tiers cannot hold {new * gib:.2f} GiB more KV: the sessions hold {used * gib:.2f} GiB of the "
-                f"{capacity * gib:.2f} GiB that HBM ({b.hbm_capacity * gib:.2f}), DDR ({b.ddr_alloc.size * gib:.2f}) "
-                f"and the archive ({archive * gib:.2f}: ssd_capacity_mb less the digest snapshots) hold together: "
-                "close or purge sessions, or raise ssd_capacity_mb, ddr_mb or hbm_mb"
+                f"{capacity * gib:.2f} GiB that HBM ({b.hbm_capacity * gib:.2f}), DDR ({ddr * gib:.2f}: below "
+                f"ddr_high_watermark) and the archive ({archive * gib:.2f}: ssd_capacity_mb less the digest "
+                "snapshots) hold together: close or purge sessions, or raise ssd_capacity_mb, ddr_mb or hbm_mb"
             )
 
     def chunk_limit(self, seq: SeqId) -> int:

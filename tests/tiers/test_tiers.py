@@ -1038,7 +1038,8 @@ def test_the_tiers_refuse_kv_they_cannot_hold_once_cold_kv_is_forgotten(
     tiers = engine.runner.tiers
     b = tiers.blocks
     assert tiers.ssd_capacity is not None
-    room = b.hbm_capacity + b.ddr_alloc.size + tiers.ssd_capacity // tiers.block_bytes  # one-layer blocks
+    ddr = int(tiers.high_watermark * b.ddr_alloc.size)  # (what DDR holds below its high watermark)
+    room = b.hbm_capacity + ddr + tiers.ssd_capacity // tiers.block_bytes  # one-layer blocks
 
     def tokens(share: float) -> int:  # a prompt whose KV takes `share` of the room
         return int(share * room / b.num_layers) * b.block_size
