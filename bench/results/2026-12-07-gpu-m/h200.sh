@@ -9,7 +9,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 run() { t0=$(date +%s); "$@"; echo "$TAG: rc $? $(( $(date +%s) - t0 )) s" >> "$G"; pkill -f "h3d.cli serve"; sleep 1; tar czf "$OUT/all.tgz" -C "$R" .; }
 case $g in *H200*) ;; *) echo "not an H200: $g"; exit 3 ;; esac
-TAG=chat OUT=$R LIMIT_S=100 run bash bench/gpu-host.sh chat > /dev/null 2>&1
-TAG=many-32 OUT=$R MANY=32 STEPS=32 LIMIT_S=380 run bash bench/gpu-host.sh many > /dev/null 2>&1
+TAG=chat OUT=$R LIMIT_S=90 run bash bench/gpu-host.sh chat > /dev/null 2>&1
+TAG=many-32 OUT=$R MANY=32 STEPS=32 LIMIT_S=260 run bash bench/gpu-host.sh many > /dev/null 2>&1
 cat "$G"
 for f in "$R"/*.log; do echo "== $(basename "$f")"; grep -E "^\`many\`|chat: \{|tokens/s|^\|" "$f" | cut -c1-900 | tail -30; done
