@@ -233,10 +233,11 @@ class WriteBehind:
             return 0
         room = min(over, self.max_in_flight - self.in_flight, self.per_step if busy else self.max_in_flight)
         sent = 0
+        used = tiers.ssd_used() if tiers.ssd_capacity is not None else None  # (once: it walks the sessions)
         for _, _, seq, start, end in sorted(todo):
             if sent >= room:
                 break
-            got = self._submit(seq, start, end, room - sent, batch, protect)
+            got = self._submit(seq, start, end, room - sent, batch, protect, used)
             if got is None:
                 break  # no archive room: the upkeep makes some (closed sessions' KV), or none is left
             sent += got  # 0: no DDR room for its copies down (its DDR blocks go first)
@@ -244,11 +245,19 @@ class WriteBehind:
         return sent
 
     def _submit(
-        self, seq: SeqId, start: int, end: int, room: int, batch: list[SeqId], protect: dict[SeqId, int]
+        self,
+        seq: SeqId,
+        start: int,
+        end: int,
+        room: int,
+        batch: list[SeqId],
+        protect: dict[SeqId, int],
+        used: int | None = None,
     ) -> int | None:
         """Submit the unarchived blocks of `seq`'s block columns [start, end), at most about `room`
         of them, in batches; advance its cursor. Returns how many (0: no DDR room for the first
-        block's copies down), None if the archive's capacity refused them."""
+        block's copies down), None if the archive's capacity refused them. `used`: what counts
+        against the capacity before this call's batches (`TierManager.ssd_used`), if the caller has it."""
         tiers = self.tiers
         b = tiers.blocks
         full_layers = b.full_layers  # (a sliding-window layer's blocks are not written behind)
@@ -289,7 +298,7 @@ class WriteBehind:
         layers, blocks = layers[order], blocks[order]
         nbytes = len(blocks) * tiers.block_bytes
         if tiers.ssd_capacity is not None and tiers.archive is not None:
-            live = tiers.ssd_used() + sum(x.bytes for x in self.batches)
+            live = (tiers.ssd_used() if used is None else used) + sum(x.bytes for x in self.batches)
             if live + nbytes > tiers.ssd_capacity:
                 self.wants_room = live + nbytes - tiers.ssd_capacity
                 return None
