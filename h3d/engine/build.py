@@ -27,6 +27,7 @@ from h3d.model.fingerprint import model_fingerprint
 from h3d.model.llama import CausalLM
 from h3d.tiers.archive import Archive
 from h3d.tiers.codecs import Codec
+from h3d.tiers.digestfile import folder_bytes, snapshots_folder
 from h3d.tiers.identity import CacheIdentity
 
 
@@ -117,7 +118,7 @@ def ssd_capacity(config: EngineConfig, archive: Archive | None) -> int | None:
         return int(float(config.ssd_capacity_mb) * 2**20)
     fs = os.statvfs(archive.path)
     margin = max(SSD_MARGIN_MIN, int(SSD_MARGIN_SHARE * fs.f_blocks * fs.f_frsize))
-    snapshots = sum(p.stat().st_size for p in (archive.path / "digests").glob("*.h3dg"))
+    snapshots = sum(folder_bytes(snapshots_folder(archive.path)).values())
     return max(0, fs.f_bavail * fs.f_frsize + archive.disk_bytes() + snapshots - margin)
 
 

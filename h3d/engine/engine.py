@@ -51,7 +51,7 @@ from h3d.engine.session import (
 )
 from h3d.engine.step import Chunk, HostTimes, SchedulerOutput, StepReport, StepTiming
 from h3d.engine.stops import generation_done, stop_reason, visible_text
-from h3d.engine.upkeep import BlockRepair, enforce_ssd_capacity, park_kv, purge_kv, sweep_archive
+from h3d.engine.upkeep import BlockRepair, enforce_ssd_capacity, forget_coldest, park_kv, purge_kv, sweep_archive
 from h3d.engine.warmup import Warmup, warm_up
 from h3d.errors import (
     ContextTooLong,
@@ -856,18 +856,12 @@ class Engine:
                 if self.prefix_cache:
                     self._drop_cached(self.prefix_cache.popitem(last=False)[1])
                     continue
-                closed = [
-                    s for s in self.sessions.values() if s.closed and s is not session and self.kv.cached_tokens(s.seq)
-                ]
-                if not closed:
-                    raise
-                coldest = min(closed, key=lambda s: s.last_used_at)
                 try:
-                    self.kv.forget(coldest.seq)
+                    if not forget_coldest(self.kv, self.sessions.values(), self.evictions, keep=session):
+                        raise
                 except ArchiveWriteFailed as e:  # (its records' tombstone refused: they stay)
                     self.kv.degrade(e)
                     raise TiersFull(f"{e}: the archive takes no writes, so no closed session's KV can make room") from e
-                self.evictions.append(coldest.id)
 
     def _active(self) -> set[SeqId]:
         """The sessions with a request queued or running (their digests are never set aside)."""

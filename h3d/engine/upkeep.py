@@ -6,9 +6,10 @@ here is computed again from them. `park_kv` / `purge_kv`: a session's KV when it
 purged (without a writable archive, closing forgets it; a refused purge leaves its records,
 unreachable); `enforce_ssd_capacity` forgets the archived KV of closed sessions past
 `ssd_capacity_mb` or for the room write-behind needs (and asks the archive's own thread to
-reclaim the disk space); `BlockRepair` rewrites a block whose archive record is damaged (a
-damaged block is never used). The last two record what they did in lists the engine holds
-(`Engine.evictions`, `Engine.rebuilds`), which the daemon logs and clears.
+reclaim the disk space), coldest first (`forget_coldest`, also what admission forgets for
+room); `BlockRepair` rewrites a block whose archive record is damaged (a damaged block is never
+used). The last two record what they did in lists the engine holds (`Engine.evictions`,
+`Engine.rebuilds`), which the daemon logs and clears.
 """
 
 from __future__ import annotations
@@ -58,6 +59,22 @@ def sweep_archive(kv: KVCache, sessions: set[str]) -> int:
     return gone
 
 
+def forget_coldest(
+    kv: KVCache, sessions: Iterable[Session], evictions: list[SessionId], keep: Session | None = None
+) -> bool:
+    """Forget the archived KV of the closed session (not `keep`) used least recently that has
+    any (its tokens stay: the KV is computed again if it is reopened), recorded in `evictions`.
+    Returns False where there is none. Raises ArchiveWriteFailed if its records' tombstone is
+    refused (they stay)."""
+    closed = [s for s in sessions if s.closed and s is not keep and kv.cached_tokens(s.seq)]
+    if not closed:
+        return False
+    coldest = min(closed, key=lambda s: s.last_used_at)
+    kv.forget(coldest.seq)
+    evictions.append(coldest.id)
+    return True
+
+
 def enforce_ssd_capacity(kv: KVCache, sessions: Iterable[Session], evictions: list[SessionId]) -> None:
     """Past the archive's capacity (`ssd_capacity_mb`, resolved: `TierManager.ssd_capacity`) of
     live records and digest snapshots (`TierManager.ssd_used`), or short of the room write-behind
@@ -72,15 +89,9 @@ def enforce_ssd_capacity(kv: KVCache, sessions: Iterable[Session], evictions: li
     limit = capacity - wanted
     try:
         used = kv.tiers.ssd_used
-        if used() > limit:
-            closed = sorted((s for s in sessions if s.closed), key=lambda s: s.last_used_at)
-            for session in closed:
-                if kv.cached_tokens(session.seq) == 0:
-                    continue
-                kv.forget(session.seq)
-                evictions.append(session.id)
-                if used() <= limit:
-                    break
+        sessions = list(sessions)
+        while used() > limit and forget_coldest(kv, sessions, evictions):
+            pass
         if wanted and used() <= limit:
             kv.tiers.behind.wants_room = 0
         disk = archive.disk_bytes()

@@ -44,7 +44,7 @@ from h3d.kv.pool import KVPool, Registrar
 from h3d.kv.slots import SlotAllocator
 from h3d.tiers import lifecycle
 from h3d.tiers.archive import Archive, ArchiveWriteFailed
-from h3d.tiers.digestfile import DATA_ALIGN, DigestFiles, Layout, host_copy
+from h3d.tiers.digestfile import DATA_ALIGN, DigestFiles, Layout, host_copy, snapshots_folder
 from h3d.tiers.identity import ArchiveCorrupt
 from h3d.tiers.manager import TierManager
 from h3d.tiers.promotion import Promoter
@@ -164,7 +164,7 @@ class KVCache:
         # Digest snapshots beside the archive (`h3d.tiers.digestfile`): a resumed session's
         # digests read first, not rebuilt from every key.
         self.digest_files = (
-            DigestFiles(archive.path / "digests", archive.identity.fingerprint) if archive is not None else None
+            DigestFiles(snapshots_folder(archive.path), archive.identity.fingerprint) if archive is not None else None
         )
         if self.digest_files is not None:
             self.digest_files.clean()

@@ -74,6 +74,16 @@ class Layout:
     legacy_layers: tuple[int, ...] = ()
 
 
+def snapshots_folder(archive: Path) -> Path:
+    """Where the digest snapshots of the archive at `archive` lie."""
+    return Path(archive) / "digests"
+
+
+def folder_bytes(folder: Path) -> dict[str, int]:
+    """The snapshot files in `folder` (none if it does not exist), by name: their bytes on disk."""
+    return {p.name: p.stat().st_size for p in Path(folder).glob("*.h3dg")}
+
+
 class DigestFiles:
     """The snapshots of one archive's sessions (`folder` is `<archive>/digests`), for the cache
     whose model `fingerprint` they were computed with."""
@@ -92,7 +102,7 @@ class DigestFiles:
         self._staged_lock = threading.Lock()
         # file name -> bytes on disk of each snapshot (counted against `ssd_capacity_mb`:
         # `disk_bytes`), from the folder at start, then kept as snapshots are written and removed
-        self._sizes = {p.name: p.stat().st_size for p in self.folder.glob("*.h3dg")} if self.folder.is_dir() else {}
+        self._sizes = folder_bytes(self.folder)
         self._total = sum(self._sizes.values())
 
     def path(self, session: str) -> Path:
